@@ -1,0 +1,77 @@
+"""Everything wrong with a config is found here, in milliseconds, before any model loads.
+
+Hydra already rejects unknown config groups (``policy=h2o``) and lists the choices; this module
+checks what Hydra cannot: budgets against block size and context, block sizes against the
+backend, policy options, data paths and limits, model paths.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.data import DataError, check_data_config
+from harness.models import ModelNotFoundError, resolve_model_path
+from policies import REGISTRY, BudgetError, UnknownPolicyError, make_policy
+
+DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what is wrong and what is allowed."""
+
+
+def validate(cfg: DictConfig) -> None:
+    try:
+        _validate(cfg)
+    except (BudgetError, UnknownPolicyError, DataError, ModelNotFoundError) as error:
+        raise ConfigError(str(error)) from None
+
+
+def _validate(cfg: DictConfig) -> None:
+    device = cfg.engine.device
+    if device not in DEVICES:
+        raise ConfigError(f"unknown engine.device {device!r}; valid: {', '.join(DEVICES)}")
+    multiple = DEVICES[device]
+    if not isinstance(cfg.block_size, int) or cfg.block_size < 1 or cfg.block_size % multiple:
+        raise ConfigError(
+            f"block_size={cfg.block_size} cannot be used on {device}: its attention backend needs a "
+            f"positive multiple of {multiple}"
+        )
+    if cfg.policy.name not in REGISTRY:
+        raise ConfigError(f"unknown policy {cfg.policy.name!r}; valid: {', '.join(REGISTRY)}")
+    if cfg.policy.name != "full":
+        make_policy(cfg.policy.name, cfg.budget, cfg.block_size, **(cfg.policy.options or {}))
+        if cfg.budget > cfg.model.max_model_len:
+            raise ConfigError(
+                f"budget={cfg.budget} is above model {cfg.model.name}'s context of "
+                f"{cfg.model.max_model_len} tokens"
+            )
+    check_data_config(cfg.data)
+    if not str(cfg.model.path).startswith("embedded:"):
+        resolve_model_path(str(cfg.model.path), prepare=False)
+
+
+def identity(cfg: DictConfig) -> dict:
+    """What makes two runs the same cell. Full cache ignores the budget: it runs once per model and data."""
+    keys = {
+        "policy": OmegaConf.to_container(cfg.policy, resolve=True),
+        "budget": None if cfg.policy.name == "full" else cfg.budget,
+        "block_size": cfg.block_size,
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+    }
+    return keys
+
+
+def cell_name(cfg: DictConfig) -> str:
+    digest = hashlib.sha256(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
+    label = "full" if cfg.policy.name == "full" else f"{cfg.policy.name}_b{cfg.budget}"
+    return f"{label}_bs{cfg.block_size}_{digest}"
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.output_dir) / cfg.model.name / cfg.data.name / cell_name(cfg)

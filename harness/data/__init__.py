@@ -1,0 +1,66 @@
+"""Datasets as Samples: the embedded suite, LongBench / LongBench-E, or any LongBench-format JSONL."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.data import synthetic
+from harness.data.longbench import load_hub, load_local, read_jsonl, select
+from harness.data.sample import DataError, Sample
+from harness.data.tasks import LONGBENCH_E_TASKS, TaskSpec, longbench_task, longbench_templates
+
+SOURCES = ("embedded", "longbench", "longbench_e", "jsonl")
+
+
+def valid_tasks(source: str) -> tuple[str, ...]:
+    if source == "embedded":
+        return tuple(synthetic.TASKS)
+    if source == "longbench_e":
+        return LONGBENCH_E_TASKS
+    return tuple(longbench_templates())
+
+
+def check_data_config(data) -> None:
+    """Everything that can be wrong with a data config, found before any model loads."""
+    if data.source not in SOURCES:
+        raise DataError(f"unknown data source {data.source!r}; valid: {', '.join(SOURCES)}")
+    if data.get("limit") is not None and (not isinstance(data.limit, int) or data.limit < 1):
+        raise DataError(f"data.limit must be a positive integer or null, got {data.limit!r}")
+    if data.source == "jsonl" or (data.source.startswith("longbench") and data.get("path")):
+        path = Path(str(data.path))
+        if not path.exists():
+            raise DataError(f"data.path {path} does not exist")
+    if data.get("tasks") and data.source != "jsonl":
+        allowed = valid_tasks(data.source)
+        unknown = [t for t in data.tasks if t not in allowed]
+        if unknown:
+            raise DataError(f"unknown task(s) {', '.join(unknown)} for {data.source}; valid: {', '.join(allowed)}")
+
+
+def load_samples(data) -> list[Sample]:
+    check_data_config(data)
+    tasks = list(data.tasks) if data.get("tasks") else None
+    if data.source == "embedded":
+        return select(synthetic.generate(seed=data.get("seed", 0), tasks=tasks), data.limit)
+    if data.source == "jsonl":
+        samples = read_jsonl(Path(str(data.path)), limit=data.limit)
+        return [s for s in samples if tasks is None or s.task in tasks]
+    tasks = tasks or list(valid_tasks(data.source))
+    if data.get("path"):
+        return load_local(Path(str(data.path)), tasks, data.source, data.limit)
+    return load_hub(data.hub_id, tasks, data.source, data.limit)
+
+
+def task_spec(task: str) -> TaskSpec:
+    """The generation and scoring rules of a task, embedded or LongBench (``*_e`` included)."""
+    if task in synthetic.TASKS:
+        return synthetic.TASKS[task][1]
+    try:
+        return longbench_task(task)
+    except KeyError:
+        raise DataError(
+            f"no rules for task {task!r}: a JSONL record's 'dataset' must name a LongBench task "
+            f"({', '.join(longbench_templates())}) or an embedded one ({', '.join(synthetic.TASKS)})"
+        ) from None
+
+
+__all__ = ["DataError", "Sample", "TaskSpec", "check_data_config", "load_samples", "task_spec", "valid_tasks"]

@@ -1,0 +1,64 @@
+"""LongBench and LongBench-E records: from a local directory of the official JSONL files, any JSONL
+file in the same format, or the hub (a parquet mirror; the original is a script dataset)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.data.sample import DataError, Sample, sample_from_record
+
+
+def read_jsonl(path: Path, task: str | None = None, limit: int | None = None) -> list[Sample]:
+    """Records of one JSONL file. ``task`` defaults to each record's ``dataset`` field."""
+    samples: list[Sample] = []
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{where}: malformed JSON ({error.msg})") from None
+            name = task or (record.get("dataset") if isinstance(record, dict) else None)
+            if not name:
+                raise DataError(f"{where}: record has no 'dataset' field naming its task")
+            samples.append(sample_from_record(record, name, where))
+    return select(samples, limit)
+
+
+def select(samples: list[Sample], limit: int | None) -> list[Sample]:
+    """The first ``limit`` samples of each task, in file order (deterministic)."""
+    if limit is None:
+        return samples
+    seen: dict[str, int] = {}
+    chosen = []
+    for sample in samples:
+        if seen.get(sample.task, 0) < limit:
+            seen[sample.task] = seen.get(sample.task, 0) + 1
+            chosen.append(sample)
+    return chosen
+
+
+def load_local(directory: Path, tasks: list[str], variant: str, limit: int | None) -> list[Sample]:
+    """Official layout: ``<dir>/<task>.jsonl`` (LongBench) or ``<dir>/<task>_e.jsonl`` (LongBench-E)."""
+    samples = []
+    for task in tasks:
+        name = f"{task}_e" if variant == "longbench_e" else task
+        path = directory / f"{name}.jsonl"
+        if not path.is_file():
+            raise DataError(f"{path} does not exist (expected the official file {name}.jsonl)")
+        samples += read_jsonl(path, task=name, limit=limit)
+    return samples
+
+
+def load_hub(hub_id: str, tasks: list[str], variant: str, limit: int | None) -> list[Sample]:
+    import datasets
+
+    samples = []
+    for task in tasks:
+        name = f"{task}_e" if variant == "longbench_e" else task
+        split = "test" if limit is None else f"test[:{limit}]"
+        rows = datasets.load_dataset(hub_id, name, split=split)
+        samples += [sample_from_record(dict(row), name, f"{hub_id}/{name}#{i}") for i, row in enumerate(rows)]
+    return samples

@@ -1,0 +1,151 @@
+"""The embedded suite: long-context tasks generated from a seed, in LongBench's record format.
+
+All text is made here from small word lists, so the suite needs no download and copies no corpus.
+Each task tests one LongBench skill with a LongBench template, and a small instruct model can score
+on it at full cache: the answer is stated verbatim somewhere in a long context full of distractors.
+Contexts span about 1k to 7k tokens (``length`` is in words, as in LongBench).
+"""
+from __future__ import annotations
+
+import random
+
+from harness.data.sample import Sample
+from harness.data.tasks import TaskSpec, longbench_templates
+
+SAMPLES_PER_TASK = 12
+# Context sizes in words (~1.3 tokens per word with SmolLM2's tokenizer): about 1k to 7k tokens.
+CONTEXT_WORDS = (800, 1600, 3000, 5000)
+
+FIRST = "Ada Boris Cora Dmitri Elin Farid Greta Hugo Ines Jonas Kaia Lars Mira Nils Oona Pavel Rhea Soren Tilda Umar Vera Wim Yara Zeno".split()
+LAST = "Abbot Brandt Castell Dorn Eskew Falk Grell Hollis Ivers Jarl Kestrel Lund Marrow Noll Orrin Pike Quill Rook Sallow Thorne Vance Wilde".split()
+CITIES = "Arlen Brisk Calder Dunmore Elsby Fairholt Glenmoor Harrowgate Islay Jesmond Kelso Larkspur Melrose Norwick Ottery Penrith Quarley Rosslyn Selby Tarland".split()
+JOBS = "baker carpenter chemist drummer engineer farmer geologist harpist illustrator jeweller librarian mason navigator optician potter".split()
+COLOURS = "amber blue crimson green indigo ivory lilac maroon olive orange silver teal violet yellow".split()
+NOUNS = "river market tower garden bridge harbour valley library orchard station meadow workshop lantern festival".split()
+ADJECTIVES = "quiet old busy narrow bright distant famous small ancient windy green crowded".split()
+VERBS = "opened closed grew changed moved flooded shone rested waited returned".split()
+TIMES = "spring summer autumn winter morning evening night".split()
+
+
+def filler_sentence(rng: random.Random) -> str:
+    return (
+        f"The {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)} near {rng.choice(CITIES)} "
+        f"{rng.choice(VERBS)} in the {rng.choice(TIMES)}."
+    )
+
+
+def filler(rng: random.Random, words: int) -> list[str]:
+    sentences, count = [], 0
+    while count < words:
+        sentences.append(filler_sentence(rng))
+        count += len(sentences[-1].split())
+    return sentences
+
+
+def insert_at_random(rng: random.Random, sentences: list[str], extra: list[str]) -> list[str]:
+    out = list(sentences)
+    for sentence in extra:
+        out.insert(rng.randrange(len(out) + 1), sentence)
+    return out
+
+
+def people(rng: random.Random, count: int) -> list[str]:
+    names = [f"{first} {last}" for first in FIRST for last in LAST]
+    return rng.sample(names, count)
+
+
+def single_doc_qa(rng: random.Random, words: int) -> dict:
+    """Facts about several people inside one long text; the question asks one (multifieldqa)."""
+    names = people(rng, 6)
+    colours = rng.sample(COLOURS, len(names))
+    facts = [f"The favourite colour of {n} is {c}." for n, c in zip(names, colours)]
+    target = rng.randrange(len(names))
+    context = " ".join(insert_at_random(rng, filler(rng, words), facts))
+    return {"context": context, "input": f"What is the favourite colour of {names[target]}?", "answers": [colours[target]]}
+
+
+def multi_doc_qa(rng: random.Random, words: int) -> dict:
+    """Passages about different people; the question is answered by one passage (hotpotqa)."""
+    count = max(4, words // 150)
+    names = people(rng, count)
+    passages = []
+    for i, name in enumerate(names, start=1):
+        city, job = rng.choice(CITIES), rng.choice(JOBS)
+        body = filler(rng, words // count - 20)
+        body.insert(rng.randrange(len(body) + 1), f"{name} was born in {city} and worked as a {job}.")
+        passages.append((name, city, f"Passage {i}:\n{name}\n{' '.join(body)}"))
+    name, city, _ = passages[rng.randrange(count)]
+    return {"context": "\n".join(p for *_, p in passages), "input": f"In which city was {name} born?", "answers": [city]}
+
+
+def key_retrieval(rng: random.Random, words: int) -> dict:
+    """Many 'code' lines; retrieve the one asked for (a needle in a haystack, scored by F1)."""
+    count = max(8, words // 12)
+    names = people(rng, min(count, len(FIRST) * len(LAST)))
+    codes = [str(rng.randrange(10000, 100000)) for _ in names]
+    lines = [f"The access code of {n} is {c}." for n, c in zip(names, codes)]
+    target = rng.randrange(len(names))
+    return {"context": "\n".join(lines), "input": f"What is the access code of {names[target]}?", "answers": [codes[target]]}
+
+
+def passage_count(rng: random.Random, words: int) -> dict:
+    """Paragraphs, some repeated; count the unique ones (LongBench's passage_count)."""
+    unique = rng.randint(2, 6)
+    paragraphs = [" ".join(filler(rng, words // (unique * 2))) for _ in range(unique)]
+    order = list(range(unique)) + [rng.randrange(unique) for _ in range(unique)]
+    rng.shuffle(order)
+    context = "\n\n".join(f"Paragraph {i}: {paragraphs[p]}" for i, p in enumerate(order, start=1))
+    return {"context": context, "input": "", "answers": [str(unique)]}
+
+
+def code_completion(rng: random.Random, words: int) -> dict:
+    """A long Python class of accessor methods; the next line follows the pattern (lcc)."""
+    fields = [f"{rng.choice(ADJECTIVES)}_{rng.choice(NOUNS)}_{i}" for i in range(max(6, words // 12))]
+    lines = ["class Registry:", "    def __init__(self):"]
+    lines += [f"        self._{f} = None" for f in fields]
+    for f in fields[:-1]:
+        lines += ["", f"    def get_{f}(self):", f"        return self._{f}"]
+    lines += ["", f"    def get_{fields[-1]}(self):"]
+    return {"context": "\n".join(lines) + "\n", "input": "", "answers": [f"        return self._{fields[-1]}"]}
+
+
+def _spec(name: str, longbench_task: str, metric: str, max_new_tokens: int, chat: bool = True) -> TaskSpec:
+    return TaskSpec(
+        name=name,
+        template=longbench_templates()[longbench_task]["prompt"],
+        max_new_tokens=max_new_tokens,
+        metric=metric,
+        chat=chat,
+    )
+
+
+# name -> (generator, task spec). Templates are LongBench's for the same skill.
+TASKS = {
+    "single_doc_qa": (single_doc_qa, _spec("single_doc_qa", "multifieldqa_en", "qa_f1", 16)),
+    "multi_doc_qa": (multi_doc_qa, _spec("multi_doc_qa", "hotpotqa", "qa_f1", 16)),
+    "key_retrieval": (key_retrieval, _spec("key_retrieval", "multifieldqa_en", "qa_f1", 16)),
+    "passage_count": (passage_count, _spec("passage_count", "passage_count", "count", 8)),
+    "code_completion": (code_completion, _spec("code_completion", "lcc", "code_sim", 24, chat=False)),
+}
+
+
+def generate(seed: int = 0, tasks: list[str] | None = None, samples_per_task: int = SAMPLES_PER_TASK) -> list[Sample]:
+    """The suite for a seed: same seed, same samples, byte for byte."""
+    samples = []
+    for name in tasks or list(TASKS):
+        make, _ = TASKS[name]
+        for index in range(samples_per_task):
+            rng = random.Random(f"{seed}/{name}/{index}")
+            words = CONTEXT_WORDS[index % len(CONTEXT_WORDS)]
+            record = make(rng, words)
+            samples.append(
+                Sample(
+                    task=name,
+                    id=f"{name}-{seed}-{index}",
+                    context=record["context"],
+                    input=record["input"],
+                    answers=record["answers"],
+                    length=len(record["context"].split()),
+                )
+            )
+    return samples

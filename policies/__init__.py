@@ -1,0 +1,48 @@
+"""The policy zoo: pure PyTorch, no vLLM. A Hydra name maps to a class here.
+
+Adding a policy: write ``policies/<name>.py`` with a dataclass subclassing ``BlockPolicy`` or
+``TokenPolicy`` and add one line to ``REGISTRY`` (plus ``conf/policy/<name>.yaml`` for Hydra).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from policies.base import BlockPolicy, BudgetError, Policy, TokenPolicy, check_budget
+from policies.full import FullCache
+from policies.keydiff import KeyDiff
+from policies.knorm import InverseKeyNorm
+from policies.paged import PagedEviction
+from policies.streaming import StreamingLLM
+
+REGISTRY: dict[str, type[Policy]] = {
+    "full": FullCache,
+    "paged": PagedEviction,
+    "streaming": StreamingLLM,
+    "knorm": InverseKeyNorm,
+    "keydiff": KeyDiff,
+}
+
+
+class UnknownPolicyError(ValueError):
+    pass
+
+
+def make_policy(name: str, budget: int, block_size: int, **options: Any) -> Policy:
+    """Build a policy by its Hydra name; unknown names and options fail with the valid ones."""
+    if name not in REGISTRY:
+        raise UnknownPolicyError(f"unknown policy {name!r}; valid: {', '.join(REGISTRY)}")
+    cls = REGISTRY[name]
+    fields = set(cls.__dataclass_fields__) - {"budget", "block_size"}
+    unknown = set(options) - fields
+    if unknown:
+        raise UnknownPolicyError(
+            f"policy {name!r} has no option {', '.join(sorted(unknown))}; "
+            f"valid: {', '.join(sorted(fields)) or 'none'}"
+        )
+    return cls(budget=budget, block_size=block_size, **options)
+
+
+__all__ = [
+    "REGISTRY", "BlockPolicy", "BudgetError", "Policy", "TokenPolicy", "UnknownPolicyError",
+    "check_budget", "make_policy",
+]

@@ -1,0 +1,181 @@
+"""What every eviction policy is: a budget, a block size, and two decisions.
+
+A policy never sees a block table or an engine. The engine hands it the K/V of one request as plain
+tensors shaped ``[layers, tokens, kv_heads, head_dim]`` (keys post-RoPE, as cached) and gets back
+indices. Two moments exist:
+
+* after prefill, when the prompt is longer than the budget: ``prefill_keep`` says which prompt
+  tokens survive, as ``[layers, kv_heads, kept]`` sorted indices (equal counts everywhere);
+* during decode, each time the cache holds ``budget + block_size`` tokens (the newest block just
+  filled): a block policy names one block to drop (``decode_evict_block``), a token policy says
+  which ``budget`` tokens stay (``decode_keep``).
+
+The engine owns when these are called; the policy owns what they answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+Granularity = Literal["none", "block", "token"]
+
+
+class BudgetError(ValueError):
+    """A budget or block size that no engine can honour."""
+
+
+def check_budget(budget: int, block_size: int) -> None:
+    """Budgets are in tokens, at least two blocks (a sink block and a recent block) and aligned."""
+    if not isinstance(block_size, int) or block_size < 1:
+        raise BudgetError(f"block_size must be a positive integer, got {block_size!r}")
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise BudgetError(f"budget must be an integer number of tokens, got {budget!r}")
+    if budget < 2 * block_size:
+        raise BudgetError(
+            f"budget={budget} is below two blocks: it must be at least 2 x block_size = {2 * block_size}"
+        )
+    if budget % block_size:
+        raise BudgetError(
+            f"budget={budget} is not a multiple of block_size={block_size}: "
+            f"use {budget - budget % block_size} or {budget - budget % block_size + block_size}"
+        )
+
+
+@dataclass
+class Policy:
+    """Base of every policy. ``budget`` is the number of cached tokens a request may keep."""
+
+    budget: int
+    block_size: int
+
+    name: ClassVar[str] = ""
+    granularity: ClassVar[Granularity] = "none"
+    # True when a policy may keep different tokens per layer / KV head; the engine then compacts
+    # each (layer, head) separately, which costs copies but no extra memory.
+    per_head: bool = False
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget, self.block_size)
+
+    @property
+    def evicts(self) -> bool:
+        return self.granularity != "none"
+
+    def prefill_keep_count(self, prompt_len: int) -> int:
+        """How many prompt tokens stay after prefill; the engine sizes its copies from this."""
+        return min(prompt_len, self.budget)
+
+    def needs_prefill_eviction(self, prompt_len: int) -> bool:
+        return self.evicts and prompt_len > self.budget
+
+    def needs_decode_eviction(self, cached_tokens: int) -> bool:
+        """Called after every step with the request's physical cache length."""
+        return self.evicts and cached_tokens >= self.budget + self.block_size and (
+            cached_tokens % self.block_size == 0
+        )
+
+    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not evict in prefill")
+
+    def describe(self) -> dict:
+        """What a results table needs to know about how this policy spends memory and copies."""
+        return {
+            "policy": self.name,
+            "budget": self.budget,
+            "block_size": self.block_size,
+            "granularity": self.granularity,
+            "per_head": self.per_head,
+            "decode_copies": self.granularity == "token",
+        }
+
+
+class BlockPolicy(Policy):
+    """Evicts whole blocks in decode: the victim leaves the block table, nothing is copied."""
+
+    granularity: ClassVar[Granularity] = "block"
+
+    def decode_evict_block(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        raise NotImplementedError
+
+
+class TokenPolicy(Policy):
+    """Evicts single tokens in decode: the engine compacts ``budget + block_size`` back to budget."""
+
+    granularity: ClassVar[Granularity] = "token"
+
+    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def broadcast_keep(kept: torch.Tensor, layers: int, heads: int) -> torch.Tensor:
+    """A keep set shared by every layer and head, in the ``[layers, heads, kept]`` shape."""
+    return kept.sort().values.view(1, 1, -1).expand(layers, heads, -1).contiguous()
+
+
+def top_tokens(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` highest scores along the last axis, ascending positions.
+
+    Ties go to the earlier token: a stable sort on the negated score makes the choice
+    deterministic on every backend.
+    """
+    order = torch.sort(-scores, dim=-1, stable=True).indices
+    return order[..., :count].sort(dim=-1).values
+
+
+def keep_edges_and_best(
+    scores: torch.Tensor, protect_first: int, protect_last: int, total: int
+) -> torch.Tensor:
+    """Keep the first and last tokens unconditionally, fill the rest of ``total`` by score.
+
+    ``scores`` is ``[..., tokens]`` (higher = more important); the result is ``[..., total]``
+    sorted token indices. The protected ranges never overlap the middle the scores choose from.
+    """
+    tokens = scores.shape[-1]
+    middle = total - protect_first - protect_last
+    if middle < 0 or protect_first + protect_last > tokens or total > tokens:
+        raise ValueError(
+            f"cannot keep {total} of {tokens} tokens with {protect_first} first and "
+            f"{protect_last} last protected"
+        )
+    lead = scores.shape[:-1]
+    first = torch.arange(protect_first, device=scores.device).expand(*lead, -1)
+    last = torch.arange(tokens - protect_last, tokens, device=scores.device).expand(*lead, -1)
+    best = top_tokens(scores[..., protect_first : tokens - protect_last], middle) + protect_first
+    return torch.cat([first, best, last], dim=-1)
+
+
+def l2(x: torch.Tensor) -> torch.Tensor:
+    """Per-token L2 norm over head_dim, in float32 whatever the cache dtype."""
+    return torch.linalg.vector_norm(x.float(), dim=-1)
+
+
+@dataclass
+class ScoredTokenPolicy(TokenPolicy):
+    """A token policy that keeps the ``budget`` best-scored tokens, the edges protected.
+
+    Subclasses only define ``scores`` (``[layers, heads, tokens]``, higher = keep). Selection is per
+    layer and KV head by default (``per_head=False`` averages the scores into one shared choice).
+    """
+
+    per_head: bool = True
+    protect_edges: bool = True
+
+    def scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        layers, _, heads, _ = keys.shape
+        edge = self.block_size if self.protect_edges else 0
+        scores = self.scores(keys, values)
+        if self.per_head:
+            return keep_edges_and_best(scores, edge, edge, self.budget)
+        kept = keep_edges_and_best(scores.mean(dim=(0, 1)), edge, edge, self.budget)
+        return broadcast_keep(kept, layers, heads)
+
+    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return self._keep(keys, values)
+
+    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return self._keep(keys, values)

@@ -1,0 +1,40 @@
+"""StreamingLLM (Xiao et al. 2023): attention sinks plus a recent window.
+
+The first ``n_sink`` tokens absorb attention mass the model needs to park somewhere; the rest of
+the budget is the most recent tokens. With 4 sinks (the paper's default) decode eviction is
+token-granular: every ``block_size`` steps the oldest non-sink tokens are compacted away.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from policies.base import TokenPolicy, broadcast_keep
+
+
+@dataclass
+class StreamingLLM(TokenPolicy):
+    name: ClassVar[str] = "streaming"
+
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.n_sink < self.budget:
+            raise ValueError(f"n_sink must be in [0, budget={self.budget}), got {self.n_sink}")
+
+    def _keep(self, keys: torch.Tensor) -> torch.Tensor:
+        layers, tokens, heads, _ = keys.shape
+        recent = self.budget - self.n_sink
+        kept = torch.cat(
+            [torch.arange(self.n_sink), torch.arange(tokens - recent, tokens)]
+        ).to(keys.device)
+        return broadcast_keep(kept, layers, heads)
+
+    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return self._keep(keys)
+
+    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return self._keep(keys)

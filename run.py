@@ -1,0 +1,26 @@
+"""Run one cell, or a sweep with -m:  python run.py policy=paged budget=1024
+
+Configuration lives in conf/ (Hydra); see README.md for the common command lines.
+"""
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from harness.config import ConfigError
+from harness.experiment import run_cell
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        run_cell(cfg)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

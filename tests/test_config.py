@@ -1,0 +1,91 @@
+"""Config composition and the bad-input paths: every error is one clear line, before any model loads."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from harness.config import ConfigError, cell_name, run_dir, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_default_config_composes():
+    cfg = compose_cfg()
+    assert (cfg.policy.name, cfg.model.name, cfg.data.name, cfg.engine.device) == ("full", "smollm2-135m", "synthetic", "cpu")
+    assert cfg.block_size == 32 and cfg.budget == 1024
+    validate(cfg)
+
+
+@pytest.mark.parametrize("policy", ["full", "paged", "streaming", "knorm", "keydiff"])
+@pytest.mark.parametrize("budget", [256, 512, 1024])
+def test_every_policy_and_budget_validates(policy, budget):
+    validate(compose_cfg(f"policy={policy}", f"budget={budget}"))
+
+
+def test_gpu_engine_defaults_to_the_papers_block_size():
+    cfg = compose_cfg("engine=gpu", "model=llama-3.2-1b")
+    assert cfg.block_size == 16 and cfg.model.path == "meta-llama/Llama-3.2-1B-Instruct"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["policy=paged", "budget=80"], "not a multiple of block_size=32"),
+        (["policy=paged", "budget=32"], "below two blocks"),
+        (["policy=paged", "budget=16384"], "above model smollm2-135m's context of 8192"),
+        (["block_size=16"], "cannot be used on cpu"),
+        (["data.limit=0"], "data.limit must be a positive integer"),
+        (["data=jsonl", "data.path=/no/such/file.jsonl"], "does not exist"),
+        (["data.tasks=[single_doc_qa,nope]"], "unknown task(s) nope"),
+        (["model.path=/no/such/model"], "does not exist"),
+        (["policy=streaming", "+policy.options.n_sinks=2"], "no option n_sinks"),
+        (["policy.name=h2o"], "valid: full, paged, streaming, knorm, keydiff"),
+    ],
+)
+def test_bad_config_is_a_clear_error(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(compose_cfg(*overrides))
+    assert message in str(error.value)
+
+
+def test_full_cache_is_one_cell_whatever_the_budget():
+    assert cell_name(compose_cfg("budget=256")) == cell_name(compose_cfg("budget=1024"))
+    assert cell_name(compose_cfg("policy=paged", "budget=256")) != cell_name(compose_cfg("policy=paged", "budget=512"))
+    assert run_dir(compose_cfg("policy=paged", "budget=256")).name.startswith("paged_b256_bs32_")
+
+
+def run_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), f"output_dir={tmp_path / 'runs'}", *overrides],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["policy=h2o"], "Could not find 'policy/h2o'"),
+        (["model=gpt5"], "Could not find 'model/gpt5'"),
+        (["data=squad"], "Could not find 'data/squad'"),
+        (["engine=tpu"], "Could not find 'engine/tpu'"),
+        (["policy=paged", "budget=100"], "error: budget=100 is not a multiple of block_size=32"),
+        (["data=jsonl", "data.path=missing.jsonl"], "error: data.path missing.jsonl does not exist"),
+    ],
+)
+def test_run_py_refuses_bad_input_without_leaving_a_run_directory(tmp_path, overrides, message):
+    done = run_py(tmp_path, *overrides)
+    assert done.returncode != 0
+    assert message in done.stderr
+    runs = tmp_path / "runs"
+    assert not runs.exists() or not any(runs.rglob("*.json*")), "no run files on bad input"
+    if "Could not find" in message:
+        assert "Available options" in done.stderr

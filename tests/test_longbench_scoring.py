@@ -1,0 +1,127 @@
+"""LongBench scoring against its rules and against the official scorers' own packages."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from harness.metrics.longbench import (
+    classification, code_sim, count, fuzz_ratio, length_bucket, normalize_answer, qa_f1, retrieval,
+    score_sample, score_task, score_task_by_length,
+)
+from harness.metrics.rouge import rouge_l_summary
+
+rouge_package = pytest.importorskip("rouge")
+fuzz = pytest.importorskip("fuzzywuzzy.fuzz")
+
+
+def official_rouge(prediction: str, reference: str) -> float:
+    """LongBench's rouge_score: the rouge package, any exception scored 0."""
+    try:
+        return rouge_package.Rouge().get_scores([prediction], [reference], avg=True)["rouge-l"]["f"]
+    except Exception:
+        return 0.0
+
+
+def random_text(rng: random.Random, words: int) -> str:
+    vocab = ["The", "cat", "sat", "on", "the", "mat", ".", "A", "dog", "ran", "far", "away", ",",
+             "and", "then", "it", "slept", "Report", "found", "costs", "rose", "10%", "in", "2024", "\n"]
+    return " ".join(rng.choice(vocab) for _ in range(words)).replace(" .", ".")
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_rouge_equals_the_rouge_package(seed):
+    rng = random.Random(seed)
+    prediction, reference = random_text(rng, rng.randint(0, 60)), random_text(rng, rng.randint(1, 60))
+    assert rouge_l_summary(prediction, reference) == pytest.approx(official_rouge(prediction, reference), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "prediction, reference",
+    [("", "a summary."), ("...", "a summary."), (" ", "a summary."), ("no periods at all", "one. two. three."),
+     ("Same words. Same words.", "Same words."), ("CASE matters.", "case matters.")],
+)
+def test_rouge_edge_cases_equal_the_package(prediction, reference):
+    assert rouge_l_summary(prediction, reference) == pytest.approx(official_rouge(prediction, reference), abs=1e-12)
+
+
+def test_rouge_differs_from_rouge_score_rougeL():
+    """Why the harness does not use rouge-score for LongBench: summary-level union LCS over distinct
+    words is not rouge-score's sentence-level rougeL (with its tokenizer and lower-casing)."""
+    from rouge_score import rouge_scorer
+
+    prediction, reference = "The cat sat. The cat ran.", "the cat sat on the mat. A dog ran."
+    ours = rouge_l_summary(prediction, reference)
+    theirs = rouge_scorer.RougeScorer(["rougeL"]).score(reference, prediction)["rougeL"].fmeasure
+    assert ours == pytest.approx(official_rouge(prediction, reference))
+    assert abs(ours - theirs) > 0.05
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fuzz_ratio_equals_fuzzywuzzy(seed):
+    rng = random.Random(seed)
+    alphabet = "abc de()=._"
+    a = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+    b = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+    assert fuzz_ratio(a, b) == fuzz.ratio(a, b)
+    assert fuzz_ratio(a, a) == fuzz.ratio(a, a) == 100
+
+
+def test_normalize_answer():
+    assert normalize_answer("The  Eiffel-Tower, in PARIS!") == "eiffeltower in paris"
+    assert normalize_answer("an apple a day") == "apple day"
+    assert normalize_answer("theatre") == "theatre"
+
+
+def test_qa_f1_rules():
+    assert qa_f1("The Paris.", "paris") == 1.0
+    assert qa_f1("", "paris") == 0.0
+    assert qa_f1("Paris France", "Paris") == pytest.approx(2 / 3)
+    assert qa_f1("a an the", "the") == 0.0  # both normalise to nothing: no overlap
+
+
+def test_classification_reproduces_the_official_list_walk():
+    classes = ["Location", "City", "Country", "Other location"]
+    assert classification("Location", "Location", classes) == 1.0
+    assert classification("City or Location", "City", classes) == 0.5
+    # Substring matching is case-sensitive: "Location" is not inside "Other location", both count.
+    assert classification("Location and Other location", "Other location", classes) == 0.5
+    assert classification("Country", "City", classes) == 0.0
+    # The official loop skips the element after a removal: with two removable terms in a row the
+    # second survives, so the score is 1/2, not 1.
+    classes = ["ab", "abc", "abcd"]
+    assert classification("ab abc abcd", "abcd", classes) == 0.5
+
+
+def test_retrieval_and_count():
+    assert retrieval("Paragraph 12", "Paragraph 12") == 1.0
+    assert retrieval("Paragraph 12 or Paragraph 3", "Paragraph 12") == 0.5
+    assert retrieval("I do not know", "Paragraph 12") == 0.0
+    assert count("There are 7 unique paragraphs, 7.", "7") == 1.0
+    assert count("3 or 4", "4") == 0.5
+    assert count("", "4") == 0.0
+
+
+def test_code_sim_skips_comment_and_fence_lines():
+    answer = "        return self._x"
+    assert code_sim("```python\n# the next line\n        return self._x\n", answer) == 1.0
+    assert code_sim("\n\n// c-style\nreturn self._x", answer) == fuzz.ratio("return self._x", answer) / 100
+    assert code_sim("", answer) == 0.0
+
+
+def test_first_line_rule_for_few_shot_tasks():
+    assert score_sample("triviaqa", "\n\nParis\nLondon is wrong", ["Paris"]) == 1.0
+    assert score_sample("hotpotqa", "Paris\nLondon", ["Paris"]) == pytest.approx(2 / 3)
+    assert score_sample("trec", "Location\nCity", ["Location"], all_classes=["Location", "City"]) == 1.0
+
+
+def test_max_over_answers_and_task_score_rounding():
+    assert score_sample("hotpotqa", "Paris", ["London", "Paris"]) == 1.0
+    assert score_task("hotpotqa", ["Paris", "Rome", "Paris France"], [["Paris"], ["Paris"], ["Paris"]]) == 55.56
+    assert score_sample("gov_report", "", ["A summary."]) == 0.0
+
+
+def test_longbench_e_buckets():
+    assert [length_bucket(n) for n in (0, 3999, 4000, 7999, 8000, 20000)] == ["0-4k", "0-4k", "4-8k", "4-8k", "8k+", "8k+"]
+    buckets = score_task_by_length("hotpotqa_e", ["Paris", "Rome"], [["Paris"], ["Paris"]], [100, 5000])
+    assert buckets == {"0-4k": 100.0, "4-8k": 0.0}

