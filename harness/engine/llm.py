@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from harness.engine.settings import EvictionSettings
+
 VLLM_VERSION = "0.32.0"
 
 
@@ -29,6 +31,8 @@ def configure_environment(engine_cfg) -> None:
     threads = engine_cfg.get("threads") or os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine_cfg.get("in_process") else "1"
+    # Eviction patches the V1 model runner (GPU vLLM 0.32 defaults to V2 where Triton exists).
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -53,7 +57,8 @@ def check_vllm_version() -> str:
 class Engine:
     """One vLLM ``LLM`` for a whole run: ~30 s to start on CPU, so it is built once and reused."""
 
-    def __init__(self, model_path: str, model_cfg, engine_cfg, block_size: int, seed: int = 0):
+    def __init__(self, model_path: str, model_cfg, engine_cfg, block_size: int, seed: int = 0,
+                 eviction: "EvictionSettings | None" = None):
         configure_environment(engine_cfg)
         self.vllm_version = check_vllm_version()
         from vllm import LLM
@@ -70,7 +75,11 @@ class Engine:
             enable_prefix_caching=False,
             seed=seed,
             disable_log_stats=False,
+            # A step's evictions must reach the next schedule() (CPU forces this off anyway).
+            async_scheduling=False,
         )
+        if eviction is not None:
+            kwargs["additional_config"] = eviction.as_additional_config()
         if engine_cfg.get("kv_cache_gib") is not None:
             kwargs["kv_cache_memory_bytes"] = int(engine_cfg.kv_cache_gib * 2**30)
         if engine_cfg.get("num_kv_blocks") is not None:
@@ -93,6 +102,12 @@ class Engine:
             "kv_pool_blocks": cache.num_gpu_blocks,
             "kv_pool_bytes": cache.kv_cache_memory_bytes,
         }
+
+    def ledger(self):
+        """The scheduler's eviction and memory ledger; None when the engine core is in another process."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        engine_core = getattr(core, "engine_core", None)
+        return getattr(getattr(engine_core, "scheduler", None), "kv_ledger", None)
 
     def generate(self, prompts: list[str], max_new_tokens: list[int], stops: list[tuple[str, ...]]) -> list[GenerationResult]:
         """Greedy generation of every prompt in one batch (vLLM schedules them concurrently)."""
@@ -137,4 +152,7 @@ def request_timings(metrics, output_tokens: int) -> dict:
 
 
 def start_engine(model_path: str, cfg) -> Engine:
-    return Engine(model_path, cfg.model, cfg.engine, cfg.block_size, seed=cfg.get("seed", 0))
+    eviction = None
+    if cfg.policy.name != "full":
+        eviction = EvictionSettings(cfg.policy.name, cfg.budget, dict(cfg.policy.get("options") or {}))
+    return Engine(model_path, cfg.model, cfg.engine, cfg.block_size, seed=cfg.get("seed", 0), eviction=eviction)

@@ -1,0 +1,99 @@
+"""The correctness oracle: greedy generation in Hugging Face transformers with an explicit cache,
+applying the same policy decisions at the same steps as the patched vLLM. No vLLM involved.
+
+The cache is a ``DynamicCache`` whose per-layer ``[1, heads, tokens, dim]`` tensors are exposed
+to the shared evictor (``harness.engine.evictor``) as if they were paged: "block" b of the
+request is tokens ``[b*B, (b+1)*B)``. After an eviction the dropped blocks are cut out and the
+tail trimmed to the physical length, which is what vLLM's block table sees. RoPE positions stay
+logical (``position_ids``) while the cache holds fewer tokens, as in the engine.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.engine.evictor import evict, phase_due
+from harness.engine.kv_view import KVView
+from policies import Policy
+
+
+class DynamicCacheView(KVView):
+    """A DynamicCache's layers seen through the KVView interface (block ids = block positions)."""
+
+    def __init__(self, cache, block_size: int):
+        self.cache = cache
+        self.block_size = block_size
+        super().__init__([layer.keys for layer in cache.layers])
+
+    def _index(self, blocks, offsets):
+        return blocks * self.block_size + offsets
+
+    def _gather(self, layer, blocks, offsets):
+        entry = self.cache.layers[layer]
+        index = self._index(blocks, offsets)
+        return entry.keys[0, :, index].transpose(0, 1), entry.values[0, :, index].transpose(0, 1)
+
+    def _scatter(self, layer, blocks, offsets, keys, values):
+        entry = self.cache.layers[layer]
+        index = self._index(blocks, offsets)
+        entry.keys[0, :, index] = keys.transpose(0, 1)
+        entry.values[0, :, index] = values.transpose(0, 1)
+
+    def drop(self, dropped_blocks: tuple[int, ...], remaining_tokens: int) -> None:
+        """Cut the dropped blocks out of every layer and keep ``remaining_tokens`` tokens."""
+        length = self.cache.layers[0].keys.shape[2]
+        keep = torch.ones(length, dtype=torch.bool)
+        for block in dropped_blocks:
+            keep[block * self.block_size : (block + 1) * self.block_size] = False
+        index = keep.nonzero().squeeze(1)[:remaining_tokens]
+        for entry in self.cache.layers:
+            entry.keys = entry.keys[:, :, index].contiguous()
+            entry.values = entry.values[:, :, index].contiguous()
+        self.layers = [entry.keys for entry in self.cache.layers]
+
+
+class ReferenceEngine:
+    """One request at a time, greedy, float32: slow and simple on purpose."""
+
+    def __init__(self, model_path: str, policy: Policy | None = None, dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager").eval()
+        self.policy = policy
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        prompt_len = len(prompt_ids)
+        inputs = torch.tensor([prompt_ids])
+        positions = torch.arange(prompt_len).unsqueeze(0)
+        computed, evicted, output = 0, 0, []
+        while len(output) < max_new_tokens:
+            logits = self.model(
+                input_ids=inputs,
+                position_ids=positions,
+                cache_position=torch.arange(computed - evicted, computed - evicted + inputs.shape[1]),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
+            before, computed = computed, computed + inputs.shape[1]
+            token = int(logits[0, -1].argmax())
+            output.append(token)
+            if eos_token_id is not None and token == eos_token_id:
+                break
+            if self.policy is not None:
+                phase = phase_due(self.policy, prompt_len, before, computed, evicted)
+                if phase is not None:
+                    evicted += self._evict(cache, computed - evicted, phase)
+            inputs = torch.tensor([[token]])
+            positions = torch.tensor([[computed]])
+        return output
+
+    def _evict(self, cache, physical: int, phase) -> int:
+        view = DynamicCacheView(cache, self.policy.block_size)
+        blocks = -(-physical // self.policy.block_size)
+        eviction = evict(self.policy, view, list(range(blocks)), physical, phase)
+        if eviction.evicted_tokens:
+            view.drop(eviction.dropped_blocks, physical - eviction.evicted_tokens)
+        return eviction.evicted_tokens
