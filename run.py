@@ -14,9 +14,10 @@ from harness.experiment import run_cell
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> str:
     try:
-        run_cell(cfg)
+        status, _ = run_cell(cfg)
+        return status
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -73,5 +73,12 @@ def cell_name(cfg: DictConfig) -> str:
     return f"{label}_bs{cfg.block_size}_{digest}"
 
 
+def full_cache_twin(cfg: DictConfig) -> DictConfig:
+    """The same cell with full cache: the reference a policy's fidelity is measured against."""
+    twin = cfg.copy()
+    twin.policy = OmegaConf.create({"name": "full", "options": {}})
+    return twin
+
+
 def run_dir(cfg: DictConfig) -> Path:
     return Path(cfg.output_dir) / cfg.model.name / cfg.data.name / cell_name(cfg)

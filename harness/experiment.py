@@ -6,23 +6,25 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import run_dir, validate
+from harness.config import full_cache_twin, run_dir, validate
 from harness.data import load_samples, task_spec
 from harness.data.prompts import build_prompt
+from harness.metrics.fidelity import fidelity
 from harness.metrics.report import score_run
 from harness.models import resolve_model_path
 from harness.perf import summarize_perf
 from harness.provenance import provenance
-from harness.results import RunWriter, is_complete
+from harness.results import RunWriter, is_complete, read_jsonl
 from harness.tables import scores_table
 
 
-def run_cell(cfg: DictConfig) -> Path:
+def run_cell(cfg: DictConfig) -> tuple[str, Path]:
+    """Run one cell; returns ("skipped" | "done", its run directory)."""
     validate(cfg)
     target = run_dir(cfg)
     if is_complete(target) and not cfg.force:
         print(f"[skip] {target} is complete (force=true reruns it)")
-        return target
+        return "skipped", target
 
     samples = load_samples(cfg.data)
     model_path = resolve_model_path(str(cfg.model.path))
@@ -74,7 +76,9 @@ def run_cell(cfg: DictConfig) -> Path:
             for sample, prompt, result in zip(kept, prompts, results)
         ]
         scores = score_run(rows, skipped, cfg)
-        perf = summarize_perf(results, wall, engine.facts())
+        scores["fidelity"] = fidelity_to_full_cache(cfg, rows)
+        ledger = engine.ledger()
+        perf = summarize_perf(results, wall, engine.facts(), ledger.snapshot() if ledger else None)
         writer.write_jsonl("predictions.jsonl", rows)
         writer.write_json("scores.json", scores)
         writer.write_json("perf.json", perf)
@@ -87,4 +91,14 @@ def run_cell(cfg: DictConfig) -> Path:
         raise
     print(scores_table(scores, title=f"{cfg.policy.name} budget={cfg.budget} on {cfg.model.name} / {cfg.data.name}"))
     print(f"[done] {final}")
-    return final
+    return "done", final
+
+
+def fidelity_to_full_cache(cfg: DictConfig, rows: list[dict]) -> dict | None:
+    """Agreement with the full-cache run of the same model and data, if that run exists yet."""
+    if cfg.policy.name == "full":
+        return None
+    twin = run_dir(full_cache_twin(cfg))
+    if not is_complete(twin):
+        return {"missing": f"no complete full-cache run at {twin}; run policy=full first"}
+    return fidelity(rows, read_jsonl(twin / "predictions.jsonl"))

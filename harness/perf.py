@@ -24,7 +24,19 @@ def distribution(values: list[float]) -> dict:
     }
 
 
-def summarize_perf(results, wall_s: float, facts: dict) -> dict:
+def kv_memory(ledger: dict | None, facts: dict) -> dict | None:
+    """Blocks in use in vLLM's pool (peak, mean, and in bytes) and what eviction cost."""
+    if ledger is None:
+        return None  # the engine core ran in another process: its scheduler is not readable here
+    block_bytes = facts["kv_pool_bytes"] / facts["kv_pool_blocks"] if facts.get("kv_pool_bytes") else None
+    memory = dict(ledger)
+    if block_bytes:
+        memory["kv_bytes_used_peak"] = ledger["kv_blocks_used_peak"] * block_bytes
+        memory["kv_bytes_used_mean"] = ledger["kv_blocks_used_mean"] * block_bytes
+    return memory
+
+
+def summarize_perf(results, wall_s: float, facts: dict, ledger: dict | None = None) -> dict:
     output_tokens = sum(r.output_tokens for r in results)
     prompt_tokens = sum(r.prompt_tokens for r in results)
     return {
@@ -38,6 +50,7 @@ def summarize_perf(results, wall_s: float, facts: dict) -> dict:
         "ttft_s": distribution([r.ttft_s for r in results]),
         "tpot_s": distribution([r.tpot_s for r in results]),
         "latency_s": distribution([r.latency_s for r in results]),
-        "preemptions": sum(r.preemptions for r in results),
+        "preemptions": sum(r.preemptions or 0 for r in results),
+        "kv": kv_memory(ledger, facts),
         "machine": facts,
     }

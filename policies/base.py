@@ -114,13 +114,27 @@ def broadcast_keep(kept: torch.Tensor, layers: int, heads: int) -> torch.Tensor:
     return kept.sort().values.view(1, 1, -1).expand(layers, heads, -1).contiguous()
 
 
+SCORE_BITS = 11  # significant bits kept when ranking scores (float16's precision)
+
+
+def comparable(scores: torch.Tensor) -> torch.Tensor:
+    """Scores rounded to ``SCORE_BITS`` significant bits before they are ranked.
+
+    Two engines compute the same K/V up to float rounding (different kernels, summation order).
+    Scores closer than one part in 2^11 are treated as a tie, which goes to the earlier token, so
+    a last-bit difference cannot flip a decision the policy considers a tie anyway.
+    """
+    mantissa, exponent = torch.frexp(scores.float())
+    return torch.ldexp(torch.round(mantissa * 2**SCORE_BITS) / 2**SCORE_BITS, exponent)
+
+
 def top_tokens(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` highest scores along the last axis, ascending positions.
 
-    Ties go to the earlier token: a stable sort on the negated score makes the choice
-    deterministic on every backend.
+    Ties (scores equal at ``SCORE_BITS`` precision) go to the earlier token: a stable sort makes
+    the choice deterministic on every backend.
     """
-    order = torch.sort(-scores, dim=-1, stable=True).indices
+    order = torch.sort(-comparable(scores), dim=-1, stable=True).indices
     return order[..., :count].sort(dim=-1).values
 
 

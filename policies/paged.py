@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from policies.base import BlockPolicy, broadcast_keep, keep_edges_and_best, l2
+from policies.base import BlockPolicy, broadcast_keep, comparable, keep_edges_and_best, l2
 
 EPS = 1e-6
 
@@ -77,4 +77,4 @@ class PagedEviction(BlockPolicy):
             .mean(dim=-1)
         )
         # argmin returns the first minimum: ties go to the oldest candidate, deterministically.
-        return 1 + int(torch.argmin(block_scores[1 : last_candidate + 1]))
+        return 1 + int(torch.argmin(comparable(block_scores[1 : last_candidate + 1])))

@@ -24,7 +24,7 @@ class GenerationResult:
     ttft_s: float | None = None
     tpot_s: float | None = None
     latency_s: float | None = None
-    preemptions: int = 0
+    preemptions: int | None = None
 
 
 def configure_environment(engine_cfg) -> None:
@@ -103,11 +103,32 @@ class Engine:
             "kv_pool_bytes": cache.kv_cache_memory_bytes,
         }
 
-    def ledger(self):
-        """The scheduler's eviction and memory ledger; None when the engine core is in another process."""
+    def _scheduler(self):
+        """The in-process scheduler; None when the engine core runs in its own process."""
         core = getattr(self.llm.llm_engine, "engine_core", None)
-        engine_core = getattr(core, "engine_core", None)
-        return getattr(getattr(engine_core, "scheduler", None), "kv_ledger", None)
+        return getattr(getattr(core, "engine_core", None), "scheduler", None)
+
+    def ledger(self):
+        """The scheduler's eviction and memory ledger (see scheduler_patch), if readable here."""
+        return getattr(self._scheduler(), "kv_ledger", None)
+
+    def free_blocks(self) -> int | None:
+        scheduler = self._scheduler()
+        return scheduler.kv_cache_manager.block_pool.get_num_free_blocks() if scheduler else None
+
+    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True) -> list[dict]:
+        """Greedy generation from token ids: output ids and preemptions per request, in order."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [
+            {
+                "token_ids": list(o.outputs[0].token_ids),
+                "preemptions": o.metrics.num_preemptions if o.metrics else None,
+            }
+            for o in outputs
+        ]
 
     def generate(self, prompts: list[str], max_new_tokens: list[int], stops: list[tuple[str, ...]]) -> list[GenerationResult]:
         """Greedy generation of every prompt in one batch (vLLM schedules them concurrently)."""

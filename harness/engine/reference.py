@@ -76,6 +76,7 @@ class ReferenceEngine:
                 cache_position=torch.arange(computed - evicted, computed - evicted + inputs.shape[1]),
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,  # only the last position is sampled; skip the prompt's logits
             ).logits
             before, computed = computed, computed + inputs.shape[1]
             token = int(logits[0, -1].argmax())

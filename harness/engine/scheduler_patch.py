@@ -32,10 +32,12 @@ class Ledger:
     used_blocks_sum: int = 0
     used_blocks_peak: int = 0
     running_peak: int = 0
+    decode_blocks_peak: int = 0  # most blocks any request held while generating
+    preempted_after_eviction: int = 0  # preemptions that dropped a request's eviction state
     evictions: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     freed_blocks: int = 0
     evicted_tokens: int = 0
-    copied_tokens: int = 0
+    copied_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     evict_s: float = 0.0
     model_s: float = 0.0
 
@@ -47,10 +49,12 @@ class Ledger:
             "kv_blocks_used_peak": self.used_blocks_peak,
             "kv_blocks_used_mean": self.used_blocks_sum / self.steps if self.steps else 0.0,
             "running_requests_peak": self.running_peak,
+            "decode_blocks_peak": self.decode_blocks_peak,
+            "preempted_after_eviction": self.preempted_after_eviction,
             "evictions": dict(self.evictions),
             "freed_blocks": self.freed_blocks,
             "evicted_tokens": self.evicted_tokens,
-            "copied_tokens": self.copied_tokens,
+            "copied_tokens": dict(self.copied_tokens),
             "evict_s": self.evict_s,
             "model_s": self.model_s,
             "evict_share_of_step": self.evict_s / self.model_s if self.model_s else 0.0,
@@ -94,9 +98,9 @@ def install() -> None:
         original = getattr(KVCacheManager, name)
 
         def forgetting(self, request, _original=original):
-            evicted = getattr(self, "_kv_evicted", None)
-            if evicted:
-                evicted.pop(request.request_id, None)
+            ledger = getattr(self, "_kv_ledger", None)
+            if ledger is not None and ledger.evicted.pop(request.request_id, 0) and not request.is_finished():
+                ledger.preempted_after_eviction += 1
             return _original(self, request)
 
         setattr(KVCacheManager, name, functools.wraps(original)(forgetting))
@@ -120,7 +124,7 @@ def install() -> None:
                 "KV eviction supports models with one full-attention KV cache group; this model has "
                 f"{[type(m).__name__ for m in managers]}"
             )
-        self.kv_cache_manager._kv_evicted = self.kv_ledger.evicted
+        self.kv_cache_manager._kv_ledger = self.kv_ledger
         managers[0]._kv_evicted = self.kv_ledger.evicted
 
     original_lookahead = Scheduler._reserve_prefill_lookahead
@@ -156,6 +160,10 @@ def install() -> None:
             ledger.used_blocks_sum += used
             ledger.used_blocks_peak = max(ledger.used_blocks_peak, used)
             ledger.running_peak = max(ledger.running_peak, len(self.running))
+            held = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+            for request in self.running:
+                if request.num_computed_tokens > request.num_prompt_tokens:  # generating, not prefilling
+                    ledger.decode_blocks_peak = max(ledger.decode_blocks_peak, len(held.get(request.request_id, ())))
         return output
 
     original_update = Scheduler.update_from_output
@@ -189,5 +197,5 @@ def release(scheduler, ledger: Ledger, request_id: str, eviction) -> None:
     ledger.evictions[eviction.phase] += 1
     ledger.freed_blocks += len(victims)
     ledger.evicted_tokens += eviction.evicted_tokens
-    ledger.copied_tokens += eviction.copied_tokens
+    ledger.copied_tokens[eviction.phase] += eviction.copied_tokens
 

@@ -1,0 +1,158 @@
+"""Run directories -> one pandas DataFrame -> ``summary.csv`` and ``summary.md`` (+ plots).
+
+    python -m harness.aggregate results/runs [more dirs] --out results/summary
+
+One row per (run, task), every config key as a column (``policy.name``, ``budget``, ``model.name``,
+...), with the task score, the run's average, fidelity to full cache, throughput, latency and KV
+memory. Retention is a policy's score as a percentage of the full-cache score of the same model,
+data and task; throughput ratios are against the same model and data's full-cache run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from harness.results import RUN_FILES, atomic_write_text, is_complete, read_json
+
+RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
+
+
+def find_runs(roots: list[Path]) -> list[Path]:
+    found = set()
+    for root in roots:
+        for config in root.rglob(RUN_FILES[0]):
+            if is_complete(config.parent) and not config.parent.name.endswith(".partial"):
+                found.add(config.parent)
+    return sorted(found)
+
+
+def flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        elif not isinstance(value, list):
+            flat[name] = value
+    return flat
+
+
+def run_rows(run_dir: Path) -> list[dict]:
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config.pop("provenance", None)
+    scores, perf = read_json(run_dir / "scores.json"), read_json(run_dir / "perf.json")
+    base = flatten(config)
+    if base.get("policy.name") == "full":
+        base["budget"] = None  # full cache keeps everything, whatever the configured budget
+    fidelity = scores.get("fidelity") or {}
+    kv = perf.get("kv") or {}
+    base.update({
+        "run_dir": str(run_dir),
+        "average": scores.get("average"),
+        "fidelity_exact_match": fidelity.get("exact_match"),
+        "fidelity_rougeL": fidelity.get("rougeL_f"),
+        "output_tokens_per_s": perf.get("output_tokens_per_s"),
+        "total_tokens_per_s": perf.get("total_tokens_per_s"),
+        "ttft_p50_s": (perf.get("ttft_s") or {}).get("p50"),
+        "tpot_p50_s": (perf.get("tpot_s") or {}).get("p50"),
+        "latency_p50_s": (perf.get("latency_s") or {}).get("p50"),
+        "kv_blocks_peak": kv.get("kv_blocks_used_peak"),
+        "kv_blocks_mean": kv.get("kv_blocks_used_mean"),
+        "running_peak": kv.get("running_requests_peak"),
+        "evict_share": kv.get("evict_share_of_step"),
+        "preemptions": perf.get("preemptions"),
+    })
+    rows = []
+    for task, entry in scores["tasks"].items():
+        row = dict(base, task=task, metric=entry["metric"], samples=entry["samples"], score=entry["score"])
+        row["task_fidelity_rougeL"] = (fidelity.get("tasks") or {}).get(task, {}).get("rougeL_f")
+        rows.append(row)
+    return rows
+
+
+def load_runs(roots: list[Path]) -> pd.DataFrame:
+    rows = [row for run in find_runs(roots) for row in run_rows(run)]
+    if not rows:
+        raise FileNotFoundError(f"no complete run directory under {', '.join(map(str, roots))}")
+    frame = pd.DataFrame(rows)
+    return add_relative_columns(frame)
+
+
+def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    """Retention (score vs full cache) and throughput ratio, per model, data and task."""
+    group = ["model.name", "data.name", "task"]
+    full = frame[frame["policy.name"] == "full"].set_index(group)
+    full_score = full["score"][~full.index.duplicated()]
+    full_speed = full["output_tokens_per_s"][~full.index.duplicated()]
+    keys = pd.MultiIndex.from_frame(frame[group])
+    reference_score = full_score.reindex(keys).to_numpy()
+    reference_speed = full_speed.reindex(keys).to_numpy()
+    frame["retention_pct"] = (100 * frame["score"] / reference_score).round(1)
+    frame.loc[reference_score == 0, "retention_pct"] = None
+    frame["throughput_vs_full"] = (frame["output_tokens_per_s"] / reference_speed).round(2)
+    return frame
+
+
+def score_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Task scores: rows policy x budget, one column per task, then the average."""
+    table = frame.pivot_table(index=["policy.name", "budget"], columns="task", values="score", dropna=False)
+    table["average"] = frame.groupby(["policy.name", "budget"], dropna=False)["average"].first()
+    return table.round(2)
+
+
+def system_table(frame: pd.DataFrame) -> pd.DataFrame:
+    columns = ["fidelity_exact_match", "fidelity_rougeL", "output_tokens_per_s", "throughput_vs_full",
+               "tpot_p50_s", "kv_blocks_peak", "kv_blocks_mean", "evict_share"]
+    runs = frame.drop_duplicates("run_dir")
+    return runs.set_index(["policy.name", "budget"])[columns].sort_index().round(3)
+
+
+def to_markdown(frame: pd.DataFrame, command: str) -> str:
+    parts = []
+    for (model, data), group in frame.groupby(["model.name", "data.name"]):
+        parts += [
+            f"## {model} on {data}",
+            "",
+            "Task scores (LongBench metrics, 0-100); `average` is the unweighted mean of the task scores.",
+            "",
+            score_table(group).to_markdown(),
+            "",
+            "Fidelity to full cache (%), throughput (output tokens/s and ratio to full cache), "
+            "median time per output token, KV blocks in use, eviction share of step time.",
+            "",
+            system_table(group).to_markdown(),
+            "",
+        ]
+    return "\n".join([f"# Summary\n\nProduced by `{command}`\n", *parts])
+
+
+def write_summary(frame: pd.DataFrame, out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "summary.csv", frame.to_csv(index=False))
+    atomic_write_text(out / "summary.md", to_markdown(frame, command))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("roots", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("results/summary"))
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    frame = load_runs(args.roots)
+    command = "python -m harness.aggregate " + " ".join(argv)
+    write_summary(frame, args.out, command)
+    if not args.no_plots:
+        from harness.plots import plot_all
+
+        plot_all(frame, args.out)
+    print(to_markdown(frame, command))
+    print(f"[aggregate] {len(frame)} rows from {frame['run_dir'].nunique()} runs -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,100 @@
+"""Trade-off pictures from the aggregated DataFrame, as PNG and PDF.
+
+* score vs budget, one panel per task, one line per policy, full cache dashed;
+* output throughput vs budget, full cache dashed;
+* accuracy (average score) vs throughput, one point per run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: works without a screen, in CI and notebooks alike
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+STYLE = {"paged": "C0", "streaming": "C1", "knorm": "C2", "keydiff": "C3", "full": "black"}
+
+
+def _save(fig, out: Path, name: str) -> list[Path]:
+    paths = [out / f"{name}.png", out / f"{name}.pdf"]
+    for path in paths:
+        fig.savefig(path, bbox_inches="tight", dpi=130)
+    plt.close(fig)
+    return paths
+
+
+def _policies(frame: pd.DataFrame):
+    for policy, group in frame[frame["policy.name"] != "full"].groupby("policy.name"):
+        yield policy, group.sort_values("budget")
+
+
+def score_vs_budget(frame: pd.DataFrame, title: str):
+    tasks = sorted(frame["task"].unique())
+    columns = min(3, len(tasks))
+    rows = -(-len(tasks) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        subset = frame[frame["task"] == task]
+        for policy, group in _policies(subset):
+            ax.plot(group["budget"], group["score"], marker="o", label=policy, color=STYLE.get(policy))
+        full = subset[subset["policy.name"] == "full"]["score"]
+        if len(full):
+            ax.axhline(full.iloc[0], linestyle="--", color="black", label="full cache")
+        ax.set_xscale("log", base=2)
+        ax.set_title(task)
+        ax.set_xlabel("KV budget (tokens)")
+        ax.set_ylabel("score (0-100)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def throughput_vs_budget(runs: pd.DataFrame, title: str):
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for policy, group in _policies(runs):
+        ax.plot(group["budget"], group["output_tokens_per_s"], marker="o", label=policy, color=STYLE.get(policy))
+    full = runs[runs["policy.name"] == "full"]["output_tokens_per_s"]
+    if len(full):
+        ax.axhline(full.iloc[0], linestyle="--", color="black", label="full cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV budget (tokens)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def accuracy_vs_throughput(runs: pd.DataFrame, title: str):
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for policy, group in runs.groupby("policy.name"):
+        ax.scatter(group["output_tokens_per_s"], group["average"], label=policy, color=STYLE.get(policy),
+                   marker="*" if policy == "full" else "o", s=90 if policy == "full" else 40)
+        for _, row in group.iterrows():
+            if pd.notna(row["budget"]):
+                ax.annotate(str(int(row["budget"])), (row["output_tokens_per_s"], row["average"]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("output tokens / s")
+    ax.set_ylabel("average score (0-100)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_all(frame: pd.DataFrame, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for (model, data), group in frame.groupby(["model.name", "data.name"]):
+        runs = group.drop_duplicates("run_dir")
+        stem = f"{model}_{data}"
+        written += _save(score_vs_budget(group, f"Score vs KV budget: {model} on {data}"), out, f"{stem}_score_vs_budget")
+        written += _save(throughput_vs_budget(runs, f"Throughput vs KV budget: {model} on {data}"), out, f"{stem}_throughput")
+        written += _save(accuracy_vs_throughput(runs, f"Accuracy vs throughput: {model} on {data}"), out, f"{stem}_tradeoff")
+    return written

