@@ -91,3 +91,28 @@ def test_memory_is_really_returned(policy_runs, policy):
         assert copied["decode"] == 0, "a block policy drops whole blocks in decode: no copies"
     else:
         assert copied["decode"] > 0, "token policies pay compaction copies in decode"
+
+
+def test_engine_core_in_its_own_process_gives_the_same_outputs(policy_runs, workdir):
+    """The plugin patches every vLLM process: scheduler and worker in their own processes agree
+    with the in-process engine on the same concurrent batch."""
+    prompts, in_process, _ = policy_runs("tiny", "paged")
+    separate = run_engine(workdir, "tiny", prompts, NEW_TOKENS, in_process=False,
+                          eviction={"policy": "paged", "budget": CASES["tiny"]["budget"]})
+    assert separate["ledger"] is None, "the scheduler lived in another process"
+    assert separate["outputs"] == in_process["outputs"]
+
+
+@pytest.mark.parametrize("policy", ["paged", "knorm"])
+def test_outputs_under_preemption_equal_outputs_without(workdir, policy):
+    """A pool of 29 blocks for requests that grow to 17: the scheduler preempts requests that had
+    already evicted; they recompute their prompt and replay their outputs one token per step, so
+    they meet the same evictions and produce the same tokens."""
+    prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
+    settings = {"policy": policy, "budget": 512}
+    roomy = run_engine(workdir, "tiny", prompts, 300, eviction=settings)
+    tight = run_engine(workdir, "tiny", prompts, 300, eviction=settings, kv_blocks=30, max_model_len=900)
+    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
+    assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding evictions"
+    assert tight["outputs"] == roomy["outputs"]
+    assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
