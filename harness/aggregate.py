@@ -97,17 +97,25 @@ def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def with_budget_label(frame: pd.DataFrame) -> pd.DataFrame:
+    """``budget`` as a label: the token count, or "all" for full cache (it keeps every token)."""
+    labelled = frame.copy()
+    labelled["budget"] = [("all" if b != b else str(int(b))) for b in frame["budget"]]
+    return labelled
+
+
 def score_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Task scores: rows policy x budget, one column per task, then the average."""
-    table = frame.pivot_table(index=["policy.name", "budget"], columns="task", values="score", dropna=False)
-    table["average"] = frame.groupby(["policy.name", "budget"], dropna=False)["average"].first()
+    frame = with_budget_label(frame)
+    table = frame.pivot_table(index=["policy.name", "budget"], columns="task", values="score")
+    table["average"] = frame.groupby(["policy.name", "budget"])["average"].first()
     return table.round(2)
 
 
 def system_table(frame: pd.DataFrame) -> pd.DataFrame:
     columns = ["fidelity_exact_match", "fidelity_rougeL", "output_tokens_per_s", "throughput_vs_full",
                "tpot_p50_s", "kv_blocks_peak", "kv_blocks_mean", "evict_share"]
-    runs = frame.drop_duplicates("run_dir")
+    runs = with_budget_label(frame.drop_duplicates("run_dir"))
     return runs.set_index(["policy.name", "budget"])[columns].sort_index().round(3)
 
 

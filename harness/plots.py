@@ -25,6 +25,14 @@ def _save(fig, out: Path, name: str) -> list[Path]:
     return paths
 
 
+def _budget_axis(ax) -> None:
+    """Budgets double from one setting to the next: a log axis labelled in plain tokens."""
+    from matplotlib.ticker import ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+
+
 def _policies(frame: pd.DataFrame):
     for policy, group in frame[frame["policy.name"] != "full"].groupby("policy.name"):
         yield policy, group.sort_values("budget")
@@ -42,7 +50,7 @@ def score_vs_budget(frame: pd.DataFrame, title: str):
         full = subset[subset["policy.name"] == "full"]["score"]
         if len(full):
             ax.axhline(full.iloc[0], linestyle="--", color="black", label="full cache")
-        ax.set_xscale("log", base=2)
+        _budget_axis(ax)
         ax.set_title(task)
         ax.set_xlabel("KV budget (tokens)")
         ax.set_ylabel("score (0-100)")
@@ -62,7 +70,7 @@ def throughput_vs_budget(runs: pd.DataFrame, title: str):
     full = runs[runs["policy.name"] == "full"]["output_tokens_per_s"]
     if len(full):
         ax.axhline(full.iloc[0], linestyle="--", color="black", label="full cache")
-    ax.set_xscale("log", base=2)
+    _budget_axis(ax)
     ax.set_xlabel("KV budget (tokens)")
     ax.set_ylabel("output tokens / s")
     ax.set_title(title)

@@ -28,7 +28,7 @@ def run(spec: dict) -> dict:
     eviction = EvictionSettings(**spec["eviction"]) if spec.get("eviction") else None
     model_cfg = OmegaConf.create({"dtype": spec.get("dtype", "float32"), "max_model_len": spec["max_model_len"]})
     engine_cfg = OmegaConf.create({
-        "device": "cpu", "threads": None, "enforce_eager": True, "in_process": spec.get("in_process", True),
+        "device": spec.get("device", "cpu"), "threads": None, "enforce_eager": True, "in_process": spec.get("in_process", True),
         "max_num_seqs": spec.get("max_num_seqs", 64), "max_num_batched_tokens": spec.get("max_num_batched_tokens", 8192),
         "kv_cache_gib": spec.get("kv_cache_gib", 1.0), "num_kv_blocks": spec.get("kv_blocks"),
     })

@@ -1,0 +1,60 @@
+"""Aggregation, plots and the notebook over the committed reference results (no engine)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.aggregate import load_runs, main as aggregate_main, score_table
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "results" / "reference"
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return load_runs([REFERENCE])
+
+
+def test_one_row_per_run_and_task_with_every_config_key(frame):
+    assert frame["run_dir"].nunique() == 9  # full once + 4 policies x 2 budgets
+    assert {"policy.name", "budget", "model.name", "data.name", "block_size", "engine.device", "policy.options.n_sink"} <= set(frame.columns)
+    assert set(frame["task"]) == {"single_doc_qa", "key_retrieval", "code_completion"}
+    full = frame[frame["policy.name"] == "full"]
+    assert full["budget"].isna().all(), "full cache has no budget"
+    assert ((full["retention_pct"] == 100) | full["retention_pct"].isna()).all()
+    assert (full["throughput_vs_full"] == 1).all()
+    evicting = frame[frame["policy.name"] != "full"]
+    assert evicting["fidelity_exact_match"].notna().all(), "fidelity to full cache for every non-full run"
+    assert (evicting["kv_blocks_peak"] <= full["kv_blocks_peak"].max()).all(), "eviction never holds more KV"
+
+
+def test_score_table_is_policy_by_budget(frame):
+    table = score_table(frame)
+    assert list(table.index) == [("full", "all"), ("keydiff", "256"), ("keydiff", "512"), ("knorm", "256"),
+                                 ("knorm", "512"), ("paged", "256"), ("paged", "512"), ("streaming", "256"), ("streaming", "512")]
+    assert list(table.columns) == ["code_completion", "key_retrieval", "single_doc_qa", "average"]
+
+
+def test_cli_writes_summary_and_plots(tmp_path, capsys):
+    assert aggregate_main([str(REFERENCE), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "summary.csv").read_text().count("\n") == 9 * 3 + 1
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "Produced by `python -m harness.aggregate" in markdown and "('paged', '256')" in markdown
+    for kind in ("score_vs_budget", "throughput", "tradeoff"):
+        for ext in ("png", "pdf"):
+            assert (tmp_path / f"smollm2-135m_synthetic_{kind}.{ext}").stat().st_size > 5000
+    assert "## smollm2-135m on synthetic" in capsys.readouterr().out
+
+
+def test_notebook_runs_top_to_bottom():
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
+    os.environ["KVH_ROOT"] = str(ROOT)
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2, "the plots are drawn"

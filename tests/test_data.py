@@ -1,0 +1,92 @@
+"""Datasets: the embedded suite, LongBench-format JSONL, and LongBench's prompt rules."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness.data import DataError, load_samples, task_spec
+from harness.data import synthetic
+from harness.data.prompts import build_prompt, middle_truncate
+from harness.models import EMBEDDED_PREFIX, SMOLLM2, resolve_model_path
+
+
+def data_cfg(**values):
+    base = {"name": "x", "source": "embedded", "path": None, "tasks": None, "limit": None, "seed": 0}
+    return OmegaConf.create({**base, **values})
+
+
+def test_embedded_suite_is_deterministic_and_in_longbench_format():
+    first, again = synthetic.generate(seed=0), synthetic.generate(seed=0)
+    assert first == again and synthetic.generate(seed=1) != first
+    assert {s.task for s in first} == set(synthetic.TASKS)
+    for sample in first:
+        assert sample.answers and sample.context and sample.length == len(sample.context.split())
+        if sample.task in ("single_doc_qa", "multi_doc_qa", "key_retrieval"):
+            assert sample.answers[0] in sample.context, "the answer is stated in the context"
+    assert min(s.length for s in first) < 1000 and max(s.length for s in first) > 4000
+
+
+def test_limit_takes_the_first_samples_of_each_task():
+    samples = load_samples(data_cfg(limit=2, tasks=["key_retrieval", "code_completion"]))
+    assert [s.id for s in samples] == ["key_retrieval-0-0", "key_retrieval-0-1", "code_completion-0-0", "code_completion-0-1"]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+
+
+def test_user_jsonl_in_longbench_format(tmp_path):
+    record = {"input": "Q?", "context": "ctx", "answers": ["A"], "length": 1, "dataset": "hotpotqa", "_id": "a1",
+              "all_classes": None, "language": "en"}
+    path = tmp_path / "mine.jsonl"
+    write_jsonl(path, [record, dict(record, _id="a2"), dict(record, _id="a3")])
+    samples = load_samples(data_cfg(source="jsonl", path=str(path), limit=2))
+    assert [s.id for s in samples] == ["a1", "a2"] and samples[0].task == "hotpotqa"
+    assert task_spec("hotpotqa").metric == "qa_f1" and task_spec("gov_report_e").metric == "rouge"
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [("{not json", "mine.jsonl:2: malformed JSON"),
+     (json.dumps({"input": "q", "context": "c", "dataset": "hotpotqa"}), "mine.jsonl:2: record is missing required field(s) answers"),
+     (json.dumps({"input": "q", "context": "c", "answers": ["a"]}), "mine.jsonl:2: record has no 'dataset' field")],
+)
+def test_bad_jsonl_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "mine.jsonl"
+    good = {"input": "q", "context": "c", "answers": ["a"], "dataset": "hotpotqa"}
+    write_jsonl(path, [good, line])
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_samples(data_cfg(source="jsonl", path=str(path)))
+
+
+def test_unknown_task_lists_valid_ones():
+    with pytest.raises(DataError, match="unknown task.*nope.*valid: single_doc_qa"):
+        load_samples(data_cfg(tasks=["nope"]))
+    with pytest.raises(DataError, match="no rules for task 'mystery'"):
+        task_spec("mystery")
+
+
+def test_longbench_local_directory_layout(tmp_path):
+    record = {"input": "q", "context": "c", "answers": ["a"], "length": 5000, "dataset": "qasper_e"}
+    write_jsonl(tmp_path / "qasper_e.jsonl", [record])
+    samples = load_samples(data_cfg(source="longbench_e", path=str(tmp_path), tasks=["qasper"]))
+    assert samples[0].task == "qasper_e" and samples[0].length == 5000
+    with pytest.raises(DataError, match="hotpotqa_e.jsonl"):
+        load_samples(data_cfg(source="longbench_e", path=str(tmp_path), tasks=["hotpotqa"]))
+
+
+def test_prompt_rules_truncate_the_middle_and_skip_chat_for_code():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_PREFIX + SMOLLM2))
+    text = " ".join(f"word{i}" for i in range(3000))
+    cut = middle_truncate(text, tokenizer, 200)
+    assert cut.startswith("word0 word1") and cut.endswith("word2999")
+    assert len(tokenizer(cut, add_special_tokens=False)["input_ids"]) <= 202
+    code = [s for s in synthetic.generate(tasks=["code_completion"])][0]
+    qa = [s for s in synthetic.generate(tasks=["key_retrieval"])][0]
+    assert not build_prompt(code, task_spec(code.task), tokenizer, 7500).startswith("<|im_start|>")
+    assert build_prompt(qa, task_spec(qa.task), tokenizer, 7500).startswith("<|im_start|>system")
+    assert task_spec("samsum").stop == ("\n",) and task_spec("trec").chat is False
