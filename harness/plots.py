@@ -25,12 +25,21 @@ def _save(fig, out: Path, name: str) -> list[Path]:
     return paths
 
 
-def _budget_axis(ax) -> None:
-    """Budgets double from one setting to the next: a log axis labelled in plain tokens."""
+def _against_budget(ax, frame: pd.DataFrame, column: str, ylabel: str) -> None:
+    """One line per policy over the budget, full cache as a dashed reference, on a log-2 budget
+    axis labelled in plain tokens (budgets double from one setting to the next)."""
     from matplotlib.ticker import ScalarFormatter
 
+    for policy, group in _policies(frame):
+        ax.plot(group["budget"], group[column], marker="o", label=policy, color=STYLE.get(policy))
+    full = frame[frame["policy.name"] == "full"][column]
+    if len(full):
+        ax.axhline(full.iloc[0], linestyle="--", color="black", label="full cache")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("KV budget (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
 
 
 def _policies(frame: pd.DataFrame):
@@ -44,17 +53,8 @@ def score_vs_budget(frame: pd.DataFrame, title: str):
     rows = -(-len(tasks) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
-        subset = frame[frame["task"] == task]
-        for policy, group in _policies(subset):
-            ax.plot(group["budget"], group["score"], marker="o", label=policy, color=STYLE.get(policy))
-        full = subset[subset["policy.name"] == "full"]["score"]
-        if len(full):
-            ax.axhline(full.iloc[0], linestyle="--", color="black", label="full cache")
-        _budget_axis(ax)
+        _against_budget(ax, frame[frame["task"] == task], "score", "score (0-100)")
         ax.set_title(task)
-        ax.set_xlabel("KV budget (tokens)")
-        ax.set_ylabel("score (0-100)")
-        ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(tasks):]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
@@ -65,16 +65,8 @@ def score_vs_budget(frame: pd.DataFrame, title: str):
 
 def throughput_vs_budget(runs: pd.DataFrame, title: str):
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for policy, group in _policies(runs):
-        ax.plot(group["budget"], group["output_tokens_per_s"], marker="o", label=policy, color=STYLE.get(policy))
-    full = runs[runs["policy.name"] == "full"]["output_tokens_per_s"]
-    if len(full):
-        ax.axhline(full.iloc[0], linestyle="--", color="black", label="full cache")
-    _budget_axis(ax)
-    ax.set_xlabel("KV budget (tokens)")
-    ax.set_ylabel("output tokens / s")
+    _against_budget(ax, runs, "output_tokens_per_s", "output tokens / s")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig
 
