@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.data import DataError, check_data_config
-from harness.models import ModelNotFoundError, resolve_model_path
+from harness.models import ModelNotFoundError, kv_bytes_per_token, resolve_model_path
 from policies import REGISTRY, BudgetError, UnknownPolicyError, make_policy
 
 DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
@@ -52,6 +52,35 @@ def _validate(cfg: DictConfig) -> None:
     check_data_config(cfg.data)
     if not str(cfg.model.path).startswith("embedded:"):
         resolve_model_path(str(cfg.model.path), prepare=False)
+    check_kv_pool(cfg)
+
+
+def check_kv_pool(cfg: DictConfig) -> None:
+    """vLLM refuses to start when its KV pool cannot hold one request of ``max_model_len`` tokens;
+    say so here, in the harness's terms, before a model loads."""
+    try:
+        model_dir = resolve_model_path(str(cfg.model.path), prepare=False)
+    except ModelNotFoundError:
+        return  # not prepared yet: the engine will prepare it and vLLM checks the pool
+    per_token = kv_bytes_per_token(model_dir, str(cfg.model.dtype))
+    blocks = cfg.engine.get("num_kv_blocks")
+    gib = cfg.engine.get("kv_cache_gib")
+    if blocks is None and (gib is None or per_token is None):
+        return  # vLLM sizes the pool from free device memory
+    if blocks is None:
+        blocks = int(gib * 2**30 // (per_token * cfg.block_size))
+        source = f"engine.kv_cache_gib={gib} ({blocks} blocks of {cfg.block_size} tokens)"
+    else:
+        source = f"engine.num_kv_blocks={blocks} (of {cfg.block_size} tokens)"
+    need = -(-cfg.model.max_model_len // cfg.block_size)
+    if blocks < need:
+        hint = (f"raise engine.kv_cache_gib to at least {need * cfg.block_size * per_token / 2**30:.3f}"
+                if per_token else "raise engine.num_kv_blocks")
+        raise ConfigError(
+            f"the KV pool of {source} holds {blocks * cfg.block_size} tokens, but one request of model "
+            f"{cfg.model.name} may need max_model_len={cfg.model.max_model_len} tokens ({need} blocks): "
+            f"{hint} or lower model.max_model_len"
+        )
 
 
 def identity(cfg: DictConfig) -> dict:

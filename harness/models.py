@@ -14,6 +14,7 @@ is an error here, before any engine starts). ``python -m harness.models`` prepar
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -61,6 +62,26 @@ def resolve_model_path(path: str, prepare: bool = True) -> str:
             raise ModelNotFoundError(f"model path {path} does not exist (or is not a directory)")
         return str(local.resolve())
     return path  # a hub id: vLLM and transformers fetch it where the machine can reach the hub
+
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
+    """Bytes one token's K and V take over all layers, from a local checkpoint's config.json;
+    None when the model is not local (a hub id) or its config does not say."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if dtype == "auto":
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    try:
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[dtype]
+    except KeyError:
+        return None
 
 
 def _gguf_file() -> Path:

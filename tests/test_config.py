@@ -49,6 +49,9 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
         (["model.path=/no/such/model"], "does not exist"),
         (["policy=streaming", "+policy.options.n_sinks=2"], "no option n_sinks"),
         (["policy.name=h2o"], "valid: full, paged, streaming, knorm, keydiff"),
+        (["engine.kv_cache_gib=0.1"], "holds 2304 tokens, but one request of model smollm2-135m may need "
+                                      "max_model_len=8192 tokens (256 blocks): raise engine.kv_cache_gib to at least 0.352"),
+        (["engine.num_kv_blocks=100"], "engine.num_kv_blocks=100 (of 32 tokens) holds 3200 tokens"),
     ],
 )
 def test_bad_config_is_a_clear_error(overrides, message):
@@ -79,6 +82,7 @@ def run_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         (["engine=tpu"], "Could not find 'engine/tpu'"),
         (["policy=paged", "budget=100"], "error: budget=100 is not a multiple of block_size=32"),
         (["data=jsonl", "data.path=missing.jsonl"], "error: data.path missing.jsonl does not exist"),
+        (["engine.kv_cache_gib=0.05"], "error: the KV pool of engine.kv_cache_gib=0.05"),
     ],
 )
 def test_run_py_refuses_bad_input_without_leaving_a_run_directory(tmp_path, overrides, message):

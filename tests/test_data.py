@@ -90,3 +90,30 @@ def test_prompt_rules_truncate_the_middle_and_skip_chat_for_code():
     assert not build_prompt(code, task_spec(code.task), tokenizer, 7500).startswith("<|im_start|>")
     assert build_prompt(qa, task_spec(qa.task), tokenizer, 7500).startswith("<|im_start|>system")
     assert task_spec("samsum").stop == ("\n",) and task_spec("trec").chat is False
+
+
+def test_longbench_from_a_hub_mirror_layout(tmp_path, capsys):
+    """The hub path (datasets.load_dataset on a parquet mirror, one config per task), read from a
+    local copy laid out like Xnhyacinth/LongBench: no network needed."""
+    import pandas as pd
+
+    records = [{"input": f"q{i}", "context": "c", "answers": [f"a{i}"], "length": 1, "dataset": "hotpotqa",
+                "language": "en", "all_classes": None, "_id": f"id{i}"} for i in range(3)]
+    (tmp_path / "hotpotqa").mkdir()
+    pd.DataFrame(records).to_parquet(tmp_path / "hotpotqa" / "test-00000-of-00001.parquet")
+    (tmp_path / "README.md").write_text(
+        "---\nconfigs:\n- config_name: hotpotqa\n  data_files:\n  - split: test\n    path: hotpotqa/test-*.parquet\n---\n"
+    )
+    samples = load_samples(data_cfg(source="longbench", hub_id=str(tmp_path), tasks=["hotpotqa"], limit=2))
+    assert [(s.task, s.input, s.answers) for s in samples] == [("hotpotqa", "q0", ["a0"]), ("hotpotqa", "q1", ["a1"])]
+    assert f"longbench from {tmp_path}" in capsys.readouterr().out, "says which source is used"
+    with pytest.raises(DataError, match="could not load .* config 'qasper'.*data.path=DIR"):
+        load_samples(data_cfg(source="longbench", hub_id=str(tmp_path), tasks=["qasper"], limit=2))
+
+
+def test_the_asked_fact_is_stated_once():
+    """Retrieval tasks hide exactly one relevant sentence: evicting it loses the answer."""
+    for sample in synthetic.generate(tasks=["single_doc_qa", "key_retrieval"]):
+        answer, context = sample.answers[0], sample.context
+        first, last = context.index(answer), context.rindex(answer)
+        assert last - first < 40, f"{sample.id}: {answer!r} is stated in more than one place"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine_support import BLOCK, model_path, reference_outputs, text_prompts
+from engine_support import BLOCK, assert_same_outputs, mixed_lengths, model_path, reference_outputs, text_prompts
 from policies import make_policy
 
 pytestmark = pytest.mark.engine
@@ -77,6 +77,43 @@ def test_openai_completions_apply_eviction(server):
         served = list(pool.map(complete, prompts))
     expected = reference_outputs("tiny", make_policy("paged", 128, BLOCK), prompts, 48)
     assert served == expected
+
+
+def served_with_logprobs(client, prompt: list[int], max_tokens: int) -> tuple[list[int], list]:
+    """Output ids and, per position, the top tokens as [id, logprob] pairs."""
+    response = client.completions.create(
+        model=model_path("tiny"), prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True},
+    )
+    choice = response.choices[0]
+    top = [[[int(token.split(":", 1)[1]), logprob] for token, logprob in position.items()]
+           for position in choice.logprobs.top_logprobs]
+    return list(choice.token_ids), top
+
+
+def metric(client, name: str) -> float:
+    """A gauge from the server's Prometheus endpoint, summed over its label sets."""
+    import urllib.request
+
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_64_concurrent_requests_through_the_server(server):
+    """An OpenAI client sends 64 requests of mixed lengths at once: all complete, each equals the
+    same request sent alone, and the KV pool is empty afterwards (no block leaked)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = text_prompts("tiny", mixed_lengths(64, 40, 1500, seed=10), seed=10)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: served_with_logprobs(server, p, 32), prompts))
+    alone = [served_with_logprobs(server, p, 32) for p in prompts]
+    assert all(len(ids) == 32 for ids, _ in together)
+    as_run = lambda results: {"outputs": [r[0] for r in results], "top_logprobs": [r[1] for r in results]}  # noqa: E731
+    assert_same_outputs(as_run(alone), as_run(together))
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0.0, "every block is back in the pool"
 
 
 def test_serve_refuses_prefix_caching_with_eviction():

@@ -53,12 +53,21 @@ def load_local(directory: Path, tasks: list[str], variant: str, limit: int | Non
 
 
 def load_hub(hub_id: str, tasks: list[str], variant: str, limit: int | None) -> list[Sample]:
+    """LongBench through ``datasets`` from a parquet mirror on the hub (or a local copy of one:
+    ``hub_id`` may be a directory laid out like the mirror, one config per task)."""
     import datasets
 
+    print(f"[data] {variant} from {hub_id} (data.hub_id; data.path=DIR reads the official JSONL files instead)")
     samples = []
     for task in tasks:
         name = f"{task}_e" if variant == "longbench_e" else task
         split = "test" if limit is None else f"test[:{limit}]"
-        rows = datasets.load_dataset(hub_id, name, split=split)
+        try:
+            rows = datasets.load_dataset(hub_id, name, split=split)
+        except Exception as error:  # offline, unknown mirror, missing config: all end the same way
+            raise DataError(
+                f"could not load {hub_id} config {name!r} ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+                "give data.path=DIR with LongBench's JSONL files, or another mirror as data.hub_id"
+            ) from error
         samples += [sample_from_record(dict(row), name, f"{hub_id}/{name}#{i}") for i, row in enumerate(rows)]
     return samples

@@ -20,7 +20,6 @@ FIRST = "Ada Boris Cora Dmitri Elin Farid Greta Hugo Ines Jonas Kaia Lars Mira N
 LAST = "Abbot Brandt Castell Dorn Eskew Falk Grell Hollis Ivers Jarl Kestrel Lund Marrow Noll Orrin Pike Quill Rook Sallow Thorne Vance Wilde".split()
 CITIES = "Arlen Brisk Calder Dunmore Elsby Fairholt Glenmoor Harrowgate Islay Jesmond Kelso Larkspur Melrose Norwick Ottery Penrith Quarley Rosslyn Selby Tarland".split()
 JOBS = "baker carpenter chemist drummer engineer farmer geologist harpist illustrator jeweller librarian mason navigator optician potter".split()
-COLOURS = "amber blue crimson green indigo ivory lilac maroon olive orange silver teal violet yellow".split()
 NOUNS = "river market tower garden bridge harbour valley library orchard station meadow workshop lantern festival".split()
 ADJECTIVES = "quiet old busy narrow bright distant famous small ancient windy green crowded".split()
 VERBS = "opened closed grew changed moved flooded shone rested waited returned".split()
@@ -55,13 +54,15 @@ def people(rng: random.Random, count: int) -> list[str]:
 
 
 def single_doc_qa(rng: random.Random, words: int) -> dict:
-    """Facts about several people inside one long text; the question asks one (multifieldqa)."""
+    """One long text about several towns; a single sentence names the asked town's mayor, others
+    give other people's jobs in other towns (multifieldqa: find the one relevant field)."""
     names = people(rng, 6)
-    colours = rng.sample(COLOURS, len(names))
-    facts = [f"The favourite colour of {n} is {c}." for n, c in zip(names, colours)]
-    target = rng.randrange(len(names))
+    towns = rng.sample(CITIES, len(names))
+    facts = [f"The mayor of {towns[0]} is {names[0]}."]
+    facts += [f"{name} works as a {rng.choice(JOBS)} in {town}." for name, town in zip(names[1:], towns[1:])]
     context = " ".join(insert_at_random(rng, filler(rng, words), facts))
-    return {"context": context, "input": f"What is the favourite colour of {names[target]}?", "answers": [colours[target]]}
+    return {"context": context, "input": f"Who is the mayor of {towns[0]}? Answer with the name only.",
+            "answers": [names[0]]}
 
 
 def multi_doc_qa(rng: random.Random, words: int) -> dict:
@@ -79,13 +80,13 @@ def multi_doc_qa(rng: random.Random, words: int) -> dict:
 
 
 def key_retrieval(rng: random.Random, words: int) -> dict:
-    """Many 'code' lines; retrieve the one asked for (a needle in a haystack, scored by F1)."""
-    count = max(8, words // 12)
-    names = people(rng, min(count, len(FIRST) * len(LAST)))
-    codes = [str(rng.randrange(10000, 100000)) for _ in names]
-    lines = [f"The access code of {n} is {c}." for n, c in zip(names, codes)]
-    target = rng.randrange(len(names))
-    return {"context": "\n".join(lines), "input": f"What is the access code of {names[target]}?", "answers": [codes[target]]}
+    """A five-digit access code hidden once in a long text (a needle in a haystack, passkey style)."""
+    name = people(rng, 1)[0]
+    code = str(rng.randrange(10000, 100000))
+    needle = f"The access code of {name} is {code}. Remember it: {code}."
+    context = " ".join(insert_at_random(rng, filler(rng, words), [needle]))
+    return {"context": context, "input": f"What is the access code of {name}? Answer with the number only.",
+            "answers": [code]}
 
 
 def passage_count(rng: random.Random, words: int) -> dict:

@@ -6,7 +6,9 @@ vLLM engines do not share a process well (threads, memory), so tests and benchma
 process per engine configuration. SPEC keys: model_path, prompts (lists of token ids),
 max_new_tokens, block_size, max_model_len, and optionally eviction ({policy, budget, options}),
 kv_blocks (pool size in blocks), stock (true: vLLM without this plugin), in_process (engine core in
-this process, default true). OUT holds each request's output ids and preemptions, the free blocks
+this process, default true), top_logprobs (that many best tokens per generated position), repeats
+(generate the same batch that many times on the one engine; ``perf`` has one entry per repeat,
+the other keys describe the last), one_by_one (each prompt alone, in order, instead of one batch). OUT holds each request's output ids and preemptions, the free blocks
 before and after, and the scheduler's ledger (in-process only).
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -22,7 +25,8 @@ def run(spec: dict) -> dict:
         os.environ["VLLM_PLUGINS"] = "stock-vllm-without-plugins"  # no plugin has this name
     from omegaconf import OmegaConf
 
-    from harness.engine.llm import Engine
+    from harness.engine.llm import Engine, GenerationResult
+    from harness.perf import summarize_perf
     from harness.engine.settings import EvictionSettings
 
     eviction = EvictionSettings(**spec["eviction"]) if spec.get("eviction") else None
@@ -31,19 +35,55 @@ def run(spec: dict) -> dict:
         "device": spec.get("device", "cpu"), "threads": None, "enforce_eager": True, "in_process": spec.get("in_process", True),
         "max_num_seqs": spec.get("max_num_seqs", 64), "max_num_batched_tokens": spec.get("max_num_batched_tokens", 8192),
         "kv_cache_gib": spec.get("kv_cache_gib", 1.0), "num_kv_blocks": spec.get("kv_blocks"),
+        "gpu_memory_utilization": spec.get("gpu_memory_utilization"),
     })
     engine = Engine(spec["model_path"], model_cfg, engine_cfg, spec["block_size"], eviction=eviction)
     free_before = engine.free_blocks()
-    results = engine.generate_ids(spec["prompts"], spec["max_new_tokens"], ignore_eos=spec.get("ignore_eos", True))
     ledger = engine.ledger()
+    perf = []
+    for _ in range(spec.get("repeats", 1)):
+        if ledger is not None:
+            ledger.reset_measurements()
+        started = time.perf_counter()
+        batches = [[p] for p in spec["prompts"]] if spec.get("one_by_one") else [spec["prompts"]]
+        results = [
+            result
+            for batch in batches
+            for result in engine.generate_ids(batch, spec["max_new_tokens"], ignore_eos=spec.get("ignore_eos", True),
+                                              top_logprobs=spec.get("top_logprobs", 0))
+        ]
+        wall = time.perf_counter() - started
+        timed = [GenerationResult(text="", output_tokens=len(r["token_ids"]), finish_reason=None,
+                                  **{k: v for k, v in r.items() if k not in ("token_ids", "top_logprobs")}) for r in results]
+        perf.append(summarize_perf(timed, wall, engine.facts(), ledger.snapshot() if ledger else None))
     return {
         "outputs": [r["token_ids"] for r in results],
         "preemptions": [r["preemptions"] for r in results],
+        "top_logprobs": [r.get("top_logprobs") for r in results],
         "free_blocks_before": free_before,
         "free_blocks_after": engine.free_blocks(),
         "ledger": ledger.snapshot() if ledger else None,
         "pool_blocks": engine.facts()["kv_pool_blocks"],
+        "perf": perf,
     }
+
+
+def run_in_subprocess(spec: dict, workdir: Path, timeout_s: float = 3 * 3600) -> dict:
+    """Run ``spec`` in a fresh Python process; its stderr tail is the error if it fails."""
+    import subprocess
+    import tempfile
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+        spec_file, out_file = Path(scratch) / "spec.json", Path(scratch) / "out.json"
+        spec_file.write_text(json.dumps(spec))
+        done = subprocess.run(
+            [sys.executable, "-m", "harness.engine.batch_run", str(spec_file), str(out_file)],
+            capture_output=True, text=True, timeout=timeout_s, cwd=Path(__file__).resolve().parents[2],
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"engine process failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        return json.loads(out_file.read_text())
 
 
 def main(argv: list[str]) -> int:

@@ -116,19 +116,34 @@ class Engine:
         scheduler = self._scheduler()
         return scheduler.kv_cache_manager.block_pool.get_num_free_blocks() if scheduler else None
 
-    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True) -> list[dict]:
-        """Greedy generation from token ids: output ids and preemptions per request, in order."""
+    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,
+                     top_logprobs: int = 0) -> list[dict]:
+        """Greedy generation from token ids, in order: per request its output ids, prompt length,
+        preemptions and timings (``request_timings``).
+
+        With ``top_logprobs`` > 0 each request also carries, per generated position, the
+        ``top_logprobs`` most likely tokens as ``[token, logprob]`` pairs (best first): what tells a
+        numerical near-tie from a real disagreement when two engines' outputs differ."""
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                                logprobs=top_logprobs or None)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [
-            {
+        results = []
+        for o in outputs:
+            result = {
                 "token_ids": list(o.outputs[0].token_ids),
-                "preemptions": o.metrics.num_preemptions if o.metrics else None,
+                "prompt_tokens": len(o.prompt_token_ids or []),
+                "preemptions": None,
+                **request_timings(o.metrics, len(o.outputs[0].token_ids)),
             }
-            for o in outputs
-        ]
+            if top_logprobs:
+                result["top_logprobs"] = [
+                    sorted(([token, lp.logprob] for token, lp in position.items()), key=lambda pair: -pair[1])[:top_logprobs]
+                    for position in o.outputs[0].logprobs
+                ]
+            results.append(result)
+        return results
 
     def generate(self, prompts: list[str], max_new_tokens: list[int], stops: list[tuple[str, ...]]) -> list[GenerationResult]:
         """Greedy generation of every prompt in one batch (vLLM schedules them concurrently)."""

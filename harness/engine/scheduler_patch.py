@@ -41,6 +41,12 @@ class Ledger:
     evict_s: float = 0.0
     model_s: float = 0.0
 
+    def reset_measurements(self) -> None:
+        """Start counting afresh (between repeats of a benchmark on one engine); the live
+        requests' evicted counts are state, not measurements, and stay."""
+        fresh = Ledger(self.policy_name, evicted=self.evicted, pool_blocks=self.pool_blocks)
+        self.__dict__.update(fresh.__dict__)
+
     def snapshot(self) -> dict:
         return {
             "policy": self.policy_name,

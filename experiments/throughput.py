@@ -1,0 +1,112 @@
+"""The throughput experiment: what evicting whole blocks buys when KV memory is the limit.
+
+    python experiments/throughput.py quick      # PagedEviction b512 vs full cache and the ceiling
+    python experiments/throughput.py cpu        # every policy x budget 256/512/1024
+    python experiments/throughput.py overhead   # the plugin with eviction off vs stock vLLM
+    python experiments/throughput.py latency    # one 6k-token prompt: time per output token
+    python experiments/throughput.py paper      # the paper's workload, on an NVIDIA GPU
+
+Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
+throughput.png/pdf); cells already measured are reused unless --force. Each setting's purpose and
+measured running time on the 2-core CPU machine are in its description below.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from harness.throughput import Cell, Setting, Workload, run_setting, write_report
+
+POLICIES = ("paged", "streaming", "knorm")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def eviction_cells(policies, budgets, pool="fixed") -> tuple[Cell, ...]:
+    return tuple(Cell(policy, budget, pool) for policy in policies for budget in budgets)
+
+
+FULL_FIXED, CEILING = Cell("full", pool="fixed"), Cell("full", pool="unlimited")
+
+# CPU workloads keep the paper's shape (decode-heavy, all requests at once, more of them than the
+# pool holds at full length) at a size two cores finish in minutes.
+QUICK = Workload(requests=12, prompt_tokens=512, output_tokens=512)
+CPU = Workload(requests=12, prompt_tokens=512, output_tokens=768)
+
+SETTINGS = {
+    s.name: s
+    for s in (
+        Setting(
+            "quick",
+            "PagedEviction at budget 512 against full cache on the same fixed pool (3 requests at full "
+            "length) and full cache on a pool that holds every request (the ceiling).",
+            QUICK, (FULL_FIXED, Cell("paged", 512), CEILING), fixed_pool_requests=3,
+            baseline=FULL_FIXED, ceiling=CEILING,
+        ),
+        Setting(
+            "cpu",
+            "Every policy x budget 256/512/1024 against full cache on one fixed pool (3 requests at full "
+            "length), and the unlimited-pool ceiling.",
+            CPU, (FULL_FIXED, CEILING, *eviction_cells(POLICIES, (256, 512, 1024))), fixed_pool_requests=3,
+            baseline=FULL_FIXED, ceiling=CEILING,
+        ),
+        Setting(
+            "overhead",
+            "The patched engine with eviction switched off against stock vLLM, same workload and pool "
+            "(every request fits), three repeats each on one engine: the plugin's cost when unused.",
+            Workload(requests=12, prompt_tokens=512, output_tokens=256),
+            (Cell("full", pool="unlimited", stock=True, repeats=3), Cell("full", pool="unlimited", repeats=3)),
+            baseline=Cell("full", pool="unlimited", stock=True, repeats=3),
+        ),
+        Setting(
+            "latency",
+            "One request, a 6k-token prompt and 256 output tokens: time per output token of PagedEviction "
+            "at budget 1024 against full cache (three repeats each).",
+            Workload(requests=1, prompt_tokens=6144, output_tokens=256),
+            (Cell("full", pool="unlimited", repeats=3), Cell("paged", 1024, pool="unlimited", repeats=3)),
+            baseline=Cell("full", pool="unlimited", repeats=3),
+        ),
+        Setting(
+            "paper",
+            "The paper's throughput workload (64 requests x 1024 in x 8192 out, Llama-3.2-1B-Instruct, "
+            "block 16, eager) on one NVIDIA GPU with vLLM's default pool (90% of GPU memory).",
+            Workload(requests=64, prompt_tokens=1024, output_tokens=8192, model="meta-llama/Llama-3.2-1B-Instruct",
+                     block_size=16, dtype="bfloat16", device="cuda"),
+            (Cell("full", pool="fixed"), *eviction_cells(POLICIES + ("keydiff",), (256, 512, 1024, 2048, 4096))),
+            baseline=Cell("full", pool="fixed"), gpu_memory_utilization=0.9,
+            notes=("The fixed pool here is whatever 90% of the GPU's memory holds, as in the paper.",),
+        ),
+    )
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("setting", choices=sorted(SETTINGS), help="which workload and cells to run")
+    parser.add_argument("--out", type=Path, help="output directory (default results/throughput/<setting>)")
+    parser.add_argument("--force", action="store_true", help="rerun cells already measured")
+    args = parser.parse_args(argv)
+    setting = SETTINGS[args.setting]
+    if setting.workload.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, overhead, latency")
+    out = args.out or ROOT / "results" / "throughput" / setting.name
+    command = "python experiments/throughput.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    started = time.perf_counter()
+    try:
+        table = run_setting(setting, out, force=args.force, progress=lambda line: print(line, flush=True))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(write_report(setting, table, out, command))
+    print(f"[throughput] {setting.name}: {time.perf_counter() - started:.0f} s; written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

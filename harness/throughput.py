@@ -1,0 +1,280 @@
+"""The throughput benchmark: one workload, several engine configurations, ratios side by side.
+
+A *setting* is a workload (requests x prompt tokens x output tokens, all arriving at once, greedy,
+no early stop) and a list of *cells*: a policy and budget on a KV pool that is either *fixed*
+(sized to hold a few requests at full length, so full cache is memory-bound) or *unlimited*
+(every request fits at full length: the ceiling concurrency alone can reach). Each cell runs in
+a process of its own (``harness.engine.batch_run``) so no engine inherits another's memory or
+threads, and its result is written atomically to ``<out>/cells/<cell>.json``: an interrupted
+benchmark resumes with the cells it has not finished, a finished cell is never rerun by accident.
+
+Throughput counts output tokens over the wall time of the whole batch (engine start excluded).
+Memory comes from the scheduler's ledger: blocks really taken from and returned to vLLM's pool.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from harness.results import atomic_write_text
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    model: str = "embedded:smollm2-135m-instruct"
+    block_size: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Blocks one request holds at full length with full cache."""
+        return math.ceil(self.max_model_len / self.block_size)
+
+
+@dataclass(frozen=True)
+class Cell:
+    policy: str = "full"        # a policies.REGISTRY name, or "full"
+    budget: int | None = None
+    pool: str = "fixed"         # "fixed" | "unlimited"
+    stock: bool = False         # stock vLLM, this project's plugin not loaded
+    repeats: int = 1            # the batch generated this many times on one engine; medians reported
+
+    @property
+    def name(self) -> str:
+        what = "stock vLLM" if self.stock else self.policy if self.policy == "full" else f"{self.policy} b{self.budget}"
+        return f"{what} / {self.pool} pool"
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(" / ", "__").replace(" ", "-")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    purpose: str
+    workload: Workload
+    cells: tuple[Cell, ...]
+    fixed_pool_requests: int | None = None  # the fixed pool holds this many requests at full length
+    baseline: Cell | None = None            # ratios are against this cell ...
+    ceiling: Cell | None = None             # ... and this one
+    gpu_memory_utilization: float | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def pool_blocks(self, cell: Cell) -> int | None:
+        """Usable blocks of the cell's pool; None lets vLLM size it (GPU memory utilisation)."""
+        per_request = self.workload.blocks_per_request
+        if cell.pool == "fixed":
+            if self.fixed_pool_requests is None:
+                return None
+            return self.fixed_pool_requests * per_request
+        return self.workload.requests * per_request
+
+
+def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_path: str) -> dict:
+    """The batch_run spec of one cell."""
+    workload = setting.workload
+    spec = {
+        "model_path": model_path, "prompts": prompts, "max_new_tokens": workload.output_tokens,
+        "block_size": workload.block_size, "max_model_len": workload.max_model_len, "dtype": workload.dtype,
+        "device": workload.device, "repeats": cell.repeats, "stock": cell.stock,
+        "max_num_seqs": max(workload.requests, 1),
+        # On CPU the memory vLLM may use for KV; the pool's size itself is set in blocks below.
+        "kv_cache_gib": 4.0 if workload.device == "cpu" else None,
+    }
+    blocks = setting.pool_blocks(cell)
+    if blocks is not None:
+        spec["kv_blocks"] = blocks + 1  # vLLM keeps one null block out of the pool
+    if setting.gpu_memory_utilization is not None:
+        spec["gpu_memory_utilization"] = setting.gpu_memory_utilization
+    if cell.policy != "full":
+        spec["eviction"] = {"policy": cell.policy, "budget": cell.budget}
+    return spec
+
+
+def check_setting(setting: Setting) -> None:
+    """Refuse a setting that cannot measure what it claims, before any engine starts."""
+    from policies import make_policy
+
+    workload = setting.workload
+    for cell in setting.cells:
+        if cell.policy != "full":
+            make_policy(cell.policy, cell.budget, workload.block_size)  # budget rules, policy name
+            if cell.budget + workload.block_size >= workload.max_model_len:
+                raise ValueError(
+                    f"{setting.name}: {cell.name} never evicts (budget {cell.budget} + one block "
+                    f">= {workload.max_model_len} tokens per request)"
+                )
+        blocks = setting.pool_blocks(cell)
+        if blocks is not None and blocks < workload.blocks_per_request:
+            raise ValueError(f"{setting.name}: a {blocks}-block pool cannot hold one request of "
+                             f"{workload.blocks_per_request} blocks")
+
+
+def run_setting(setting: Setting, out: Path, force: bool = False, progress=print) -> pd.DataFrame:
+    """Run every cell not already on disk; returns the table of all cells."""
+    from harness.data.token_prompts import token_prompts
+    from harness.engine.batch_run import run_in_subprocess
+    from harness.models import resolve_model_path
+
+    check_setting(setting)
+    workload = setting.workload
+    model_path = resolve_model_path(workload.model)
+    prompts = token_prompts(model_path, [workload.prompt_tokens] * workload.requests, seed=workload.seed)
+    cells_dir = out / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for index, cell in enumerate(setting.cells, 1):
+        path = cells_dir / f"{cell.slug}.json"
+        if path.exists() and not force:
+            stored = json.loads(path.read_text())
+            if stored["workload"] == asdict(workload):
+                progress(f"[{index}/{len(setting.cells)}] {cell.name}: already measured ({path})")
+                results[cell] = stored
+                continue
+        progress(f"[{index}/{len(setting.cells)}] {cell.name}: running {workload.requests} requests "
+                 f"x {workload.prompt_tokens} in x {workload.output_tokens} out ...")
+        run = run_in_subprocess(engine_spec(setting, cell, prompts, model_path), out / "scratch")
+        stored = {"setting": setting.name, "cell": asdict(cell), "workload": asdict(workload),
+                  "pool_blocks": run["pool_blocks"] - 1, "perf": run["perf"]}  # minus vLLM's null block
+        atomic_write_text(path, json.dumps(stored, indent=1) + "\n")
+        results[cell] = stored
+        tok_s = statistics.median(p["output_tokens_per_s"] for p in run["perf"])
+        progress(f"    {tok_s:.1f} output tok/s, {median_of(run['perf'], 'wall_s'):.0f} s")
+    return cell_table(setting, results)
+
+
+def median_of(perf: list[dict], key: str, sub: str | None = None):
+    values = [p[key][sub] if sub else p[key] for p in perf]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
+    rows = []
+    for cell, stored in results.items():
+        perf = stored["perf"]
+        kv = perf[-1]["kv"] or {}
+        rows.append({
+            "cell": cell.name, "policy.name": "stock" if cell.stock else cell.policy, "budget": cell.budget,
+            "pool": cell.pool, "pool_blocks": stored["pool_blocks"], "repeats": len(perf),
+            "output_tok_s": median_of(perf, "output_tokens_per_s"), "wall_s": median_of(perf, "wall_s"),
+            "tpot_p50_ms": 1000 * (median_of(perf, "tpot_s", "p50") or math.nan),
+            "ttft_p50_s": median_of(perf, "ttft_s", "p50"), "latency_p90_s": median_of(perf, "latency_s", "p90"),
+            "running_peak": kv.get("running_requests_peak"), "blocks_used_peak": kv.get("kv_blocks_used_peak"),
+            "decode_blocks_peak": kv.get("decode_blocks_peak"), "preemptions": perf[-1]["preemptions"],
+            "evictions": sum((kv.get("evictions") or {}).values()) or 0,
+            "freed_blocks": kv.get("freed_blocks", 0),
+            "copied_prefill": (kv.get("copied_tokens") or {}).get("prefill", 0),
+            "copied_decode": (kv.get("copied_tokens") or {}).get("decode", 0),
+            "evict_share": kv.get("evict_share_of_step"),
+        })
+    table = pd.DataFrame(rows)
+    for label, cell in (("x_baseline", setting.baseline), ("x_ceiling", setting.ceiling)):
+        if cell is not None and cell in results:
+            reference = table.loc[table["cell"] == cell.name, "output_tok_s"].iloc[0]
+            table[label] = table["output_tok_s"] / reference
+    return table
+
+
+def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
+    """The targets of the performance issue, stated with the measured figures."""
+    lines = []
+    by_cell = table.set_index("cell")
+    base = setting.baseline.name if setting.baseline else None
+    ceiling = setting.ceiling.name if setting.ceiling else None
+    for cell in setting.cells:
+        if cell.policy == "full" or cell.pool != "fixed" or base not in by_cell.index:
+            continue
+        row = by_cell.loc[cell.name]
+        text = f"{cell.name}: {row['output_tok_s']:.1f} tok/s = {row['x_baseline']:.2f}x {base}"
+        if ceiling in by_cell.index:
+            text += f", {row['x_ceiling']:.2f}x {ceiling}"
+        lines.append(text)
+    paged = table[(table["policy.name"] == "paged") & table["evict_share"].notna()]
+    for _, row in paged.iterrows():
+        lines.append(f"{row['cell']}: eviction work {100 * row['evict_share']:.2f}% of model step time (target < 5%)")
+    stock = table[table["policy.name"] == "stock"]
+    off = table[(table["policy.name"] == "full") & table["pool"].isin(stock["pool"])]
+    if len(stock) and len(off):
+        change = off["output_tok_s"].iloc[0] / stock["output_tok_s"].iloc[0] - 1
+        lines.append(f"patched engine, eviction off, vs stock vLLM: {100 * change:+.2f}% output tok/s (target within 2%)")
+    if setting.name == "latency":
+        full = table[table["policy.name"] == "full"]["tpot_p50_ms"].iloc[0]
+        for _, row in table[table["policy.name"] != "full"].iterrows():
+            lines.append(f"{row['cell']}: time per output token {row['tpot_p50_ms']:.2f} ms vs full cache "
+                         f"{full:.2f} ms ({100 * (row['tpot_p50_ms'] / full - 1):+.1f}%; the paper reports -10 to -12%)")
+    return lines
+
+
+COLUMNS = {
+    "cell": "cell", "pool_blocks": "pool blocks", "output_tok_s": "out tok/s", "x_baseline": "x full (fixed)",
+    "x_ceiling": "x ceiling", "tpot_p50_ms": "TPOT p50 ms", "ttft_p50_s": "TTFT p50 s",
+    "running_peak": "running peak", "blocks_used_peak": "blocks used peak", "preemptions": "preempt",
+    "evictions": "evictions", "freed_blocks": "blocks freed", "copied_prefill": "copied (prefill)",
+    "copied_decode": "copied (decode)", "evict_share": "evict % of step",
+}
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    from tabulate import tabulate
+
+    shown = table[[c for c in COLUMNS if c in table.columns]].copy()
+    if "evict_share" in shown:
+        shown["evict_share"] = 100 * shown["evict_share"]
+    return tabulate(shown.rename(columns=COLUMNS), headers="keys", tablefmt="github", showindex=False,
+                    floatfmt=".2f", missingval="-")
+
+
+def throughput_plot(setting: Setting, table: pd.DataFrame, out: Path) -> list[Path]:
+    """Output tok/s against the budget per policy on the fixed pool, full cache (fixed pool) dashed
+    and the unlimited-pool ceiling dotted."""
+    import matplotlib.pyplot as plt
+
+    from harness.plots import _against_budget, _save
+
+    fixed = table[(table["pool"] == "fixed") & (table["policy.name"] != "stock")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _against_budget(ax, fixed, "output_tok_s", "output tokens / s")
+    if setting.ceiling and setting.ceiling.name in set(table["cell"]):
+        value = table.loc[table["cell"] == setting.ceiling.name, "output_tok_s"].iloc[0]
+        ax.axhline(value, linestyle=":", color="grey", label="full cache, unlimited pool")
+    ax.legend(fontsize=8)
+    workload = setting.workload
+    ax.set_title(f"{setting.name}: {workload.requests} x {workload.prompt_tokens} in x {workload.output_tokens} out, "
+                 f"{Path(workload.model).name}\npool for {setting.fixed_pool_requests} full requests", fontsize=9)
+    return _save(fig, out, "throughput")
+
+
+def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str) -> str:
+    lines = [f"# Throughput: {setting.name}", "", setting.purpose, "", f"Command: `{command}`", ""]
+    workload = setting.workload
+    lines.append(f"Workload: {workload.requests} requests x {workload.prompt_tokens} prompt tokens x "
+                 f"{workload.output_tokens} output tokens, {workload.model}, {workload.dtype}, block "
+                 f"{workload.block_size}, {workload.device}.")
+    if setting.fixed_pool_requests:
+        lines.append(f"Fixed pool: {setting.fixed_pool_requests * workload.blocks_per_request} blocks "
+                     f"({setting.fixed_pool_requests} requests at full length); unlimited pool: "
+                     f"{workload.requests * workload.blocks_per_request} blocks.")
+    lines += ["", markdown_table(table), "", *[f"- {line}" for line in headline(setting, table)], ""]
+    lines += [f"- {note}" for note in setting.notes]
+    report = "\n".join(lines) + "\n"
+    atomic_write_text(out / "summary.md", report)
+    atomic_write_text(out / "summary.csv", table.to_csv(index=False))
+    if len(table[table["pool"] == "fixed"]) > 1:
+        throughput_plot(setting, table, out)
+    return report

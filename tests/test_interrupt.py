@@ -1,0 +1,81 @@
+"""A sweep killed at any moment (SIGKILL, SIGTERM, SIGINT) leaves no file that looks complete, and
+running the same sweep again redoes exactly the unfinished cells: the final results equal an
+uninterrupted sweep's."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.aggregate import load_runs, score_table
+from harness.results import RUN_FILES
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.engine
+SWEEP = ["-m", "model=tiny", "policy=full,paged,streaming", "budget=256", "data.limit=1",
+         "data.tasks=[key_retrieval,passage_count]"]
+
+
+def sweep(out: Path, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *SWEEP, f"output_dir={out}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
+
+
+def cells(out: Path) -> tuple[list[Path], list[Path]]:
+    """(complete run directories, partial ones) under a sweep's output directory."""
+    found = [p for p in out.glob("tiny/synthetic/*") if p.is_dir()]
+    return [p for p in found if not p.name.endswith(".partial")], [p for p in found if p.name.endswith(".partial")]
+
+
+def scores(out: Path):
+    table = score_table(load_runs([out]))
+    return table.sort_index(axis=0).sort_index(axis=1)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    process = sweep(out)
+    output, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, output[-3000:]
+    assert len(cells(out)[0]) == 3
+    return out
+
+
+@pytest.mark.parametrize(
+    "sig, complete_before_kill",
+    [(signal.SIGKILL, 0), (signal.SIGTERM, 1), (signal.SIGINT, 2)],
+    ids=["SIGKILL-in-first-cell", "SIGTERM-in-second-cell", "SIGINT-in-third-cell"],
+)
+def test_a_killed_sweep_resumes_to_the_same_results(tmp_path, uninterrupted, sig, complete_before_kill):
+    process = sweep(tmp_path)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        complete, partial = cells(tmp_path)
+        if len(complete) == complete_before_kill and partial:
+            time.sleep(4)  # into the cell's engine start or generation
+            break
+        assert process.poll() is None, f"the sweep ended before it could be killed:\n{process.stdout.read()[-3000:]}"
+        time.sleep(0.2)
+    os.killpg(process.pid, sig)
+    process.wait(timeout=120)
+    assert process.returncode != 0
+
+    complete, partial = cells(tmp_path)
+    assert len(complete) == complete_before_kill, "the cell under way did not publish"
+    for run_dir in complete:
+        assert sorted(p.name for p in run_dir.iterdir()) == sorted(RUN_FILES), f"{run_dir} looks complete"
+
+    resumed = sweep(tmp_path)
+    output, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, output[-3000:]
+    assert output.count("[skip]") == complete_before_kill, "finished cells are not redone"
+    assert "3/3 cells done" in output
+    complete, partial = cells(tmp_path)
+    assert len(complete) == 3 and not partial, "the resumed sweep discarded the half-written cell"
+    assert scores(tmp_path).equals(scores(uninterrupted))
