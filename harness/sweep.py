@@ -36,6 +36,7 @@ class SweepProgress(Callback):
         self.work_seconds = 0.0
         self.started = self.job_started = 0.0
         self.cells: set[str] = set()
+        self.pending: set[str] = set()  # distinct run directories still to compute: what time is left for
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra import compose
@@ -45,7 +46,7 @@ class SweepProgress(Callback):
 
         params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
         cells = expand_sweep(params + list(config.hydra.overrides.task))
-        pending = set()
+        pending = self.pending
         for overrides in cells:
             cell = compose(config_name="config", overrides=overrides)
             try:
@@ -65,7 +66,10 @@ class SweepProgress(Callback):
         self.job_started = time.perf_counter()
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from harness.config import run_dir
+
         self.done += 1
+        self.pending.discard(str(run_dir(config)))
         elapsed = time.perf_counter() - self.job_started
         outcome = getattr(job_return, "_return_value", None)
         if outcome == "skipped":
@@ -73,7 +77,7 @@ class SweepProgress(Callback):
         else:
             self.work_seconds += elapsed
         computed = self.done - self.skipped
-        remaining = self.total - self.done
+        remaining = len(self.pending)  # a cell repeating a finished run (full cache per budget) costs nothing
         eta = f"~{_duration(self.work_seconds / computed * remaining)} left" if computed and remaining else ""
         print(
             f"[sweep] {self.done}/{self.total} cells done ({self.skipped} already complete) | "

@@ -93,3 +93,21 @@ def test_run_py_refuses_bad_input_without_leaving_a_run_directory(tmp_path, over
     assert not runs.exists() or not any(runs.rglob("*.json*")), "no run files on bad input"
     if "Could not find" in message:
         assert "Available options" in done.stderr
+
+
+def test_sweep_time_left_counts_only_runs_still_to_compute(capsys):
+    """Full cache at three budgets is one run: once it is done, the cells repeating it cost nothing,
+    so the estimate covers the distinct runs left, not the cells left."""
+    import time
+
+    from harness.sweep import SweepProgress
+
+    cells = [compose_cfg(f"policy={p}", f"budget={b}", "output_dir=/nonexistent")
+             for p, b in (("full", 256), ("full", 512), ("paged", 256))]
+    progress = SweepProgress()
+    progress.total, progress.pending = 3, {str(run_dir(c)) for c in cells}
+    assert len(progress.pending) == 2
+    progress.job_started = progress.started = time.perf_counter() - 60
+    progress.on_job_end(cells[0], job_return=None)
+    assert progress.pending == {str(run_dir(cells[2]))}, "the paged run is all that is left"
+    assert "1/3 cells done (0 already complete) | elapsed 1m00s ~1m00s left" in capsys.readouterr().out

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.throughput import Cell, Setting, Workload, check_setting, engine_spec, run_setting, write_report
+import pandas as pd
+
+from harness.throughput import (Cell, Setting, Workload, check_setting, engine_spec, overhead_lines, run_setting,
+                                write_report)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -32,6 +35,26 @@ def test_pools_are_sized_in_full_length_requests():
     assert engine_spec(s, Cell("full", stock=True), [[1]], "/m")["stock"] is True
 
 
+def test_a_pool_sized_at_a_budget_holds_every_request_there():
+    s = Setting("tiny", "test", TINY, (FULL, PAGED, CEILING), fixed_pool_budget=64)
+    assert s.pool_blocks(FULL) == 4 * (64 // 32 + 1) == 12, "two budget blocks and the one filling, per request"
+    assert s.fixed_pool_text() == "12 blocks: every request at budget 64 (3 blocks each), 0.8 at full length"
+    assert setting(FULL).fixed_pool_text() == "16 blocks: 1 requests at full length"
+
+
+def test_overhead_is_the_median_of_back_to_back_trials():
+    rows = [("stock", 1, 100.0), ("full", 1, 101.0), ("stock", 2, 90.0), ("full", 2, 89.1), ("stock", 3, 110.0),
+            ("full", 3, 110.0)]
+    table = pd.DataFrame([{"policy.name": p, "trial": t, "output_tok_s": v, "pool": "unlimited"} for p, t, v in rows])
+    assert overhead_lines(table) == [
+        "patched engine, eviction off, vs stock vLLM: +0.00% output tok/s (median of 3 back-to-back trials; "
+        "trials range -1.00% to +1.00%; target within 2%)"
+    ]
+    assert overhead_lines(table[table["trial"] == 1])[0].startswith(
+        "patched engine, eviction off, vs stock vLLM: +1.00% output tok/s (median of 1 back-to-back trial;")
+    assert Cell("full", trial=2).slug == "full__fixed-pool__trial-2"
+
+
 @pytest.mark.parametrize(
     "cell, message",
     [
@@ -43,6 +66,14 @@ def test_pools_are_sized_in_full_length_requests():
 def test_a_setting_that_cannot_measure_is_refused(cell, message):
     with pytest.raises(ValueError, match=message):
         check_setting(setting(FULL, cell))
+
+
+def test_ambiguous_settings_are_refused():
+    with pytest.raises(ValueError, match="not both"):
+        check_setting(Setting("tiny", "test", TINY, (FULL,), fixed_pool_requests=1, fixed_pool_budget=64))
+    with pytest.raises(ValueError, match="distinct trials"):
+        check_setting(setting(FULL, Cell("full")))
+    check_setting(setting(FULL, Cell("full", trial=2)))
 
 
 def test_every_shipped_setting_is_valid():
