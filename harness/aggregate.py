@@ -104,19 +104,39 @@ def with_budget_label(frame: pd.DataFrame) -> pd.DataFrame:
     return labelled
 
 
+def in_reading_order(table: pd.DataFrame) -> pd.DataFrame:
+    """Rows (policy, budget label): full cache first, then each policy by name, budgets ascending."""
+    def key(row):
+        policy, budget = row
+        return (policy != "full", policy, int(budget) if budget.isdigit() else -1)
+
+    return table.loc[sorted(table.index, key=key)]
+
+
 def score_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Task scores: rows policy x budget, one column per task, then the average."""
     frame = with_budget_label(frame)
     table = frame.pivot_table(index=["policy.name", "budget"], columns="task", values="score")
     table["average"] = frame.groupby(["policy.name", "budget"])["average"].first()
-    return table.round(2)
+    return in_reading_order(table.round(2))
 
 
 def system_table(frame: pd.DataFrame) -> pd.DataFrame:
-    columns = ["fidelity_exact_match", "fidelity_rougeL", "output_tokens_per_s", "throughput_vs_full",
-               "tpot_p50_s", "kv_blocks_peak", "kv_blocks_mean", "evict_share"]
+    """One row per run: what the policy kept (retention of the average score, fidelity) and what it bought."""
+    columns = ["retention_avg_pct", "fidelity_exact_match", "fidelity_rougeL", "output_tokens_per_s",
+               "throughput_vs_full", "tpot_p50_s", "kv_blocks_peak", "kv_blocks_mean", "evict_share"]
     runs = with_budget_label(frame.drop_duplicates("run_dir"))
-    return runs.set_index(["policy.name", "budget"])[columns].sort_index().round(3)
+    full_average = runs.loc[runs["policy.name"] == "full", "average"]
+    reference = full_average.iloc[0] if len(full_average) else float("nan")
+    runs["retention_avg_pct"] = 100 * runs["average"] / reference if reference else float("nan")
+    table = runs.set_index(["policy.name", "budget"])[columns].round(3)
+    table["retention_avg_pct"] = table["retention_avg_pct"].round(1)
+    return in_reading_order(table)
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    """A policy x budget table with ``policy`` and ``budget`` as plain columns (no tuple labels)."""
+    return table.reset_index().rename(columns={"policy.name": "policy"}).to_markdown(index=False)
 
 
 def to_markdown(frame: pd.DataFrame, command: str) -> str:
@@ -127,12 +147,13 @@ def to_markdown(frame: pd.DataFrame, command: str) -> str:
             "",
             "Task scores (LongBench metrics, 0-100); `average` is the unweighted mean of the task scores.",
             "",
-            score_table(group).to_markdown(),
+            markdown_table(score_table(group)),
             "",
-            "Fidelity to full cache (%), throughput (output tokens/s and ratio to full cache), "
-            "median time per output token, KV blocks in use, eviction share of step time.",
+            "Retention of the average score against full cache (%), fidelity to full cache (%), throughput "
+            "(output tokens/s and ratio to full cache), median time per output token (s), KV blocks in use "
+            "(peak, mean), eviction work as a share of step time.",
             "",
-            system_table(group).to_markdown(),
+            markdown_table(system_table(group)),
             "",
         ]
     return "\n".join([f"# Summary\n\nProduced by `{command}`\n", *parts])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.aggregate import load_runs, main as aggregate_main, score_table
+from harness.aggregate import load_runs, main as aggregate_main, score_table, system_table
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "results" / "reference"
@@ -37,11 +37,24 @@ def test_score_table_is_policy_by_budget(frame):
     assert list(table.columns) == ["code_completion", "key_retrieval", "single_doc_qa", "average"]
 
 
+def test_tables_read_full_cache_first_and_budgets_in_numeric_order():
+    cpu_sweep = load_runs([ROOT / "results" / "cpu_accuracy"])  # budgets 256, 512, 1024
+    for table in (score_table(cpu_sweep), system_table(cpu_sweep)):
+        rows = list(table.index)
+        assert rows[0] == ("full", "all")
+        assert rows[1:4] == [("keydiff", "256"), ("keydiff", "512"), ("keydiff", "1024")]
+    retention = system_table(cpu_sweep)["retention_avg_pct"]
+    averages = score_table(cpu_sweep)["average"]
+    assert retention[("full", "all")] == 100
+    for row in [("paged", "256"), ("streaming", "1024")]:
+        assert retention[row] == pytest.approx(100 * averages[row] / averages[("full", "all")], abs=0.1)
+
+
 def test_cli_writes_summary_and_plots(tmp_path, capsys):
     assert aggregate_main([str(REFERENCE), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "summary.csv").read_text().count("\n") == 9 * 3 + 1
     markdown = (tmp_path / "summary.md").read_text()
-    assert "Produced by `python -m harness.aggregate" in markdown and "('paged', '256')" in markdown
+    assert "Produced by `python -m harness.aggregate" in markdown and "| paged     | 256      |" in markdown
     for kind in ("score_vs_budget", "throughput", "tradeoff"):
         for ext in ("png", "pdf"):
             assert (tmp_path / f"smollm2-135m_synthetic_{kind}.{ext}").stat().st_size > 5000

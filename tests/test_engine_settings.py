@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness.engine import llm
-from harness.engine.kv_view import CpuAttnView, FlashAttnView, UnsupportedLayoutError, make_view
+from harness.engine.kv_view import CpuAttnView, FlashAttnView, UnsupportedLayoutError, make_view, slots
 from harness.engine.settings import EvictionSettings, check_compatible, settings_from
 
 
@@ -90,6 +90,19 @@ def test_views_write_and_read_back_token_slots(view_cls):
     read_keys, read_values = view.read(slot_blocks, slot_offsets)
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
     assert sum(int(c.count_nonzero()) for c in caches) == keys.numel() + values.numel(), "only those slots"
+
+
+@pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])
+def test_reading_a_request_by_whole_blocks_equals_reading_its_slots(view_cls):
+    """``read_prefix`` (the evictor's fast path) returns exactly the request's first tokens in order."""
+    layers, blocks, heads, block_size, dim = 3, 7, 2, 4, 8
+    view = view_cls([torch.randn(blocks, heads, block_size, 2 * dim) for _ in range(layers)])
+    block_ids, tokens = [5, 0, 3, 6], 10  # the last block is not needed for 10 tokens
+    keys, values = view.read_prefix(block_ids, tokens)
+    slot_keys, slot_values = view.read(*slots(block_ids, tokens, block_size, "cpu"))
+    assert keys.shape == (layers, tokens, heads, dim)
+    assert torch.equal(keys, slot_keys) and torch.equal(values, slot_values)
+    assert not torch.equal(keys[:, 4:8], keys[:, :4]), "different blocks read different data"
 
 
 def test_cpu_view_stores_keys_transposed_within_a_block():

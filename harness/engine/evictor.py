@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from harness.engine.kv_view import KVView
+from harness.engine.kv_view import KVView, slots
 from policies import BlockPolicy, Policy, TokenPolicy
 
 Phase = Literal["prefill", "decode"]
@@ -46,12 +46,6 @@ def phase_due(policy: Policy, prompt_len: int, computed_before: int, computed_af
     return None
 
 
-def slots(block_ids: list[int], tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    positions = torch.arange(tokens, device=device)
-    table = torch.tensor(block_ids, dtype=torch.long, device=device)
-    return table[positions // block_size], positions % block_size
-
-
 def compact(view: KVView, keys, values, kept: torch.Tensor, blocks, offsets) -> int:
     """Pack ``kept`` ([layers, heads, n] source indices) into slots 0..n-1; returns slots rewritten.
 
@@ -75,9 +69,7 @@ def compact(view: KVView, keys, values, kept: torch.Tensor, blocks, offsets) -> 
 def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase) -> Eviction:
     """Apply the policy to a request holding ``tokens`` physical tokens in ``block_ids``."""
     block_size = policy.block_size
-    device = view.layers[0].device
-    blocks, offsets = slots(block_ids, tokens, block_size, device)
-    keys, values = view.read(blocks, offsets)
+    keys, values = view.read_prefix(block_ids, tokens)
     held_blocks = cdiv(tokens, block_size)
 
     if phase == "decode" and isinstance(policy, BlockPolicy):
@@ -90,6 +82,7 @@ def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase
         kept = policy.decode_keep(keys, values)
     else:
         raise TypeError(f"{type(policy).__name__} cannot evict in {phase}")
+    blocks, offsets = slots(block_ids, tokens, block_size, keys.device)
     copied = compact(view, keys, values, kept, blocks, offsets)
     remaining = kept.shape[-1]
     dropped = tuple(range(cdiv(remaining, block_size), held_blocks))

@@ -19,14 +19,19 @@ class UnsupportedLayoutError(RuntimeError):
     pass
 
 
+def slots(block_ids: list[int], tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block id, offset)`` of a request's first ``tokens`` slots, given its blocks in order."""
+    positions = torch.arange(tokens, device=device)
+    table = torch.tensor(block_ids, dtype=torch.long, device=device)
+    return table[positions // block_size], positions % block_size
+
+
 class KVView:
     """Reads and writes the K/V of token slots ``(block id, offset)`` across all layers."""
 
-    def __init__(self, layers: list[torch.Tensor]):
+    def __init__(self, layers: list[torch.Tensor], block_size: int):
         self.layers = layers
-
-    def _key_value(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        self.block_size = block_size
 
     def read(self, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[layers, tokens, kv_heads, head_dim]`` keys and values of the given slots."""
@@ -36,6 +41,10 @@ class KVView:
             keys.append(k)
             values.append(v)
         return torch.stack(keys), torch.stack(values)
+
+    def read_prefix(self, block_ids: list[int], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``tokens`` slots of a request whose blocks are ``block_ids``, in order."""
+        return self.read(*slots(block_ids, tokens, self.block_size, self.layers[0].device))
 
     def write(self, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         for layer in range(len(self.layers)):
@@ -48,38 +57,62 @@ class KVView:
         raise NotImplementedError
 
 
-class CpuAttnView(KVView):
-    def _regions(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+class PagedView(KVView):
+    """A vLLM paged layout, seen per layer as block-major ``[blocks, block_size, heads, dim]`` views.
+
+    Backends only say how to see their cache that way (``_block_major``, no copy); reading whole
+    blocks then costs one gather per layer straight into the output, about twice as fast on CPU as
+    indexing token by token, which matters because decode eviction reads a request's whole cache.
+    """
+
+    def __init__(self, layers: list[torch.Tensor]):
+        # Both layouts keep block_size on axis 2: [blocks, kv_heads, block_size, 2*head_dim].
+        super().__init__(layers, layers[0].shape[2] if layers else 0)
+
+    def _block_major(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _gather(self, layer, blocks, offsets):
+        keys, values = self._block_major(layer)
+        return keys[blocks, offsets], values[blocks, offsets]
+
+    def _scatter(self, layer, blocks, offsets, keys, values):
+        cache_keys, cache_values = self._block_major(layer)
+        cache_keys[blocks, offsets] = keys
+        cache_values[blocks, offsets] = values
+
+    def read_prefix(self, block_ids: list[int], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first_keys, _ = self._block_major(0)
+        _, block_size, heads, dim = first_keys.shape
+        block_ids = block_ids[: -(-tokens // block_size)]
+        table = torch.tensor(block_ids, dtype=torch.long, device=first_keys.device)
+        shape = (len(self.layers), len(block_ids), block_size, heads, dim)
+        keys = torch.empty(shape, dtype=first_keys.dtype, device=first_keys.device)
+        values = torch.empty_like(keys)
+        for layer in range(len(self.layers)):
+            layer_keys, layer_values = self._block_major(layer)
+            torch.index_select(layer_keys, 0, table, out=keys[layer])
+            torch.index_select(layer_values, 0, table, out=values[layer])
+        flat = (len(self.layers), len(block_ids) * block_size, heads, dim)
+        return keys.view(flat)[:, :tokens], values.view(flat)[:, :tokens]
+
+
+class CpuAttnView(PagedView):
+    def _block_major(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.layers[layer]
         blocks, heads, block_size, two_dim = cache.shape
         dim = two_dim // 2
         halves = cache.view(blocks, heads, 2, block_size * dim)
         keys_t = halves[:, :, 0].view(blocks, heads, dim, block_size)
         values = halves[:, :, 1].view(blocks, heads, block_size, dim)
-        return keys_t, values
-
-    def _gather(self, layer, blocks, offsets):
-        keys_t, values = self._regions(layer)
-        # Advanced indices on two non-adjacent dims put the token dim first: [tokens, heads, dim].
-        return keys_t[blocks, :, :, offsets], values[blocks, :, offsets, :]
-
-    def _scatter(self, layer, blocks, offsets, keys, values):
-        keys_t, cache_values = self._regions(layer)
-        keys_t[blocks, :, :, offsets] = keys
-        cache_values[blocks, :, offsets, :] = values
+        return keys_t.permute(0, 3, 1, 2), values.permute(0, 2, 1, 3)
 
 
-class FlashAttnView(KVView):
-    def _gather(self, layer, blocks, offsets):
+class FlashAttnView(PagedView):
+    def _block_major(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.layers[layer]
         dim = cache.shape[-1] // 2
-        return cache[blocks, :, offsets, :dim], cache[blocks, :, offsets, dim:]
-
-    def _scatter(self, layer, blocks, offsets, keys, values):
-        cache = self.layers[layer]
-        dim = cache.shape[-1] // 2
-        cache[blocks, :, offsets, :dim] = keys
-        cache[blocks, :, offsets, dim:] = values
+        return cache[..., :dim].permute(0, 2, 1, 3), cache[..., dim:].permute(0, 2, 1, 3)
 
 
 def make_view(backend_name: str, layers: list[torch.Tensor], isa: str | None = None) -> KVView:

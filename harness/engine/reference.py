@@ -21,8 +21,7 @@ class DynamicCacheView(KVView):
 
     def __init__(self, cache, block_size: int):
         self.cache = cache
-        self.block_size = block_size
-        super().__init__([layer.keys for layer in cache.layers])
+        super().__init__([layer.keys for layer in cache.layers], block_size)
 
     def _index(self, blocks, offsets):
         return blocks * self.block_size + offsets
