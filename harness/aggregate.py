@@ -83,7 +83,8 @@ def load_runs(roots: list[Path]) -> pd.DataFrame:
 
 
 def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
-    """Retention (score vs full cache) and throughput ratio, per model, data and task."""
+    """Retention (score vs full cache) and throughput ratio, per model, data and task; retention of the
+    run's average score per model and data."""
     group = ["model.name", "data.name", "task"]
     full = frame[frame["policy.name"] == "full"].set_index(group)
     full_score = full["score"][~full.index.duplicated()]
@@ -94,6 +95,11 @@ def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
     frame["retention_pct"] = (100 * frame["score"] / reference_score).round(1)
     frame.loc[reference_score == 0, "retention_pct"] = None
     frame["throughput_vs_full"] = (frame["output_tokens_per_s"] / reference_speed).round(2)
+    # The same for the run's average score, per model and data (full cache's average is one number).
+    runs = full.reset_index().drop_duplicates(["model.name", "data.name"]).set_index(["model.name", "data.name"])
+    reference_average = runs["average"].reindex(pd.MultiIndex.from_frame(frame[["model.name", "data.name"]])).to_numpy()
+    frame["retention_avg_pct"] = (100 * frame["average"] / reference_average).round(1)
+    frame.loc[reference_average == 0, "retention_avg_pct"] = None
     return frame
 
 
@@ -126,12 +132,7 @@ def system_table(frame: pd.DataFrame) -> pd.DataFrame:
     columns = ["retention_avg_pct", "fidelity_exact_match", "fidelity_rougeL", "output_tokens_per_s",
                "throughput_vs_full", "tpot_p50_s", "kv_blocks_peak", "kv_blocks_mean", "evict_share"]
     runs = with_budget_label(frame.drop_duplicates("run_dir"))
-    full_average = runs.loc[runs["policy.name"] == "full", "average"]
-    reference = full_average.iloc[0] if len(full_average) else float("nan")
-    runs["retention_avg_pct"] = 100 * runs["average"] / reference if reference else float("nan")
-    table = runs.set_index(["policy.name", "budget"])[columns].round(3)
-    table["retention_avg_pct"] = table["retention_avg_pct"].round(1)
-    return in_reading_order(table)
+    return in_reading_order(runs.set_index(["policy.name", "budget"])[columns].round(3))
 
 
 def markdown_table(table: pd.DataFrame) -> str:
