@@ -10,6 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from harness.config import ConfigError
+from harness.engine.messages import EvictionNotActiveError
 from harness.experiment import run_cell
 
 
@@ -18,7 +19,7 @@ def main(cfg: DictConfig) -> str:
     try:
         status, _ = run_cell(cfg)
         return status
-    except ConfigError as error:
+    except (ConfigError, EvictionNotActiveError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
 

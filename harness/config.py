@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.data import DataError, check_data_config
 from harness.models import ModelNotFoundError, kv_bytes_per_token, resolve_model_path
-from policies import REGISTRY, BudgetError, UnknownPolicyError, make_policy
+from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
 DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
 
@@ -42,13 +42,22 @@ def _validate(cfg: DictConfig) -> None:
         )
     if cfg.policy.name not in REGISTRY:
         raise ConfigError(f"unknown policy {cfg.policy.name!r}; valid: {', '.join(REGISTRY)}")
+    # Full cache ignores the budget, but a budget no policy could use is a typo: refuse it too.
+    check_budget(cfg.budget, cfg.block_size)
     if cfg.policy.name != "full":
         make_policy(cfg.policy.name, cfg.budget, cfg.block_size, **(cfg.policy.options or {}))
-        if cfg.budget > cfg.model.max_model_len:
-            raise ConfigError(
-                f"budget={cfg.budget} is above model {cfg.model.name}'s context of "
-                f"{cfg.model.max_model_len} tokens"
-            )
+    if cfg.budget > cfg.model.max_model_len:
+        raise ConfigError(
+            f"budget={cfg.budget} is above model {cfg.model.name}'s context of "
+            f"{cfg.model.max_model_len} tokens"
+        )
+    if device == "cuda" and str(cfg.model.dtype) not in ("bfloat16", "float16"):
+        # FlashAttention (the GPU layout the harness reads) accepts only half precision; vLLM
+        # would silently pick the Triton backend for float32 (flash_attn.py:287 supported_dtypes).
+        raise ConfigError(
+            f"model.dtype={cfg.model.dtype} cannot run on the GPU engine: FlashAttention, whose KV layout "
+            "the harness reads, needs bfloat16 or float16"
+        )
     check_data_config(cfg.data)
     if not str(cfg.model.path).startswith("embedded:"):
         resolve_model_path(str(cfg.model.path), prepare=False)

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.config import full_cache_twin, run_dir, validate
 from harness.data import load_samples, task_spec
 from harness.data.prompts import build_prompt
+from harness.engine.messages import EvictionNotActiveError
 from harness.metrics.fidelity import fidelity
 from harness.metrics.report import score_run
 from harness.models import resolve_model_path
@@ -36,7 +37,7 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
     for sample in samples:
         spec = specs[sample.task]
         prompt = build_prompt(sample, spec, tokenizer, cfg.model.max_prompt_tokens)
-        length = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        length = len(prompt.token_ids)
         if length + spec.max_new_tokens > cfg.model.max_model_len:
             # LongBench's truncation keeps prompts under the limit; a user's own limit may not.
             skipped.append({"task": sample.task, "id": sample.id, "reason": f"prompt of {length} tokens "
@@ -54,7 +55,7 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
         engine = start_engine(model_path, cfg)
         started = time.perf_counter()
         results = engine.generate(
-            prompts,
+            [prompt.token_ids for prompt in prompts],
             [specs[s.task].max_new_tokens for s in kept],
             [specs[s.task].stop for s in kept],
         )
@@ -64,7 +65,7 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
             {
                 "task": sample.task,
                 "id": sample.id,
-                "prompt": prompt,
+                "prompt": prompt.text,
                 "prediction": result.text,
                 "answers": sample.answers,
                 "all_classes": sample.all_classes,
@@ -78,7 +79,8 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
         scores = score_run(rows, skipped, cfg)
         scores["fidelity"] = fidelity_to_full_cache(cfg, rows)
         ledger = engine.ledger()
-        perf = summarize_perf(results, wall, engine.facts(), ledger.snapshot() if ledger else None)
+        check_evictions_happened(cfg, rows, ledger)
+        perf = summarize_perf(results, wall, engine.facts(), ledger)
         writer.write_jsonl("predictions.jsonl", rows)
         writer.write_json("scores.json", scores)
         writer.write_json("perf.json", perf)
@@ -92,6 +94,20 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
     print(scores_table(scores, title=f"{cfg.policy.name} budget={cfg.budget} on {cfg.model.name} / {cfg.data.name}"))
     print(f"[done] {final}")
     return "done", final
+
+
+def check_evictions_happened(cfg: DictConfig, rows: list[dict], ledger: dict | None) -> None:
+    """An evicting run whose long prompts were never pruned ran stock vLLM: it is not a result."""
+    if cfg.policy.name == "full":
+        return
+    over = [row for row in rows if row["prompt_tokens"] >= cfg.budget + cfg.block_size]
+    recorded = ledger["evictions"]["prefill"] if ledger else None
+    if over and not recorded:
+        raise EvictionNotActiveError(
+            f"{len(over)} prompt(s) are longer than budget={cfg.budget} + one block, yet the engine recorded "
+            f"{'no ledger' if ledger is None else 'no prefill eviction'}: policy={cfg.policy.name} was not "
+            "running; nothing was written"
+        )
 
 
 def fidelity_to_full_cache(cfg: DictConfig, rows: list[dict]) -> dict | None:

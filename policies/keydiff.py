@@ -1,7 +1,9 @@
-"""KeyDiff (arXiv 2504.15364): keep the keys least similar to the average key.
+"""KeyDiff (arXiv 2504.15364): keep the keys least similar to the average key direction.
 
-A key close to the mean carries little that the others do not; the score is the negative cosine
-similarity of each key to the mean key of its layer and head. Attention-free, like ||V||/||K||.
+A key pointing where the others point carries little that they do not; the score is the negative
+cosine similarity of each key to the anchor, the mean of the *normalized* keys of its layer and
+KV head (as the paper defines it, and kvpress's KeyDiffPress computes it). Averaging raw keys
+instead would let a few long keys pull the anchor their way. Attention-free, like ||V||/||K||.
 Selection (per head, first and last blocks protected) is the same as the key-norm baseline's.
 """
 from __future__ import annotations
@@ -20,6 +22,6 @@ class KeyDiff(ScoredTokenPolicy):
     name: ClassVar[str] = "keydiff"
 
     def scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        keys = keys.float()
-        anchor = keys.mean(dim=1, keepdim=True)
-        return -F.cosine_similarity(keys, anchor, dim=-1).permute(0, 2, 1)
+        directions = F.normalize(keys.float(), dim=-1)
+        anchor = directions.mean(dim=1, keepdim=True)
+        return -F.cosine_similarity(directions, anchor, dim=-1).permute(0, 2, 1)

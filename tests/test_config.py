@@ -52,6 +52,9 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
         (["engine.kv_cache_gib=0.1"], "holds 2304 tokens, but one request of model smollm2-135m may need "
                                       "max_model_len=8192 tokens (256 blocks): raise engine.kv_cache_gib to at least 0.352"),
         (["engine.num_kv_blocks=100"], "engine.num_kv_blocks=100 (of 32 tokens) holds 3200 tokens"),
+        (["policy=full", "budget=-5"], "budget=-5 is below two blocks"),
+        (["policy=full", "budget=1000000"], "budget=1000000 is above model smollm2-135m's context"),
+        (["engine=gpu", "model=tiny"], "model.dtype=float32 cannot run on the GPU engine"),
     ],
 )
 def test_bad_config_is_a_clear_error(overrides, message):

@@ -87,9 +87,44 @@ def test_prompt_rules_truncate_the_middle_and_skip_chat_for_code():
     assert len(tokenizer(cut, add_special_tokens=False)["input_ids"]) <= 202
     code = [s for s in synthetic.generate(tasks=["code_completion"])][0]
     qa = [s for s in synthetic.generate(tasks=["key_retrieval"])][0]
-    assert not build_prompt(code, task_spec(code.task), tokenizer, 7500).startswith("<|im_start|>")
-    assert build_prompt(qa, task_spec(qa.task), tokenizer, 7500).startswith("<|im_start|>system")
+    assert not build_prompt(code, task_spec(code.task), tokenizer, 7500).text.startswith("<|im_start|>")
+    assert build_prompt(qa, task_spec(qa.task), tokenizer, 7500).text.startswith("<|im_start|>system")
     assert task_spec("samsum").stop == ("\n",) and task_spec("trec").chat is False
+
+
+def bos_writing_tokenizer(directory):
+    """The embedded tokenizer turned Llama-3-like: it adds a BOS to any text it encodes, and its
+    chat template writes the BOS itself (as ``<|begin_of_text|>`` does in Llama-3's template)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_PREFIX + SMOLLM2))
+    bos = "<|endoftext|>"
+    bos_id = tokenizer.convert_tokens_to_ids(bos)
+    tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+    tokenizer.bos_token = bos
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.save_pretrained(directory)
+    return AutoTokenizer.from_pretrained(directory), bos_id
+
+
+def test_prompt_ids_carry_exactly_the_special_tokens_the_template_wrote(tmp_path):
+    """A template that writes BOS, and a tokenizer that adds one to text: rendering to text and
+    letting the engine tokenize it (vLLM's text path) starts with BOS twice; the ids the harness
+    sends start with it once. A plain (non-chat) prompt gets the tokenizer's BOS, once."""
+    tokenizer, bos_id = bos_writing_tokenizer(tmp_path)
+    qa = synthetic.generate(tasks=["key_retrieval"])[0]
+    prompt = build_prompt(qa, task_spec(qa.task), tokenizer, 7500)
+    assert tokenizer(prompt.text)["input_ids"][:2] == [bos_id, bos_id], "what vLLM would see from text"
+    assert prompt.token_ids[0] == bos_id and prompt.token_ids[1] != bos_id
+    assert prompt.token_ids.count(bos_id) == 1
+    code = synthetic.generate(tasks=["code_completion"])[0]
+    plain = build_prompt(code, task_spec(code.task), tokenizer, 7500)
+    assert plain.token_ids[0] == bos_id and plain.token_ids.count(bos_id) == 1
+    assert tokenizer.decode(plain.token_ids, skip_special_tokens=True) == plain.text
 
 
 def test_longbench_from_a_hub_mirror_layout(tmp_path, capsys):

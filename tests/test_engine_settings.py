@@ -8,17 +8,18 @@ import torch
 
 from harness.engine import llm
 from harness.engine.kv_view import CpuAttnView, FlashAttnView, UnsupportedLayoutError, make_view, slots
-from harness.engine.settings import EvictionSettings, check_compatible, settings_from
+from harness.engine.messages import EvictionNotActiveError, EvictionPlan, required
+from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, check_compatible, settings_from
 
 
 def vllm_config(**changes):
     config = SimpleNamespace(
         additional_config={"kv_eviction": {"policy": "paged", "budget": 512}},
-        cache_config=SimpleNamespace(enable_prefix_caching=False),
+        cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         speculative_config=None,
         use_v2_model_runner=False,
-        scheduler_config=SimpleNamespace(async_scheduling=False),
+        scheduler_config=SimpleNamespace(async_scheduling=False, scheduler_cls=SCHEDULER_CLS),
     )
     for path, value in changes.items():
         target = config
@@ -53,6 +54,10 @@ def test_bad_settings_are_refused(raw, message):
         ({"speculative_config": object()}, "speculative decoding"),
         ({"use_v2_model_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
         ({"scheduler_config.async_scheduling": True}, "--no-async-scheduling"),
+        ({"scheduler_config.scheduler_cls": None}, "--scheduler-cls harness.engine.scheduler.EvictionScheduler"),
+        ({"scheduler_config.scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "needs its scheduler"),
+        ({"cache_config.cache_dtype": "fp8_e4m3"}, "cannot read a fp8_e4m3 KV cache"),
+        ({"cache_config.cache_dtype": "fp8"}, "supported kv_cache_dtype: auto, float16, bfloat16"),
     ],
 )
 def test_incompatible_engines_are_refused_with_the_reason(change, message):
@@ -72,10 +77,34 @@ def test_other_vllm_versions_are_refused(monkeypatch):
 def test_unreadable_layouts_are_refused():
     with pytest.raises(UnsupportedLayoutError, match="'amx'"):
         make_view("CPU_ATTN", [], isa="amx")
-    with pytest.raises(UnsupportedLayoutError, match="not supported for eviction"):
+    with pytest.raises(UnsupportedLayoutError, match="TRITON_ATTN is not supported.*use dtype bfloat16"):
         make_view("TRITON_ATTN", [])
     assert isinstance(make_view("CPU_ATTN", [], isa="vec"), CpuAttnView)
-    assert isinstance(make_view("FLASH_ATTN", [torch.zeros(2, 1, 16, 8)]), FlashAttnView)
+    assert isinstance(make_view("FLASH_ATTN", [torch.zeros(2, 1, 16, 8, dtype=torch.bfloat16)]), FlashAttnView)
+
+
+@pytest.mark.parametrize("name", ["FLASH_ATTN_MLA", "FLASH_ATTN_DIFFKV", "FLASH_ATTN_MLA_SPARSE", "FLASHINFER", "ROCM_AITER_FA"])
+def test_backends_are_matched_by_exact_name(name):
+    """Names that merely start like FLASH_ATTN lay K/V out differently (MLA latents, split K/V)."""
+    with pytest.raises(UnsupportedLayoutError, match=f"{name} is not supported for eviction; supported: CPU_ATTN"):
+        make_view(name, [torch.zeros(2, 1, 16, 8, dtype=torch.bfloat16)])
+
+
+def test_flash_attention_caches_must_be_half_precision():
+    with pytest.raises(UnsupportedLayoutError, match="FLASH_ATTN KV cache of dtype torch.float32 cannot be read"):
+        make_view("FLASH_ATTN", [torch.zeros(2, 1, 16, 8)])
+
+
+def test_each_side_requires_the_others_message():
+    """A worker whose scheduler is stock vLLM (no plan), or a scheduler whose worker was never
+    patched (no report), stops with the reason; mismatched settings too."""
+    holder = SimpleNamespace()
+    with pytest.raises(EvictionNotActiveError, match="paged budget=256 is configured but the scheduler sent no"):
+        required(holder, "kv_eviction_plan", ("paged", 256), "scheduler", "pass --scheduler-cls")
+    holder.kv_eviction_plan = EvictionPlan("paged", 512)
+    with pytest.raises(EvictionNotActiveError, match="runs eviction paged budget=512 but this side .* budget=256"):
+        required(holder, "kv_eviction_plan", ("paged", 256), "scheduler", "")
+    assert required(holder, "kv_eviction_plan", ("paged", 512), "scheduler", "") is holder.kv_eviction_plan
 
 
 @pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])

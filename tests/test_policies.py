@@ -163,6 +163,20 @@ def test_keydiff_keeps_keys_least_similar_to_mean():
     assert middle == outliers
 
 
+def test_keydiff_anchor_is_the_mean_of_normalized_keys():
+    """Twelve short keys point along e0, four very long ones along e1. The mean of the raw keys
+    points along e1 (it would evict the long keys as "typical"); the mean of the normalized keys
+    points mostly along e0, so the published KeyDiff keeps the four long, distinct keys."""
+    tokens, long_keys = 16, [5, 6, 8, 9]
+    keys = torch.zeros(LAYERS, tokens, HEADS, DIM)
+    keys[..., 0] = 0.1
+    keys[:, long_keys, :, 0] = 0.0
+    keys[:, long_keys, :, 1] = 100.0
+    kept = make_policy("keydiff", budget=12, block_size=B).decode_keep(keys, torch.ones_like(keys))
+    assert kept[0, 0, 4:8].tolist() == long_keys
+    assert (kept == kept[0, 0]).all()
+
+
 def test_shared_selection_is_identical_for_every_layer_and_head():
     kept = make_policy("knorm", budget=8, block_size=B, per_head=False).prefill_keep(*kv(21))
     assert (kept == kept[0, 0]).all()

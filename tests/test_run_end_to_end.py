@@ -37,6 +37,13 @@ def test_run_writes_the_four_files(full_run):
         assert row["prompt"] and row["answers"] and row["prompt_tokens"] > 500
         assert 0 < row["output_tokens"] <= 24
     assert rows[0]["prompt"].startswith("<|im_start|>system"), "QA tasks get the chat template"
+    from transformers import AutoTokenizer
+
+    from harness.models import EMBEDDED_PREFIX, resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_PREFIX + "smollm2-135m-instruct"))
+    chat_ids = tokenizer(rows[0]["prompt"], add_special_tokens=False)["input_ids"]
+    assert rows[0]["prompt_tokens"] == len(chat_ids), "the engine saw the template's tokens, nothing added"
     assert not rows[1]["prompt"].startswith("<|im_start|>"), "code completion does not (LongBench rule)"
 
     scores = json.loads((run_dir / "scores.json").read_text())

@@ -8,8 +8,9 @@ max_new_tokens, block_size, max_model_len, and optionally eviction ({policy, bud
 kv_blocks (pool size in blocks), stock (true: vLLM without this plugin), in_process (engine core in
 this process, default true), top_logprobs (that many best tokens per generated position), repeats
 (generate the same batch that many times on the one engine; ``perf`` has one entry per repeat,
-the other keys describe the last), one_by_one (each prompt alone, in order, instead of one batch). OUT holds each request's output ids and preemptions, the free blocks
-before and after, and the scheduler's ledger (in-process only).
+the other keys describe the last), one_by_one (each prompt alone, in order, instead of one batch).
+OUT holds each request's output ids and preemptions, the free blocks before and after, and the
+scheduler's ledger (null for stock vLLM).
 """
 from __future__ import annotations
 
@@ -37,13 +38,12 @@ def run(spec: dict) -> dict:
         "kv_cache_gib": spec.get("kv_cache_gib", 1.0), "num_kv_blocks": spec.get("kv_blocks"),
         "gpu_memory_utilization": spec.get("gpu_memory_utilization"),
     })
-    engine = Engine(spec["model_path"], model_cfg, engine_cfg, spec["block_size"], eviction=eviction)
+    engine = Engine(spec["model_path"], model_cfg, engine_cfg, spec["block_size"], eviction=eviction,
+                    stock=bool(spec.get("stock")))
     free_before = engine.free_blocks()
-    ledger = engine.ledger()
     perf = []
     for _ in range(spec.get("repeats", 1)):
-        if ledger is not None:
-            ledger.reset_measurements()
+        engine.ledger(reset=True)
         started = time.perf_counter()
         batches = [[p] for p in spec["prompts"]] if spec.get("one_by_one") else [spec["prompts"]]
         results = [
@@ -55,14 +55,15 @@ def run(spec: dict) -> dict:
         wall = time.perf_counter() - started
         timed = [GenerationResult(text="", output_tokens=len(r["token_ids"]), finish_reason=None,
                                   **{k: v for k, v in r.items() if k not in ("token_ids", "top_logprobs")}) for r in results]
-        perf.append(summarize_perf(timed, wall, engine.facts(), ledger.snapshot() if ledger else None))
+        ledger = engine.ledger()
+        perf.append(summarize_perf(timed, wall, engine.facts(), ledger))
     return {
         "outputs": [r["token_ids"] for r in results],
         "preemptions": [r["preemptions"] for r in results],
         "top_logprobs": [r.get("top_logprobs") for r in results],
         "free_blocks_before": free_before,
         "free_blocks_after": engine.free_blocks(),
-        "ledger": ledger.snapshot() if ledger else None,
+        "ledger": ledger,
         "pool_blocks": engine.facts()["kv_pool_blocks"],
         "perf": perf,
     }

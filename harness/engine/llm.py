@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from harness.engine.settings import EvictionSettings
+from harness.engine.messages import EvictionNotActiveError
+from harness.engine.settings import SCHEDULER_CLS, EvictionSettings
+
+WORKER_EXTENSION_CLS = "harness.engine.worker_extension.EvictionWorkerExtension"
 
 VLLM_VERSION = "0.32.0"
 
@@ -55,10 +58,16 @@ def check_vllm_version() -> str:
 
 
 class Engine:
-    """One vLLM ``LLM`` for a whole run: ~30 s to start on CPU, so it is built once and reused."""
+    """One vLLM ``LLM`` for a whole run: ~30 s to start on CPU, so it is built once and reused.
+
+    Unless ``stock``, vLLM gets the eviction scheduler and worker extension through its own hooks
+    (``scheduler_cls``, ``worker_extension_cls``); with eviction asked for, the engine is checked
+    to really run it before it is handed out (``verify_eviction``)."""
 
     def __init__(self, model_path: str, model_cfg, engine_cfg, block_size: int, seed: int = 0,
-                 eviction: "EvictionSettings | None" = None):
+                 eviction: "EvictionSettings | None" = None, stock: bool = False):
+        if stock and eviction is not None:
+            raise ValueError("stock vLLM cannot evict")
         configure_environment(engine_cfg)
         self.vllm_version = check_vllm_version()
         from vllm import LLM
@@ -78,6 +87,9 @@ class Engine:
             # A step's evictions must reach the next schedule() (CPU forces this off anyway).
             async_scheduling=False,
         )
+        if not stock:
+            kwargs["scheduler_cls"] = SCHEDULER_CLS
+            kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
         if eviction is not None:
             kwargs["additional_config"] = eviction.as_additional_config()
         if engine_cfg.get("kv_cache_gib") is not None:
@@ -89,6 +101,8 @@ class Engine:
         self.llm = LLM(**kwargs)
         self.device = engine_cfg.device
         self.dtype = model_cfg.dtype
+        if eviction is not None:
+            self.verify_eviction(eviction)
 
     def facts(self) -> dict:
         """What a reader needs to compare this run's speed with another's."""
@@ -103,18 +117,56 @@ class Engine:
             "kv_pool_bytes": cache.kv_cache_memory_bytes,
         }
 
-    def _scheduler(self):
-        """The in-process scheduler; None when the engine core runs in its own process."""
-        core = getattr(self.llm.llm_engine, "engine_core", None)
-        return getattr(getattr(core, "engine_core", None), "scheduler", None)
+    def _core_state(self, reset: bool = False) -> dict | None:
+        """The scheduler's eviction state (settings, ledger, free blocks), read in-process or
+        through an engine-core utility call when the core runs in its own process; None when
+        the engine core has no eviction scheduler or plugin."""
+        from vllm.v1.engine.core_client import InprocClient
 
-    def ledger(self):
-        """The scheduler's eviction and memory ledger (see scheduler_patch), if readable here."""
-        return getattr(self._scheduler(), "kv_ledger", None)
+        client = self.llm.llm_engine.engine_core
+        if isinstance(client, InprocClient):
+            method = getattr(client.engine_core, "kv_eviction_state", None)
+            return method(reset) if method is not None else None
+        try:
+            return client.call_utility("kv_eviction_state", reset)
+        except Exception:  # the utility does not exist in that process: the plugin did not load there
+            return None
+
+    def verify_eviction(self, wanted: EvictionSettings) -> None:
+        """Stop, with one line, unless the scheduler and every worker run exactly ``wanted``."""
+        expected = {"policy": wanted.policy, "budget": wanted.budget, "options": dict(wanted.options)}
+        problems = []
+        state = self._core_state()
+        if state is None:
+            problems.append("the engine core cannot report its eviction state (the kv_eviction vLLM plugin "
+                            "did not load there; check VLLM_PLUGINS)")
+        elif state["settings"] != expected:
+            problems.append(f"the scheduler runs {state['settings']}")
+        try:
+            workers = self.llm.collective_rpc("kv_eviction_status")
+        except Exception as error:
+            workers, _ = [], problems.append(f"the workers cannot report their eviction state ({error})")
+        for status in workers:
+            if not status["runner_patched"]:
+                problems.append("the worker's model runner is not patched (the kv_eviction vLLM plugin did not "
+                                "load in the worker; check VLLM_PLUGINS)")
+            elif status["settings"] != expected:
+                problems.append(f"a worker runs {status['settings']}")
+        if problems:
+            raise EvictionNotActiveError(
+                f"eviction policy={wanted.policy} budget={wanted.budget} was asked for but is not active in "
+                f"the engine: {'; '.join(problems)}"
+            )
+
+    def ledger(self, reset: bool = False) -> dict | None:
+        """The scheduler's eviction and memory ledger (see ``harness.engine.scheduler``), in either
+        engine-core mode; ``reset`` starts its measurements afresh (repeats on one engine)."""
+        state = self._core_state(reset)
+        return state["ledger"] if state else None
 
     def free_blocks(self) -> int | None:
-        scheduler = self._scheduler()
-        return scheduler.kv_cache_manager.block_pool.get_num_free_blocks() if scheduler else None
+        state = self._core_state()
+        return state["free_blocks"] if state else None
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,
                      top_logprobs: int = 0) -> list[dict]:
@@ -145,15 +197,16 @@ class Engine:
             results.append(result)
         return results
 
-    def generate(self, prompts: list[str], max_new_tokens: list[int], stops: list[tuple[str, ...]]) -> list[GenerationResult]:
-        """Greedy generation of every prompt in one batch (vLLM schedules them concurrently)."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], stops: list[tuple[str, ...]]) -> list[GenerationResult]:
+        """Greedy generation of every prompt (token ids) in one batch (vLLM schedules them
+        concurrently). ``prompt_tokens`` of each result is the count the engine itself saw."""
         from vllm import SamplingParams
 
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, stop=list(stop) or None)
             for n, stop in zip(max_new_tokens, stops)
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=True)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=True)
         results = []
         for output in outputs:
             completion = output.outputs[0]
@@ -188,6 +241,8 @@ def request_timings(metrics, output_tokens: int) -> dict:
 
 
 def start_engine(model_path: str, cfg) -> Engine:
+    """The engine a harness config asks for; raises ``EvictionNotActiveError`` if it asks for an
+    evicting policy that the engine does not run."""
     eviction = None
     if cfg.policy.name != "full":
         eviction = EvictionSettings(cfg.policy.name, cfg.budget, dict(cfg.policy.get("options") or {}))

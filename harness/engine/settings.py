@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from policies import Policy, make_policy
 
 CONFIG_KEY = "kv_eviction"
+# vLLM's scheduler hook (--scheduler-cls / scheduler_cls) must name this class when eviction is on.
+SCHEDULER_CLS = "harness.engine.scheduler.EvictionScheduler"
+# KV cache dtypes whose K/V the harness reads and copies exactly ("auto" = the model's dtype).
+# fp8 caches hold scaled 8-bit values: scores would need the scales, so they are refused.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -40,9 +45,26 @@ def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
     return make_policy(settings.policy, settings.budget, block_size, **settings.options)
 
 
+def uses_eviction_scheduler(scheduler_cls) -> bool:
+    """Whether vLLM's ``scheduler_cls`` setting (a dotted name or a class) is the eviction scheduler."""
+    if isinstance(scheduler_cls, str):
+        return scheduler_cls == SCHEDULER_CLS
+    return any(f"{c.__module__}.{c.__qualname__}" == SCHEDULER_CLS for c in getattr(scheduler_cls, "__mro__", ()))
+
+
 def check_compatible(vllm_config) -> None:
     """Engine features eviction cannot coexist with, refused with the reason (before serving)."""
     cache = vllm_config.cache_config
+    if not uses_eviction_scheduler(vllm_config.scheduler_config.scheduler_cls):
+        raise ValueError(
+            f"KV eviction needs its scheduler, got scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r}: "
+            f"pass --scheduler-cls {SCHEDULER_CLS} (LLM(scheduler_cls=...) in Python)"
+        )
+    if str(cache.cache_dtype) not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"KV eviction cannot read a {cache.cache_dtype} KV cache (scaled 8-bit values); "
+            f"supported kv_cache_dtype: {', '.join(KV_CACHE_DTYPES)}"
+        )
     if cache.enable_prefix_caching:
         raise ValueError(
             "KV eviction cannot run with prefix caching: compacted or evicted blocks no longer hold "

@@ -1,16 +1,22 @@
 """Worker side of eviction (model runner): physical inputs, and the evictions themselves.
 
+* When the KV cache is initialised, an engine configured to evict checks what it is about to
+  read: the attention backend by exact name, its kernels and the cache dtype (``kv_view``), the
+  scheduler hook and engine features (``settings.check_compatible``). A run it cannot serve stops
+  at start, not at its first eviction.
 * After vLLM prepares a step's inputs, attention ``seq_lens`` / ``max_seq_len`` and the slot
-  mapping become physical (logical minus the request's evicted tokens, as the scheduler sent it).
-  RoPE positions, input-id gathering and the sampled-token discard mask stay logical.
+  mapping become physical (logical minus the request's evicted tokens, from the scheduler's
+  ``EvictionPlan``). RoPE positions, input-id gathering and the sampled-token discard mask stay
+  logical.
 * After a step has written its K/V and sampled, each request whose prompt just completed past the
   budget, or whose newest block just filled past it, is handed to the evictor; the request's block
-  list and its row in the persistent block table lose the emptied blocks, and the step's output
-  tells the scheduler which blocks to return to the pool.
+  list and its row in the persistent block table lose the emptied blocks, and the step's
+  ``EvictionReport`` tells the scheduler which blocks to return to the pool.
 
-``CPUModelRunner`` subclasses ``GPUModelRunner``: one patch serves CPU and GPU (the V1 runner;
-vLLM 0.32's Model Runner V2 builds positions and seq_lens in one Triton kernel and is not used
-when eviction is on, see ``harness.engine.llm``).
+vLLM offers no hook around input preparation, so these three runner methods are wrapped (the one
+global patch the harness installs, from its general plugin). ``CPUModelRunner`` subclasses
+``GPUModelRunner``: one patch serves CPU and GPU (the V1 runner; vLLM 0.32's Model Runner V2
+builds positions and seq_lens in one Triton kernel and is refused, see ``settings``).
 """
 from __future__ import annotations
 
@@ -22,42 +28,61 @@ import torch
 
 from harness.engine.evictor import evict, phase_due
 from harness.engine.kv_view import KVView, make_view
-from harness.engine.settings import build_policy, settings_from
+from harness.engine.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport, attach, required
+from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, build_policy, check_compatible, settings_from
 
 
 class WorkerEviction:
-    """A runner's eviction state: its policy and, once the KV cache exists, a view of it."""
+    """A runner's eviction settings, its policy and a view of its KV cache."""
 
-    def __init__(self, runner, policy):
-        self.runner = runner
-        self.policy = policy
-        self._view: KVView | None = None
+    def __init__(self, runner, settings: EvictionSettings):
+        self.settings = settings
+        self.policy = build_policy(settings, runner.cache_config.block_size)
+        self.view: KVView = kv_view_of(runner, self.policy.block_size)
+        self.device = runner.device
 
     @property
-    def view(self) -> KVView:
-        if self._view is None:
-            groups = self.runner.attn_groups
-            group = groups[0][0]
-            if group.kernel_block_size not in (None, self.policy.block_size):
-                raise RuntimeError("eviction needs kernel blocks equal to KV manager blocks")
-            context = self.runner.compilation_config.static_forward_context
-            isa = getattr(context[group.layer_names[0]], "isa", None)
-            self._view = make_view(group.backend.get_name(), list(self.runner.kv_caches), isa)
-        return self._view
+    def expected(self) -> tuple[str, int]:
+        return self.settings.policy, self.settings.budget
+
+    def synchronize(self) -> None:
+        """Timings of GPU work mean something only once the queued kernels have run."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def kv_view_of(runner, block_size: int) -> KVView:
+    groups = runner.attn_groups
+    if len(groups) != 1 or len(groups[0]) != 1:
+        raise ValueError(f"KV eviction supports one attention group; this model has {sum(map(len, groups))}")
+    group = groups[0][0]
+    if group.kernel_block_size not in (None, block_size):
+        raise ValueError("KV eviction needs kernel blocks equal to the KV manager's blocks")
+    # CPU_ATTN's metadata builder sets ``layer.isa`` on every attention layer
+    # (vllm/v1/attention/backends/cpu_attn.py:169-176); other backends have none.
+    context = runner.compilation_config.static_forward_context
+    isa = getattr(context[group.layer_names[0]], "isa", None)
+    return make_view(group.backend.get_name(), list(runner.kv_caches), isa)
+
+
+def attach_eviction_state(runner) -> None:
+    """Called once the KV cache exists: eviction state for this runner, or None when off."""
+    settings = settings_from(runner.vllm_config)
+    runner._kv_eviction = None
+    if settings is not None:
+        check_compatible(runner.vllm_config)
+        runner._kv_eviction = WorkerEviction(runner, settings)
 
 
 def eviction_state(runner) -> WorkerEviction | None:
-    if not hasattr(runner, "_kv_eviction"):
-        settings = settings_from(runner.vllm_config)
-        runner._kv_eviction = (
-            WorkerEviction(runner, build_policy(settings, runner.cache_config.block_size)) if settings else None
-        )
-    return runner._kv_eviction
+    return runner.__dict__.get("_kv_eviction")
 
 
-def to_physical(runner, scheduler_output) -> None:
+def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
     """Make this step's attention lengths and KV write slots physical."""
-    evicted = getattr(scheduler_output, "kv_evicted_tokens", None)
+    plan = required(scheduler_output, PLAN_ATTRIBUTE, state.expected, "scheduler",
+                    f"vLLM's own scheduler is running; pass --scheduler-cls {SCHEDULER_CLS}")
+    evicted = plan.evicted_tokens
     if not evicted:
         return
     batch = runner.input_batch
@@ -77,7 +102,7 @@ def to_physical(runner, scheduler_output) -> None:
 
 def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
     """Run the evictions this step calls for; returns ``{request_id: Eviction}``."""
-    evicted = getattr(scheduler_output, "kv_evicted_tokens", None) or {}
+    evicted = scheduler_output.__dict__[PLAN_ATTRIBUTE].evicted_tokens
     batch = runner.input_batch
     report = {}
     for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -110,21 +135,28 @@ def install() -> None:
         return
     GPUModelRunner._kv_eviction_installed = True
 
+    original_init_cache = GPUModelRunner.initialize_kv_cache
+
+    @functools.wraps(original_init_cache)
+    def initialize_kv_cache(self, *args, **kwargs):
+        original_init_cache(self, *args, **kwargs)
+        attach_eviction_state(self)
+
     original_prepare = GPUModelRunner._prepare_inputs
 
     @functools.wraps(original_prepare)
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         result = original_prepare(self, scheduler_output, *args, **kwargs)
-        if eviction_state(self) is not None:
-            to_physical(self, scheduler_output)
+        state = eviction_state(self)
+        if state is not None:
+            to_physical(self, state, scheduler_output)
         return result
 
     original_execute = GPUModelRunner.execute_model
 
     @functools.wraps(original_execute)
     def execute_model(self, scheduler_output, *args, **kwargs):
-        started = time.perf_counter()
-        self._kv_step = (scheduler_output, started)
+        self._kv_step = (scheduler_output, time.perf_counter())
         return original_execute(self, scheduler_output, *args, **kwargs)
 
     original_sample = GPUModelRunner.sample_tokens
@@ -132,22 +164,23 @@ def install() -> None:
     @functools.wraps(original_sample)
     def sample_tokens(self, *args, **kwargs):
         output = original_sample(self, *args, **kwargs)
-        step = getattr(self, "_kv_step", None)
-        self._kv_step = None
-        if step is None or not isinstance(output, ModelRunnerOutput) or not output.req_ids:
+        step, self._kv_step = self.__dict__.get("_kv_step"), None
+        state = eviction_state(self)
+        if state is None or step is None or not isinstance(output, ModelRunnerOutput) or not output.req_ids:
             return output
         scheduler_output, started = step
+        state.synchronize()
         evict_started = time.perf_counter()
-        state = eviction_state(self)
-        if state is not None:
-            report = evict_after_step(self, state, scheduler_output)
-            if report:
-                output.kv_evictions = report
+        evictions = evict_after_step(self, state, scheduler_output)
+        state.synchronize()
         finished = time.perf_counter()
-        output.kv_model_s = evict_started - started
-        output.kv_evict_s = finished - evict_started
+        attach(output, REPORT_ATTRIBUTE, EvictionReport(
+            state.settings.policy, state.settings.budget, evictions,
+            model_s=evict_started - started, evict_s=finished - evict_started,
+        ))
         return output
 
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner.sample_tokens = sample_tokens

@@ -1,0 +1,18 @@
+"""vLLM's worker-extension hook (``worker_extension_cls``, mixed into the worker class by
+``vllm/v1/worker/worker_base.py:296-316``): lets the harness ask each worker, through
+``LLM.collective_rpc``, whether it really runs the eviction it was configured with."""
+from __future__ import annotations
+
+
+class EvictionWorkerExtension:
+    def kv_eviction_status(self) -> dict:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = self.model_runner
+        state = runner.__dict__.get("_kv_eviction")
+        return {
+            "runner_patched": bool(getattr(GPUModelRunner, "_kv_eviction_installed", False)),
+            "settings": {"policy": state.settings.policy, "budget": state.settings.budget,
+                         "options": dict(state.settings.options)} if state is not None else None,
+            "backend": type(state.view).__name__ if state is not None else None,
+        }
