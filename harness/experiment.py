@@ -1,12 +1,14 @@
 """One cell: data -> prompts -> engine -> predictions -> scores -> a complete run directory."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config import full_cache_twin, run_dir, validate
+from harness.console import engine_output_to, tail
 from harness.data import load_samples, task_spec
 from harness.data.prompts import build_prompt
 from harness.engine.messages import EvictionNotActiveError
@@ -17,6 +19,9 @@ from harness.perf import summarize_perf
 from harness.provenance import provenance
 from harness.results import RunWriter, is_complete, read_jsonl
 from harness.tables import scores_table
+
+
+ENGINE_LOG = "vllm.log"  # everything vLLM printed while this cell ran, kept in its run directory
 
 
 def run_cell(cfg: DictConfig) -> tuple[str, Path]:
@@ -49,17 +54,21 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
         raise RuntimeError(f"every sample was skipped: {skipped[:3]}")
 
     writer = RunWriter(target)
+    log = writer.partial / ENGINE_LOG
     try:
         from harness.engine import start_engine
 
-        engine = start_engine(model_path, cfg)
-        started = time.perf_counter()
-        results = engine.generate(
-            [prompt.token_ids for prompt in prompts],
-            [specs[s.task].max_new_tokens for s in kept],
-            [specs[s.task].stop for s in kept],
-        )
-        wall = time.perf_counter() - started
+        print(f"[engine] starting vLLM for {label(cfg)}: {len(prompts)} prompts (its log: {target / ENGINE_LOG})", flush=True)
+        with engine_output_to(log) as terminal:
+            engine = start_engine(model_path, cfg)
+            started = time.perf_counter()
+            results = engine.generate(
+                [prompt.token_ids for prompt in prompts],
+                [specs[s.task].max_new_tokens for s in kept],
+                [specs[s.task].stop for s in kept],
+                progress=terminal,
+            )
+            wall = time.perf_counter() - started
 
         rows = [
             {
@@ -89,11 +98,19 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
         writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
         final = writer.commit()
     except BaseException:
+        if log.exists():
+            kept_log = target.with_name(target.name + ".failed.log")
+            log.replace(kept_log)
+            print(f"[engine] the last lines of vLLM's log ({kept_log}):\n{tail(kept_log)}", file=sys.stderr)
         writer.abandon()
         raise
-    print(scores_table(scores, title=f"{cfg.policy.name} budget={cfg.budget} on {cfg.model.name} / {cfg.data.name}"))
+    print(scores_table(scores, title=f"{label(cfg)} on {cfg.model.name} / {cfg.data.name}"))
     print(f"[done] {final}")
     return "done", final
+
+
+def label(cfg: DictConfig) -> str:
+    return "full cache" if cfg.policy.name == "full" else f"{cfg.policy.name} budget={cfg.budget}"
 
 
 def check_evictions_happened(cfg: DictConfig, rows: list[dict], ledger: dict | None) -> None:

@@ -68,6 +68,8 @@ class SweepProgress(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from harness.config import run_dir
 
+        if not self.total:
+            return  # a single run (Hydra calls job callbacks without a multirun): nothing to count
         self.done += 1
         self.pending.discard(str(run_dir(config)))
         elapsed = time.perf_counter() - self.job_started

@@ -51,7 +51,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def assert_same_outputs(expected: dict, actual: dict) -> None:
+def assert_same_outputs(expected: dict, actual: dict, tie_nats: float = TIE_NATS) -> None:
     """Two engine runs generated the same tokens: each request's output is identical, or the two
     part at a position where both runs saw a near-tie (the two tokens within TIE_NATS of each other
     in each run's own log-probabilities). A real disagreement, even by one token, fails."""
@@ -64,7 +64,7 @@ def assert_same_outputs(expected: dict, actual: dict) -> None:
         for name, run, chosen, other in (("first", expected, want[at], got[at]), ("second", actual, got[at], want[at])):
             top = dict((token, logprob) for token, logprob in run["top_logprobs"][index][at])
             gap = top[chosen] - top.get(other, float("-inf"))
-            assert gap <= TIE_NATS, (
+            assert gap <= tie_nats, (
                 f"request {index} diverges at output token {at} ({want[at]} vs {got[at]}): the {name} run "
-                f"preferred its token by {gap:.2e} nats, more than a rounding tie ({TIE_NATS})"
+                f"preferred its token by {gap:.2e} nats, more than a rounding tie ({tie_nats})"
             )

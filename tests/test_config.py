@@ -114,3 +114,12 @@ def test_sweep_time_left_counts_only_runs_still_to_compute(capsys):
     progress.on_job_end(cells[0], job_return=None)
     assert progress.pending == {str(run_dir(cells[2]))}, "the paged run is all that is left"
     assert "1/3 cells done (0 already complete) | elapsed 1m00s ~1m00s left" in capsys.readouterr().out
+
+
+def test_a_single_run_prints_no_sweep_progress(capsys):
+    from harness.sweep import SweepProgress
+
+    progress = SweepProgress()
+    progress.on_job_start(compose_cfg())
+    progress.on_job_end(compose_cfg(), job_return=None)
+    assert "[sweep]" not in capsys.readouterr().out

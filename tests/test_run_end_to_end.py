@@ -28,7 +28,7 @@ def full_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 def test_run_writes_the_four_files(full_run):
     out, done = full_run
     (run_dir,) = [p for p in out.glob("smollm2-135m/synthetic/*") if p.is_dir()]
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted(RUN_FILES)
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*RUN_FILES, "vllm.log"])
     assert not list(out.rglob("*.partial")), "no partial directory left behind"
 
     rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
@@ -58,6 +58,12 @@ def test_run_writes_the_four_files(full_run):
     assert config["provenance"]["git_commit"].removesuffix("+dirty") == head, "the commit that produced it"
     assert config["provenance"]["cpus"] and config["provenance"]["machine"] and config["provenance"]["python"]
     assert "| single_doc_qa" in done.stdout, "a readable table is printed"
+    assert "full cache on smollm2-135m / synthetic" in done.stdout and "budget=" not in done.stdout
+    assert "[sweep]" not in done.stdout, "a single run is no sweep"
+    terminal = (done.stdout + done.stderr).splitlines()
+    assert not [line for line in terminal if "WARNING" in line], "vLLM's warnings go to the run's vllm.log"
+    assert len(terminal) < 40, terminal
+    assert "WARNING" in (run_dir / "vllm.log").read_text(), "and are kept there"
 
 
 def test_rerunning_a_complete_cell_skips_it(full_run):

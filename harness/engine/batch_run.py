@@ -65,6 +65,7 @@ def run(spec: dict) -> dict:
         "free_blocks_after": engine.free_blocks(),
         "ledger": ledger,
         "pool_blocks": engine.facts()["kv_pool_blocks"],
+        "eviction_status": engine.eviction_status() if eviction is not None else None,
         "perf": perf,
     }
 

@@ -143,7 +143,7 @@ class Engine:
         elif state["settings"] != expected:
             problems.append(f"the scheduler runs {state['settings']}")
         try:
-            workers = self.llm.collective_rpc("kv_eviction_status")
+            workers = self.eviction_status()
         except Exception as error:
             workers, _ = [], problems.append(f"the workers cannot report their eviction state ({error})")
         for status in workers:
@@ -157,6 +157,10 @@ class Engine:
                 f"eviction policy={wanted.policy} budget={wanted.budget} was asked for but is not active in "
                 f"the engine: {'; '.join(problems)}"
             )
+
+    def eviction_status(self) -> list[dict]:
+        """Each worker's eviction settings, attention backend and whether its runner is patched."""
+        return self.llm.collective_rpc("kv_eviction_status")
 
     def ledger(self, reset: bool = False) -> dict | None:
         """The scheduler's eviction and memory ledger (see ``harness.engine.scheduler``), in either
@@ -197,16 +201,23 @@ class Engine:
             results.append(result)
         return results
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], stops: list[tuple[str, ...]]) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], stops: list[tuple[str, ...]],
+                 progress=None) -> list[GenerationResult]:
         """Greedy generation of every prompt (token ids) in one batch (vLLM schedules them
-        concurrently). ``prompt_tokens`` of each result is the count the engine itself saw."""
+        concurrently). ``prompt_tokens`` of each result is the count the engine itself saw.
+        ``progress``: a stream for the progress bar (default: stderr)."""
+        import functools
+
+        from tqdm import tqdm
+
         from vllm import SamplingParams
 
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, stop=list(stop) or None)
             for n, stop in zip(max_new_tokens, stops)
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=True)
+        bar = functools.partial(tqdm, file=progress) if progress is not None else True
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=bar)
         results = []
         for output in outputs:
             completion = output.outputs[0]

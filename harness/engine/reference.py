@@ -53,26 +53,35 @@ class DynamicCacheView(KVView):
 class ReferenceEngine:
     """One request at a time, greedy, float32: slow and simple on purpose."""
 
-    def __init__(self, model_path: str, policy: Policy | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_path: str, policy: Policy | None = None, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
+        self.model = self.model.to(device).eval()
+        self.device = torch.device(device)
         self.policy = policy
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+        return self.generate_with_top_logprobs(prompt_ids, max_new_tokens, eos_token_id)[0]
+
+    @torch.no_grad()
+    def generate_with_top_logprobs(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+                                   top: int = 3) -> tuple[list[int], list[list[list]]]:
+        """Output ids and, per position, the ``top`` best ``[token, logprob]`` pairs (the engine
+        runs' format, for the near-tie rule)."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         prompt_len = len(prompt_ids)
-        inputs = torch.tensor([prompt_ids])
-        positions = torch.arange(prompt_len).unsqueeze(0)
-        computed, evicted, output = 0, 0, []
+        inputs = torch.tensor([prompt_ids], device=self.device)
+        positions = torch.arange(prompt_len, device=self.device).unsqueeze(0)
+        computed, evicted, output, best = 0, 0, [], []
         while len(output) < max_new_tokens:
             logits = self.model(
                 input_ids=inputs,
                 position_ids=positions,
-                cache_position=torch.arange(computed - evicted, computed - evicted + inputs.shape[1]),
+                cache_position=torch.arange(computed - evicted, computed - evicted + inputs.shape[1], device=self.device),
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,  # only the last position is sampled; skip the prompt's logits
@@ -80,15 +89,17 @@ class ReferenceEngine:
             before, computed = computed, computed + inputs.shape[1]
             token = int(logits[0, -1].argmax())
             output.append(token)
+            logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1).topk(top)
+            best.append([[int(i), float(v)] for v, i in zip(logprobs.values, logprobs.indices)])
             if eos_token_id is not None and token == eos_token_id:
                 break
             if self.policy is not None:
                 phase = phase_due(self.policy, prompt_len, before, computed, evicted)
                 if phase is not None:
                     evicted += self._evict(cache, computed - evicted, phase)
-            inputs = torch.tensor([[token]])
-            positions = torch.tensor([[computed]])
-        return output
+            inputs = torch.tensor([[token]], device=self.device)
+            positions = torch.tensor([[computed]], device=self.device)
+        return output, best
 
     def _evict(self, cache, physical: int, phase) -> int:
         view = DynamicCacheView(cache, self.policy.block_size)

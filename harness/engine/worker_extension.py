@@ -14,5 +14,5 @@ class EvictionWorkerExtension:
             "runner_patched": bool(getattr(GPUModelRunner, "_kv_eviction_installed", False)),
             "settings": {"policy": state.settings.policy, "budget": state.settings.budget,
                          "options": dict(state.settings.options)} if state is not None else None,
-            "backend": type(state.view).__name__ if state is not None else None,
+            "backend": state.backend if state is not None else None,
         }

@@ -38,7 +38,7 @@ class WorkerEviction:
     def __init__(self, runner, settings: EvictionSettings):
         self.settings = settings
         self.policy = build_policy(settings, runner.cache_config.block_size)
-        self.view: KVView = kv_view_of(runner, self.policy.block_size)
+        self.backend, self.view = kv_view_of(runner, self.policy.block_size)
         self.device = runner.device
 
     @property
@@ -51,7 +51,8 @@ class WorkerEviction:
             torch.cuda.synchronize(self.device)
 
 
-def kv_view_of(runner, block_size: int) -> KVView:
+def kv_view_of(runner, block_size: int) -> tuple[str, KVView]:
+    """The attention backend's exact name and a view of the runner's KV cache through it."""
     groups = runner.attn_groups
     if len(groups) != 1 or len(groups[0]) != 1:
         raise ValueError(f"KV eviction supports one attention group; this model has {sum(map(len, groups))}")
@@ -62,7 +63,8 @@ def kv_view_of(runner, block_size: int) -> KVView:
     # (vllm/v1/attention/backends/cpu_attn.py:169-176); other backends have none.
     context = runner.compilation_config.static_forward_context
     isa = getattr(context[group.layer_names[0]], "isa", None)
-    return make_view(group.backend.get_name(), list(runner.kv_caches), isa)
+    backend = group.backend.get_name()
+    return backend, make_view(backend, list(runner.kv_caches), isa)
 
 
 def attach_eviction_state(runner) -> None:
