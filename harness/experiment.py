@@ -82,6 +82,8 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
                 "prompt_tokens": result.prompt_tokens,
                 "output_tokens": result.output_tokens,
                 "finish_reason": result.finish_reason,
+                "output_token_ids": result.token_ids,
+                "top_logprobs": result.top_logprobs,
             }
             for sample, prompt, result in zip(kept, prompts, results)
         ]

@@ -1,16 +1,24 @@
-"""What every eviction policy is: a budget, a block size, and two decisions.
+"""What every eviction policy is: a budget, a block size, a score and two decisions.
 
-A policy never sees a block table or an engine. The engine hands it the K/V of one request as plain
-tensors shaped ``[layers, tokens, kv_heads, head_dim]`` (keys post-RoPE, as cached) and gets back
-indices. Two moments exist:
+A policy never sees a block table or an engine. It answers three questions:
 
-* after prefill, when the prompt is longer than the budget: ``prefill_keep`` says which prompt
-  tokens survive, as ``[layers, kv_heads, kept]`` sorted indices (equal counts everywhere);
+* how important is each cached token? ``layer_scores`` gets one layer's K/V of one request as
+  ``[tokens, kv_heads, head_dim]`` tensors (keys post-RoPE, as cached) and returns
+  ``[kv_heads, tokens]`` scores, higher = keep. The engine calls it one layer at a time (a whole
+  request's K/V for every layer would be gigabytes on an 8B model), for the layers
+  ``scored_layers`` names, and stacks the answers into ``[layers, heads, tokens]``;
+* after prefill, when the prompt is longer than the budget: which prompt tokens survive
+  (``select_prefill``, ``[layers, kv_heads, kept]`` sorted indices, equal counts everywhere);
 * during decode, each time the cache holds ``budget + block_size`` tokens (the newest block just
-  filled): a block policy names one block to drop (``decode_evict_block``), a token policy says
-  which ``budget`` tokens stay (``decode_keep``).
+  filled): a block policy names one block to drop (``select_victim``), a token policy says which
+  ``budget`` tokens stay (``select_decode``).
 
-The engine owns when these are called; the policy owns what they answer.
+A policy whose token scores never change once the token is written (``static_scores``, e.g.
+||V||/||K|| or ||K||) lets the engine keep them per request (``cached_form``: a few floats per
+token) and score only the tokens written since its last eviction. ``prefill_keep``,
+``decode_keep`` and ``decode_evict_block`` answer from whole ``[layers, tokens, heads, dim]``
+tensors, for tests and notebooks. The engine owns when these are called; the policy owns what
+they answer.
 """
 from __future__ import annotations
 
@@ -52,6 +60,8 @@ class Policy:
 
     name: ClassVar[str] = ""
     granularity: ClassVar[Granularity] = "none"
+    needs_kv: ClassVar[bool] = True        # False: decisions from positions alone (no scores)
+    static_scores: ClassVar[bool] = False  # a token's score is fixed once its K/V is written
     # True when a policy may keep different tokens per layer / KV head; the engine then compacts
     # each (layer, head) separately, which costs copies but no extra memory.
     per_head: bool = False
@@ -76,8 +86,32 @@ class Policy:
             cached_tokens % self.block_size == 0
         )
 
-    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # --- scores --------------------------------------------------------------------------------
+    def scored_layers(self, num_layers: int) -> list[int]:
+        return list(range(num_layers))
+
+    def layer_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``[kv_heads, tokens]`` float32 scores of one layer's ``[tokens, kv_heads, dim]`` K/V."""
+        raise NotImplementedError(f"{type(self).__name__} has no token score")
+
+    def cached_form(self, scores: torch.Tensor) -> torch.Tensor:
+        """What a static-score policy keeps per token between evictions (``[a, b, tokens]``, the
+        selections below accept it in place of the full scores)."""
+        return scores
+
+    def scores_of(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+        """``[scored layers, heads, tokens]`` from whole ``[layers, tokens, heads, dim]`` tensors."""
+        if not self.needs_kv:
+            return None
+        return torch.stack([self.layer_scores(keys[l], values[l]) for l in self.scored_layers(keys.shape[0])])
+
+    # --- decisions -----------------------------------------------------------------------------
+    def select_prefill(self, scores: torch.Tensor | None, tokens: int, layers: int, heads: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not evict in prefill")
+
+    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        layers, tokens, heads, _ = keys.shape
+        return self.select_prefill(self.scores_of(keys, values), tokens, layers, heads)
 
     def describe(self) -> dict:
         """What a results table needs to know about how this policy spends memory and copies."""
@@ -96,8 +130,12 @@ class BlockPolicy(Policy):
 
     granularity: ClassVar[Granularity] = "block"
 
-    def decode_evict_block(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+    def select_victim(self, scores: torch.Tensor | None, tokens: int) -> int:
+        """Position, in the request's block list, of the block to drop."""
         raise NotImplementedError
+
+    def decode_evict_block(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        return self.select_victim(self.scores_of(keys, values), keys.shape[1])
 
 
 class TokenPolicy(Policy):
@@ -105,8 +143,12 @@ class TokenPolicy(Policy):
 
     granularity: ClassVar[Granularity] = "token"
 
-    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def select_decode(self, scores: torch.Tensor | None, tokens: int, layers: int, heads: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        layers, tokens, heads, _ = keys.shape
+        return self.select_decode(self.scores_of(keys, values), tokens, layers, heads)
 
 
 def broadcast_keep(kept: torch.Tensor, layers: int, heads: int) -> torch.Tensor:
@@ -169,27 +211,22 @@ def l2(x: torch.Tensor) -> torch.Tensor:
 class ScoredTokenPolicy(TokenPolicy):
     """A token policy that keeps the ``budget`` best-scored tokens, the edges protected.
 
-    Subclasses only define ``scores`` (``[layers, heads, tokens]``, higher = keep). Selection is per
-    layer and KV head by default (``per_head=False`` averages the scores into one shared choice).
+    Subclasses only define ``layer_scores``. Selection is per layer and KV head by default
+    (``per_head=False`` averages the scores into one shared choice).
     """
 
     per_head: bool = True
     protect_edges: bool = True
 
-    def scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        layers, _, heads, _ = keys.shape
+    def _keep(self, scores: torch.Tensor, layers: int, heads: int) -> torch.Tensor:
         edge = self.block_size if self.protect_edges else 0
-        scores = self.scores(keys, values)
         if self.per_head:
-            return keep_edges_and_best(scores, edge, edge, self.budget)
+            return keep_edges_and_best(scores.expand(layers, heads, -1), edge, edge, self.budget)
         kept = keep_edges_and_best(scores.mean(dim=(0, 1)), edge, edge, self.budget)
         return broadcast_keep(kept, layers, heads)
 
-    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return self._keep(keys, values)
+    def select_prefill(self, scores, tokens, layers, heads):
+        return self._keep(scores, layers, heads)
 
-    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return self._keep(keys, values)
+    def select_decode(self, scores, tokens, layers, heads):
+        return self._keep(scores, layers, heads)

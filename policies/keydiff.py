@@ -21,7 +21,9 @@ from policies.base import ScoredTokenPolicy
 class KeyDiff(ScoredTokenPolicy):
     name: ClassVar[str] = "keydiff"
 
-    def scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # The anchor moves with every token written: scores are recomputed at each eviction.
+
+    def layer_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         directions = F.normalize(keys.float(), dim=-1)
-        anchor = directions.mean(dim=1, keepdim=True)
-        return -F.cosine_similarity(directions, anchor, dim=-1).permute(0, 2, 1)
+        anchor = directions.mean(dim=0, keepdim=True)
+        return -F.cosine_similarity(directions, anchor, dim=-1).T

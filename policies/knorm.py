@@ -18,6 +18,7 @@ from policies.base import ScoredTokenPolicy, l2
 @dataclass
 class InverseKeyNorm(ScoredTokenPolicy):
     name: ClassVar[str] = "knorm"
+    static_scores: ClassVar[bool] = True
 
-    def scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return -l2(keys).permute(0, 2, 1)
+    def layer_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return -l2(keys).T

@@ -36,12 +36,18 @@ class PagedEviction(BlockPolicy):
         if self.score_layers != "all" and not isinstance(self.score_layers, int):
             raise ValueError(f"score_layers must be 'all' or a layer index, got {self.score_layers!r}")
 
-    def token_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """``[layers, heads, tokens]`` scores ||V|| / max(||K||, eps) of the chosen layers."""
-        if self.score_layers != "all":
-            keys, values = keys[self.score_layers : self.score_layers + 1], values[self.score_layers : self.score_layers + 1]
-        scores = l2(values) / l2(keys).clamp_min(EPS)
-        return scores.permute(0, 2, 1)
+    static_scores: ClassVar[bool] = True
+
+    def scored_layers(self, num_layers: int) -> list[int]:
+        return list(range(num_layers)) if self.score_layers == "all" else [self.score_layers]
+
+    def layer_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``[heads, tokens]`` scores ||V|| / max(||K||, eps)."""
+        return (l2(values) / l2(keys).clamp_min(EPS)).T
+
+    def cached_form(self, scores: torch.Tensor) -> torch.Tensor:
+        # Decode decisions use the score averaged over layers and heads: one float per token.
+        return scores.mean(dim=(0, 1), keepdim=True)
 
     def prefill_keep_count(self, prompt_len: int) -> int:
         if prompt_len <= self.budget:
@@ -49,20 +55,15 @@ class PagedEviction(BlockPolicy):
         # C + (L mod B): the physical length stays congruent to the logical one modulo B.
         return self.budget + prompt_len % self.block_size
 
-    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        layers, tokens, heads, _ = keys.shape
-        scores = self.token_scores(keys, values)
+    def select_prefill(self, scores, tokens, layers, heads):
         tail = self.block_size + tokens % self.block_size
         total = self.prefill_keep_count(tokens)
         if self.per_head:
-            if self.score_layers != "all":
-                scores = scores.expand(layers, -1, -1)
-            return keep_edges_and_best(scores, self.block_size, tail, total)
+            return keep_edges_and_best(scores.expand(layers, -1, -1), self.block_size, tail, total)
         kept = keep_edges_and_best(scores.mean(dim=(0, 1)), self.block_size, tail, total)
         return broadcast_keep(kept, layers, heads)
 
-    def decode_evict_block(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        tokens = keys.shape[1]
+    def select_victim(self, scores, tokens):
         blocks = tokens // self.block_size
         last_candidate = blocks - 2  # the newest block is blocks - 1
         if self.candidates == "local":
@@ -70,11 +71,6 @@ class PagedEviction(BlockPolicy):
         if last_candidate < 1:
             raise ValueError(f"no evictable block among {blocks} (need at least 3 full blocks)")
         usable = blocks * self.block_size
-        block_scores = (
-            self.token_scores(keys[:, :usable], values[:, :usable])
-            .mean(dim=(0, 1))
-            .view(blocks, self.block_size)
-            .mean(dim=-1)
-        )
+        block_scores = scores.mean(dim=(0, 1))[:usable].view(blocks, self.block_size).mean(dim=-1)
         # argmin returns the first minimum: ties go to the oldest candidate, deterministically.
         return 1 + int(torch.argmin(comparable(block_scores[1 : last_candidate + 1])))

@@ -17,6 +17,7 @@ from policies.base import TokenPolicy, broadcast_keep
 @dataclass
 class StreamingLLM(TokenPolicy):
     name: ClassVar[str] = "streaming"
+    needs_kv: ClassVar[bool] = False  # positions alone decide
 
     n_sink: int = 4
 
@@ -25,16 +26,13 @@ class StreamingLLM(TokenPolicy):
         if not 0 <= self.n_sink < self.budget:
             raise ValueError(f"n_sink must be in [0, budget={self.budget}), got {self.n_sink}")
 
-    def _keep(self, keys: torch.Tensor) -> torch.Tensor:
-        layers, tokens, heads, _ = keys.shape
+    def _keep(self, tokens: int, layers: int, heads: int) -> torch.Tensor:
         recent = self.budget - self.n_sink
-        kept = torch.cat(
-            [torch.arange(self.n_sink), torch.arange(tokens - recent, tokens)]
-        ).to(keys.device)
+        kept = torch.cat([torch.arange(self.n_sink), torch.arange(tokens - recent, tokens)])
         return broadcast_keep(kept, layers, heads)
 
-    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return self._keep(keys)
+    def select_prefill(self, scores, tokens, layers, heads):
+        return self._keep(tokens, layers, heads)
 
-    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return self._keep(keys)
+    def select_decode(self, scores, tokens, layers, heads):
+        return self._keep(tokens, layers, heads)

@@ -8,12 +8,9 @@ from pathlib import Path
 from harness.data.token_prompts import token_prompts
 from harness.engine.batch_run import run_in_subprocess
 from harness.models import EMBEDDED_PREFIX, resolve_model_path
+from harness.regression import TIE_NATS, first_difference, parting
 
 BLOCK = 32
-# Two fp32 runs of the same model may round the last bits of a logit differently (kernel blocking
-# depends on buffer alignment, batch shape and CPU): where the two best tokens are closer than
-# this (in nats), either is a correct greedy choice and the continuations may part.
-TIE_NATS = 1e-3
 MODELS = {"tiny": "tiny-llama", "smollm2": "smollm2-135m-instruct"}
 
 
@@ -48,23 +45,16 @@ def reference_outputs(model: str, policy, prompts, max_new_tokens: int) -> list[
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    at = first_difference(a, b)
+    return len(a) if at is None else at
 
 
 def assert_same_outputs(expected: dict, actual: dict, tie_nats: float = TIE_NATS) -> None:
     """Two engine runs generated the same tokens: each request's output is identical, or the two
-    part at a position where both runs saw a near-tie (the two tokens within TIE_NATS of each other
-    in each run's own log-probabilities). A real disagreement, even by one token, fails."""
+    part at a position where both runs saw a near-tie (the two tokens within ``tie_nats`` of each
+    other in each run's own log-probabilities; ``harness.regression.parting``). A real
+    disagreement, even by one token, fails and names the request."""
     assert len(expected["outputs"]) == len(actual["outputs"])
     for index, (want, got) in enumerate(zip(expected["outputs"], actual["outputs"])):
-        if want == got:
-            continue
-        at = common_prefix(want, got)
-        assert at < min(len(want), len(got)), f"request {index}: outputs of different lengths {len(want)} / {len(got)}"
-        for name, run, chosen, other in (("first", expected, want[at], got[at]), ("second", actual, got[at], want[at])):
-            top = dict((token, logprob) for token, logprob in run["top_logprobs"][index][at])
-            gap = top[chosen] - top.get(other, float("-inf"))
-            assert gap <= tie_nats, (
-                f"request {index} diverges at output token {at} ({want[at]} vs {got[at]}): the {name} run "
-                f"preferred its token by {gap:.2e} nats, more than a rounding tie ({tie_nats})"
-            )
+        why = parting(want, got, expected["top_logprobs"][index], actual["top_logprobs"][index], tie_nats)
+        assert why is None, f"request {index} {why}"

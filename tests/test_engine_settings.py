@@ -122,16 +122,18 @@ def test_views_write_and_read_back_token_slots(view_cls):
 
 
 @pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])
-def test_reading_a_request_by_whole_blocks_equals_reading_its_slots(view_cls):
-    """``read_prefix`` (the evictor's fast path) returns exactly the request's first tokens in order."""
+@pytest.mark.parametrize("start, end", [(0, 10), (3, 10), (4, 8), (9, 10)])
+def test_reading_a_run_of_slots_by_whole_blocks_equals_reading_them_one_by_one(view_cls, start, end):
+    """``read_layer`` (the evictor's read) returns exactly slots [start, end) of the request, in order."""
     layers, blocks, heads, block_size, dim = 3, 7, 2, 4, 8
     view = view_cls([torch.randn(blocks, heads, block_size, 2 * dim) for _ in range(layers)])
-    block_ids, tokens = [5, 0, 3, 6], 10  # the last block is not needed for 10 tokens
-    keys, values = view.read_prefix(block_ids, tokens)
-    slot_keys, slot_values = view.read(*slots(block_ids, tokens, block_size, "cpu"))
-    assert keys.shape == (layers, tokens, heads, dim)
-    assert torch.equal(keys, slot_keys) and torch.equal(values, slot_values)
-    assert not torch.equal(keys[:, 4:8], keys[:, :4]), "different blocks read different data"
+    block_ids = [5, 0, 3, 6]  # the last block is not needed for 10 tokens
+    slot_keys, slot_values = view.read(*slots(block_ids, 10, block_size, "cpu"))
+    for layer in range(layers):
+        keys, values = view.read_layer(layer, block_ids, start, end)
+        assert keys.shape == (end - start, heads, dim)
+        assert torch.equal(keys, slot_keys[layer, start:end]) and torch.equal(values, slot_values[layer, start:end])
+    assert not torch.equal(slot_keys[:, 4:8], slot_keys[:, :4]), "different blocks read different data"
 
 
 def test_cpu_view_stores_keys_transposed_within_a_block():

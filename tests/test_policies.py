@@ -116,7 +116,7 @@ def test_paged_zero_key_norm_gives_finite_scores():
     key_norm[9] = 0.0
     keys, values = with_norms(key_norm, torch.ones(20))
     policy = PagedEviction(budget=16, block_size=B)
-    scores = policy.token_scores(keys, values)
+    scores = policy.scores_of(keys, values)
     assert torch.isfinite(scores).all()
     assert policy.decode_evict_block(keys, values) in (1, 2, 3)
     assert policy.prefill_keep(*with_norms(key_norm[:19], torch.ones(19)))[0, 0].tolist().count(9) == 1

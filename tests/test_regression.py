@@ -1,4 +1,5 @@
-"""CI regression of accuracy numbers: rerun the fixed configuration, compare with results/reference.
+"""CI regression, sample by sample: rerun the fixed configuration and compare every sample's output
+tokens with results/reference under the near-tie rule (harness.regression).
 
 Regenerate the reference on purpose (and commit it) with:
     python run.py -m +experiment=ci_regression output_dir=results/reference force=true
@@ -11,29 +12,55 @@ from pathlib import Path
 
 import pytest
 
-from harness.aggregate import load_runs
+from harness.regression import compare
+from harness.results import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-TOLERANCE = 5.0  # points on LongBench's 0-100 scale, per (policy, budget, task) cell
+REFERENCE = ROOT / "results" / "reference"
 pytestmark = pytest.mark.engine
 
 
-def scores(root: Path) -> dict:
-    frame = load_runs([root])
-    return {
-        (row["policy.name"], None if row["budget"] != row["budget"] else int(row["budget"]), row["task"]): row["score"]
-        for _, row in frame.iterrows()
-    }
+def test_the_reference_is_big_enough_to_catch_a_regression():
+    cells = [p for p in REFERENCE.rglob("predictions.jsonl")]
+    assert len(cells) == 9, "full cache once, four policies at two budgets"
+    for predictions in cells:
+        rows = read_jsonl(predictions)
+        by_task = {task: [r for r in rows if r["task"] == task] for task in {r["task"] for r in rows}}
+        assert by_task and all(len(samples) >= 10 for samples in by_task.values()), predictions
+        assert all(r["output_token_ids"] and len(r["top_logprobs"]) == len(r["output_token_ids"]) for r in rows)
+    full = read_jsonl(next(p for p in cells if p.parent.name.startswith("full_")))
+    for task in {r["task"] for r in full}:
+        assert sum(r["score"] for r in full if r["task"] == task) > 0, f"full cache answers {task}"
 
 
-def test_scores_match_the_committed_reference(tmp_path):
+def test_every_sample_matches_the_committed_reference(tmp_path):
     done = subprocess.run(
         [sys.executable, "run.py", "-m", "+experiment=ci_regression", f"output_dir={tmp_path}"],
         capture_output=True, text=True, timeout=3600, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "[sweep] 10/10 cells done (1 already complete)" in done.stdout, "full cache ran once"
-    expected, measured = scores(ROOT / "results" / "reference"), scores(tmp_path)
-    assert set(measured) == set(expected)
-    moved = {cell: (expected[cell], measured[cell]) for cell in expected if abs(expected[cell] - measured[cell]) > TOLERANCE}
-    assert not moved, f"scores moved beyond {TOLERANCE} points (reference, now): {moved}"
+    problems = compare(REFERENCE, tmp_path)
+    assert not problems, "samples moved:\n" + "\n".join(problems[:20])
+
+
+# PagedEviction with its decode victim replaced by the newest block: a real engine run of a broken
+# policy, which the sample-by-sample comparison must catch.
+BROKEN = """
+import sys, runpy
+from policies.paged import PagedEviction
+PagedEviction.decode_evict_block = lambda self, keys, values: keys.shape[1] // self.block_size - 1
+sys.argv = ["run.py", *sys.argv[1:]]
+runpy.run_path("run.py", run_name="__main__")
+"""
+
+
+def test_a_broken_policy_fails_the_comparison(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", BROKEN, "+experiment=ci_regression", "policy=paged", "budget=256", f"output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=1800, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    moved = [p for p in compare(REFERENCE, tmp_path) if "missing from" not in p]
+    assert moved and all(p.startswith("smollm2-135m/synthetic/paged_b256_") for p in moved), moved
+    assert len(moved) >= 3, f"evicting the newest block changes many samples, not {len(moved)}"

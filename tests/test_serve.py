@@ -33,12 +33,16 @@ def serve_args(port: int, *extra: str) -> list[str]:
             "--kv-cache-memory-bytes", str(256 * 2**20), *extra]
 
 
+# The README's recipe: vLLM's scheduler hook names the eviction scheduler; synchronous scheduling.
+EVICTION_ARGS = ["--scheduler-cls", "harness.engine.scheduler.EvictionScheduler", "--no-async-scheduling"]
+
+
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS=str(os.cpu_count()))
     process = subprocess.Popen(
-        serve_args(port, "--no-enable-prefix-caching", "--additional-config", json.dumps(SETTINGS)),
+        serve_args(port, "--no-enable-prefix-caching", *EVICTION_ARGS, "--additional-config", json.dumps(SETTINGS)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     from openai import OpenAI
@@ -116,10 +120,15 @@ def test_64_concurrent_requests_through_the_server(server):
     assert metric(server, "vllm:kv_cache_usage_perc") == 0.0, "every block is back in the pool"
 
 
-def test_serve_refuses_prefix_caching_with_eviction():
+@pytest.mark.parametrize("args, message", [
+    (["--enable-prefix-caching", *EVICTION_ARGS], "KV eviction cannot run with prefix caching"),
+    (["--no-enable-prefix-caching"], "KV eviction needs its scheduler, got scheduler_cls=None: pass --scheduler-cls "
+                                     "harness.engine.scheduler.EvictionScheduler"),
+])
+def test_serve_refuses_what_eviction_cannot_run_with(args, message):
     done = subprocess.run(
-        serve_args(free_port(), "--enable-prefix-caching", "--additional-config", json.dumps(SETTINGS)),
+        serve_args(free_port(), *args, "--additional-config", json.dumps(SETTINGS)),
         capture_output=True, text=True, timeout=300, env=dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0"),
     )
     assert done.returncode != 0
-    assert "KV eviction cannot run with prefix caching" in done.stdout + done.stderr
+    assert message in done.stdout + done.stderr

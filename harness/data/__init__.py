@@ -29,6 +29,9 @@ def check_data_config(data) -> None:
         path = Path(str(data.path))
         if not path.exists():
             raise DataError(f"data.path {path} does not exist")
+    words = data.get("context_words")
+    if words is not None and (data.source != "embedded" or not words or not all(isinstance(w, int) and w > 0 for w in words)):
+        raise DataError(f"data.context_words is a list of positive word counts for the embedded suite, got {words!r}")
     if data.get("tasks") and data.source != "jsonl":
         allowed = valid_tasks(data.source)
         unknown = [t for t in data.tasks if t not in allowed]
@@ -40,7 +43,8 @@ def load_samples(data) -> list[Sample]:
     check_data_config(data)
     tasks = list(data.tasks) if data.get("tasks") else None
     if data.source == "embedded":
-        return select(synthetic.generate(seed=data.get("seed", 0), tasks=tasks), data.limit)
+        words = tuple(data.context_words) if data.get("context_words") else synthetic.CONTEXT_WORDS
+        return select(synthetic.generate(seed=data.get("seed", 0), tasks=tasks, context_words=words), data.limit)
     if data.source == "jsonl":
         samples = read_jsonl(Path(str(data.path)), limit=data.limit)
         return [s for s in samples if tasks is None or s.task in tasks]

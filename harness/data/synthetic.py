@@ -130,14 +130,16 @@ TASKS = {
 }
 
 
-def generate(seed: int = 0, tasks: list[str] | None = None, samples_per_task: int = SAMPLES_PER_TASK) -> list[Sample]:
-    """The suite for a seed: same seed, same samples, byte for byte."""
+def generate(seed: int = 0, tasks: list[str] | None = None, samples_per_task: int = SAMPLES_PER_TASK,
+             context_words: tuple[int, ...] = CONTEXT_WORDS) -> list[Sample]:
+    """The suite for a seed: same seed, same samples, byte for byte. Sample ``i`` of a task has a
+    context of about ``context_words[i % len(context_words)]`` words."""
     samples = []
     for name in tasks or list(TASKS):
         make, _ = TASKS[name]
         for index in range(samples_per_task):
             rng = random.Random(f"{seed}/{name}/{index}")
-            words = CONTEXT_WORDS[index % len(CONTEXT_WORDS)]
+            words = context_words[index % len(context_words)]
             record = make(rng, words)
             samples.append(
                 Sample(

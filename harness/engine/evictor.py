@@ -1,19 +1,25 @@
 """Carries out one policy decision on one request's paged KV: the worker-side mechanism.
 
-It reads the request's K/V through a backend view, asks the policy, and either drops a block
+It scores the request's tokens through a backend view, asks the policy, and either drops a block
 (decode, block policies: nothing moves) or compacts the kept tokens into the request's first
 slots (prefill, and decode for token policies) so that whole tail blocks become free. It returns
 which of the request's blocks to release; the scheduler side returns them to vLLM's pool.
-Nothing here imports vLLM, so the Hugging Face reference engine runs the same code path.
+
+Memory stays flat in the model's size: K/V are read one layer at a time (one layer of one request,
+in the cache's dtype), never the whole request for every layer. A policy whose scores are fixed
+once a token is written (``static_scores``) keeps them per request between evictions
+(``ScoreBook``): a decode eviction then scores only the tokens written since the last one, a block
+of them, whatever the context length. Nothing here imports vLLM, so the Hugging Face reference
+engine runs the same code path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from harness.engine.kv_view import KVView, slots
+from harness.engine.kv_view import KVView
 from policies import BlockPolicy, Policy, TokenPolicy
 
 Phase = Literal["prefill", "decode"]
@@ -31,6 +37,20 @@ class Eviction:
     copied_tokens: int               # token slots rewritten by compaction (all layers and heads)
 
 
+@dataclass
+class ScoreBook:
+    """Per-request cached scores of a static-score policy, in slot order (``policy.cached_form``)."""
+
+    scores: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.scores.pop(request_id, None)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.scores.values())
+
+
 def phase_due(policy: Policy, prompt_len: int, computed_before: int, computed_after: int, evicted: int) -> Phase | None:
     """Whether this step ends with an eviction, from the request's logical counts.
 
@@ -46,44 +66,90 @@ def phase_due(policy: Policy, prompt_len: int, computed_before: int, computed_af
     return None
 
 
-def compact(view: KVView, keys, values, kept: torch.Tensor, blocks, offsets) -> int:
-    """Pack ``kept`` ([layers, heads, n] source indices) into slots 0..n-1; returns slots rewritten.
+def score_slots(policy: Policy, view: KVView, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+    """``[scored layers, heads, end - start]`` scores of slots ``[start, end)``, a layer at a time."""
+    rows = []
+    for layer in policy.scored_layers(view.num_layers):
+        keys, values = view.read_layer(layer, block_ids, start, end)
+        rows.append(policy.layer_scores(keys, values))
+    return torch.stack(rows)
 
-    Slots before the first index that moves keep their contents; everything from there on is
-    gathered first and then written, so overlapping sources and destinations are safe.
+
+def current_scores(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase,
+                   cached: torch.Tensor | None) -> torch.Tensor | None:
+    """The scores a decision needs: all tokens' at prefill (the cache starts afresh), and for a
+    static-score policy in decode the cached ones plus those of the tokens written since."""
+    if not policy.needs_kv:
+        return None
+    if phase == "decode" and policy.static_scores and cached is not None:
+        if cached.shape[-1] > tokens:
+            raise RuntimeError(f"cached scores for {cached.shape[-1]} tokens, but the request holds {tokens}")
+        fresh = score_slots(policy, view, block_ids, cached.shape[-1], tokens)
+        return torch.cat([cached, policy.cached_form(fresh)], dim=-1)
+    return score_slots(policy, view, block_ids, 0, tokens)
+
+
+def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor) -> int:
+    """Pack ``kept`` ([layers, heads, n] source indices) into slots 0..n-1, one layer at a time;
+    returns the slots rewritten.
+
+    Slots before the first index that moves keep their contents; from there on each layer's
+    sources (all at or after that slot, indices being sorted) are read first and then written,
+    so overlapping sources and destinations are safe.
     """
+    kept = kept.to(view.device)
     count = kept.shape[-1]
     identity = torch.arange(count, device=kept.device)
     moved = (kept != identity).flatten(0, 1).any(dim=0)
     if not moved.any():
         return 0
     first = int(moved.nonzero()[0])
-    index = kept[..., first:].permute(0, 2, 1)  # [layers, n - first, heads]
-    index = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-    new_keys = torch.gather(keys, 1, index)
-    new_values = torch.gather(values, 1, index)
-    view.write(blocks[first:count], offsets[first:count], new_keys, new_values)
+    targets = torch.arange(first, count, device=kept.device)
+    table = torch.tensor(block_ids, dtype=torch.long, device=kept.device)
+    blocks, offsets = table[targets // view.block_size], targets % view.block_size
+    for layer in range(view.num_layers):
+        keys, values = view.read_layer(layer, block_ids, first, tokens)
+        index = (kept[layer, :, first:] - first).T.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+        view.write_layer(layer, blocks, offsets, torch.gather(keys, 0, index), torch.gather(values, 0, index))
     return count - first
 
 
-def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase) -> Eviction:
-    """Apply the policy to a request holding ``tokens`` physical tokens in ``block_ids``."""
+def kept_scores(policy: Policy, scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The cached scores after compaction: each slot's score follows its token."""
+    layers = policy.scored_layers(kept.shape[0])
+    if scores.shape[0] == len(layers) and scores.shape[1] == kept.shape[1]:
+        return policy.cached_form(scores.gather(-1, kept[layers].to(scores.device)))
+    return scores.gather(-1, kept[:1, :1].to(scores.device))  # a reduced form under a shared keep set
+
+
+def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase,
+          book: ScoreBook | None = None, request_id: str = "") -> Eviction:
+    """Apply the policy to a request holding ``tokens`` physical tokens in ``block_ids``.
+    With a ``book``, a static-score policy's scores are cached there under ``request_id``."""
     block_size = policy.block_size
-    keys, values = view.read_prefix(block_ids, tokens)
+    cached = book.scores.get(request_id) if book is not None else None
+    scores = current_scores(policy, view, block_ids, tokens, phase, cached)
     held_blocks = cdiv(tokens, block_size)
+    remember = book is not None and policy.static_scores and scores is not None
 
     if phase == "decode" and isinstance(policy, BlockPolicy):
-        victim = policy.decode_evict_block(keys, values)
+        victim = policy.select_victim(scores, tokens)
+        if remember:
+            scores = policy.cached_form(scores) if cached is None else scores
+            book.scores[request_id] = torch.cat(
+                [scores[..., : victim * block_size], scores[..., (victim + 1) * block_size :]], dim=-1)
         return Eviction(phase, (victim,), block_size, 0)
 
+    layers, heads = view.num_layers, view.num_heads
     if phase == "prefill":
-        kept = policy.prefill_keep(keys, values)
+        kept = policy.select_prefill(scores, tokens, layers, heads)
     elif isinstance(policy, TokenPolicy):
-        kept = policy.decode_keep(keys, values)
+        kept = policy.select_decode(scores, tokens, layers, heads)
     else:
         raise TypeError(f"{type(policy).__name__} cannot evict in {phase}")
-    blocks, offsets = slots(block_ids, tokens, block_size, keys.device)
-    copied = compact(view, keys, values, kept, blocks, offsets)
+    copied = compact(view, block_ids, tokens, kept)
+    if remember:
+        book.scores[request_id] = kept_scores(policy, scores, kept)
     remaining = kept.shape[-1]
     dropped = tuple(range(cdiv(remaining, block_size), held_blocks))
     return Eviction(phase, dropped, tokens - remaining, copied)

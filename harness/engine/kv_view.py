@@ -27,27 +27,45 @@ def slots(block_ids: list[int], tokens: int, block_size: int, device) -> tuple[t
 
 
 class KVView:
-    """Reads and writes the K/V of token slots ``(block id, offset)`` across all layers."""
+    """Reads and writes the K/V of a request's token slots, one layer at a time.
+
+    Subclasses say how to gather and scatter slots ``(block id, offset)`` of one layer as
+    ``[tokens, kv_heads, head_dim]`` tensors in the cache's own dtype.
+    """
 
     def __init__(self, layers: list[torch.Tensor], block_size: int):
         self.layers = layers
         self.block_size = block_size
 
-    def read(self, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[layers, tokens, kv_heads, head_dim]`` keys and values of the given slots."""
-        keys, values = [], []
-        for layer in range(len(self.layers)):
-            k, v = self._gather(layer, blocks, offsets)
-            keys.append(k)
-            values.append(v)
-        return torch.stack(keys), torch.stack(values)
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
-    def read_prefix(self, block_ids: list[int], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``tokens`` slots of a request whose blocks are ``block_ids``, in order."""
-        return self.read(*slots(block_ids, tokens, self.block_size, self.layers[0].device))
+    @property
+    def num_heads(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    def read_layer(self, layer: int, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``[start, end)`` of a request whose blocks are ``block_ids``."""
+        positions = torch.arange(start, end, device=self.device)
+        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self._gather(layer, table[positions // self.block_size], positions % self.block_size)
+
+    def write_layer(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor) -> None:
+        self._scatter(layer, blocks.to(self.device), offsets.to(self.device), keys, values)
+
+    def read(self, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[layers, tokens, kv_heads, head_dim]`` keys and values of the given slots (tests)."""
+        pairs = [self._gather(layer, blocks, offsets) for layer in range(self.num_layers)]
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
     def write(self, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for layer in range(len(self.layers)):
+        for layer in range(self.num_layers):
             self._scatter(layer, blocks, offsets, keys[layer], values[layer])
 
     def _gather(self, layer, blocks, offsets):
@@ -60,14 +78,18 @@ class KVView:
 class PagedView(KVView):
     """A vLLM paged layout, seen per layer as block-major ``[blocks, block_size, heads, dim]`` views.
 
-    Backends only say how to see their cache that way (``_block_major``, no copy); reading whole
-    blocks then costs one gather per layer straight into the output, about twice as fast on CPU as
-    indexing token by token, which matters because decode eviction reads a request's whole cache.
+    Backends only say how to see their cache that way (``_block_major``, no copy); reading a run
+    of slots then gathers the whole blocks that hold it (one ``index_select``, about twice as fast
+    on CPU as indexing token by token) and slices.
     """
 
     def __init__(self, layers: list[torch.Tensor]):
         # Both layouts keep block_size on axis 2: [blocks, kv_heads, block_size, 2*head_dim].
         super().__init__(layers, layers[0].shape[2] if layers else 0)
+
+    @property
+    def num_heads(self) -> int:
+        return self.layers[0].shape[1]
 
     def _block_major(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -81,20 +103,16 @@ class PagedView(KVView):
         cache_keys[blocks, offsets] = keys
         cache_values[blocks, offsets] = values
 
-    def read_prefix(self, block_ids: list[int], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first_keys, _ = self._block_major(0)
-        _, block_size, heads, dim = first_keys.shape
-        block_ids = block_ids[: -(-tokens // block_size)]
-        table = torch.tensor(block_ids, dtype=torch.long, device=first_keys.device)
-        shape = (len(self.layers), len(block_ids), block_size, heads, dim)
-        keys = torch.empty(shape, dtype=first_keys.dtype, device=first_keys.device)
-        values = torch.empty_like(keys)
-        for layer in range(len(self.layers)):
-            layer_keys, layer_values = self._block_major(layer)
-            torch.index_select(layer_keys, 0, table, out=keys[layer])
-            torch.index_select(layer_values, 0, table, out=values[layer])
-        flat = (len(self.layers), len(block_ids) * block_size, heads, dim)
-        return keys.view(flat)[:, :tokens], values.view(flat)[:, :tokens]
+    def read_layer(self, layer, block_ids, start, end):
+        keys, values = self._block_major(layer)
+        first, last = start // self.block_size, -(-end // self.block_size)
+        table = torch.tensor(block_ids[first:last], dtype=torch.long, device=self.device)
+        _, block_size, heads, dim = keys.shape
+        shape = (-1, heads, dim)
+        skip = start - first * block_size
+        read_keys = torch.index_select(keys, 0, table).reshape(shape)[skip : skip + end - start]
+        read_values = torch.index_select(values, 0, table).reshape(shape)[skip : skip + end - start]
+        return read_keys, read_values
 
 
 class CpuAttnView(PagedView):

@@ -7,7 +7,7 @@ cores, and ``in_process`` keeps the engine core in this process (so its schedule
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness.engine.messages import EvictionNotActiveError
 from harness.engine.settings import SCHEDULER_CLS, EvictionSettings
@@ -15,6 +15,7 @@ from harness.engine.settings import SCHEDULER_CLS, EvictionSettings
 WORKER_EXTENSION_CLS = "harness.engine.worker_extension.EvictionWorkerExtension"
 
 VLLM_VERSION = "0.32.0"
+TOP_LOGPROBS = 2
 
 
 @dataclass
@@ -23,6 +24,10 @@ class GenerationResult:
     prompt_tokens: int
     output_tokens: int
     finish_reason: str | None
+    token_ids: list[int] = field(default_factory=list)
+    # Per generated position, the TOP_LOGPROBS best [token, logprob] pairs: what tells a rounding
+    # near-tie from a real change when two runs' outputs part (harness.regression).
+    top_logprobs: list[list[list]] = field(default_factory=list)
     # Seconds; None where vLLM did not report them.
     ttft_s: float | None = None
     tpot_s: float | None = None
@@ -194,10 +199,7 @@ class Engine:
                 **request_timings(o.metrics, len(o.outputs[0].token_ids)),
             }
             if top_logprobs:
-                result["top_logprobs"] = [
-                    sorted(([token, lp.logprob] for token, lp in position.items()), key=lambda pair: -pair[1])[:top_logprobs]
-                    for position in o.outputs[0].logprobs
-                ]
+                result["top_logprobs"] = best_tokens(o.outputs[0].logprobs, top_logprobs)
             results.append(result)
         return results
 
@@ -213,7 +215,7 @@ class Engine:
         from vllm import SamplingParams
 
         params = [
-            SamplingParams(temperature=0.0, max_tokens=n, stop=list(stop) or None)
+            SamplingParams(temperature=0.0, max_tokens=n, stop=list(stop) or None, logprobs=TOP_LOGPROBS)
             for n, stop in zip(max_new_tokens, stops)
         ]
         bar = functools.partial(tqdm, file=progress) if progress is not None else True
@@ -227,10 +229,21 @@ class Engine:
                     prompt_tokens=len(output.prompt_token_ids or []),
                     output_tokens=len(completion.token_ids),
                     finish_reason=completion.finish_reason,
+                    token_ids=list(completion.token_ids),
+                    top_logprobs=best_tokens(completion.logprobs, TOP_LOGPROBS),
                     **request_timings(output.metrics, len(completion.token_ids)),
                 )
             )
         return results
+
+
+def best_tokens(logprobs, count: int) -> list[list[list]]:
+    """vLLM's per-position ``{token: Logprob}`` (the sampled token plus the top ones) as the
+    ``count`` best ``[token, logprob]`` pairs, best first."""
+    return [
+        sorted(([token, lp.logprob] for token, lp in position.items()), key=lambda pair: -pair[1])[:count]
+        for position in logprobs or []
+    ]
 
 
 def request_timings(metrics, output_tokens: int) -> dict:

@@ -23,12 +23,15 @@ class EvictionNotActiveError(RuntimeError):
 
 @dataclass(frozen=True)
 class EvictionPlan:
-    """Scheduler to worker: who evicts what, and each scheduled request's evicted-token count
-    (logical length minus physical length), which turns logical positions into physical slots."""
+    """Scheduler to worker: who evicts what, each scheduled request's evicted-token count (logical
+    length minus physical length, which turns logical positions into physical slots), and the
+    requests whose blocks were freed since the last plan (finished, aborted or preempted: the
+    worker drops their cached scores)."""
 
     policy: str
     budget: int
     evicted_tokens: dict[str, int] = field(default_factory=dict)
+    released: tuple[str, ...] = ()
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.engine.evictor import evict, phase_due
+from harness.engine.evictor import ScoreBook, evict, phase_due
 from harness.engine.kv_view import KVView
 from policies import Policy
 
@@ -22,6 +22,10 @@ class DynamicCacheView(KVView):
     def __init__(self, cache, block_size: int):
         self.cache = cache
         super().__init__([layer.keys for layer in cache.layers], block_size)
+
+    @property
+    def num_heads(self) -> int:
+        return self.cache.layers[0].keys.shape[1]
 
     def _index(self, blocks, offsets):
         return blocks * self.block_size + offsets
@@ -61,6 +65,7 @@ class ReferenceEngine:
         self.model = self.model.to(device).eval()
         self.device = torch.device(device)
         self.policy = policy
+        self.book = ScoreBook()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
         return self.generate_with_top_logprobs(prompt_ids, max_new_tokens, eos_token_id)[0]
@@ -73,6 +78,7 @@ class ReferenceEngine:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        self.book.forget(list(self.book.scores))  # one request at a time: a fresh request
         prompt_len = len(prompt_ids)
         inputs = torch.tensor([prompt_ids], device=self.device)
         positions = torch.arange(prompt_len, device=self.device).unsqueeze(0)
@@ -104,7 +110,7 @@ class ReferenceEngine:
     def _evict(self, cache, physical: int, phase) -> int:
         view = DynamicCacheView(cache, self.policy.block_size)
         blocks = -(-physical // self.policy.block_size)
-        eviction = evict(self.policy, view, list(range(blocks)), physical, phase)
+        eviction = evict(self.policy, view, list(range(blocks)), physical, phase, self.book)
         if eviction.evicted_tokens:
             view.drop(eviction.dropped_blocks, physical - eviction.evicted_tokens)
         return eviction.evicted_tokens

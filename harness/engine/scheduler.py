@@ -108,6 +108,7 @@ class EvictionScheduler(Scheduler):
         settings = self.kv_settings
         self.kv_ledger = Ledger(settings.policy if settings else None, settings.budget if settings else None)
         self.kv_ledger.pool_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # minus null block
+        self.kv_released: set[str] = set()  # freed since the last plan
         if settings is None:
             return
         check_compatible(self.vllm_config)
@@ -150,7 +151,8 @@ class EvictionScheduler(Scheduler):
         ledger = self.kv_ledger
         if self.kv_settings is not None:
             evicted = {rid: ledger.evicted[rid] for rid in output.num_scheduled_tokens if rid in ledger.evicted}
-            attach(output, PLAN_ATTRIBUTE, EvictionPlan(self.kv_settings.policy, self.kv_settings.budget, evicted))
+            released, self.kv_released = tuple(sorted(self.kv_released)), set()
+            attach(output, PLAN_ATTRIBUTE, EvictionPlan(self.kv_settings.policy, self.kv_settings.budget, evicted, released))
         if output.total_num_scheduled_tokens:
             used = ledger.pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
             ledger.steps += 1
@@ -185,6 +187,8 @@ class EvictionScheduler(Scheduler):
         ledger = self.kv_ledger
         if ledger.evicted.pop(request.request_id, 0) and not request.is_finished():
             ledger.preempted_after_eviction += 1
+        if self.kv_settings is not None:
+            self.kv_released.add(request.request_id)
         super()._free_request_blocks(request)
 
     def _release(self, request_id: str, eviction) -> None:

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from harness.engine.evictor import evict, phase_due
+from harness.engine.evictor import ScoreBook, evict, phase_due
 from harness.engine.kv_view import KVView, make_view
 from harness.engine.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport, attach, required
 from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, build_policy, check_compatible, settings_from
@@ -40,6 +40,7 @@ class WorkerEviction:
         self.policy = build_policy(settings, runner.cache_config.block_size)
         self.backend, self.view = kv_view_of(runner, self.policy.block_size)
         self.device = runner.device
+        self.book = ScoreBook()  # cached scores of live requests (static-score policies)
 
     @property
     def expected(self) -> tuple[str, int]:
@@ -84,6 +85,7 @@ def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
     """Make this step's attention lengths and KV write slots physical."""
     plan = required(scheduler_output, PLAN_ATTRIBUTE, state.expected, "scheduler",
                     f"vLLM's own scheduler is running; pass --scheduler-cls {SCHEDULER_CLS}")
+    state.book.forget(plan.released)
     evicted = plan.evicted_tokens
     if not evicted:
         return
@@ -117,7 +119,7 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
             continue
         block_ids = request.block_ids[0]
         physical = before + scheduled - evicted.get(request_id, 0)
-        eviction = evict(state.policy, state.view, block_ids, physical, phase)
+        eviction = evict(state.policy, state.view, block_ids, physical, phase, state.book, request_id)
         if not eviction.evicted_tokens:
             continue
         for position in sorted(eviction.dropped_blocks, reverse=True):
