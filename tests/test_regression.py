@@ -2,7 +2,7 @@
 tokens with results/reference under the near-tie rule (harness.regression).
 
 Regenerate the reference on purpose (and commit it) with:
-    python run.py -m +experiment=ci_regression output_dir=results/reference force=true
+    rm -rf results/reference && python run.py -m +experiment=ci_regression output_dir=results/reference
 """
 from __future__ import annotations
 

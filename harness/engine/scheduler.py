@@ -102,6 +102,11 @@ class PhysicalLengthManager(FullAttentionManager):
 
 
 class EvictionScheduler(Scheduler):
+    """vLLM's scheduler plus the eviction ledger; decides exactly as vLLM's when eviction is off.
+
+    Synchronous by design: a step's evictions must reach the next ``schedule()`` (vLLM warns
+    that a ``Scheduler`` subclass disables asynchronous scheduling; eviction requires that)."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kv_settings = settings_from(self.vllm_config)

@@ -1,0 +1,168 @@
+"""What one eviction costs in extra memory and time, against context length and model shape.
+
+    python experiments/eviction_cost.py                 # before = the evictor at BASELINE, after = this tree
+    python experiments/eviction_cost.py --before REV    # compare with another commit's evictor
+
+No engine: synthetic paged caches in the FlashAttention layout, shaped like the models' KV caches
+(Llama-3.1-8B: 32 layers x 8 KV heads x 128 dims in bfloat16; SmolLM2-135M: 30 x 3 x 64 in
+float32), random K/V, one request's blocks shuffled in the pool. Each measurement runs in a fresh
+process with the code of one commit on its path (the old code is extracted with ``git archive``),
+so "before" and "after" are the real evictors, measured side by side in one run:
+
+* extra memory: the peak of the process's resident memory during the eviction above what it held
+  before (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), with glibc told to mmap
+  every allocation above 64 KiB so that temporaries cannot hide in memory freed earlier;
+* time: wall time of the eviction (CPU, 2 threads; on a GPU the evictor synchronizes the device).
+
+Decode cases are the steady state: a request at budget + one block, after an earlier eviction
+(the first fills the per-request score cache). Writes ``results/eviction_cost/summary.md`` and
+``.csv``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "0c18297"  # main before the evictor streamed layers and cached scores
+BLOCK = 16  # the paper's GPU block size
+
+SHAPES = {
+    "llama-3.1-8b": dict(layers=32, heads=8, dim=128, dtype="bfloat16"),
+    "smollm2-135m": dict(layers=30, heads=3, dim=64, dtype="float32"),
+}
+# (shape, policy, phase, budget, tokens the request holds when it evicts)
+CASES = [
+    ("llama-3.1-8b", "paged", "decode", 1024, 1024 + BLOCK),
+    ("llama-3.1-8b", "paged", "decode", 4096, 4096 + BLOCK),
+    ("llama-3.1-8b", "paged", "decode", 8192, 8192 + BLOCK),
+    ("llama-3.1-8b", "knorm", "decode", 4096, 4096 + BLOCK),
+    ("llama-3.1-8b", "streaming", "decode", 4096, 4096 + BLOCK),
+    ("llama-3.1-8b", "paged", "prefill", 1024, 8192),
+    ("smollm2-135m", "paged", "decode", 1024, 1024 + BLOCK),
+    ("smollm2-135m", "paged", "prefill", 1024, 6144),
+]
+
+
+def status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def measure(case: dict) -> dict:
+    """One eviction, in this process, with whichever evictor is first on the path."""
+    import inspect
+    import time
+
+    import torch
+
+    from harness.engine import evictor
+    from harness.engine.kv_view import FlashAttnView
+    from policies import make_policy
+
+    torch.set_num_threads(2)
+    shape = SHAPES[case["shape"]]
+    dtype = getattr(torch, shape["dtype"])
+    blocks = -(-case["tokens"] // BLOCK) + 2
+    generator = torch.Generator().manual_seed(0)
+    layers = [torch.randn(blocks + 1, shape["heads"], BLOCK, 2 * shape["dim"], generator=generator).to(dtype)
+              for _ in range(shape["layers"])]
+    view = FlashAttnView(layers)
+    block_ids = (torch.randperm(blocks, generator=generator) + 1).tolist()
+    policy = make_policy(case["policy"], case["budget"], BLOCK)
+    cached = "book" in inspect.signature(evictor.evict).parameters
+    kwargs = {"book": evictor.ScoreBook(), "request_id": "r"} if cached else {}
+    tokens = case["tokens"]
+    if case["phase"] == "decode":  # an earlier eviction first: the steady state
+        warm = evictor.evict(policy, view, block_ids, tokens, "decode", **kwargs)
+        for position in sorted(warm.dropped_blocks, reverse=True):
+            block_ids.append(block_ids.pop(position))  # reused for the next block's tokens
+        tokens = tokens - warm.evicted_tokens + BLOCK
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = status_bytes("VmHWM")
+    started = time.perf_counter()
+    evictor.evict(policy, view, block_ids, tokens, case["phase"], **kwargs)
+    seconds = time.perf_counter() - started
+    return {"extra_bytes": max(status_bytes("VmHWM") - before, 0), "seconds": seconds,
+            "evictor": inspect.getsourcefile(evictor), "score_cache": cached}
+
+
+def run_case(case: dict, tree: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(case)], capture_output=True,
+                          text=True, env=env, cwd=tree)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not result["evictor"].startswith(str(tree)):
+        raise RuntimeError(f"measured {result['evictor']}, not the evictor under {tree}")
+    return result
+
+
+def extract(revision: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "archive", revision, "harness", "policies"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def report(rows: list[dict], before: str, after: str) -> str:
+    from tabulate import tabulate
+
+    header = ["model shape", "policy", "phase", "budget", "tokens held", "extra MiB before", "extra MiB after",
+              "memory ratio", "ms before", "ms after", "speed-up"]
+    table = [[r["shape"], r["policy"], r["phase"], r["budget"], r["tokens"],
+              f"{r['before_bytes'] / 2**20:.1f}", f"{r['after_bytes'] / 2**20:.1f}",
+              f"{r['before_bytes'] / max(r['after_bytes'], 1):.1f}x",
+              f"{r['before_s'] * 1e3:.1f}", f"{r['after_s'] * 1e3:.1f}", f"{r['before_s'] / r['after_s']:.1f}x"]
+             for r in rows]
+    return (f"# One eviction's extra memory and time (before = {before}, after = {after})\n\n"
+            f"Command: `python experiments/eviction_cost.py --before {before}` (CPU, 2 threads; synthetic "
+            f"FlashAttention-layout caches, block {BLOCK}).\n\n" + tabulate(table, headers=header, tablefmt="github") + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", default=BASELINE, help="git revision of the evictor to compare with")
+    parser.add_argument("--out", default=str(ROOT / "results" / "eviction_cost"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(json.loads(args.child))))
+        return 0
+    after = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "harness", "policies"], cwd=ROOT, capture_output=True, text=True).stdout
+    after += "+dirty" if dirty.strip() else ""
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        old_tree = extract(args.before, Path(scratch))
+        for shape, policy, phase, budget, tokens in CASES:
+            case = dict(shape=shape, policy=policy, phase=phase, budget=budget, tokens=tokens)
+            old, new = run_case(case, old_tree), run_case(case, ROOT)
+            rows.append(dict(case, before_bytes=old["extra_bytes"], after_bytes=new["extra_bytes"],
+                             before_s=old["seconds"], after_s=new["seconds"]))
+            last = report(rows[-1:], args.before, after).splitlines()[-1]
+            print(last, flush=True)
+    text = report(rows, args.before, after)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(text)
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(out / "summary.csv", index=False)
+    print("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The evictor on hand-made paged caches (no engine): what it reads, and that cached scores decide
+exactly as scores computed afresh."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from harness.engine.evictor import ScoreBook, evict
+from harness.engine.kv_view import FlashAttnView
+from policies import make_policy
+
+LAYERS, HEADS, DIM, B, BUDGET = 4, 2, 8, 4, 16
+POOL = 40
+
+
+class RecordingView(FlashAttnView):
+    """A FlashAttention-layout view that records every run of slots it reads: (layer, start, end)."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.reads: list[tuple[int, int, int]] = []
+
+    def read_layer(self, layer, block_ids, start, end):
+        self.reads.append((layer, start, end))
+        return super().read_layer(layer, block_ids, start, end)
+
+
+def request(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(POOL, HEADS, B, 2 * DIM, generator=gen) for _ in range(LAYERS)]
+    block_ids = torch.randperm(POOL, generator=gen)[:12].tolist()
+    return RecordingView(caches), block_ids
+
+
+def grow(view, block_ids, start: int, count: int, seed: int) -> None:
+    """Write ``count`` new tokens' K/V after slot ``start`` (what decode steps do)."""
+    gen = torch.Generator().manual_seed(seed)
+    for position in range(start, start + count):
+        block, offset = block_ids[position // B], position % B
+        for layer in view.layers:
+            layer[block, :, offset] = torch.randn(HEADS, 2 * DIM, generator=gen)
+
+
+def drop(block_ids, eviction):
+    for position in sorted(eviction.dropped_blocks, reverse=True):
+        del block_ids[position]
+
+
+@pytest.mark.parametrize("policy_name", ["paged", "knorm", "keydiff", "streaming"])
+def test_every_read_is_one_layer_of_one_request(policy_name):
+    view, block_ids = request()
+    evict(make_policy(policy_name, BUDGET, B), view, block_ids, 30, "prefill", ScoreBook(), "r")
+    assert view.reads, "the evictor read through the view"
+    assert all(0 <= layer < LAYERS and 0 <= start < end <= 30 for layer, start, end in view.reads)
+
+
+def test_a_block_policys_decode_eviction_scores_only_the_newest_tokens():
+    """PagedEviction keeps one float per token between evictions: in steady state a decode
+    eviction reads the block written since the last one, never the request's older K/V."""
+    policy, book = make_policy("paged", BUDGET, B), ScoreBook()
+    view, block_ids = request()
+    prompt = 22
+    first = evict(policy, view, block_ids, prompt, "prefill", book, "r")
+    drop(block_ids, first)
+    tokens = prompt - first.evicted_tokens  # C + L mod B = 18
+    assert book.scores["r"].shape == (1, 1, tokens)
+    for step in range(3):
+        grow(view, block_ids, tokens, BUDGET + B - tokens, seed=step)
+        view.reads.clear()
+        eviction = evict(policy, view, block_ids, BUDGET + B, "decode", book, "r")
+        assert {(start, end) for _, start, end in view.reads} == {(tokens, BUDGET + B)}
+        assert len(view.reads) == LAYERS
+        drop(block_ids, eviction)
+        tokens = BUDGET
+        assert book.scores["r"].shape[-1] == tokens
+
+
+@pytest.mark.parametrize("policy_name, options", [
+    ("paged", {}), ("paged", {"per_head": True}), ("paged", {"score_layers": 1}), ("knorm", {}),
+    ("knorm", {"per_head": False}),
+])
+def test_cached_scores_decide_exactly_as_fresh_ones(policy_name, options):
+    """One request evicted through prefill and five decode evictions twice: with a score book and
+    without (every score recomputed from the cache): the same blocks go, the same K/V stay."""
+    policy = make_policy(policy_name, BUDGET, B, **options)
+    cached_view, cached_blocks = request(seed=1)
+    fresh_view, fresh_blocks = copy.deepcopy(cached_view), list(cached_blocks)
+    book, tokens = ScoreBook(), 27
+    for step in range(6):
+        phase = "prefill" if step == 0 else "decode"
+        if step:
+            for view, blocks in ((cached_view, cached_blocks), (fresh_view, fresh_blocks)):
+                grow(view, blocks, tokens, BUDGET + B - tokens, seed=10 + step)
+            tokens = BUDGET + B
+        with_book = evict(policy, cached_view, cached_blocks, tokens, phase, book, "r")
+        without = evict(policy, fresh_view, fresh_blocks, tokens, phase)
+        assert with_book == without
+        drop(cached_blocks, with_book)
+        drop(fresh_blocks, without)
+        tokens -= with_book.evicted_tokens
+        for layer in range(LAYERS):
+            assert all(torch.equal(a, b) for a, b in zip(cached_view.read_layer(layer, cached_blocks, 0, tokens),
+                                                          fresh_view.read_layer(layer, fresh_blocks, 0, tokens)))
+
+
+def test_released_requests_leave_the_book():
+    book = ScoreBook({"a": torch.zeros(1, 1, 5), "b": torch.zeros(1, 1, 7)})
+    assert book.nbytes() == 12 * 4
+    book.forget(["a", "missing"])
+    assert list(book.scores) == ["b"]
