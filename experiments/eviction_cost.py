@@ -116,6 +116,13 @@ def extract(revision: str, into: Path) -> Path:
     return into
 
 
+def memory_ratio(before: int, after: int) -> str:
+    """before / after; under 1 MiB after, the ratio against 1 MiB, as a lower bound."""
+    if after < 2**20:
+        return f">= {before / 2**20:.0f}x"
+    return f"{before / after:.1f}x"
+
+
 def report(rows: list[dict], before: str, after: str) -> str:
     from tabulate import tabulate
 
@@ -123,7 +130,7 @@ def report(rows: list[dict], before: str, after: str) -> str:
               "memory ratio", "ms before", "ms after", "speed-up"]
     table = [[r["shape"], r["policy"], r["phase"], r["budget"], r["tokens"],
               f"{r['before_bytes'] / 2**20:.1f}", f"{r['after_bytes'] / 2**20:.1f}",
-              f"{r['before_bytes'] / max(r['after_bytes'], 1):.1f}x",
+              memory_ratio(r["before_bytes"], r["after_bytes"]),
               f"{r['before_s'] * 1e3:.1f}", f"{r['after_s'] * 1e3:.1f}", f"{r['before_s'] / r['after_s']:.1f}x"]
              for r in rows]
     return (f"# One eviction's extra memory and time (before = {before}, after = {after})\n\n"
