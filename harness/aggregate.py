@@ -6,6 +6,12 @@ One row per (run, task), every config key as a column (``policy.name``, ``budget
 ...), with the task score, the run's average, fidelity to full cache, throughput, latency and KV
 memory. Retention is a policy's score as a percentage of the full-cache score of the same model,
 data and task; throughput ratios are against the same model and data's full-cache run.
+
+Every score carries its 95% bootstrap interval (``score_low``/``score_high``, ``average_low``/
+``average_high``, from the per-sample scores in ``predictions.jsonl``; ``harness.stats``), and
+every run its paired differences, sample by sample, against full cache and against each other
+policy at the same budget: ``vs_<policy>_diff``/``_low``/``_high`` per task and
+``avg_vs_<policy>_diff``/``_low``/``_high`` for the average (this run minus that one).
 """
 from __future__ import annotations
 
@@ -13,10 +19,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import yaml
 
-from harness.results import RUN_FILES, atomic_write_text, is_complete, read_json
+from harness.results import RUN_FILES, atomic_write_text, is_complete, read_json, read_jsonl
+from harness.stats import Interval, intervals
 
 RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
 
@@ -79,7 +87,57 @@ def load_runs(roots: list[Path]) -> pd.DataFrame:
     if not rows:
         raise FileNotFoundError(f"no complete run directory under {', '.join(map(str, roots))}")
     frame = pd.DataFrame(rows)
-    return add_relative_columns(frame)
+    return add_intervals(add_relative_columns(frame))
+
+
+def sample_scores(run_dir: str) -> dict[str, pd.Series]:
+    """Per task, each sample's score in [0, 1] indexed by sample id (``predictions.jsonl``)."""
+    rows = pd.DataFrame(read_jsonl(Path(run_dir) / "predictions.jsonl"))
+    return {task: group.set_index("id")["score"].astype(float) for task, group in rows.groupby("task")}
+
+
+def paired(run: dict[str, pd.Series], other: dict[str, pd.Series]) -> dict[str, np.ndarray]:
+    """Per task, this run's minus the other's score on the samples both scored."""
+    differences = {}
+    for task in sorted(set(run) & set(other)):
+        common = run[task].index.intersection(other[task].index)
+        if len(common):
+            differences[task] = (run[task][common] - other[task][common]).to_numpy()
+    return differences
+
+
+def add_intervals(frame: pd.DataFrame) -> pd.DataFrame:
+    """Interval columns for every score and every paired difference (see the module docstring)."""
+    samples = {run: sample_scores(run) for run in frame["run_dir"].unique()}
+    runs = frame.drop_duplicates("run_dir").set_index("run_dir")
+    columns: dict[tuple[str, str], dict[str, float]] = {}  # (run_dir, task or "") -> values
+
+    def put(run: str, task: str, prefix: str, interval: Interval) -> None:
+        cell = columns.setdefault((run, task), {})
+        cell.update({f"{prefix}_low": interval.low, f"{prefix}_high": interval.high})
+        if prefix not in ("score", "average"):
+            cell[f"{prefix}_diff"] = interval.estimate
+
+    for run, info in runs.iterrows():
+        tasks, average = intervals({t: v.to_numpy() for t, v in samples[run].items()})
+        for task, interval in tasks.items():
+            put(run, task, "score", interval)
+        put(run, "", "average", average)
+        for other, other_info in runs.iterrows():
+            same_setting = (other_info["model.name"], other_info["data.name"]) == (info["model.name"], info["data.name"])
+            comparable = other_info["policy.name"] == "full" or other_info["budget"] == info["budget"]
+            if other == run or not same_setting or not comparable or info["policy.name"] == other_info["policy.name"]:
+                continue
+            differences = paired(samples[run], samples[other])
+            if not differences:
+                continue
+            tasks, average = intervals(differences)
+            for task, interval in tasks.items():
+                put(run, task, f"vs_{other_info['policy.name']}", interval)
+            put(run, "", f"avg_vs_{other_info['policy.name']}", average)
+    per_task = pd.DataFrame([dict(run_dir=r, task=t, **v) for (r, t), v in columns.items() if t])
+    per_run = pd.DataFrame([dict(run_dir=r, **v) for (r, t), v in columns.items() if not t])
+    return frame.merge(per_task, on=["run_dir", "task"], how="left").merge(per_run, on="run_dir", how="left")
 
 
 def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
@@ -140,15 +198,64 @@ def markdown_table(table: pd.DataFrame) -> str:
     return table.reset_index().rename(columns={"policy.name": "policy"}).to_markdown(index=False)
 
 
+def with_interval(value, low, high) -> str:
+    return f"{value:.1f} ({low:.1f}, {high:.1f})"
+
+
+def interval_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Task scores and the average with their 95% intervals, as text: ``score (low, high)``."""
+    labelled = with_budget_label(frame)
+    cells = {}
+    for (policy, budget), group in labelled.groupby(["policy.name", "budget"]):
+        row = {task: with_interval(r["score"], r["score_low"], r["score_high"]) for task, r in group.set_index("task").iterrows()}
+        first = group.iloc[0]
+        row["average"] = with_interval(first["average"], first["average_low"], first["average_high"])
+        cells[(policy, budget)] = row
+    table = pd.DataFrame.from_dict(cells, orient="index")
+    table.index.names = ["policy.name", "budget"]
+    return in_reading_order(table[sorted(c for c in table.columns if c != "average") + ["average"]])
+
+
+def differences_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Paired differences of the average, row policy minus column policy (full cache, then the
+    other policies at the same budget), with 95% intervals; ``*`` marks a significant one."""
+    runs = with_budget_label(frame.drop_duplicates("run_dir"))
+    runs = runs[runs["policy.name"] != "full"]
+    others = ["full"] + sorted(runs["policy.name"].unique())
+    cells = {}
+    for _, run in runs.iterrows():
+        row = {}
+        for other in others:
+            if f"avg_vs_{other}_diff" in run and run[f"avg_vs_{other}_diff"] == run[f"avg_vs_{other}_diff"]:
+                low, high = run[f"avg_vs_{other}_low"], run[f"avg_vs_{other}_high"]
+                mark = " *" if low > 0 or high < 0 else ""
+                row[f"minus {other}"] = f"{run[f'avg_vs_{other}_diff']:+.1f} ({low:+.1f}, {high:+.1f}){mark}"
+            else:
+                row[f"minus {other}"] = ""
+        cells[(run["policy.name"], run["budget"])] = row
+    table = pd.DataFrame.from_dict(cells, orient="index")
+    table.index.names = ["policy.name", "budget"]
+    return in_reading_order(table)
+
+
 def to_markdown(frame: pd.DataFrame, command: str) -> str:
     parts = []
     for (model, data), group in frame.groupby(["model.name", "data.name"]):
+        per_task = group.drop_duplicates("task").set_index("task")["samples"]
+        counts = ", ".join(f"{task} {int(n)}" for task, n in per_task.items())
         parts += [
             f"## {model} on {data}",
             "",
-            "Task scores (LongBench metrics, 0-100); `average` is the unweighted mean of the task scores.",
+            "Task scores (LongBench metrics, 0-100) with 95% bootstrap intervals over samples; `average` is the "
+            f"unweighted mean of the task scores (its interval resamples within tasks). Samples per task: {counts}.",
             "",
-            markdown_table(score_table(group)),
+            markdown_table(interval_table(group)),
+            "",
+            "Paired differences of the average score (row minus column, same samples), 95% bootstrap intervals; "
+            "`*` marks a difference whose interval excludes zero. Columns other than full cache compare "
+            "policies at the row's budget.",
+            "",
+            markdown_table(differences_table(group)),
             "",
             "Retention of the average score against full cache (%), fidelity to full cache (%), throughput "
             "(output tokens/s and ratio to full cache), median time per output token (s), KV blocks in use "

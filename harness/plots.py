@@ -1,8 +1,9 @@
 """Trade-off pictures from the aggregated DataFrame, as PNG and PDF.
 
-* score vs budget, one panel per task, one line per policy, full cache dashed;
+* score vs budget, one panel per task, one line per policy with its 95% intervals as error bars,
+  full cache dashed with its interval as a grey band;
 * output throughput vs budget, full cache dashed;
-* accuracy (average score) vs throughput, one point per run.
+* accuracy (average score, with its interval) vs throughput, one point per run.
 """
 from __future__ import annotations
 
@@ -27,16 +28,27 @@ def _save(fig, out: Path, name: str) -> list[Path]:
 
 def _against_budget(ax, frame: pd.DataFrame, column: str, ylabel: str) -> None:
     """One line per policy over the budget, full cache as a dashed reference, on a log-2 budget
-    axis labelled in plain tokens (budgets double from one setting to the next)."""
+    axis labelled in plain tokens (budgets double from one setting to the next). Where the frame
+    has ``<column>_low``/``_high`` (95% intervals), they are drawn as error bars and a band."""
     from matplotlib.ticker import ScalarFormatter
 
-    for policy, group in _policies(frame):
-        ax.plot(group["budget"], group[column], marker="o", label=policy, color=STYLE.get(policy))
-    full = frame[frame["policy.name"] == "full"][column]
+    bounds = [f"{column}_low", f"{column}_high"]
+    has_bounds = all(b in frame for b in bounds)
+    policies = list(_policies(frame))
+    for index, (policy, group) in enumerate(policies):
+        errors = [group[column] - group[bounds[0]], group[bounds[1]] - group[column]] if has_bounds else None
+        dodge = 2 ** (0.04 * (index - (len(policies) - 1) / 2)) if has_bounds else 1  # bars side by side
+        ax.errorbar(group["budget"] * dodge, group[column], yerr=errors, marker="o", capsize=3, label=policy,
+                    color=STYLE.get(policy))
+    full = frame[frame["policy.name"] == "full"]
     if len(full):
-        ax.axhline(full.iloc[0], linestyle="--", color="black", label="full cache")
+        ax.axhline(full[column].iloc[0], linestyle="--", color="black", label="full cache")
+        if has_bounds:
+            ax.axhspan(full[bounds[0]].iloc[0], full[bounds[1]].iloc[0], color="grey", alpha=0.15, lw=0)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(frame["budget"].dropna().unique()))
     ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel("KV budget (tokens)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -74,6 +86,10 @@ def throughput_vs_budget(runs: pd.DataFrame, title: str):
 def accuracy_vs_throughput(runs: pd.DataFrame, title: str):
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for policy, group in runs.groupby("policy.name"):
+        if "average_low" in group:
+            ax.errorbar(group["output_tokens_per_s"], group["average"], fmt="none", capsize=2, alpha=0.5,
+                        yerr=[group["average"] - group["average_low"], group["average_high"] - group["average"]],
+                        color=STYLE.get(policy))
         ax.scatter(group["output_tokens_per_s"], group["average"], label=policy, color=STYLE.get(policy),
                    marker="*" if policy == "full" else "o", s=90 if policy == "full" else 40)
         for _, row in group.iterrows():
@@ -81,7 +97,7 @@ def accuracy_vs_throughput(runs: pd.DataFrame, title: str):
                 ax.annotate(str(int(row["budget"])), (row["output_tokens_per_s"], row["average"]), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("output tokens / s")
-    ax.set_ylabel("average score (0-100)")
+    ax.set_ylabel("average score (0-100, 95% interval)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -71,3 +71,51 @@ def test_notebook_runs_top_to_bottom():
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2, "the plots are drawn"
+
+
+def test_an_interval_recomputed_from_the_per_sample_scores_matches(frame):
+    """The documented bootstrap, written out with numpy: per task in sorted order, 2000 resamples
+    from one generator seeded 0; the average resamples within tasks."""
+    import json
+
+    import numpy as np
+
+    run = frame[(frame["policy.name"] == "paged") & (frame["budget"] == 512)]
+    rows = [json.loads(line) for line in (Path(run["run_dir"].iloc[0]) / "predictions.jsonl").read_text().splitlines()]
+    rng = np.random.default_rng(0)
+    draws = {}
+    for task in sorted({r["task"] for r in rows}):
+        scores = np.array([r["score"] for r in rows if r["task"] == task])
+        draws[task] = 100 * scores[rng.integers(0, len(scores), size=(2000, len(scores)))].mean(axis=1)
+    task = "single_doc_qa"
+    row = run[run["task"] == task].iloc[0]
+    assert (row["score_low"], row["score_high"]) == tuple(np.percentile(draws[task], [2.5, 97.5]).round(2))
+    average = np.mean(list(draws.values()), axis=0)
+    assert (row["average_low"], row["average_high"]) == tuple(np.percentile(average, [2.5, 97.5]).round(2))
+    assert row["score_low"] <= row["score"] <= row["score_high"]
+
+
+def test_every_score_and_paired_difference_has_its_interval(frame):
+    assert frame[["score_low", "score_high", "average_low", "average_high"]].notna().all().all()
+    evicting = frame[frame["policy.name"] != "full"]
+    for column in ("vs_full_diff", "vs_full_low", "vs_full_high", "avg_vs_full_diff", "avg_vs_full_low", "avg_vs_full_high"):
+        assert evicting[column].notna().all(), column
+    paged = evicting[evicting["policy.name"] == "paged"]
+    assert paged[["avg_vs_streaming_diff", "avg_vs_knorm_low", "avg_vs_keydiff_high"]].notna().all().all()
+    # A paired difference is the difference of the two runs' scores on the same samples.
+    for _, row in paged.iterrows():
+        streaming = evicting[(evicting["policy.name"] == "streaming") & (evicting["budget"] == row["budget"])
+                             & (evicting["task"] == row["task"])].iloc[0]
+        assert row["vs_streaming_diff"] == pytest.approx(row["score"] - streaming["score"], abs=0.01)
+
+
+def test_summary_marks_significant_differences(frame):
+    from harness.aggregate import differences_table
+
+    table = differences_table(frame)
+    cells = [cell for cell in table.to_numpy().flatten() if cell]
+    significant = [cell for cell in cells if cell.endswith("*")]
+    assert significant and len(significant) < len(cells)
+    for cell in significant:
+        low, high = (float(x) for x in cell.split("(")[1].split(")")[0].split(","))
+        assert low > 0 or high < 0
