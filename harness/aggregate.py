@@ -29,6 +29,25 @@ from harness.stats import Interval, intervals
 RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
 
 
+def variant_label(config: dict) -> str:
+    """The policy's name plus whatever makes this run differ from its defaults: options away from
+    the policy's own defaults and a block size other than the engine's (``paged[per_head=True]``,
+    ``paged[block_size=64]``). Tables and plots key rows by it, so ablations read apart."""
+    import dataclasses
+
+    from policies import REGISTRY
+
+    policy = config.get("policy") or {}
+    name = policy.get("name", "?")
+    defaults = {f.name: f.default for f in dataclasses.fields(REGISTRY[name])} if name in REGISTRY else {}
+    changed = [f"{key}={value}" for key, value in sorted((policy.get("options") or {}).items())
+               if defaults.get(key, dataclasses.MISSING) != value]
+    engine_block = (config.get("engine") or {}).get("block_size")
+    if engine_block is not None and config.get("block_size") not in (None, engine_block):
+        changed.append(f"block_size={config['block_size']}")
+    return name + (f"[{', '.join(changed)}]" if changed else "")
+
+
 def find_runs(roots: list[Path]) -> list[Path]:
     found = set()
     for root in roots:
@@ -54,6 +73,7 @@ def run_rows(run_dir: Path) -> list[dict]:
     config.pop("provenance", None)
     scores, perf = read_json(run_dir / "scores.json"), read_json(run_dir / "perf.json")
     base = flatten(config)
+    base["variant"] = variant_label(config)
     if base.get("policy.name") == "full":
         base["budget"] = None  # full cache keeps everything, whatever the configured budget
     fidelity = scores.get("fidelity") or {}
@@ -126,15 +146,15 @@ def add_intervals(frame: pd.DataFrame) -> pd.DataFrame:
         for other, other_info in runs.iterrows():
             same_setting = (other_info["model.name"], other_info["data.name"]) == (info["model.name"], info["data.name"])
             comparable = other_info["policy.name"] == "full" or other_info["budget"] == info["budget"]
-            if other == run or not same_setting or not comparable or info["policy.name"] == other_info["policy.name"]:
+            if other == run or not same_setting or not comparable or info["variant"] == other_info["variant"]:
                 continue
             differences = paired(samples[run], samples[other])
             if not differences:
                 continue
             tasks, average = intervals(differences)
             for task, interval in tasks.items():
-                put(run, task, f"vs_{other_info['policy.name']}", interval)
-            put(run, "", f"avg_vs_{other_info['policy.name']}", average)
+                put(run, task, f"vs_{other_info['variant']}", interval)
+            put(run, "", f"avg_vs_{other_info['variant']}", average)
     per_task = pd.DataFrame([dict(run_dir=r, task=t, **v) for (r, t), v in columns.items() if t])
     per_run = pd.DataFrame([dict(run_dir=r, **v) for (r, t), v in columns.items() if not t])
     return frame.merge(per_task, on=["run_dir", "task"], how="left").merge(per_run, on="run_dir", how="left")
@@ -161,6 +181,9 @@ def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+ROW = ["variant", "budget"]  # how tables key their rows: the policy variant and the budget label
+
+
 def with_budget_label(frame: pd.DataFrame) -> pd.DataFrame:
     """``budget`` as a label: the token count, or "all" for full cache (it keeps every token)."""
     labelled = frame.copy()
@@ -169,7 +192,7 @@ def with_budget_label(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def in_reading_order(table: pd.DataFrame) -> pd.DataFrame:
-    """Rows (policy, budget label): full cache first, then each policy by name, budgets ascending."""
+    """Rows (variant, budget label): full cache first, then each variant by name, budgets ascending."""
     def key(row):
         policy, budget = row
         return (policy != "full", policy, int(budget) if budget.isdigit() else -1)
@@ -180,8 +203,8 @@ def in_reading_order(table: pd.DataFrame) -> pd.DataFrame:
 def score_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Task scores: rows policy x budget, one column per task, then the average."""
     frame = with_budget_label(frame)
-    table = frame.pivot_table(index=["policy.name", "budget"], columns="task", values="score")
-    table["average"] = frame.groupby(["policy.name", "budget"])["average"].first()
+    table = frame.pivot_table(index=ROW, columns="task", values="score")
+    table["average"] = frame.groupby(ROW)["average"].first()
     return in_reading_order(table.round(2))
 
 
@@ -190,12 +213,12 @@ def system_table(frame: pd.DataFrame) -> pd.DataFrame:
     columns = ["retention_avg_pct", "fidelity_exact_match", "fidelity_rougeL", "output_tokens_per_s",
                "throughput_vs_full", "tpot_p50_s", "kv_blocks_peak", "kv_blocks_mean", "evict_share"]
     runs = with_budget_label(frame.drop_duplicates("run_dir"))
-    return in_reading_order(runs.set_index(["policy.name", "budget"])[columns].round(3))
+    return in_reading_order(runs.set_index(ROW)[columns].round(3))
 
 
 def markdown_table(table: pd.DataFrame) -> str:
     """A policy x budget table with ``policy`` and ``budget`` as plain columns (no tuple labels)."""
-    return table.reset_index().rename(columns={"policy.name": "policy"}).to_markdown(index=False)
+    return table.reset_index().rename(columns={"variant": "policy"}).to_markdown(index=False)
 
 
 def with_interval(value, low, high) -> str:
@@ -206,13 +229,13 @@ def interval_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Task scores and the average with their 95% intervals, as text: ``score (low, high)``."""
     labelled = with_budget_label(frame)
     cells = {}
-    for (policy, budget), group in labelled.groupby(["policy.name", "budget"]):
+    for (policy, budget), group in labelled.groupby(ROW):
         row = {task: with_interval(r["score"], r["score_low"], r["score_high"]) for task, r in group.set_index("task").iterrows()}
         first = group.iloc[0]
         row["average"] = with_interval(first["average"], first["average_low"], first["average_high"])
         cells[(policy, budget)] = row
     table = pd.DataFrame.from_dict(cells, orient="index")
-    table.index.names = ["policy.name", "budget"]
+    table.index.names = ROW
     return in_reading_order(table[sorted(c for c in table.columns if c != "average") + ["average"]])
 
 
@@ -221,7 +244,7 @@ def differences_table(frame: pd.DataFrame) -> pd.DataFrame:
     other policies at the same budget), with 95% intervals; ``*`` marks a significant one."""
     runs = with_budget_label(frame.drop_duplicates("run_dir"))
     runs = runs[runs["policy.name"] != "full"]
-    others = ["full"] + sorted(runs["policy.name"].unique())
+    others = ["full"] + sorted(runs["variant"].unique())
     cells = {}
     for _, run in runs.iterrows():
         row = {}
@@ -232,9 +255,9 @@ def differences_table(frame: pd.DataFrame) -> pd.DataFrame:
                 row[f"minus {other}"] = f"{run[f'avg_vs_{other}_diff']:+.1f} ({low:+.1f}, {high:+.1f}){mark}"
             else:
                 row[f"minus {other}"] = ""
-        cells[(run["policy.name"], run["budget"])] = row
+        cells[(run["variant"], run["budget"])] = row
     table = pd.DataFrame.from_dict(cells, orient="index")
-    table.index.names = ["policy.name", "budget"]
+    table.index.names = ROW
     return in_reading_order(table)
 
 

@@ -55,7 +55,7 @@ def _against_budget(ax, frame: pd.DataFrame, column: str, ylabel: str) -> None:
 
 
 def _policies(frame: pd.DataFrame):
-    for policy, group in frame[frame["policy.name"] != "full"].groupby("policy.name"):
+    for policy, group in frame[frame["policy.name"] != "full"].groupby("variant"):
         yield policy, group.sort_values("budget")
 
 
@@ -85,7 +85,7 @@ def throughput_vs_budget(runs: pd.DataFrame, title: str):
 
 def accuracy_vs_throughput(runs: pd.DataFrame, title: str):
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for policy, group in runs.groupby("policy.name"):
+    for policy, group in runs.groupby("variant"):
         if "average_low" in group:
             ax.errorbar(group["output_tokens_per_s"], group["average"], fmt="none", capsize=2, alpha=0.5,
                         yerr=[group["average"] - group["average_low"], group["average_high"] - group["average"]],

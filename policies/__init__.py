@@ -1,17 +1,18 @@
 """The policy zoo: pure PyTorch, no vLLM. A Hydra name maps to a class here.
 
-Adding a policy: write ``policies/<name>.py`` with a dataclass subclassing ``BlockPolicy`` or
-``TokenPolicy`` and add one line to ``REGISTRY`` (plus ``conf/policy/<name>.yaml`` for Hydra).
+Adding a policy: write ``policies/<name>.py`` with a dataclass subclassing ``ScoredBlockPolicy`` or
+``ScoredTokenPolicy`` (a score, selection inherited) or ``BlockPolicy`` / ``TokenPolicy``, and add
+one line to ``REGISTRY`` (plus ``conf/policy/<name>.yaml`` for Hydra).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from policies.base import BlockPolicy, BudgetError, Policy, TokenPolicy, check_budget
+from policies.base import BlockPolicy, BudgetError, Policy, ScoredBlockPolicy, ScoredTokenPolicy, TokenPolicy, check_budget
 from policies.full import FullCache
-from policies.keydiff import KeyDiff
-from policies.knorm import InverseKeyNorm
-from policies.paged import PagedEviction
+from policies.keydiff import KeyDiff, KeyDiffBlocks
+from policies.knorm import InverseKeyNorm, InverseKeyNormBlocks
+from policies.paged import PagedEviction, ValueKeyRatioTokens
 from policies.streaming import StreamingLLM
 
 REGISTRY: dict[str, type[Policy]] = {
@@ -20,6 +21,10 @@ REGISTRY: dict[str, type[Policy]] = {
     "streaming": StreamingLLM,
     "knorm": InverseKeyNorm,
     "keydiff": KeyDiff,
+    # Each score at the other granularity (score and granularity apart, for ablations).
+    "paged_token": ValueKeyRatioTokens,
+    "knorm_block": InverseKeyNormBlocks,
+    "keydiff_block": KeyDiffBlocks,
 }
 
 
@@ -43,6 +48,7 @@ def make_policy(name: str, budget: int, block_size: int, **options: Any) -> Poli
 
 
 __all__ = [
-    "REGISTRY", "BlockPolicy", "BudgetError", "Policy", "TokenPolicy", "UnknownPolicyError",
+    "REGISTRY", "BlockPolicy", "BudgetError", "Policy", "ScoredBlockPolicy", "ScoredTokenPolicy", "TokenPolicy",
+    "UnknownPolicyError",
     "check_budget", "make_policy",
 ]

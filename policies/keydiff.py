@@ -14,16 +14,30 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from policies.base import ScoredTokenPolicy
+from policies.base import ScoredBlockPolicy, ScoredTokenPolicy
+
+
+def key_diff(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[heads, tokens]`` negative cosine similarity of each key to its layer and head's anchor."""
+    directions = F.normalize(keys.float(), dim=-1)
+    anchor = directions.mean(dim=0, keepdim=True)
+    return -F.cosine_similarity(directions, anchor, dim=-1).T
 
 
 @dataclass
 class KeyDiff(ScoredTokenPolicy):
+    # The anchor moves with every token written: scores are recomputed at each eviction.
     name: ClassVar[str] = "keydiff"
 
-    # The anchor moves with every token written: scores are recomputed at each eviction.
+    def layer_scores(self, keys, values):
+        return key_diff(keys, values)
 
-    def layer_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        directions = F.normalize(keys.float(), dim=-1)
-        anchor = directions.mean(dim=0, keepdim=True)
-        return -F.cosine_similarity(directions, anchor, dim=-1).T
+
+@dataclass
+class KeyDiffBlocks(ScoredBlockPolicy):
+    """The same score at block granularity (PagedEviction's selection), for ablations."""
+
+    name: ClassVar[str] = "keydiff_block"
+
+    def layer_scores(self, keys, values):
+        return key_diff(keys, values)

@@ -12,7 +12,12 @@ from typing import ClassVar
 
 import torch
 
-from policies.base import ScoredTokenPolicy, l2
+from policies.base import ScoredBlockPolicy, ScoredTokenPolicy, l2
+
+
+def inverse_key_norm(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[heads, tokens]`` scores -||K|| of one layer."""
+    return -l2(keys).T
 
 
 @dataclass
@@ -20,5 +25,16 @@ class InverseKeyNorm(ScoredTokenPolicy):
     name: ClassVar[str] = "knorm"
     static_scores: ClassVar[bool] = True
 
-    def layer_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return -l2(keys).T
+    def layer_scores(self, keys, values):
+        return inverse_key_norm(keys, values)
+
+
+@dataclass
+class InverseKeyNormBlocks(ScoredBlockPolicy):
+    """The same score at block granularity (PagedEviction's selection), for ablations."""
+
+    name: ClassVar[str] = "knorm_block"
+    static_scores: ClassVar[bool] = True
+
+    def layer_scores(self, keys, values):
+        return inverse_key_norm(keys, values)

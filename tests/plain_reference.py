@@ -44,43 +44,57 @@ def keep_with_edges(scores: torch.Tensor, first: int, last: int, total: int) -> 
                       torch.arange(length - last, length).expand(*lead, last)], dim=-1)
 
 
+def token_scores(score: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """``[layers, heads, tokens]`` scores, higher = keep: ||V||/||K||, -||K|| or KeyDiff's."""
+    rows = []
+    for k, v in zip(keys, values):
+        if score == "ratio":
+            rows.append(v.norm(dim=-1) / k.norm(dim=-1).clamp_min(EPS))
+        elif score == "key_norm":  # the lowest key norms are kept
+            rows.append(-k.norm(dim=-1))
+        else:  # keydiff: the keys least aligned with the mean key direction
+            unit = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            anchor = unit.mean(dim=1, keepdim=True)
+            anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            rows.append(-(unit * anchor).sum(dim=-1))
+    return torch.stack(rows)
+
+
+# name -> (score, granularity). Block: PagedEviction's rule (shared keep set, whole blocks in decode);
+# token: per layer and head, the first and last block protected, compacted in decode.
+RULES = {
+    "paged": ("ratio", "block"), "paged_token": ("ratio", "token"),
+    "knorm": ("key_norm", "token"), "knorm_block": ("key_norm", "block"),
+    "keydiff": ("keydiff", "token"), "keydiff_block": ("keydiff", "block"),
+}
+
+
 class PlainPolicy:
-    """The four rules, by name: which cached tokens stay, as ``[layers, heads, kept]`` indices."""
+    """The rules, by name: which cached tokens stay, as ``[layers, heads, kept]`` indices."""
 
     def __init__(self, name: str, budget: int, block: int):
         self.name, self.budget, self.block = name, budget, block
 
     def keep(self, keys: list[torch.Tensor], values: list[torch.Tensor], phase: str) -> torch.Tensor | int:
-        """``keys[l]``/``values[l]``: ``[heads, tokens, dim]``. A block index for paged in decode."""
+        """``keys[l]``/``values[l]``: ``[heads, tokens, dim]``. A block index in decode for a block rule."""
         C, B = self.budget, self.block
         heads, length = keys[0].shape[0], keys[0].shape[1]
         layers = len(keys)
         if self.name == "streaming":  # 4 attention sinks + the most recent tokens
             kept = torch.cat([torch.arange(4), torch.arange(length - (C - 4), length)])
             return kept.expand(layers, heads, -1)
-        if self.name == "paged":  # ||V|| / ||K||, averaged over layers and heads
-            ratio = torch.stack([v.norm(dim=-1) / k.norm(dim=-1).clamp_min(EPS) for k, v in zip(keys, values)])
-            per_token = ratio.mean(dim=(0, 1))
-            if phase == "prefill":
-                kept = keep_with_edges(per_token, B, B + length % B, C + length % B)
-                return kept.expand(layers, heads, -1)
-            blocks = length // B
-            block_scores = rounded(per_token[: blocks * B].view(blocks, B).mean(dim=-1))
-            candidates = block_scores[1 : blocks - 1]  # never the first block, never the newest
-            return 1 + int(torch.nonzero(candidates == candidates.min())[0])
-        if self.name == "knorm":  # the lowest key norms, per layer and head
-            scores = torch.stack([-k.norm(dim=-1) for k in keys])
-        elif self.name == "keydiff":  # the keys least aligned with the mean key direction
-            scores = []
-            for k in keys:
-                unit = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-                anchor = unit.mean(dim=1, keepdim=True)
-                anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-                scores.append(-(unit * anchor).sum(dim=-1))
-            scores = torch.stack(scores)
-        else:
-            raise ValueError(self.name)
-        return keep_with_edges(scores, B, B, C)
+        score, granularity = RULES[self.name]
+        scores = token_scores(score, keys, values)
+        if granularity == "token":
+            return keep_with_edges(scores, B, B, C)
+        per_token = scores.mean(dim=(0, 1))  # averaged over layers and heads
+        if phase == "prefill":
+            kept = keep_with_edges(per_token, B, B + length % B, C + length % B)
+            return kept.expand(layers, heads, -1)
+        blocks = length // B
+        block_scores = rounded(per_token[: blocks * B].view(blocks, B).mean(dim=-1))
+        candidates = block_scores[1 : blocks - 1]  # never the first block, never the newest
+        return 1 + int(torch.nonzero(candidates == candidates.min())[0])
 
 
 class PlainReference:

@@ -119,3 +119,15 @@ def test_summary_marks_significant_differences(frame):
     for cell in significant:
         low, high = (float(x) for x in cell.split("(")[1].split(")")[0].split(","))
         assert low > 0 or high < 0
+
+
+def test_variants_are_named_by_what_differs_from_their_defaults():
+    from harness.aggregate import variant_label
+
+    defaults = {"per_head": False, "candidates": "global", "local_blocks": 3, "score_layers": "all"}
+    engine = {"block_size": 32}
+    assert variant_label({"policy": {"name": "paged", "options": defaults}, "block_size": 32, "engine": engine}) == "paged"
+    per_head = {"policy": {"name": "paged", "options": dict(defaults, per_head=True)}, "block_size": 64, "engine": engine}
+    assert variant_label(per_head) == "paged[per_head=True, block_size=64]"
+    assert variant_label({"policy": {"name": "knorm", "options": {"per_head": True}}, "engine": engine}) == "knorm"
+    assert variant_label({"policy": {"name": "full", "options": {}}, "block_size": 32, "engine": engine}) == "full"

@@ -123,3 +123,18 @@ def test_a_single_run_prints_no_sweep_progress(capsys):
     progress.on_job_start(compose_cfg())
     progress.on_job_end(compose_cfg(), job_return=None)
     assert "[sweep]" not in capsys.readouterr().out
+
+
+def test_every_ablation_cell_composes_and_validates():
+    """+experiment=ablation: ten variants x two budgets, each a distinct run directory."""
+    from harness.sweep import expand_sweep
+
+    variants = sorted(p.stem for p in (ROOT / "conf" / "ablation").glob("*.yaml"))
+    assert len(variants) == 10
+    cells = expand_sweep([f"+ablation={','.join(variants)}", "budget=256,512", "+experiment=ablation"])
+    names = set()
+    for overrides in cells:
+        cfg = compose_cfg(*overrides)
+        validate(cfg)
+        names.add(run_dir(cfg).name)
+    assert len(names) == 20

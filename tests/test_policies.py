@@ -199,8 +199,29 @@ def test_unknown_policy_and_option_list_valid_choices():
 
 
 def test_every_policy_states_its_granularity():
-    expected = {"full": "none", "paged": "block", "streaming": "token", "knorm": "token", "keydiff": "token"}
+    expected = {"full": "none", "paged": "block", "streaming": "token", "knorm": "token", "keydiff": "token",
+                "paged_token": "token", "knorm_block": "block", "keydiff_block": "block"}
     assert {name: cls.granularity for name, cls in REGISTRY.items()} == expected
     described = make_policy("paged", budget=8, block_size=B).describe()
     assert described["granularity"] == "block" and described["decode_copies"] is False
     assert not math.isnan(described["budget"])
+
+
+@pytest.mark.parametrize("block_name, token_name", [("paged", "paged_token"), ("knorm_block", "knorm"),
+                                                    ("keydiff_block", "keydiff")])
+def test_each_score_at_block_and_token_granularity_shares_its_score(block_name, token_name):
+    """Score and granularity apart: the block and token variants of a score rank tokens the same
+    way; only what they do with the ranking differs."""
+    keys, values = kv(40, seed=7)
+    block = make_policy(block_name, budget=16, block_size=B)
+    token = make_policy(token_name, budget=16, block_size=B)
+    assert torch.equal(block.scores_of(keys, values), token.scores_of(keys, values))
+    assert block.granularity == "block" and token.granularity == "token"
+    assert block.prefill_keep(keys, values).shape[-1] == 16 + 40 % B
+    assert token.prefill_keep(keys, values).shape[-1] == 16
+
+
+def test_knorm_at_block_granularity_drops_the_block_with_the_largest_keys():
+    key_norm = torch.tensor([1.0, 1.0, 5.0, 2.0, 1.0]).repeat_interleave(B)
+    keys, values = with_norms(key_norm, torch.ones(20))
+    assert make_policy("knorm_block", budget=16, block_size=B).decode_evict_block(keys, values) == 2
