@@ -80,6 +80,8 @@ def check_compatible(vllm_config) -> None:
             "KV eviction patches vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0 "
             "(Model Runner V2 builds positions and seq_lens in one GPU kernel)"
         )
+    # Left unset, vLLM 0.32 turns asynchronous scheduling on where the executor supports it (the
+    # GPU default; vllm/config/vllm.py:1585): `vllm serve` on a GPU needs --no-async-scheduling.
     if vllm_config.scheduler_config.async_scheduling:
         raise ValueError(
             "KV eviction needs synchronous scheduling (a step's evictions reach the next schedule): "
