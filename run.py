@@ -9,6 +9,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from harness import interrupts
 from harness.config import ConfigError
 from harness.engine.messages import EvictionNotActiveError
 from harness.experiment import run_cell
@@ -25,4 +26,5 @@ def main(cfg: DictConfig) -> str:
 
 
 if __name__ == "__main__":
+    interrupts.install()
     main()

@@ -11,6 +11,7 @@ from harness.config import full_cache_twin, run_dir, validate
 from harness.console import engine_output_to, tail
 from harness.data import load_samples, task_spec
 from harness.data.prompts import build_prompt
+from harness import interrupts
 from harness.engine.messages import EvictionNotActiveError
 from harness.metrics.fidelity import fidelity
 from harness.metrics.report import score_run
@@ -61,14 +62,18 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
         print(f"[engine] starting vLLM for {label(cfg)}: {len(prompts)} prompts (its log: {target / ENGINE_LOG})", flush=True)
         with engine_output_to(log) as terminal:
             engine = start_engine(model_path, cfg)
-            started = time.perf_counter()
-            results = engine.generate(
-                [prompt.token_ids for prompt in prompts],
-                [specs[s.task].max_new_tokens for s in kept],
-                [specs[s.task].stop for s in kept],
-                progress=terminal,
-            )
-            wall = time.perf_counter() - started
+            try:
+                started = time.perf_counter()
+                results = engine.generate(
+                    [prompt.token_ids for prompt in prompts],
+                    [specs[s.task].max_new_tokens for s in kept],
+                    [specs[s.task].stop for s in kept],
+                    progress=terminal,
+                )
+                wall = time.perf_counter() - started
+                ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
+            finally:
+                engine.close()
 
         rows = [
             {
@@ -89,15 +94,15 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
         ]
         scores = score_run(rows, skipped, cfg)
         scores["fidelity"] = fidelity_to_full_cache(cfg, rows)
-        ledger = engine.ledger()
         check_evictions_happened(cfg, rows, ledger)
-        perf = summarize_perf(results, wall, engine.facts(), ledger)
+        perf = summarize_perf(results, wall, facts, ledger)
         writer.write_jsonl("predictions.jsonl", rows)
         writer.write_json("scores.json", scores)
         writer.write_json("perf.json", perf)
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        resolved["provenance"] = provenance(engine.vllm_version)
+        resolved["provenance"] = provenance(vllm_version)
         writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        interrupts.check()  # a Ctrl-C swallowed by a finalizer still stops the cell unpublished
         final = writer.commit()
     except BaseException:
         if log.exists():

@@ -20,7 +20,7 @@ def frame():
 def test_one_row_per_run_and_task_with_every_config_key(frame):
     assert frame["run_dir"].nunique() == 9  # full once + 4 policies x 2 budgets
     assert {"policy.name", "budget", "model.name", "data.name", "block_size", "engine.device", "policy.options.n_sink"} <= set(frame.columns)
-    assert set(frame["task"]) == {"single_doc_qa", "key_retrieval"}
+    assert set(frame["task"]) == {"single_doc_qa", "key_retrieval", "code_completion"}
     full = frame[frame["policy.name"] == "full"]
     assert full["budget"].isna().all(), "full cache has no budget"
     assert ((full["retention_pct"] == 100) | full["retention_pct"].isna()).all()
@@ -34,7 +34,7 @@ def test_score_table_is_policy_by_budget(frame):
     table = score_table(frame)
     assert list(table.index) == [("full", "all"), ("keydiff", "256"), ("keydiff", "512"), ("knorm", "256"),
                                  ("knorm", "512"), ("paged", "256"), ("paged", "512"), ("streaming", "256"), ("streaming", "512")]
-    assert list(table.columns) == ["key_retrieval", "single_doc_qa", "average"]
+    assert list(table.columns) == ["code_completion", "key_retrieval", "single_doc_qa", "average"]
 
 
 def test_tables_read_full_cache_first_and_budgets_in_numeric_order():
@@ -52,7 +52,7 @@ def test_tables_read_full_cache_first_and_budgets_in_numeric_order():
 
 def test_cli_writes_summary_and_plots(tmp_path, capsys):
     assert aggregate_main([str(REFERENCE), "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "summary.csv").read_text().count("\n") == 9 * 2 + 1
+    assert (tmp_path / "summary.csv").read_text().count("\n") == 9 * 3 + 1
     markdown = (tmp_path / "summary.md").read_text()
     assert "Produced by `python -m harness.aggregate" in markdown and "| paged     | 256      |" in markdown
     for kind in ("score_vs_budget", "throughput", "tradeoff"):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness.aggregate import load_runs, score_table
+from harness.experiment import ENGINE_LOG
 from harness.results import RUN_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,9 +22,17 @@ SWEEP = ["-m", "model=tiny", "policy=full,paged,streaming", "budget=256", "data.
          "data.tasks=[key_retrieval,passage_count]"]
 
 
+def default_signals() -> None:
+    """A sweep started from a terminal gets SIGINT's default disposition; one started under a
+    non-interactive background shell inherits it ignored (Python then installs no KeyboardInterrupt
+    handler), which would make Ctrl-C untestable. Give the sweep what a terminal user's has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def sweep(out: Path, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *SWEEP, f"output_dir={out}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=default_signals, **popen)
 
 
 def cells(out: Path) -> tuple[list[Path], list[Path]]:
@@ -57,8 +66,8 @@ def test_a_killed_sweep_resumes_to_the_same_results(tmp_path, uninterrupted, sig
     deadline = time.time() + 900
     while time.time() < deadline:
         complete, partial = cells(tmp_path)
-        if len(complete) == complete_before_kill and partial:
-            time.sleep(4)  # into the cell's engine start or generation
+        if len(complete) == complete_before_kill and partial and (partial[0] / ENGINE_LOG).exists():
+            time.sleep(1)  # into the cell's engine start (ten seconds and more), not its end
             break
         assert process.poll() is None, f"the sweep ended before it could be killed:\n{process.stdout.read()[-3000:]}"
         time.sleep(0.2)
@@ -69,7 +78,7 @@ def test_a_killed_sweep_resumes_to_the_same_results(tmp_path, uninterrupted, sig
     complete, partial = cells(tmp_path)
     assert len(complete) == complete_before_kill, "the cell under way did not publish"
     for run_dir in complete:
-        assert sorted(p.name for p in run_dir.iterdir()) == sorted(RUN_FILES), f"{run_dir} looks complete"
+        assert sorted(p.name for p in run_dir.iterdir()) == sorted([*RUN_FILES, ENGINE_LOG]), f"{run_dir} looks complete"
 
     resumed = sweep(tmp_path)
     output, _ = resumed.communicate(timeout=900)

@@ -35,7 +35,7 @@ def test_run_writes_the_four_files(full_run):
     assert [r["task"] for r in rows] == ["single_doc_qa", "code_completion"]
     for row in rows:
         assert row["prompt"] and row["answers"] and row["prompt_tokens"] > 500
-        assert 0 < row["output_tokens"] <= 24
+        assert 0 < row["output_tokens"] <= 64
     assert rows[0]["prompt"].startswith("<|im_start|>system"), "QA tasks get the chat template"
     from transformers import AutoTokenizer
 

@@ -107,7 +107,27 @@ class Engine:
         self.device = engine_cfg.device
         self.dtype = model_cfg.dtype
         if eviction is not None:
-            self.verify_eviction(eviction)
+            try:
+                self.verify_eviction(eviction)
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        """Shut the engine down now, in ordinary code. Left to the garbage collector, vLLM's
+        teardown runs as weakref finalizers at some later moment (the next cell's engine start, in
+        a sweep), where Python ignores any exception: a Ctrl-C arriving then would be lost.
+        (``InprocClient.shutdown`` and ``LLMEngine._finalizer``, vllm/v1/engine/core_client.py:401,
+        llm_engine.py:144.)"""
+        import gc
+
+        engine = self.llm.llm_engine
+        engine.engine_core.shutdown()
+        finalizer = getattr(engine, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        del self.llm
+        gc.collect()
 
     def facts(self) -> dict:
         """What a reader needs to compare this run's speed with another's."""
