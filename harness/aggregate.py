@@ -252,7 +252,8 @@ def differences_table(frame: pd.DataFrame) -> pd.DataFrame:
             if f"avg_vs_{other}_diff" in run and run[f"avg_vs_{other}_diff"] == run[f"avg_vs_{other}_diff"]:
                 low, high = run[f"avg_vs_{other}_low"], run[f"avg_vs_{other}_high"]
                 mark = " *" if low > 0 or high < 0 else ""
-                row[f"minus {other}"] = f"{run[f'avg_vs_{other}_diff']:+.1f} ({low:+.1f}, {high:+.1f}){mark}"
+                # Two decimals: a bound just below zero must not print as "-0.0" beside its mark.
+                row[f"minus {other}"] = f"{run[f'avg_vs_{other}_diff']:+.2f} ({low:+.2f}, {high:+.2f}){mark}"
             else:
                 row[f"minus {other}"] = ""
         cells[(run["variant"], run["budget"])] = row

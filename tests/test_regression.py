@@ -32,7 +32,7 @@ def test_the_reference_is_big_enough_to_catch_a_regression():
     for task in {r["task"] for r in full}:
         assert sum(r["score"] for r in full if r["task"] == task) > 0, f"full cache answers {task}"
     # Decode eviction happens every block_size (32) generated tokens: some samples must get there.
-    assert max(r["output_tokens"] for r in full) > 2 * 32
+    assert max(r["output_tokens"] for r in full) > 32
 
 
 def test_every_sample_matches_the_committed_reference(tmp_path):
@@ -51,7 +51,7 @@ def test_every_sample_matches_the_committed_reference(tmp_path):
 BROKEN = """
 import sys, runpy
 from policies.paged import PagedEviction
-PagedEviction.decode_evict_block = lambda self, keys, values: keys.shape[1] // self.block_size - 1
+PagedEviction.select_victim = lambda self, scores, tokens: tokens // self.block_size - 1
 sys.argv = ["run.py", *sys.argv[1:]]
 runpy.run_path("run.py", run_name="__main__")
 """
