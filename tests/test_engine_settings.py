@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness.engine import llm
-from harness.engine.kv_view import CpuAttnView, FlashAttnView, UnsupportedLayoutError, make_view, slots
+from harness.engine.kv_view import CpuAttnView, FlashAttnView, KVView, UnsupportedLayoutError, make_view
 from harness.engine.messages import EvictionNotActiveError, EvictionPlan, required
 from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, check_compatible, settings_from
 
@@ -112,34 +112,39 @@ def test_views_write_and_read_back_token_slots(view_cls):
     layers, blocks, heads, block_size, dim = 3, 5, 2, 4, 8
     caches = [torch.zeros(blocks, heads, block_size, 2 * dim) for _ in range(layers)]
     view = view_cls(caches)
-    slot_blocks, slot_offsets = torch.tensor([4, 1, 1, 3]), torch.tensor([0, 3, 2, 1])
-    keys = torch.randn(layers, 4, heads, dim)
-    values = torch.randn(layers, 4, heads, dim)
-    view.write(slot_blocks, slot_offsets, keys, values)
-    read_keys, read_values = view.read(slot_blocks, slot_offsets)
-    assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+    block_ids = [4, 1, 3]  # a request's blocks; its slots 0..5 are (4,0)..(4,3), (1,0), (1,1)
+    slot_blocks, slot_offsets = torch.tensor([4, 4, 4, 4, 1, 1]), torch.tensor([0, 1, 2, 3, 0, 1])
+    keys, values = torch.randn(layers, 6, heads, dim), torch.randn(layers, 6, heads, dim)
+    for layer in range(layers):
+        view.write_layer(layer, slot_blocks, slot_offsets, keys[layer], values[layer])
+    for layer in range(layers):
+        read_keys, read_values = view.read_layer(layer, block_ids, 0, 6)
+        assert torch.equal(read_keys, keys[layer]) and torch.equal(read_values, values[layer])
     assert sum(int(c.count_nonzero()) for c in caches) == keys.numel() + values.numel(), "only those slots"
 
 
 @pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])
 @pytest.mark.parametrize("start, end", [(0, 10), (3, 10), (4, 8), (9, 10)])
 def test_reading_a_run_of_slots_by_whole_blocks_equals_reading_them_one_by_one(view_cls, start, end):
-    """``read_layer`` (the evictor's read) returns exactly slots [start, end) of the request, in order."""
+    """``read_layer`` (the evictor's read, whole blocks then a slice) returns exactly slots
+    [start, end) of the request, in order: the same as gathering them slot by slot."""
     layers, blocks, heads, block_size, dim = 3, 7, 2, 4, 8
     view = view_cls([torch.randn(blocks, heads, block_size, 2 * dim) for _ in range(layers)])
     block_ids = [5, 0, 3, 6]  # the last block is not needed for 10 tokens
-    slot_keys, slot_values = view.read(*slots(block_ids, 10, block_size, "cpu"))
     for layer in range(layers):
         keys, values = view.read_layer(layer, block_ids, start, end)
+        slot_keys, slot_values = KVView.read_layer(view, layer, block_ids, start, end)  # slot by slot
         assert keys.shape == (end - start, heads, dim)
-        assert torch.equal(keys, slot_keys[layer, start:end]) and torch.equal(values, slot_values[layer, start:end])
-    assert not torch.equal(slot_keys[:, 4:8], slot_keys[:, :4]), "different blocks read different data"
+        assert torch.equal(keys, slot_keys) and torch.equal(values, slot_values)
+    first, second = view.read_layer(0, block_ids, 0, 4)[0], view.read_layer(0, block_ids, 4, 8)[0]
+    assert not torch.equal(first, second), "different blocks read different data"
 
 
 def test_cpu_view_stores_keys_transposed_within_a_block():
     """CPU_ATTN's vec layout: per (block, head), keys as [head_dim, block_size], then values."""
     cache = torch.zeros(1, 1, 4, 2 * 3)
-    CpuAttnView([cache]).write(torch.tensor([0]), torch.tensor([1]), torch.tensor([[[[1.0, 2.0, 3.0]]]]), torch.tensor([[[[7.0, 8.0, 9.0]]]]))
+    CpuAttnView([cache]).write_layer(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([[[1.0, 2.0, 3.0]]]),
+                                     torch.tensor([[[7.0, 8.0, 9.0]]]))
     flat = cache.flatten().tolist()
     assert flat[:12] == [0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0]
     assert flat[12:] == [0, 0, 0, 7, 8, 9, 0, 0, 0, 0, 0, 0]

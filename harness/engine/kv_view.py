@@ -19,13 +19,6 @@ class UnsupportedLayoutError(RuntimeError):
     pass
 
 
-def slots(block_ids: list[int], tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(block id, offset)`` of a request's first ``tokens`` slots, given its blocks in order."""
-    positions = torch.arange(tokens, device=device)
-    table = torch.tensor(block_ids, dtype=torch.long, device=device)
-    return table[positions // block_size], positions % block_size
-
-
 class KVView:
     """Reads and writes the K/V of a request's token slots, one layer at a time.
 
@@ -58,15 +51,6 @@ class KVView:
     def write_layer(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor) -> None:
         self._scatter(layer, blocks.to(self.device), offsets.to(self.device), keys, values)
-
-    def read(self, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[layers, tokens, kv_heads, head_dim]`` keys and values of the given slots (tests)."""
-        pairs = [self._gather(layer, blocks, offsets) for layer in range(self.num_layers)]
-        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
-
-    def write(self, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for layer in range(self.num_layers):
-            self._scatter(layer, blocks, offsets, keys[layer], values[layer])
 
     def _gather(self, layer, blocks, offsets):
         raise NotImplementedError
