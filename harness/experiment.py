@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -25,19 +26,42 @@ from harness.tables import scores_table
 ENGINE_LOG = "vllm.log"  # everything vLLM printed while this cell ran, kept in its run directory
 
 
-def run_cell(cfg: DictConfig) -> tuple[str, Path]:
-    """Run one cell; returns ("skipped" | "done", its run directory)."""
+@dataclass
+class CellWork:
+    """A cell ready for an engine: its config, where it goes, and its prompts."""
+
+    cfg: DictConfig
+    target: Path
+    samples: list        # the samples that run (each with its prompt below)
+    prompts: list        # harness.data.prompts.Prompt, one per sample
+    skipped: list[dict]  # samples left out, with the reason
+    specs: dict          # task -> TaskSpec
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [prompt.token_ids for prompt in self.prompts]
+
+    @property
+    def max_new_tokens(self) -> list[int]:
+        return [self.specs[s.task].max_new_tokens for s in self.samples]
+
+    @property
+    def stops(self) -> list[tuple[str, ...]]:
+        return [tuple(self.specs[s.task].stop) for s in self.samples]
+
+
+def prepare_cell(cfg: DictConfig, tokenizer=None) -> CellWork | None:
+    """Validate a cell and build its prompts; None when its run directory is already complete."""
     validate(cfg)
     target = run_dir(cfg)
     if is_complete(target) and not cfg.force:
         print(f"[skip] {target} is complete (force=true reruns it)")
-        return "skipped", target
-
+        return None
     samples = load_samples(cfg.data)
-    model_path = resolve_model_path(str(cfg.model.path))
-    from transformers import AutoTokenizer
+    if tokenizer is None:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(str(cfg.model.path)))
     specs = {s.task: task_spec(s.task) for s in samples}
     prompts, kept, skipped = [], [], []
     for sample in samples:
@@ -53,67 +77,83 @@ def run_cell(cfg: DictConfig) -> tuple[str, Path]:
         kept.append(sample)
     if not kept:
         raise RuntimeError(f"every sample was skipped: {skipped[:3]}")
+    return CellWork(cfg, target, kept, prompts, skipped, specs)
 
-    writer = RunWriter(target)
+
+def run_cell(cfg: DictConfig) -> tuple[str, Path]:
+    """Run one cell on an engine of its own; returns ("skipped" | "done", its run directory)."""
+    work = prepare_cell(cfg)
+    if work is None:
+        return "skipped", run_dir(cfg)
+    writer = RunWriter(work.target)
     log = writer.partial / ENGINE_LOG
     try:
         from harness.engine import start_engine
 
-        print(f"[engine] starting vLLM for {label(cfg)}: {len(prompts)} prompts (its log: {target / ENGINE_LOG})", flush=True)
+        print(f"[engine] starting vLLM for {label(cfg)}: {len(work.prompts)} prompts (its log: {work.target / ENGINE_LOG})",
+              flush=True)
         with engine_output_to(log) as terminal:
-            engine = start_engine(model_path, cfg)
+            engine = start_engine(resolve_model_path(str(cfg.model.path)), cfg)
             try:
                 started = time.perf_counter()
-                results = engine.generate(
-                    [prompt.token_ids for prompt in prompts],
-                    [specs[s.task].max_new_tokens for s in kept],
-                    [specs[s.task].stop for s in kept],
-                    progress=terminal,
-                )
+                results = engine.generate(work.token_ids, work.max_new_tokens, work.stops, progress=terminal)
                 wall = time.perf_counter() - started
                 ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
             finally:
                 engine.close()
-
-        rows = [
-            {
-                "task": sample.task,
-                "id": sample.id,
-                "prompt": prompt.text,
-                "prediction": result.text,
-                "answers": sample.answers,
-                "all_classes": sample.all_classes,
-                "length": sample.length,
-                "prompt_tokens": result.prompt_tokens,
-                "output_tokens": result.output_tokens,
-                "finish_reason": result.finish_reason,
-                "output_token_ids": result.token_ids,
-                "top_logprobs": result.top_logprobs,
-            }
-            for sample, prompt, result in zip(kept, prompts, results)
-        ]
-        scores = score_run(rows, skipped, cfg)
-        scores["fidelity"] = fidelity_to_full_cache(cfg, rows)
-        check_evictions_happened(cfg, rows, ledger)
-        perf = summarize_perf(results, wall, facts, ledger)
-        writer.write_jsonl("predictions.jsonl", rows)
-        writer.write_json("scores.json", scores)
-        writer.write_json("perf.json", perf)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        resolved["provenance"] = provenance(vllm_version)
-        writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
-        interrupts.check()  # a Ctrl-C swallowed by a finalizer still stops the cell unpublished
-        final = writer.commit()
+        final = publish_cell(work, writer, results, wall, facts, ledger, vllm_version)
     except BaseException:
-        if log.exists():
-            kept_log = target.with_name(target.name + ".failed.log")
-            log.replace(kept_log)
-            print(f"[engine] the last lines of vLLM's log ({kept_log}):\n{tail(kept_log)}", file=sys.stderr)
+        keep_engine_log(log, work.target)
         writer.abandon()
         raise
+    return "done", final
+
+
+def keep_engine_log(log: Path, target: Path) -> None:
+    """A failed run leaves vLLM's log beside where the run would have gone, its tail on the terminal."""
+    if log.exists():
+        kept_log = target.with_name(target.name + ".failed.log")
+        log.replace(kept_log)
+        print(f"[engine] the last lines of vLLM's log ({kept_log}):\n{tail(kept_log)}", file=sys.stderr)
+
+
+def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, facts: dict,
+                 ledger: dict | None, vllm_version: str, shared: dict | None = None) -> Path:
+    """Score a cell's generations and publish its complete run directory (atomically).
+    ``shared``: how the cell shared its engine with others (timings are then not isolated)."""
+    cfg = work.cfg
+    rows = [
+        {
+            "task": sample.task,
+            "id": sample.id,
+            "prompt": prompt.text,
+            "prediction": result.text,
+            "answers": sample.answers,
+            "all_classes": sample.all_classes,
+            "length": sample.length,
+            "prompt_tokens": result.prompt_tokens,
+            "output_tokens": result.output_tokens,
+            "finish_reason": result.finish_reason,
+            "output_token_ids": result.token_ids,
+            "top_logprobs": result.top_logprobs,
+        }
+        for sample, prompt, result in zip(work.samples, work.prompts, results)
+    ]
+    scores = score_run(rows, work.skipped, cfg)
+    scores["fidelity"] = fidelity_to_full_cache(cfg, rows)
+    check_evictions_happened(cfg, rows, ledger)
+    perf = summarize_perf(results, wall, facts, ledger, shared)
+    writer.write_jsonl("predictions.jsonl", rows)
+    writer.write_json("scores.json", scores)
+    writer.write_json("perf.json", perf)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["provenance"] = provenance(vllm_version)
+    writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    interrupts.check()  # a Ctrl-C swallowed by a finalizer still stops the cell unpublished
+    final = writer.commit()
     print(scores_table(scores, title=f"{label(cfg)} on {cfg.model.name} / {cfg.data.name}"))
     print(f"[done] {final}")
-    return "done", final
+    return final
 
 
 def label(cfg: DictConfig) -> str:

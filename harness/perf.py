@@ -36,10 +36,18 @@ def kv_memory(ledger: dict | None, facts: dict) -> dict | None:
     return memory
 
 
-def summarize_perf(results, wall_s: float, facts: dict, ledger: dict | None = None) -> dict:
+SHARED_TIMINGS = ("measured on an engine shared with other cells (prompts prefilled once, requests of every "
+                  "cell batched together): not comparable with an isolated run's; use the throughput benchmark")
+
+
+def summarize_perf(results, wall_s: float, facts: dict, ledger: dict | None = None, shared: dict | None = None) -> dict:
+    """``shared``: how this cell shared its engine (None: it had the engine to itself); its
+    timings are then labelled as not isolated."""
     output_tokens = sum(r.output_tokens for r in results)
     prompt_tokens = sum(r.prompt_tokens for r in results)
     return {
+        "isolated": shared is None,
+        "shared_engine": {**shared, "note": SHARED_TIMINGS} if shared is not None else None,
         "requests": len(results),
         "wall_s": wall_s,
         "prompt_tokens": prompt_tokens,

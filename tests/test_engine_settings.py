@@ -9,7 +9,7 @@ import torch
 from harness.engine import llm
 from harness.engine.kv_view import CpuAttnView, FlashAttnView, KVView, UnsupportedLayoutError, make_view
 from harness.engine.messages import EvictionNotActiveError, EvictionPlan, required
-from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, check_compatible, settings_from
+from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, check_compatible, request_settings, settings_from
 
 
 def vllm_config(**changes):
@@ -49,7 +49,6 @@ def test_bad_settings_are_refused(raw, message):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"cache_config.enable_prefix_caching": True}, "cannot run with prefix caching: compacted or evicted blocks"),
         ({"parallel_config.tensor_parallel_size": 2}, "one worker"),
         ({"speculative_config": object()}, "speculative decoding"),
         ({"use_v2_model_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
@@ -96,15 +95,57 @@ def test_flash_attention_caches_must_be_half_precision():
 
 
 def test_each_side_requires_the_others_message():
-    """A worker whose scheduler is stock vLLM (no plan), or a scheduler whose worker was never
-    patched (no report), stops with the reason; mismatched settings too."""
-    holder = SimpleNamespace()
-    with pytest.raises(EvictionNotActiveError, match="paged budget=256 is configured but the scheduler sent no"):
-        required(holder, "kv_eviction_plan", ("paged", 256), "scheduler", "pass --scheduler-cls")
-    holder.kv_eviction_plan = EvictionPlan("paged", 512)
-    with pytest.raises(EvictionNotActiveError, match="runs eviction paged budget=512 but this side .* budget=256"):
-        required(holder, "kv_eviction_plan", ("paged", 256), "scheduler", "")
-    assert required(holder, "kv_eviction_plan", ("paged", 512), "scheduler", "") is holder.kv_eviction_plan
+    """A worker whose scheduler is stock vLLM (no plan) stops with the reason when the engine's
+    default evicts or a new request asks to; a plan with another default stops it too; a
+    scheduler whose worker was never patched (no report) stops at the first evicting step."""
+    from harness.engine.worker_patch import to_physical
+
+    def step(plan=None, extra_args=None):
+        output = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra_args))])
+        if plan is not None:
+            output.kv_eviction_plan = plan
+        return output
+
+    paged = EvictionSettings("paged", 256)
+    evicting, idle = SimpleNamespace(settings=paged), SimpleNamespace(settings=None)
+    with pytest.raises(EvictionNotActiveError, match="scheduler sent no eviction message .* --scheduler-cls"):
+        to_physical(None, evicting, step())
+    with pytest.raises(EvictionNotActiveError, match="scheduler sent no eviction message"):
+        to_physical(None, idle, step(extra_args=paged.as_extra_args()))
+    to_physical(None, idle, step(extra_args={"other": 1}))  # nobody asked: stock vLLM may run
+    with pytest.raises(EvictionNotActiveError, match="default eviction is .*budget=512.* configured with .*budget=256"):
+        to_physical(None, evicting, step(EvictionPlan(EvictionSettings("paged", 512))))
+    book = SimpleNamespace(forget=lambda released: None)
+    to_physical(None, SimpleNamespace(settings=paged, unsupported=None, book=book), step(EvictionPlan(paged)))
+    with pytest.raises(EvictionNotActiveError, match="worker sent no eviction message this step: not patched"):
+        required(SimpleNamespace(), "kv_eviction_report", "worker", "not patched")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"kv_eviction": {"policy": "h2o", "budget": 256}}, "unknown policy 'h2o'; valid: full, paged"),
+        ({"kv_eviction": {"policy": "paged", "budget": 100}}, "not a multiple of block_size=32"),
+        ({"kv_eviction": {"policy": "paged", "budget": 256, "options": {"windw": 2}}}, "has no option windw"),
+        ({"kv_eviction": {"policy": "paged"}}, "needs a 'budget'"),
+        ({"kv_eviction": {"policy": "paged", "budget": 256, "bugdet": 1}}, "unknown key"),
+        ({"kv_eviction": "{not json"}, "not valid JSON"),
+        ({"kv_eviction": {"policy": "paged", "budget": "many"}}, "budget must be an integer"),
+    ],
+)
+def test_bad_request_settings_are_refused_with_the_reason(extra, message):
+    with pytest.raises(ValueError, match=message):
+        request_settings(extra, None, 32)
+
+
+def test_request_settings_override_the_engine_default():
+    default = EvictionSettings("paged", 512)
+    assert request_settings(None, default, 32) == default
+    assert request_settings({"seed": 1}, default, 32) == default
+    assert request_settings({"kv_eviction": {"policy": "full"}}, default, 32) is None
+    assert request_settings({"kv_eviction": '{"policy": "knorm", "budget": 256}'}, None, 32) == EvictionSettings("knorm", 256)
+    mine = EvictionSettings("streaming", 128, {"n_sink": 8})
+    assert request_settings(mine.as_extra_args(), default, 32) == mine
 
 
 @pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])

@@ -1,5 +1,7 @@
-"""`vllm serve` with the plugin installed and eviction in --additional-config serves the OpenAI API
-with eviction on: its completions equal the Hugging Face reference applying the same policy."""
+"""`vllm serve` with the plugin installed, prefix caching on and eviction in --additional-config
+serves the OpenAI API with eviction on: its completions equal the Hugging Face reference applying
+the same policy; a request may bring its own policy and budget (``vllm_xargs``), and a bad one is
+refused with HTTP 400 while the others are served."""
 from __future__ import annotations
 
 import json
@@ -42,7 +44,7 @@ def server():
     port = free_port()
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS=str(os.cpu_count()))
     process = subprocess.Popen(
-        serve_args(port, "--no-enable-prefix-caching", *EVICTION_ARGS, "--additional-config", json.dumps(SETTINGS)),
+        serve_args(port, "--enable-prefix-caching", *EVICTION_ARGS, "--additional-config", json.dumps(SETTINGS)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     from openai import OpenAI
@@ -120,8 +122,40 @@ def test_64_concurrent_requests_through_the_server(server):
     assert metric(server, "vllm:kv_cache_usage_perc") == 0.0, "every block is back in the pool"
 
 
+def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
+    """Concurrent requests with different policies and budgets (``vllm_xargs``, a JSON string: its
+    values may only be strings and numbers) plus one whose budget is not a block multiple: that
+    one gets HTTP 400 naming the problem, the others equal the reference of their own policy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    prompts = text_prompts("tiny", [500, 800, 900, 700, 600], seed=21)
+    asked = [{"policy": "knorm", "budget": 256}, {"policy": "streaming", "budget": 128}, {"policy": "full"},
+             {"policy": "keydiff", "budget": 192}, {"policy": "paged", "budget": 100}]
+
+    def complete(index):
+        try:
+            response = server.completions.create(
+                model=model_path("tiny"), prompt=prompts[index], max_tokens=48, temperature=0.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True,
+                            "vllm_xargs": {"kv_eviction": json.dumps(asked[index])}},
+            )
+        except openai.BadRequestError as error:
+            return error
+        return list(response.choices[0].token_ids)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        served = list(pool.map(complete, range(len(prompts))))
+    refused = served[-1]
+    assert isinstance(refused, openai.BadRequestError) and refused.status_code == 400
+    assert "budget=100 is not a multiple of block_size=32" in str(refused)
+    for index, settings in enumerate(asked[:-1]):
+        policy = make_policy(settings["policy"], settings.get("budget", 256), BLOCK) if settings["policy"] != "full" else None
+        assert served[index] == reference_outputs("tiny", policy, [prompts[index]], 48)[0], settings
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--enable-prefix-caching", *EVICTION_ARGS], "KV eviction cannot run with prefix caching"),
     (["--no-enable-prefix-caching"], "KV eviction needs its scheduler, got scheduler_cls=None: pass --scheduler-cls "
                                      "harness.engine.scheduler.EvictionScheduler"),
 ])

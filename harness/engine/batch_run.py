@@ -8,7 +8,11 @@ max_new_tokens, block_size, max_model_len, and optionally eviction ({policy, bud
 kv_blocks (pool size in blocks), stock (true: vLLM without this plugin), in_process (engine core in
 this process, default true), top_logprobs (that many best tokens per generated position), repeats
 (generate the same batch that many times on the one engine; ``perf`` has one entry per repeat,
-the other keys describe the last), one_by_one (each prompt alone, in order, instead of one batch).
+the other keys describe the last), one_by_one (each prompt alone, in order, instead of one batch),
+prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that request's own
+{policy, budget, options}, or null for the engine's default), warm_cache (first prefill every
+prompt with a one-token full-cache request, snapshot every block the prefix cache then holds,
+and after the run report how many of those still registered under the same hash changed).
 OUT holds each request's output ids and preemptions, the free blocks before and after, and the
 scheduler's ledger (null for stock vLLM).
 """
@@ -39,18 +43,28 @@ def run(spec: dict) -> dict:
         "gpu_memory_utilization": spec.get("gpu_memory_utilization"),
     })
     engine = Engine(spec["model_path"], model_cfg, engine_cfg, spec["block_size"], eviction=eviction,
-                    stock=bool(spec.get("stock")))
+                    stock=bool(spec.get("stock")), prefix_caching=bool(spec.get("prefix_caching")))
     free_before = engine.free_blocks()
+    per_request = spec.get("request_eviction")
+    extra = [None if s is None else EvictionSettings(**s).as_extra_args() if s.get("policy") != "full"
+             else {"kv_eviction": {"policy": "full"}} for s in per_request] if per_request else None
+    snapshot = None
+    if spec.get("warm_cache"):
+        engine.generate_ids(spec["prompts"], 1, settings=[{"kv_eviction": {"policy": "full"}}] * len(spec["prompts"]))
+        snapshot = cached_blocks(engine)
     perf = []
     for _ in range(spec.get("repeats", 1)):
         engine.ledger(reset=True)
         started = time.perf_counter()
-        batches = [[p] for p in spec["prompts"]] if spec.get("one_by_one") else [spec["prompts"]]
+        count = len(spec["prompts"])
+        batches = [[i] for i in range(count)] if spec.get("one_by_one") else [list(range(count))]
         results = [
             result
             for batch in batches
-            for result in engine.generate_ids(batch, spec["max_new_tokens"], ignore_eos=spec.get("ignore_eos", True),
-                                              top_logprobs=spec.get("top_logprobs", 0))
+            for result in engine.generate_ids([spec["prompts"][i] for i in batch], spec["max_new_tokens"],
+                                              ignore_eos=spec.get("ignore_eos", True),
+                                              top_logprobs=spec.get("top_logprobs", 0),
+                                              settings=[extra[i] for i in batch] if extra else None)
         ]
         wall = time.perf_counter() - started
         timed = [GenerationResult(text="", output_tokens=len(r["token_ids"]), finish_reason=None,
@@ -67,7 +81,33 @@ def run(spec: dict) -> dict:
         "pool_blocks": engine.facts()["kv_pool_blocks"],
         "eviction_status": engine.eviction_status() if eviction is not None else None,
         "perf": perf,
+        "cached_blocks": compare_cached_blocks(snapshot, cached_blocks(engine)) if snapshot is not None else None,
     }
+
+
+def cached_blocks(engine) -> dict[int, tuple]:
+    """Every block registered in the prefix cache: block id -> (its hash, its K/V in every layer).
+    Needs the engine core and the worker in this process (``in_process``, one CPU worker)."""
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    registered = {block.block_id: block.block_hash for block in scheduler.kv_cache_manager.block_pool.blocks
+                  if block.block_hash is not None and not block.is_null}
+    ids = sorted(registered)
+
+    def read(worker):
+        return [layer[ids].clone() for layer in worker.model_runner.kv_caches]
+
+    (layers,) = engine.llm.collective_rpc(read)
+    return {block_id: (registered[block_id], [layer[i] for layer in layers]) for i, block_id in enumerate(ids)}
+
+
+def compare_cached_blocks(before: dict, after: dict) -> dict:
+    """How many blocks registered before are still registered under the same hash, and how many
+    of those hold different K/V (a cached block was written)."""
+    import torch
+
+    same = [b for b, (block_hash, _) in before.items() if b in after and after[b][0] == block_hash]
+    changed = [b for b in same if not all(torch.equal(x, y) for x, y in zip(before[b][1], after[b][1]))]
+    return {"registered_before": len(before), "still_registered": len(same), "changed": len(changed)}
 
 
 def run_in_subprocess(spec: dict, workdir: Path, timeout_s: float = 3 * 3600) -> dict:

@@ -32,9 +32,22 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class Eviction:
     phase: Phase
-    dropped_blocks: tuple[int, ...]  # positions in the request's block list, ascending
+    # The request's new block list, as positions in its old one (which may end with blocks
+    # allocated as copy targets); every position not named here is released.
+    kept_blocks: tuple[int, ...]
+    held_blocks: int                 # length of the old block list
     evicted_tokens: int              # physical length before minus after
     copied_tokens: int               # token slots rewritten by compaction (all layers and heads)
+    seconds: float = 0.0             # wall time of this eviction (set by the engine)
+
+    @property
+    def dropped_blocks(self) -> tuple[int, ...]:
+        kept = set(self.kept_blocks)
+        return tuple(p for p in range(self.held_blocks) if p not in kept)
+
+    @property
+    def changes_blocks(self) -> bool:
+        return self.kept_blocks != tuple(range(self.held_blocks))
 
 
 @dataclass
@@ -89,23 +102,29 @@ def current_scores(policy: Policy, view: KVView, block_ids: list[int], tokens: i
     return score_slots(policy, view, block_ids, 0, tokens)
 
 
-def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor) -> int:
-    """Pack ``kept`` ([layers, heads, n] source indices) into slots 0..n-1, one layer at a time;
-    returns the slots rewritten.
+def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor,
+            targets_table: list[int] | None = None, rewrite_from: int | None = None) -> int:
+    """Pack ``kept`` ([layers, heads, n] source indices into the slots of ``block_ids``) into slots
+    0..n-1 of ``targets_table`` (default: the same blocks), one layer at a time; returns the slots
+    written.
 
-    Slots before the first index that moves keep their contents; from there on each layer's
-    sources (all at or after that slot, indices being sorted) are read first and then written,
-    so overlapping sources and destinations are safe.
+    Slots before the first index that moves keep their contents, unless ``rewrite_from`` says
+    the target blocks differ from there on (copy targets); from that slot on each layer's sources
+    (all at or after it, indices being sorted) are read first and then written, so overlapping
+    sources and destinations are safe.
     """
     kept = kept.to(view.device)
     count = kept.shape[-1]
     identity = torch.arange(count, device=kept.device)
     moved = (kept != identity).flatten(0, 1).any(dim=0)
-    if not moved.any():
+    starts = [int(moved.nonzero()[0])] if moved.any() else []
+    if rewrite_from is not None and rewrite_from < count:
+        starts.append(rewrite_from)
+    if not starts:
         return 0
-    first = int(moved.nonzero()[0])
+    first = min(starts)
     targets = torch.arange(first, count, device=kept.device)
-    table = torch.tensor(block_ids, dtype=torch.long, device=kept.device)
+    table = torch.tensor(targets_table or block_ids, dtype=torch.long, device=kept.device)
     blocks, offsets = table[targets // view.block_size], targets % view.block_size
     for layer in range(view.num_layers):
         keys, values = view.read_layer(layer, block_ids, first, tokens)
@@ -123,22 +142,31 @@ def kept_scores(policy: Policy, scores: torch.Tensor, kept: torch.Tensor) -> tor
 
 
 def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase,
-          book: ScoreBook | None = None, request_id: str = "") -> Eviction:
+          book: ScoreBook | None = None, request_id: str = "", copy_targets: tuple[int, ...] = ()) -> Eviction:
     """Apply the policy to a request holding ``tokens`` physical tokens in ``block_ids``.
-    With a ``book``, a static-score policy's scores are cached there under ``request_id``."""
+
+    With a ``book``, a static-score policy's scores are cached there under ``request_id``.
+    ``copy_targets``: positions of blocks that must not be written (registered in the prefix
+    cache or shared); the request's token blocks are then followed in ``block_ids`` by as many
+    blocks of its own, which compaction writes instead, in that order."""
     block_size = policy.block_size
+    source = block_ids[: cdiv(tokens, block_size)]
+    held = len(source) + len(copy_targets)
+    if len(block_ids) < held:
+        raise ValueError(f"{len(copy_targets)} copy target(s) but only {len(block_ids) - len(source)} spare block(s)")
     cached = book.scores.get(request_id) if book is not None else None
-    scores = current_scores(policy, view, block_ids, tokens, phase, cached)
-    held_blocks = cdiv(tokens, block_size)
+    scores = current_scores(policy, view, source, tokens, phase, cached)
     remember = book is not None and policy.static_scores and scores is not None
 
     if phase == "decode" and isinstance(policy, BlockPolicy):
+        if copy_targets:
+            raise ValueError("a block eviction writes nothing: it takes no copy targets")
         victim = policy.select_victim(scores, tokens)
         if remember:
             scores = policy.cached_form(scores) if cached is None else scores
             book.scores[request_id] = torch.cat(
                 [scores[..., : victim * block_size], scores[..., (victim + 1) * block_size :]], dim=-1)
-        return Eviction(phase, (victim,), block_size, 0)
+        return Eviction(phase, tuple(p for p in range(held) if p != victim), held, block_size, 0)
 
     layers, heads = view.num_layers, view.num_heads
     if phase == "prefill":
@@ -147,9 +175,12 @@ def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase
         kept = policy.select_decode(scores, tokens, layers, heads)
     else:
         raise TypeError(f"{type(policy).__name__} cannot evict in {phase}")
-    copied = compact(view, block_ids, tokens, kept)
+    positions = list(range(len(source)))  # where each target block sits in block_ids
+    for extra, target in enumerate(copy_targets):
+        positions[target] = len(source) + extra
+    copied = compact(view, source, tokens, kept, [block_ids[p] for p in positions],
+                     min(copy_targets) * block_size if copy_targets else None)
     if remember:
         book.scores[request_id] = kept_scores(policy, scores, kept)
     remaining = kept.shape[-1]
-    dropped = tuple(range(cdiv(remaining, block_size), held_blocks))
-    return Eviction(phase, dropped, tokens - remaining, copied)
+    return Eviction(phase, tuple(positions[: cdiv(remaining, block_size)]), held, tokens - remaining, copied)

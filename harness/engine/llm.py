@@ -66,11 +66,12 @@ class Engine:
     """One vLLM ``LLM`` for a whole run: ~30 s to start on CPU, so it is built once and reused.
 
     Unless ``stock``, vLLM gets the eviction scheduler and worker extension through its own hooks
-    (``scheduler_cls``, ``worker_extension_cls``); with eviction asked for, the engine is checked
-    to really run it before it is handed out (``verify_eviction``)."""
+    (``scheduler_cls``, ``worker_extension_cls``); ``eviction`` is the engine-wide default (each
+    request may bring its own settings), and with it the engine is checked to really run it
+    before it is handed out (``verify_eviction``)."""
 
     def __init__(self, model_path: str, model_cfg, engine_cfg, block_size: int, seed: int = 0,
-                 eviction: "EvictionSettings | None" = None, stock: bool = False):
+                 eviction: "EvictionSettings | None" = None, stock: bool = False, prefix_caching: bool = False):
         if stock and eviction is not None:
             raise ValueError("stock vLLM cannot evict")
         configure_environment(engine_cfg)
@@ -86,7 +87,7 @@ class Engine:
             enforce_eager=engine_cfg.enforce_eager,
             max_num_seqs=engine_cfg.max_num_seqs,
             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
-            enable_prefix_caching=False,
+            enable_prefix_caching=prefix_caching,
             seed=seed,
             disable_log_stats=False,
             # A step's evictions must reach the next schedule() (CPU forces this off anyway).
@@ -142,18 +143,18 @@ class Engine:
             "kv_pool_bytes": cache.kv_cache_memory_bytes,
         }
 
-    def _core_state(self, reset: bool = False) -> dict | None:
-        """The scheduler's eviction state (settings, ledger, free blocks), read in-process or
-        through an engine-core utility call when the core runs in its own process; None when
-        the engine core has no eviction scheduler or plugin."""
+    def _core_state(self, reset: bool = False, requests: list[str] | None = None) -> dict | None:
+        """The scheduler's eviction state (settings, ledger, free blocks, per-request stats of
+        ``requests``), read in-process or through an engine-core utility call when the core runs
+        in its own process; None when the engine core has no eviction scheduler or plugin."""
         from vllm.v1.engine.core_client import InprocClient
 
         client = self.llm.llm_engine.engine_core
         if isinstance(client, InprocClient):
             method = getattr(client.engine_core, "kv_eviction_state", None)
-            return method(reset) if method is not None else None
+            return method(reset, requests) if method is not None else None
         try:
-            return client.call_utility("kv_eviction_state", reset)
+            return client.call_utility("kv_eviction_state", reset, requests)
         except Exception:  # the utility does not exist in that process: the plugin did not load there
             return None
 
@@ -197,18 +198,28 @@ class Engine:
         state = self._core_state()
         return state["free_blocks"] if state else None
 
+    def request_stats(self, request_ids: list[str]) -> dict[str, dict]:
+        """What each of these (finished) requests' evictions did; handed over once."""
+        state = self._core_state(requests=request_ids)
+        return state["requests"] if state else {}
+
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,
-                     top_logprobs: int = 0) -> list[dict]:
+                     top_logprobs: int = 0, settings: list | None = None) -> list[dict]:
         """Greedy generation from token ids, in order: per request its output ids, prompt length,
         preemptions and timings (``request_timings``).
 
         With ``top_logprobs`` > 0 each request also carries, per generated position, the
         ``top_logprobs`` most likely tokens as ``[token, logprob]`` pairs (best first): what tells a
-        numerical near-tie from a real disagreement when two engines' outputs differ."""
+        numerical near-tie from a real disagreement when two engines' outputs differ.
+        ``settings``: per request, its own eviction settings (``extra_args``, see
+        ``harness.engine.settings``), or None for the engine's default."""
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                                logprobs=top_logprobs or None)
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                           logprobs=top_logprobs or None, extra_args=extra)
+            for extra in (settings or [None] * len(prompts))
+        ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results = []
         for o in outputs:
@@ -232,29 +243,33 @@ class Engine:
 
         from tqdm import tqdm
 
-        from vllm import SamplingParams
-
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=n, stop=list(stop) or None, logprobs=TOP_LOGPROBS)
-            for n, stop in zip(max_new_tokens, stops)
-        ]
+        params = [sampling_params(n, stop) for n, stop in zip(max_new_tokens, stops)]
         bar = functools.partial(tqdm, file=progress) if progress is not None else True
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=bar)
-        results = []
-        for output in outputs:
-            completion = output.outputs[0]
-            results.append(
-                GenerationResult(
-                    text=completion.text,
-                    prompt_tokens=len(output.prompt_token_ids or []),
-                    output_tokens=len(completion.token_ids),
-                    finish_reason=completion.finish_reason,
-                    token_ids=list(completion.token_ids),
-                    top_logprobs=best_tokens(completion.logprobs, TOP_LOGPROBS),
-                    **request_timings(output.metrics, len(completion.token_ids)),
-                )
-            )
-        return results
+        return [result_of(output) for output in outputs]
+
+
+def sampling_params(max_new_tokens: int, stop: tuple[str, ...], extra_args: dict | None = None):
+    """The harness's decoding: greedy, LongBench's stop strings, the top logprobs the near-tie
+    rule needs, and optionally a request's own eviction settings (``extra_args``)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop=list(stop) or None,
+                          logprobs=TOP_LOGPROBS, extra_args=extra_args)
+
+
+def result_of(output) -> GenerationResult:
+    """One finished vLLM ``RequestOutput`` as the harness records it."""
+    completion = output.outputs[0]
+    return GenerationResult(
+        text=completion.text,
+        prompt_tokens=len(output.prompt_token_ids or []),
+        output_tokens=len(completion.token_ids),
+        finish_reason=completion.finish_reason,
+        token_ids=list(completion.token_ids),
+        top_logprobs=best_tokens(completion.logprobs, TOP_LOGPROBS),
+        **request_timings(output.metrics, len(completion.token_ids)),
+    )
 
 
 def best_tokens(logprobs, count: int) -> list[list[list]]:

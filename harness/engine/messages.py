@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.engine.evictor import Eviction
+from harness.engine.settings import EvictionSettings
 
 PLAN_ATTRIBUTE = "kv_eviction_plan"
 REPORT_ATTRIBUTE = "kv_eviction_report"
@@ -23,24 +24,32 @@ class EvictionNotActiveError(RuntimeError):
 
 @dataclass(frozen=True)
 class EvictionPlan:
-    """Scheduler to worker: who evicts what, each scheduled request's evicted-token count (logical
-    length minus physical length, which turns logical positions into physical slots), and the
-    requests whose blocks were freed since the last plan (finished, aborted or preempted: the
-    worker drops their cached scores)."""
+    """Scheduler to worker, every step.
 
-    policy: str
-    budget: int
+    ``default``: the engine-wide settings (None: no eviction unless a request asks).
+    ``settings``: each scheduled request that evicts, with its own settings.
+    ``evicted_tokens``: each scheduled request's evicted-token count (logical length minus
+    physical length, which turns logical positions into physical slots).
+    ``copy_targets``: requests that evict this step with prefix caching on: positions in their
+    block list whose blocks are registered in the prefix cache (or shared), in order; the request's
+    last ``len(targets)`` blocks were allocated this step to replace them, so compaction writes
+    only blocks the request owns alone.
+    ``released``: requests whose blocks were freed since the last plan (finished, aborted or
+    preempted: the worker drops their cached scores).
+    """
+
+    default: EvictionSettings | None
+    settings: dict[str, EvictionSettings] = field(default_factory=dict)
     evicted_tokens: dict[str, int] = field(default_factory=dict)
+    copy_targets: dict[str, tuple[int, ...]] = field(default_factory=dict)
     released: tuple[str, ...] = ()
 
 
 @dataclass
 class EvictionReport:
-    """Worker to scheduler: the evictions this step carried out (request id -> what was dropped)
-    and how long the model and the evictions took."""
+    """Worker to scheduler: the evictions this step carried out (request id -> how its block list
+    changed) and how long the model and the evictions took."""
 
-    policy: str
-    budget: int
     evictions: dict[str, Eviction] = field(default_factory=dict)
     model_s: float = 0.0
     evict_s: float = 0.0
@@ -50,17 +59,11 @@ def attach(message_holder, attribute: str, message) -> None:
     setattr(message_holder, attribute, message)
 
 
-def required(message_holder, attribute: str, expected: tuple[str, int], sender: str, remedy: str):
-    """The message ``attribute`` of ``message_holder``, checked to carry the expected settings."""
+def required(message_holder, attribute: str, sender: str, remedy: str):
+    """The message ``attribute`` of ``message_holder``; its absence stops the engine."""
     message = message_holder.__dict__.get(attribute)
     if message is None:
         raise EvictionNotActiveError(
-            f"KV eviction {expected[0]} budget={expected[1]} is configured but the {sender} sent no "
-            f"eviction message this step: {remedy}"
-        )
-    if (message.policy, message.budget) != expected:
-        raise EvictionNotActiveError(
-            f"the {sender} runs eviction {message.policy} budget={message.budget} but this side was "
-            f"configured with {expected[0]} budget={expected[1]}"
+            f"KV eviction is asked for but the {sender} sent no eviction message this step: {remedy}"
         )
     return message

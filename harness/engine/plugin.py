@@ -1,23 +1,65 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): loaded in every vLLM process.
 
-vLLM calls ``register()`` in the engine-core process and in every worker before the worker class
-is resolved. It refuses any vLLM but the pinned version (the patches depend on internals vLLM
-itself calls "not public"), wraps the model runner's input preparation (``worker_patch``: vLLM
-has no hook there), and gives the engine core one utility method, ``kv_eviction_state``, through
-which a client reads the scheduler's settings and ledger whether the core runs in-process or in
-its own process (``EngineCore._handle_client_request`` looks utilities up by name,
-``vllm/v1/engine/core.py:1694``). The scheduler itself comes through vLLM's ``scheduler_cls``
-hook (``harness.engine.scheduler``). Everything is inert for an engine without eviction settings.
+vLLM calls ``register()`` in the frontend (``vllm/engine/arg_utils.py:906``), in the engine-core
+process and in every worker before the worker class is resolved. It refuses any vLLM but the
+pinned version (the patches depend on internals vLLM itself calls "not public"), and:
+
+* wraps the model runner's input preparation (``worker_patch``: vLLM has no hook there);
+* gives the engine core one utility method, ``kv_eviction_state``, through which a client reads
+  the scheduler's settings, ledger and per-request stats whether the core runs in-process or in
+  its own process (``EngineCore._handle_client_request`` looks utilities up by name,
+  ``vllm/v1/engine/core.py:1694``);
+* checks each request's eviction settings where vLLM validates sampling parameters
+  (``InputProcessor._validate_params``, ``vllm/v1/engine/input_processor.py:138``), so a bad one is
+  refused at admission (HTTP 400 from ``vllm serve``) and the engine keeps serving the others.
+  vLLM's per-request hook for custom arguments, a logits processor's ``validate_params``
+  (``vllm/v1/sample/logits_processor/interface.py:62``), sees the sampling parameters but not the
+  engine's block size, which a budget must be a multiple of.
+
+The scheduler itself comes through vLLM's ``scheduler_cls`` hook (``harness.engine.scheduler``).
+Everything is inert for requests that do not evict.
 """
 from __future__ import annotations
 
 from harness.engine.llm import check_vllm_version
+from harness.engine.settings import CONFIG_KEY, check_compatible, request_settings, settings_from
 
 
-def kv_eviction_state(core, reset: bool = False) -> dict | None:
+def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = None) -> dict | None:
     """Engine-core utility: the eviction scheduler's state, or None under vLLM's own scheduler."""
     state = getattr(core.scheduler, "kv_eviction_state", None)
-    return state(reset) if state is not None else None
+    return state(reset, requests) if state is not None else None
+
+
+def check_request(vllm_config, params) -> None:
+    """Refuse, with the reason, a request whose eviction settings this engine cannot run."""
+    extra = getattr(params, "extra_args", None)
+    if not extra or CONFIG_KEY not in extra:
+        return
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        settings = request_settings(extra, settings_from(vllm_config), vllm_config.cache_config.block_size)
+        if settings is not None:
+            check_compatible(vllm_config)
+    except ValueError as error:
+        raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
+
+
+def install_request_check() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if getattr(InputProcessor, "_kv_eviction_checked", False):
+        return
+    InputProcessor._kv_eviction_checked = True
+    original = InputProcessor._validate_params
+
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        check_request(self.vllm_config, params)
+        return result
+
+    InputProcessor._validate_params = _validate_params
 
 
 def register() -> None:
@@ -27,5 +69,6 @@ def register() -> None:
     from harness.engine import worker_patch
 
     worker_patch.install()
+    install_request_check()
     if not hasattr(EngineCore, "kv_eviction_state"):
         EngineCore.kv_eviction_state = kv_eviction_state

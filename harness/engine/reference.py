@@ -111,6 +111,6 @@ class ReferenceEngine:
         view = DynamicCacheView(cache, self.policy.block_size)
         blocks = -(-physical // self.policy.block_size)
         eviction = evict(self.policy, view, list(range(blocks)), physical, phase, self.book)
-        if eviction.evicted_tokens:
+        if eviction.evicted_tokens or eviction.changes_blocks:
             view.drop(eviction.dropped_blocks, physical - eviction.evicted_tokens)
         return eviction.evicted_tokens

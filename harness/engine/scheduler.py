@@ -1,34 +1,54 @@
-"""Scheduler side of eviction (engine-core process): block accounting and freeing.
+"""Scheduler side of eviction (engine-core process): per-request settings, block accounting,
+freeing, and eviction under prefix caching.
 
 ``EvictionScheduler`` is handed to vLLM through its own hook, ``scheduler_cls``
 (``vllm/config/scheduler.py:177``, resolved in ``vllm/v1/engine/core.py:161``); nothing in vLLM's
-``Scheduler`` class is replaced. It keeps a ledger of each request's *evicted token count* (logical
-length minus physical length):
+``Scheduler`` class is replaced. Each request evicts by its own settings
+(``SamplingParams.extra_args["kv_eviction"]``, else the engine's ``additional_config`` default,
+else not at all), so different policies and budgets run side by side in one batch. It keeps a
+ledger of each request's *evicted token count* (logical length minus physical length):
 
 * allocation asks for blocks by the physical count (logical minus evicted), so blocks that were
   given back are never re-allocated to the request (the request's KV manager becomes a
   ``PhysicalLengthManager``, this scheduler's instance only);
-* every ``SchedulerOutput`` carries an ``EvictionPlan`` (the counts, so the worker turns logical
-  positions into physical slots), and every ``ModelRunnerOutput`` must carry the worker's
-  ``EvictionReport``: the blocks it emptied leave the request's block list and go back to vLLM's
-  pool at once; a missing report stops the engine (the worker is not evicting);
+* every ``SchedulerOutput`` carries an ``EvictionPlan`` (settings and counts, so the worker knows
+  who evicts and turns logical positions into physical slots), and a step that ran an evicting
+  request must come back with the worker's ``EvictionReport``: the request's block list takes its
+  new shape and the released blocks go back to vLLM's pool at once; a missing report stops the
+  engine (the worker is not evicting);
 * freeing a request (finish, abort, preemption) forgets its count; a preempted request is then
   replayed one token per step after its prompt, so it meets the same evictions at the same steps.
 
+With prefix caching on, eviction never writes a block the prefix cache may hand to someone else:
+* a step that compacts a request allocates, through vLLM's own ``allocate_slots`` (so admission
+  and preemption count them), one fresh block per target block that is registered in the cache
+  or shared; compaction writes those instead (``EvictionPlan.copy_targets``), and the pristine
+  blocks are released, still cached, for the next request with the same prompt;
+* a request's blocks are registered only until its first eviction (after it, its physical blocks
+  no longer hold what their logical hashes describe);
+* a replayed (preempted) evicting request takes cache hits only inside its prompt, so its prefill
+  eviction runs again at the prompt's end.
+
 The ledger also records what the memory claims rest on: blocks in use per step, concurrency,
-evictions and their cost. With eviction off only those measurements run; vLLM decides as before.
+evictions and their cost, engine-wide and per request. With eviction off only those measurements
+run; vLLM decides as before.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
+from harness.engine.evictor import cdiv, phase_due
 from harness.engine.messages import (
-    PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionPlan, attach, required,
+    PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
-from harness.engine.settings import build_policy, check_compatible, settings_from
+from harness.engine.settings import (
+    EvictionSettings, build_policy, check_compatible, request_settings, settings_from,
+)
+from policies import BlockPolicy, Policy
 
 SCHEDULER_CLS = f"{__name__}.EvictionScheduler"
 
@@ -49,6 +69,7 @@ class Ledger:
     freed_blocks: int = 0
     evicted_tokens: int = 0
     copied_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    copy_target_blocks: int = 0  # blocks allocated so that compaction did not write cached ones
     evict_s: float = 0.0
     model_s: float = 0.0
 
@@ -73,10 +94,29 @@ class Ledger:
             "freed_blocks": self.freed_blocks,
             "evicted_tokens": self.evicted_tokens,
             "copied_tokens": dict(self.copied_tokens),
+            "copy_target_blocks": self.copy_target_blocks,
             "evict_s": self.evict_s,
             "model_s": self.model_s,
             "evict_share_of_step": self.evict_s / self.model_s if self.model_s else 0.0,
         }
+
+
+@dataclass
+class RequestStats:
+    """What one request's evictions did (kept after it finishes until the harness reads it)."""
+
+    policy: str
+    budget: int
+    evictions: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    freed_blocks: int = 0
+    evicted_tokens: int = 0
+    copied_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    copy_target_blocks: int = 0  # blocks allocated so compaction did not write cached ones
+    evict_s: float = 0.0
+    preempted_after_eviction: int = 0
+
+
+KEPT_REQUEST_STATS = 100_000  # finished requests' stats kept for the harness (oldest dropped)
 
 
 class PhysicalLengthManager(FullAttentionManager):
@@ -88,61 +128,186 @@ class PhysicalLengthManager(FullAttentionManager):
     """
 
     kv_evicted: dict[str, int]
+    kv_scheduler: "EvictionScheduler"
 
     def _physical(self, request_id: str, num_tokens: int) -> int:
         return num_tokens - self.kv_evicted.get(request_id, 0)
 
+    def _slots(self, request_id: str, num_tokens: int) -> int:
+        """Slots to hold: the physical tokens, plus one block per copy target of this step."""
+        physical = self._physical(request_id, num_tokens)
+        targets = self.kv_scheduler.copy_targets(request_id, num_tokens)
+        return cdiv(physical, self.block_size) * self.block_size + len(targets) * self.block_size if targets else physical
+
     def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
-        return super().get_num_blocks_to_allocate(request_id, self._physical(request_id, num_tokens), *args, **kwargs)
+        return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
-        return super().allocate_new_blocks(
-            request_id, self._physical(request_id, num_tokens), self._physical(request_id, num_tokens_main_model)
+        blocks = super().allocate_new_blocks(
+            request_id, self._slots(request_id, num_tokens), self._physical(request_id, num_tokens_main_model)
         )
+        targets = self.kv_scheduler.copy_targets(request_id, num_tokens)
+        if targets:
+            self.kv_scheduler.kv_planned_targets[request_id] = targets
+        return blocks
+
+    def cache_blocks(self, request, *args, **kwargs):
+        # After its first eviction a request's physical blocks no longer hold what the logical
+        # block hashes describe: nothing more of it is registered (single_type_kv_cache_manager.py:476).
+        if self.kv_evicted.get(request.request_id) or request.request_id in self.kv_scheduler.kv_uncached:
+            return
+        super().cache_blocks(request, *args, **kwargs)
 
 
 class EvictionScheduler(Scheduler):
-    """vLLM's scheduler plus the eviction ledger; decides exactly as vLLM's when eviction is off.
+    """vLLM's scheduler plus per-request eviction; decides exactly as vLLM's when no request evicts.
 
     Synchronous by design: a step's evictions must reach the next ``schedule()`` (vLLM warns
     that a ``Scheduler`` subclass disables asynchronous scheduling; eviction requires that)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.kv_settings = settings_from(self.vllm_config)
-        settings = self.kv_settings
-        self.kv_ledger = Ledger(settings.policy if settings else None, settings.budget if settings else None)
+        self.kv_settings = settings_from(self.vllm_config)  # the engine-wide default
+        self.kv_block_size = self.cache_config.block_size
+        default = self.kv_settings
+        self.kv_ledger = Ledger(default.policy if default else None, default.budget if default else None)
         self.kv_ledger.pool_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # minus null block
+        self.kv_request_settings: dict[str, EvictionSettings] = {}  # live requests that evict
+        self.kv_request_stats: OrderedDict[str, RequestStats] = OrderedDict()
+        self.kv_policies: dict[tuple, Policy] = {}
+        self.kv_planned_targets: dict[str, tuple[int, ...]] = {}  # copy targets allocated this step
+        # Evicting requests kept out of the prefix cache: their copies could not fit in the pool.
+        self.kv_uncached: set[str] = set()
         self.kv_released: set[str] = set()  # freed since the last plan
-        if settings is None:
-            return
-        check_compatible(self.vllm_config)
-        build_policy(settings, self.cache_config.block_size)  # fail here, not at the first eviction
+        self.kv_unsupported = self._unsupported_reason()
+        if self.kv_unsupported is None:
+            manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+            manager.__class__ = PhysicalLengthManager  # this engine's manager only, same state
+            manager.kv_evicted = self.kv_ledger.evicted
+            manager.kv_scheduler = self
+            self._cap_replayed_cache_hits()
+        if default is not None:
+            if self.kv_unsupported is not None:
+                raise ValueError(self.kv_unsupported)
+            self.policy_for(default)  # fail here, not at the first eviction
+
+    def _unsupported_reason(self) -> str | None:
+        try:
+            check_compatible(self.vllm_config)
+        except ValueError as error:
+            return str(error)
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
-            raise ValueError(
-                "KV eviction supports models with one full-attention KV cache group; this model has "
-                f"{[type(m).__name__ for m in managers]}"
-            )
-        managers[0].__class__ = PhysicalLengthManager  # this engine's manager only, same state
-        managers[0].kv_evicted = self.kv_ledger.evicted
+            return ("KV eviction supports models with one full-attention KV cache group; this model has "
+                    f"{[type(m).__name__ for m in managers]}")
+        return None
 
-    def kv_eviction_state(self, reset: bool = False) -> dict:
+    def policy_for(self, settings: EvictionSettings) -> Policy:
+        policy = self.kv_policies.get(settings.key)
+        if policy is None:
+            policy = self.kv_policies[settings.key] = build_policy(settings, self.kv_block_size)
+        return policy
+
+    def add_request(self, request) -> None:
+        # The frontend refuses bad settings with HTTP 400 (``plugin.check_request``); this is the
+        # backstop for a frontend without the plugin.
+        params = request.sampling_params
+        settings = request_settings(params.extra_args if params else None, self.kv_settings, self.kv_block_size)
+        if settings is not None:
+            if self.kv_unsupported is not None:
+                raise ValueError(f"request {request.request_id} asks for KV eviction: {self.kv_unsupported}")
+            self.kv_request_settings[request.request_id] = settings
+            self._stats(request.request_id, settings)
+            if self.cache_config.enable_prefix_caching and not self._copies_fit(request, settings):
+                self.kv_uncached.add(request.request_id)
+        super().add_request(request)
+
+    def _copies_fit(self, request, settings: EvictionSettings) -> bool:
+        """Whether the pool can ever hold this request's blocks plus the copies its evictions
+        need (after prefill: the prompt and its kept tokens; in decode: budget + block and the
+        budget again). A request for which it cannot never takes or leaves anything in the
+        prefix cache, so it compacts in place, like an engine without prefix caching; otherwise
+        it would wait, or preempt itself, forever."""
+        policy = self.policy_for(settings)
+        blocks = self.kv_block_size
+        prompt = request.num_prompt_tokens
+        need = cdiv(prompt, blocks) + cdiv(policy.prefill_keep_count(prompt), blocks)
+        need = max(need, cdiv(policy.budget + blocks, blocks) + cdiv(policy.budget, blocks))
+        capacity = self.kv_ledger.pool_blocks - self.kv_cache_manager.watermark_blocks
+        return need <= capacity
+
+    def _stats(self, request_id: str, settings: EvictionSettings) -> RequestStats:
+        stats = self.kv_request_stats.get(request_id)
+        if stats is None:
+            stats = self.kv_request_stats[request_id] = RequestStats(settings.policy, settings.budget)
+            while len(self.kv_request_stats) > KEPT_REQUEST_STATS:
+                self.kv_request_stats.popitem(last=False)
+        return stats
+
+    def _cap_replayed_cache_hits(self) -> None:
+        """A replayed evicting request (preempted, recomputing its outputs) may hit the cached
+        prompt but no further: its prefill eviction must run again at the prompt's end, and its
+        later evictions at the same lengths (``KVCacheManager.get_computed_blocks``,
+        ``vllm/v1/core/kv_cache_manager.py:264``, caps hits at ``num_tokens - 1`` only)."""
+        manager = self.kv_cache_manager
+        find = manager.get_computed_blocks
+
+        def get_computed_blocks(request):
+            if request.request_id in self.kv_uncached:
+                return manager.empty_kv_cache_blocks, 0, 0
+            blocks, hit, boundary = find(request)
+            if request.request_id not in self.kv_request_settings or hit < request.num_prompt_tokens:
+                return blocks, hit, boundary
+            keep = (request.num_prompt_tokens - 1) // self.kv_block_size
+            capped = manager.create_kv_cache_blocks(tuple(list(group[:keep]) for group in blocks.blocks))
+            return capped, keep * self.kv_block_size, 0
+
+        manager.get_computed_blocks = get_computed_blocks
+
+    def copy_targets(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+        """Positions of the blocks a compaction due when this request reaches ``num_tokens``
+        tokens would write but must not: registered in the prefix cache (or to be registered
+        by this very allocation: ``allocate_slots`` caches the step's full blocks) or shared."""
+        settings = self.kv_request_settings.get(request_id)
+        request = self.requests.get(request_id)
+        if settings is None or request is None or not self.cache_config.enable_prefix_caching or \
+                request_id in self.kv_uncached:
+            return ()
+        policy = self.policy_for(settings)
+        evicted = self.kv_ledger.evicted.get(request_id, 0)
+        phase = phase_due(policy, request.num_prompt_tokens, request.num_computed_tokens, num_tokens, evicted)
+        if phase is None or (phase == "decode" and isinstance(policy, BlockPolicy)):
+            return ()  # nothing written (a block eviction only drops a block)
+        kept = policy.prefill_keep_count(num_tokens) if phase == "prefill" else policy.budget
+        if phase == "prefill" and kept == num_tokens:
+            return ()
+        registering = num_tokens // self.kv_block_size if not evicted else 0
+        held = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(request_id, [])
+        return tuple(
+            position for position in range(cdiv(kept, self.kv_block_size))
+            if position < registering or (position < len(held) and (
+                held[position].block_hash is not None or held[position].ref_cnt > 1))
+        )
+
+    def kv_eviction_state(self, reset: bool = False, requests: list[str] | None = None) -> dict:
         """What the harness reads back (in-process or through an engine-core utility call): the
-        settings this scheduler runs, its ledger, and the pool's free blocks."""
+        default settings this scheduler runs, its ledger, the pool's free blocks, and the
+        per-request stats of ``requests`` (handed over once: they leave the scheduler)."""
         if reset:
             self.kv_ledger.reset_measurements()
         settings = self.kv_settings
         return {
-            "settings": {"policy": settings.policy, "budget": settings.budget, "options": dict(settings.options)}
-            if settings else None,
+            "settings": settings.as_dict() if settings else None,
             "ledger": self.kv_ledger.snapshot(),
             "free_blocks": self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "prefix_caching": bool(self.cache_config.enable_prefix_caching),
+            "requests": {rid: asdict(self.kv_request_stats.pop(rid)) for rid in requests or ()
+                         if rid in self.kv_request_stats},
         }
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        if self.kv_settings is None:
+        if request.request_id not in self.kv_request_settings:
             return num_new_tokens
         if num_computed_tokens < request.num_prompt_tokens:
             # A chunk never runs past the prompt: prefill eviction happens exactly at its end.
@@ -154,10 +319,17 @@ class EvictionScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
         ledger = self.kv_ledger
-        if self.kv_settings is not None:
-            evicted = {rid: ledger.evicted[rid] for rid in output.num_scheduled_tokens if rid in ledger.evicted}
-            released, self.kv_released = tuple(sorted(self.kv_released)), set()
-            attach(output, PLAN_ATTRIBUTE, EvictionPlan(self.kv_settings.policy, self.kv_settings.budget, evicted, released))
+        scheduled = output.num_scheduled_tokens
+        settings = {rid: self.kv_request_settings[rid] for rid in scheduled if rid in self.kv_request_settings}
+        targets, self.kv_planned_targets = self.kv_planned_targets, {}
+        released, self.kv_released = tuple(sorted(self.kv_released)), set()
+        attach(output, PLAN_ATTRIBUTE, EvictionPlan(
+            default=self.kv_settings,
+            settings=settings,
+            evicted_tokens={rid: ledger.evicted[rid] for rid in scheduled if rid in ledger.evicted},
+            copy_targets={rid: t for rid, t in targets.items() if rid in scheduled},
+            released=released,
+        ))
         if output.total_num_scheduled_tokens:
             used = ledger.pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
             ledger.steps += 1
@@ -171,42 +343,64 @@ class EvictionScheduler(Scheduler):
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        settings = self.kv_settings
-        if settings is not None and model_runner_output.req_ids:
+        plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+        if plan is not None and plan.settings and model_runner_output.req_ids:
             report = required(
-                model_runner_output, REPORT_ATTRIBUTE, (settings.policy, settings.budget), "worker",
+                model_runner_output, REPORT_ATTRIBUTE, "worker",
                 "its model runner is not patched (the kv_eviction vLLM plugin did not load in the worker "
                 "process; check VLLM_PLUGINS and that the harness is installed in this environment)",
             )
             ledger = self.kv_ledger
             ledger.model_s += report.model_s
             ledger.evict_s += report.evict_s
+            for request_id in plan.copy_targets:
+                if request_id not in report.evictions and request_id in self.requests:
+                    raise EvictionNotActiveError(
+                        f"the worker did not evict request {request_id}, for which copy targets were allocated")
             for request_id, eviction in report.evictions.items():
-                self._release(request_id, eviction)
+                self._release(request_id, eviction, len(plan.copy_targets.get(request_id, ())))
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _free_request_blocks(self, request):
         # Every way a request lets go of its blocks (finish, abort, preemption) passes here
         # (vllm/v1/core/sched/scheduler.py:2766, from _free_blocks and _preempt_request): its
-        # evicted count goes with them.
+        # evicted count goes with them, and its settings once it is finished.
+        request_id = request.request_id
         ledger = self.kv_ledger
-        if ledger.evicted.pop(request.request_id, 0) and not request.is_finished():
+        if ledger.evicted.pop(request_id, 0) and not request.is_finished():
             ledger.preempted_after_eviction += 1
-        if self.kv_settings is not None:
-            self.kv_released.add(request.request_id)
+            if request_id in self.kv_request_stats:
+                self.kv_request_stats[request_id].preempted_after_eviction += 1
+        self.kv_planned_targets.pop(request_id, None)
+        if request_id in self.kv_request_settings:
+            self.kv_released.add(request_id)
+            if request.is_finished():
+                del self.kv_request_settings[request_id]
+                self.kv_uncached.discard(request_id)
         super()._free_request_blocks(request)
 
-    def _release(self, request_id: str, eviction) -> None:
-        """Take the emptied blocks out of the request's block list and give them back to the pool."""
+    def _release(self, request_id: str, eviction, copy_targets: int) -> None:
+        """Give the request's block list its new shape and return the other blocks to the pool."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished():
             return  # its blocks are being freed whole anyway
-        ledger = self.kv_ledger
         blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[request_id]
-        victims = [blocks.pop(position) for position in sorted(eviction.dropped_blocks, reverse=True)]
+        if len(blocks) != eviction.held_blocks:
+            raise RuntimeError(f"request {request_id} holds {len(blocks)} blocks, the worker evicted from {eviction.held_blocks}")
+        kept = set(eviction.kept_blocks)
+        victims = [block for position, block in enumerate(blocks) if position not in kept]
+        blocks[:] = [blocks[position] for position in eviction.kept_blocks]
         self.kv_cache_manager.block_pool.free_blocks(victims)
+        ledger = self.kv_ledger
         ledger.evicted[request_id] = ledger.evicted.get(request_id, 0) + eviction.evicted_tokens
-        ledger.evictions[eviction.phase] += 1
-        ledger.freed_blocks += len(victims)
-        ledger.evicted_tokens += eviction.evicted_tokens
-        ledger.copied_tokens[eviction.phase] += eviction.copied_tokens
+        stats = self._stats(request_id, self.kv_request_settings[request_id])
+        stats.copy_target_blocks += copy_targets
+        ledger.copy_target_blocks += copy_targets
+        stats.evict_s += eviction.seconds
+        if not eviction.evicted_tokens:
+            return
+        for counts in (ledger, stats):
+            counts.evictions[eviction.phase] += 1
+            counts.freed_blocks += len(victims) - copy_targets
+            counts.evicted_tokens += eviction.evicted_tokens
+            counts.copied_tokens[eviction.phase] += eviction.copied_tokens

@@ -1,14 +1,21 @@
-"""Eviction settings as vLLM carries them: ``additional_config={"kv_eviction": {...}}``.
+"""Eviction settings as vLLM carries them, engine-wide and per request.
 
-The same dict works from Python (``LLM(additional_config=...)``) and from the command line
-(``vllm serve MODEL --additional-config '{"kv_eviction": {"policy": "paged", "budget": 512}}'``).
-Every vLLM process (scheduler and workers) reads it from its own ``vllm_config``.
+Engine-wide (the default of every request): ``additional_config={"kv_eviction": {...}}``, from
+Python (``LLM(additional_config=...)``) or the command line (``vllm serve MODEL --additional-config
+'{"kv_eviction": {"policy": "paged", "budget": 512}}'``); every vLLM process reads it from its own
+``vllm_config``.
+
+Per request: the same dict under ``SamplingParams.extra_args["kv_eviction"]`` (offline), or as a
+JSON string under ``vllm_xargs`` in an OpenAI request (vLLM copies ``vllm_xargs`` into
+``extra_args``; its values may only be strings and numbers: ``entrypoints/openai/completion/
+protocol.py:250,379``). ``{"policy": "full"}`` turns eviction off for that request.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import json
 
-from policies import Policy, make_policy
+from policies import BudgetError, Policy, UnknownPolicyError, make_policy
 
 CONFIG_KEY = "kv_eviction"
 # vLLM's scheduler hook (--scheduler-cls / scheduler_cls) must name this class when eviction is on.
@@ -24,21 +31,74 @@ class EvictionSettings:
     budget: int
     options: dict = field(default_factory=dict)
 
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
+
     def as_additional_config(self) -> dict:
-        return {CONFIG_KEY: {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}}
+        return {CONFIG_KEY: self.as_dict()}
+
+    def as_extra_args(self) -> dict:
+        """``SamplingParams.extra_args`` that give one request these settings."""
+        return {CONFIG_KEY: self.as_dict()}
+
+    @property
+    def key(self) -> tuple:
+        """Hashable identity (policies are built once per distinct settings)."""
+        return self.policy, self.budget, tuple(sorted(self.options.items()))
+
+
+# The settings of a request that keeps its whole cache, whatever the engine's default.
+NO_EVICTION = {"policy": "full"}
+
+
+def parse_settings(raw, where: str) -> EvictionSettings | None:
+    """``{policy, budget, options}`` (or its JSON text) as settings; None for ``policy: full``."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} is not valid JSON ({error.msg}): {raw!r}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a mapping with policy, budget and options; got {raw!r}")
+    unknown = set(raw) - {"policy", "budget", "options"}
+    if unknown:
+        raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; valid: policy, budget, options")
+    if raw.get("policy", "full") == "full":
+        return None
+    budget = raw.get("budget")
+    if budget is None:
+        raise ValueError(f"{where} needs a 'budget' (KV tokens kept per request)")
+    if isinstance(budget, bool) or not isinstance(budget, int) and not (isinstance(budget, str) and budget.isdigit()):
+        raise ValueError(f"{where}: budget must be an integer number of tokens, got {budget!r}")
+    options = raw.get("options") or {}
+    if not isinstance(options, dict):
+        raise ValueError(f"{where}: options must be a mapping, got {options!r}")
+    return EvictionSettings(str(raw["policy"]), int(budget), dict(options))
 
 
 def settings_from(vllm_config) -> EvictionSettings | None:
-    """The engine's eviction settings, or None when eviction is off (stock vLLM behaviour)."""
+    """The engine's default eviction settings, or None when eviction is off by default."""
     raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
-    if not raw or raw.get("policy", "full") == "full":
+    if not raw:
         return None
-    unknown = set(raw) - {"policy", "budget", "options"}
-    if unknown:
-        raise ValueError(f"{CONFIG_KEY} has unknown key(s) {sorted(unknown)}; valid: policy, budget, options")
-    if "budget" not in raw:
-        raise ValueError(f"{CONFIG_KEY} needs a 'budget' (KV tokens kept per request)")
-    return EvictionSettings(raw["policy"], int(raw["budget"]), dict(raw.get("options") or {}))
+    return parse_settings(raw, CONFIG_KEY)
+
+
+def request_settings(extra_args: dict | None, default: EvictionSettings | None, block_size: int
+                     ) -> EvictionSettings | None:
+    """One request's eviction settings: its own ``extra_args["kv_eviction"]`` or the engine default.
+
+    Raises ``ValueError`` naming what is wrong and what is allowed (unknown policy or option,
+    budget not a block multiple): the request is refused at admission."""
+    if not extra_args or CONFIG_KEY not in extra_args:
+        return default
+    settings = parse_settings(extra_args[CONFIG_KEY], f"request {CONFIG_KEY}")
+    if settings is not None:
+        try:
+            build_policy(settings, block_size)
+        except (BudgetError, UnknownPolicyError, TypeError, ValueError) as error:
+            raise ValueError(f"request {CONFIG_KEY}: {error}") from None
+    return settings
 
 
 def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
@@ -64,11 +124,6 @@ def check_compatible(vllm_config) -> None:
         raise ValueError(
             f"KV eviction cannot read a {cache.cache_dtype} KV cache (scaled 8-bit values); "
             f"supported kv_cache_dtype: {', '.join(KV_CACHE_DTYPES)}"
-        )
-    if cache.enable_prefix_caching:
-        raise ValueError(
-            "KV eviction cannot run with prefix caching: compacted or evicted blocks no longer hold "
-            "the tokens their hashes describe. Turn prefix caching off (--no-enable-prefix-caching)."
         )
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:

@@ -8,10 +8,11 @@
   mapping become physical (logical minus the request's evicted tokens, from the scheduler's
   ``EvictionPlan``). RoPE positions, input-id gathering and the sampled-token discard mask stay
   logical.
-* After a step has written its K/V and sampled, each request whose prompt just completed past the
-  budget, or whose newest block just filled past it, is handed to the evictor; the request's block
-  list and its row in the persistent block table lose the emptied blocks, and the step's
-  ``EvictionReport`` tells the scheduler which blocks to return to the pool.
+* After a step has written its K/V and sampled, each request of the plan whose prompt just
+  completed past its budget, or whose newest block just filled past it, is handed to the evictor
+  with its own policy (and the copy targets the scheduler allocated under prefix caching); the
+  request's block list and its row in the persistent block table take their new shape, and the
+  step's ``EvictionReport`` tells the scheduler, which returns the released blocks to the pool.
 
 vLLM offers no hook around input preparation, so these three runner methods are wrapped (the one
 global patch the harness installs, from its general plugin). ``CPUModelRunner`` subclasses
@@ -20,6 +21,7 @@ builds positions and seq_lens in one Triton kernel and is refused, see ``setting
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -27,24 +29,43 @@ import numpy as np
 import torch
 
 from harness.engine.evictor import ScoreBook, evict, phase_due
-from harness.engine.kv_view import KVView, make_view
-from harness.engine.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport, attach, required
-from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, build_policy, check_compatible, settings_from
+from harness.engine.kv_view import KVView, UnsupportedLayoutError, make_view
+from harness.engine.messages import (
+    PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
+)
+from harness.engine.settings import (
+    CONFIG_KEY, SCHEDULER_CLS, EvictionSettings, build_policy, check_compatible, settings_from,
+)
+from policies import Policy
 
 
 class WorkerEviction:
-    """A runner's eviction settings, its policy and a view of its KV cache."""
+    """A runner's default eviction settings, its policies (one per distinct settings a request
+    brought) and a view of its KV cache."""
 
-    def __init__(self, runner, settings: EvictionSettings):
+    def __init__(self, runner, settings: EvictionSettings | None):
         self.settings = settings
-        self.policy = build_policy(settings, runner.cache_config.block_size)
-        self.backend, self.view = kv_view_of(runner, self.policy.block_size)
+        self.block_size = runner.cache_config.block_size
+        self.policies: dict[tuple, Policy] = {}
+        self.backend = self.view = None
+        self.unsupported = None  # why this runner cannot evict, if it cannot
+        try:
+            check_compatible(runner.vllm_config)
+            self.backend, self.view = kv_view_of(runner, self.block_size)
+        except (ValueError, UnsupportedLayoutError) as error:
+            if settings is not None:
+                raise
+            self.unsupported = str(error)
+        if settings is not None:
+            self.policy_for(settings)
         self.device = runner.device
         self.book = ScoreBook()  # cached scores of live requests (static-score policies)
 
-    @property
-    def expected(self) -> tuple[str, int]:
-        return self.settings.policy, self.settings.budget
+    def policy_for(self, settings: EvictionSettings) -> Policy:
+        policy = self.policies.get(settings.key)
+        if policy is None:
+            policy = self.policies[settings.key] = build_policy(settings, self.block_size)
+        return policy
 
     def synchronize(self) -> None:
         """Timings of GPU work mean something only once the queued kernels have run."""
@@ -69,22 +90,40 @@ def kv_view_of(runner, block_size: int) -> tuple[str, KVView]:
 
 
 def attach_eviction_state(runner) -> None:
-    """Called once the KV cache exists: eviction state for this runner, or None when off."""
-    settings = settings_from(runner.vllm_config)
-    runner._kv_eviction = None
-    if settings is not None:
-        check_compatible(runner.vllm_config)
-        runner._kv_eviction = WorkerEviction(runner, settings)
+    """Called once the KV cache exists. An engine whose default evicts is checked here and
+    refused if it cannot; otherwise requests may still ask for eviction one by one."""
+    runner._kv_eviction = WorkerEviction(runner, settings_from(runner.vllm_config))
 
 
 def eviction_state(runner) -> WorkerEviction | None:
     return runner.__dict__.get("_kv_eviction")
 
 
+def asks_for_eviction(state: WorkerEviction, scheduler_output) -> bool:
+    """Whether this step needs the scheduler's plan: the engine evicts by default, or a request
+    that just arrived asks to."""
+    if state.settings is not None:
+        return True
+    return any(
+        CONFIG_KEY in ((new.sampling_params.extra_args or {}) if new.sampling_params else {})
+        for new in scheduler_output.scheduled_new_reqs
+    )
+
+
 def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
     """Make this step's attention lengths and KV write slots physical."""
-    plan = required(scheduler_output, PLAN_ATTRIBUTE, state.expected, "scheduler",
-                    f"vLLM's own scheduler is running; pass --scheduler-cls {SCHEDULER_CLS}")
+    plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+    if plan is None:
+        if asks_for_eviction(state, scheduler_output):
+            raise EvictionNotActiveError(
+                "KV eviction is asked for but the scheduler sent no eviction message this step: vLLM's own "
+                f"scheduler is running; pass --scheduler-cls {SCHEDULER_CLS}")
+        return
+    if plan.default != state.settings:
+        raise EvictionNotActiveError(
+            f"the scheduler's default eviction is {plan.default} but this worker was configured with {state.settings}")
+    if plan.settings and state.unsupported is not None:
+        raise EvictionNotActiveError(f"a request asks for KV eviction but this worker cannot evict: {state.unsupported}")
     state.book.forget(plan.released)
     evicted = plan.evicted_tokens
     if not evicted:
@@ -106,28 +145,35 @@ def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
 
 def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
     """Run the evictions this step calls for; returns ``{request_id: Eviction}``."""
-    evicted = scheduler_output.__dict__[PLAN_ATTRIBUTE].evicted_tokens
+    plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+    if plan is None or not plan.settings:
+        return {}
     batch = runner.input_batch
     report = {}
-    for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+    for request_id, settings in plan.settings.items():
         request = runner.requests.get(request_id)
         if request is None:
             continue
+        policy = state.policy_for(settings)
+        evicted = plan.evicted_tokens.get(request_id, 0)
         before = request.num_computed_tokens
-        phase = phase_due(state.policy, request.num_prompt_tokens, before, before + scheduled, evicted.get(request_id, 0))
+        after = before + scheduler_output.num_scheduled_tokens[request_id]
+        phase = phase_due(policy, request.num_prompt_tokens, before, after, evicted)
         if phase is None:
             continue
         block_ids = request.block_ids[0]
-        physical = before + scheduled - evicted.get(request_id, 0)
-        eviction = evict(state.policy, state.view, block_ids, physical, phase, state.book, request_id)
-        if not eviction.evicted_tokens:
+        state.synchronize()
+        started = time.perf_counter()
+        eviction = evict(policy, state.view, block_ids, after - evicted, phase, state.book, request_id,
+                         plan.copy_targets.get(request_id, ()))
+        if not (eviction.evicted_tokens or eviction.changes_blocks):
             continue
-        for position in sorted(eviction.dropped_blocks, reverse=True):
-            del block_ids[position]
+        block_ids[:] = [block_ids[position] for position in eviction.kept_blocks]
         row = batch.req_id_to_index.get(request_id)
         if row is not None:
             batch.block_table.add_row(request.block_ids, row)
-        report[request_id] = eviction
+        state.synchronize()
+        report[request_id] = dataclasses.replace(eviction, seconds=time.perf_counter() - started)
     return report
 
 
@@ -173,14 +219,16 @@ def install() -> None:
         if state is None or step is None or not isinstance(output, ModelRunnerOutput) or not output.req_ids:
             return output
         scheduler_output, started = step
+        plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+        if plan is None or not plan.settings:
+            return output  # no request of this step evicts: nothing to time or report
         state.synchronize()
         evict_started = time.perf_counter()
         evictions = evict_after_step(self, state, scheduler_output)
         state.synchronize()
         finished = time.perf_counter()
         attach(output, REPORT_ATTRIBUTE, EvictionReport(
-            state.settings.policy, state.settings.budget, evictions,
-            model_s=evict_started - started, evict_s=finished - evict_started,
+            evictions, model_s=evict_started - started, evict_s=finished - evict_started,
         ))
         return output
 

@@ -1,0 +1,106 @@
+"""Many requests per prompt on one engine, each prompt prefilled once (prefix caching).
+
+A sweep's cells differ only after prefill. For each prompt, one warm-up request (full cache, one
+token) computes the prompt and leaves its blocks registered in vLLM's prefix cache; then every
+cell's request for that prompt is added and hits them, recomputing only the prompt's last block
+(vLLM recomputes at least the last token, block-aligned: ``kv_cache_manager.py:264``). Each
+request carries its own eviction settings (``extra_args``), and eviction copies into blocks of
+its own instead of writing cached ones (``harness.engine.scheduler``).
+
+The KV pool stays bounded: prompts are let in a few at a time (``prompts_in_flight``), so the
+cached prompts of the requests in flight fit beside their own blocks; when an estimate is wrong
+vLLM preempts and recomputes, which changes timings, never outputs.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from harness.engine.evictor import cdiv
+from harness.engine.llm import Engine, GenerationResult, result_of, sampling_params
+from harness.engine.settings import NO_EVICTION, CONFIG_KEY, EvictionSettings
+
+
+@dataclass(frozen=True)
+class CellRequest:
+    """One cell's request for a prompt: its eviction settings (None: full cache) and decoding."""
+
+    settings: EvictionSettings | None
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+
+    def extra_args(self) -> dict:
+        return self.settings.as_extra_args() if self.settings is not None else {CONFIG_KEY: dict(NO_EVICTION)}
+
+
+def blocks_per_prompt(prompt_len: int, cells: list[CellRequest], block_size: int) -> int:
+    """A generous estimate of the blocks one prompt's requests hold at once: the shared prompt,
+    and per request its own blocks (an evicting one: its budget, the blocks it grows by before a
+    decode eviction and one copy target per kept block; full cache: its generated tokens)."""
+    shared = cdiv(prompt_len, block_size)
+    own = 0
+    for cell in cells:
+        if cell.settings is None:
+            own += cdiv(cell.max_new_tokens, block_size) + 1
+        else:
+            kept = min(prompt_len, cell.settings.budget + block_size) + cell.max_new_tokens
+            own += 2 * cdiv(kept, block_size) + 1
+    return shared + own
+
+
+def prompts_in_flight(engine: Engine, prompts: list[list[int]], cells: list[list[CellRequest]]) -> int:
+    """How many prompts' requests may run at once: what the KV pool holds (longest prompt's
+    estimate) and what the batch admits (``max_num_seqs``)."""
+    facts = engine.facts()
+    worst = max(blocks_per_prompt(len(p), c, facts["block_size"]) for p, c in zip(prompts, cells))
+    by_memory = facts["kv_pool_blocks"] // worst
+    by_batch = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs // max(map(len, cells))
+    return max(1, min(by_memory, by_batch))
+
+
+def generate_shared(engine: Engine, prompts: list[list[int]], cells: list[list[CellRequest]],
+                    progress=None) -> tuple[list[list[GenerationResult]], list[list[str]]]:
+    """For every prompt, each of its cell requests' result (``cells[i][j]`` -> ``[i][j]``), and
+    the engine's id of each request (vLLM makes ids unique by a suffix: ``input_processor.py:354``)."""
+    from tqdm import tqdm
+    from vllm.sampling_params import RequestOutputKind
+
+    core = engine.llm.llm_engine
+    if core.has_unfinished_requests():
+        raise RuntimeError("the engine is busy: shared-prefill generation needs it to itself")
+    window = prompts_in_flight(engine, prompts, cells)
+    waiting = deque(range(len(prompts)))
+    remaining: dict[int, int] = {}
+    results: list[list[GenerationResult | None]] = [[None] * len(c) for c in cells]
+    engine_ids: list[list[str]] = [[""] * len(c) for c in cells]
+    bar = tqdm(total=sum(map(len, cells)), file=progress, unit="req", desc="requests")
+
+    def add(request_id: str, prompt: list[int], params) -> str:
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        return core.add_request(request_id, {"prompt_token_ids": prompt}, params)
+
+    try:
+        while waiting or core.has_unfinished_requests():
+            while waiting and len(remaining) < window:
+                index = waiting.popleft()
+                remaining[index] = len(cells[index])
+                add(f"warm-{index}", prompts[index], sampling_params(1, (), {CONFIG_KEY: dict(NO_EVICTION)}))
+            for output in core.step():
+                if not output.finished:
+                    continue
+                kind, _, rest = output.request_id.partition("-")
+                if kind == "warm":
+                    index = int(rest)
+                    for slot, cell in enumerate(cells[index]):
+                        engine_ids[index][slot] = add(f"cell-{index}-{slot}", prompts[index],
+                                                      sampling_params(cell.max_new_tokens, cell.stop, cell.extra_args()))
+                    continue
+                index, slot = map(int, rest.split("-"))
+                results[index][slot] = result_of(output)
+                bar.update(1)
+                remaining[index] -= 1
+                if not remaining[index]:
+                    del remaining[index]
+    finally:
+        bar.close()
+    return results, engine_ids  # type: ignore[return-value]

@@ -1,0 +1,56 @@
+"""Hydra launcher for ``run.py -m``: the cells of a sweep that share model, data and engine
+settings run on one engine, each prompt prefilled once (``harness.group``).
+
+Hydra hands a launcher every job of the sweep at once (``Launcher.launch``), which is what
+grouping needs. Hydra only instantiates launchers from the ``hydra_plugins`` package, hence this
+module's place. ``hydra/launcher=basic`` runs one engine per cell instead.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
+from hydra.plugins.launcher import Launcher
+from omegaconf import DictConfig, open_dict
+
+
+@dataclass
+class SharedPrefillLauncherConf:
+    _target_: str = "hydra_plugins.shared_prefill_launcher.shared_prefill_launcher.SharedPrefillLauncher"
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="shared_prefill", node=SharedPrefillLauncherConf)
+
+
+class SharedPrefillLauncher(Launcher):
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        self.hydra_context = hydra_context
+        self.config = config
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from harness.config import ConfigError
+        from harness.engine.messages import EvictionNotActiveError
+        from harness.group import run_grouped
+
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        cells = []
+        for overrides in job_overrides:
+            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(sweep_config):
+                del sweep_config["hydra"]
+            cells.append(sweep_config)
+        try:
+            outcomes = run_grouped(cells)
+        except (ConfigError, EvictionNotActiveError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        returns = []
+        for overrides, cfg, outcome in zip(job_overrides, cells, outcomes):
+            job = JobReturn(overrides=list(overrides), cfg=cfg, status=JobStatus.COMPLETED)
+            job.return_value = outcome
+            returns.append(job)
+        return returns
