@@ -5,24 +5,16 @@ Hydra hands a launcher every job of the sweep at once (``Launcher.launch``), whi
 grouping needs. Hydra only instantiates launchers from the ``hydra_plugins`` package, hence this
 module's place. ``hydra/launcher=basic`` runs one engine per cell instead.
 """
-from __future__ import annotations
-
 import sys
-from dataclasses import dataclass
 from typing import Sequence
 
-from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, open_dict
 
 
-@dataclass
-class SharedPrefillLauncherConf:
-    _target_: str = "hydra_plugins.shared_prefill_launcher.shared_prefill_launcher.SharedPrefillLauncher"
-
-
-ConfigStore.instance().store(group="hydra/launcher", name="shared_prefill", node=SharedPrefillLauncherConf)
+# Configured by conf/hydra/launcher/shared_prefill.yaml (Hydra scans this module without
+# registering it in sys.modules, so it defines no dataclass).
 
 
 class SharedPrefillLauncher(Launcher):
@@ -36,7 +28,6 @@ class SharedPrefillLauncher(Launcher):
         from harness.group import run_grouped
 
         setup_globals()
-        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         cells = []
         for overrides in job_overrides:
             sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
