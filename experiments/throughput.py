@@ -5,6 +5,7 @@
     python experiments/throughput.py cpu_tight  # the same on a pool too small for budget 512
     python experiments/throughput.py overhead   # the plugin with eviction off vs stock vLLM
     python experiments/throughput.py latency    # one 6k-token prompt: time per output token
+    python experiments/throughput.py shared_prefix  # 12 requests on one 2k-token system prompt: prefix cache on vs off
     python experiments/throughput.py paper      # the paper's workload, on an NVIDIA GPU
 
 Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
@@ -44,6 +45,8 @@ FULL_3 = Cell("full", pool="unlimited", repeats=3)
 OVERHEAD_TRIALS = tuple(
     Cell("full", pool="unlimited", stock=stock, repeats=3, trial=trial) for trial in (1, 2, 3) for stock in (True, False)
 )
+
+SHARED_OFF = Cell("paged", 512, pool="unlimited")
 
 # CPU workloads keep the paper's shape (decode-heavy, all requests at once, more of them than the
 # pool holds at full length) at a size two cores finish in minutes. The pool holds every request
@@ -89,6 +92,17 @@ SETTINGS = {
             (FULL_3, Cell("paged", 1024, pool="unlimited", repeats=3)), baseline=FULL_3,
         ),
         Setting(
+            "shared_prefix",
+            "12 requests whose prompts start with the same 2048-token system prompt (then 64 tokens of "
+            "their own), 128 output tokens, PagedEviction at budget 512 and full cache, each with vLLM's "
+            "prefix cache off and on (every request fits): what prefilling the shared prompt once buys "
+            "while eviction runs, and what the copies that keep cached blocks unwritten cost.",
+            Workload(requests=12, prompt_tokens=64, output_tokens=128, shared_prefix_tokens=2048),
+            (SHARED_OFF, Cell("paged", 512, pool="unlimited", prefix_caching=True),
+             Cell("full", pool="unlimited"), Cell("full", pool="unlimited", prefix_caching=True)),
+            baseline=SHARED_OFF,
+        ),
+        Setting(
             "paper",
             "The paper's throughput workload (64 requests x 1024 in x 8192 out, Llama-3.2-1B-Instruct, "
             "block 16, eager) on one NVIDIA GPU with vLLM's default pool (90% of GPU memory).",
@@ -114,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, cpu_tight, overhead, latency")
+            parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, cpu_tight, overhead, latency, shared_prefix")
     out = args.out or ROOT / "results" / "throughput" / setting.name
     command = "python experiments/throughput.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     started = time.perf_counter()

@@ -83,6 +83,7 @@ def run_rows(run_dir: Path) -> list[dict]:
         "average": scores.get("average"),
         "fidelity_exact_match": fidelity.get("exact_match"),
         "fidelity_rougeL": fidelity.get("rougeL_f"),
+        "isolated": perf.get("isolated", True),
         "output_tokens_per_s": perf.get("output_tokens_per_s"),
         "total_tokens_per_s": perf.get("total_tokens_per_s"),
         "ttft_p50_s": (perf.get("ttft_s") or {}).get("p50"),
@@ -262,6 +263,18 @@ def differences_table(frame: pd.DataFrame) -> pd.DataFrame:
     return in_reading_order(table)
 
 
+def shared_engine_note(frame: pd.DataFrame) -> list[str]:
+    """Timings of cells that shared one engine are the group's, not an isolated run's: say so."""
+    shared = frame.drop_duplicates("run_dir")
+    shared = shared[~shared["isolated"].fillna(True).astype(bool)] if "isolated" in shared else shared.iloc[:0]
+    if shared.empty:
+        return []
+    return [f"Timing columns of {len(shared)} run(s) were measured on an engine shared by the sweep's cells "
+            "(each prompt prefilled once, every cell's requests batched together; `perf.json` `isolated: false`): "
+            "they are not comparable with isolated runs. Throughput comparisons come from "
+            "`experiments/throughput.py`.", ""]
+
+
 def to_markdown(frame: pd.DataFrame, command: str) -> str:
     parts = []
     for (model, data), group in frame.groupby(["model.name", "data.name"]):
@@ -287,6 +300,7 @@ def to_markdown(frame: pd.DataFrame, command: str) -> str:
             "",
             markdown_table(system_table(group)),
             "",
+            *shared_engine_note(group),
         ]
     return "\n".join([f"# Summary\n\nProduced by `{command}`\n", *parts])
 

@@ -35,10 +35,11 @@ class Workload:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    shared_prefix_tokens: int = 0  # a prefix (a system prompt) every request's prompt starts with
 
     @property
     def max_model_len(self) -> int:
-        return self.prompt_tokens + self.output_tokens
+        return self.shared_prefix_tokens + self.prompt_tokens + self.output_tokens
 
     @property
     def blocks_per_request(self) -> int:
@@ -54,10 +55,12 @@ class Cell:
     stock: bool = False         # stock vLLM, this project's plugin not loaded
     repeats: int = 1            # the batch generated this many times on one engine; medians reported
     trial: int = 1              # which of several engine processes of the same configuration
+    prefix_caching: bool = False  # vLLM's prefix cache on
 
     @property
     def name(self) -> str:
         what = "stock vLLM" if self.stock else self.policy if self.policy == "full" else f"{self.policy} b{self.budget}"
+        what += " + prefix cache" if self.prefix_caching else ""
         return f"{what} / {self.pool} pool" + (f" #{self.trial}" if self.trial > 1 else "")
 
     @property
@@ -108,6 +111,7 @@ def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_pa
         "model_path": model_path, "prompts": prompts, "max_new_tokens": workload.output_tokens,
         "block_size": workload.block_size, "max_model_len": workload.max_model_len, "dtype": workload.dtype,
         "device": workload.device, "repeats": cell.repeats, "stock": cell.stock,
+        "prefix_caching": cell.prefix_caching,
         "max_num_seqs": max(workload.requests, 1),
         # On CPU the memory vLLM may use for KV; the pool's size itself is set in blocks below.
         "kv_cache_gib": 4.0 if workload.device == "cpu" else None,
@@ -157,6 +161,9 @@ def run_setting(setting: Setting, out: Path, force: bool = False, progress=print
     workload = setting.workload
     model_path = resolve_model_path(workload.model)
     prompts = token_prompts(model_path, [workload.prompt_tokens] * workload.requests, seed=workload.seed)
+    if workload.shared_prefix_tokens:
+        (prefix,) = token_prompts(model_path, [workload.shared_prefix_tokens], seed=workload.seed + 1)
+        prompts = [prefix + own for own in prompts]
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -197,6 +204,8 @@ def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
             "output_tok_s": median_of(perf, "output_tokens_per_s"), "wall_s": median_of(perf, "wall_s"),
             "tpot_p50_ms": 1000 * (median_of(perf, "tpot_s", "p50") or math.nan),
             "ttft_p50_s": median_of(perf, "ttft_s", "p50"), "latency_p90_s": median_of(perf, "latency_s", "p90"),
+            "total_tok_s": median_of(perf, "total_tokens_per_s"),
+            "copy_target_blocks": kv.get("copy_target_blocks", 0),
             "running_peak": kv.get("running_requests_peak"), "blocks_used_peak": kv.get("kv_blocks_used_peak"),
             "decode_blocks_peak": kv.get("decode_blocks_peak"), "preemptions": perf[-1]["preemptions"],
             "evictions": sum((kv.get("evictions") or {}).values()) or 0,
@@ -231,6 +240,13 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
     for _, row in paged.iterrows():
         lines.append(f"{row['cell']}: eviction work {100 * row['evict_share']:.2f}% of model step time (target < 5%)")
     lines += overhead_lines(table)
+    for cell in setting.cells:
+        twin = Cell(cell.policy, cell.budget, cell.pool, cell.stock, cell.repeats, cell.trial)
+        if cell.prefix_caching and {cell.name, twin.name} <= set(by_cell.index):
+            on, off = by_cell.loc[cell.name], by_cell.loc[twin.name]
+            lines.append(f"{cell.name}: {on['output_tok_s']:.1f} output tok/s vs {off['output_tok_s']:.1f} without the "
+                         f"prefix cache ({on['output_tok_s'] / off['output_tok_s']:.2f}x), batch {on['wall_s']:.1f} s vs "
+                         f"{off['wall_s']:.1f} s, TTFT p50 {on['ttft_p50_s']:.2f} s vs {off['ttft_p50_s']:.2f} s")
     # On a pool every request fits, eviction cannot buy concurrency: what it changes is the time
     # per output token (the paper's latency claim), against the full-cache baseline.
     if setting.baseline is not None and setting.baseline.policy == "full" and base in by_cell.index:
@@ -262,10 +278,10 @@ def overhead_lines(table: pd.DataFrame) -> list[str]:
 
 COLUMNS = {
     "cell": "cell", "pool_blocks": "pool blocks", "output_tok_s": "out tok/s", "x_baseline": "x baseline",
-    "x_ceiling": "x ceiling", "tpot_p50_ms": "TPOT p50 ms", "ttft_p50_s": "TTFT p50 s",
+    "x_ceiling": "x ceiling", "tpot_p50_ms": "TPOT p50 ms", "ttft_p50_s": "TTFT p50 s", "wall_s": "wall s",
     "running_peak": "running peak", "blocks_used_peak": "blocks used peak", "preemptions": "preempt",
     "evictions": "evictions", "freed_blocks": "blocks freed", "copied_prefill": "copied (prefill)",
-    "copied_decode": "copied (decode)", "evict_share": "evict % of step",
+    "copied_decode": "copied (decode)", "copy_target_blocks": "copy-target blocks", "evict_share": "evict % of step",
 }
 
 
@@ -303,7 +319,8 @@ def throughput_plot(setting: Setting, table: pd.DataFrame, out: Path) -> list[Pa
 def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str) -> str:
     lines = [f"# Throughput: {setting.name}", "", setting.purpose, "", f"Command: `{command}`", ""]
     workload = setting.workload
-    lines.append(f"Workload: {workload.requests} requests x {workload.prompt_tokens} prompt tokens x "
+    shared = f" (after a {workload.shared_prefix_tokens}-token prefix they all share)" if workload.shared_prefix_tokens else ""
+    lines.append(f"Workload: {workload.requests} requests x {workload.prompt_tokens} prompt tokens{shared} x "
                  f"{workload.output_tokens} output tokens, {workload.model}, {workload.dtype}, block "
                  f"{workload.block_size}, {workload.device}.")
     if setting.fixed_pool_text():

@@ -1,6 +1,7 @@
 """A sweep killed at any moment (SIGKILL, SIGTERM, SIGINT) leaves no file that looks complete, and
 running the same sweep again redoes exactly the unfinished cells: the final results equal an
-uninterrupted sweep's."""
+uninterrupted sweep's. One engine per cell (hydra/launcher=basic), and the default shared-prefill
+launcher, where a killed group leaves none of its cells."""
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ def default_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def sweep(out: Path, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *SWEEP, f"output_dir={out}"], cwd=ROOT,
+def sweep(out: Path, launcher: str = "basic", **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *SWEEP, f"hydra/launcher={launcher}", f"output_dir={out}"],
+                            cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=default_signals, **popen)
 
@@ -88,3 +90,33 @@ def test_a_killed_sweep_resumes_to_the_same_results(tmp_path, uninterrupted, sig
     complete, partial = cells(tmp_path)
     assert len(complete) == 3 and not partial, "the resumed sweep discarded the half-written cell"
     assert scores(tmp_path).equals(scores(uninterrupted))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_a_killed_group_sweep_resumes_to_the_same_outputs(tmp_path, uninterrupted, sig):
+    """The shared-prefill launcher killed while its engine runs: no cell of the group looks
+    complete; the rerun computes all of them, and every sample equals the one-engine-per-cell
+    sweep's (near-tie rule)."""
+    from harness.regression import compare
+
+    process = sweep(tmp_path, launcher="shared_prefill")
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        _, partial = cells(tmp_path)
+        if any((p / ENGINE_LOG).exists() for p in partial):
+            time.sleep(1)
+            break
+        assert process.poll() is None, f"the sweep ended before it could be killed:\n{process.stdout.read()[-3000:]}"
+        time.sleep(0.2)
+    os.killpg(process.pid, sig)
+    process.wait(timeout=120)
+    assert process.returncode != 0
+    assert cells(tmp_path)[0] == [], "a cell of the killed group was published"
+
+    resumed = sweep(tmp_path, launcher="shared_prefill")
+    output, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, output[-3000:]
+    assert "group 1/1 finished" in output
+    complete, partial = cells(tmp_path)
+    assert len(complete) == 3 and not partial
+    assert not compare(uninterrupted, tmp_path)

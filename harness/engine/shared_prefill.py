@@ -7,9 +7,10 @@ cell's request for that prompt is added and hits them, recomputing only the prom
 request carries its own eviction settings (``extra_args``), and eviction copies into blocks of
 its own instead of writing cached ones (``harness.engine.scheduler``).
 
-The KV pool stays bounded: prompts are let in a few at a time (``prompts_in_flight``), so the
-cached prompts of the requests in flight fit beside their own blocks; when an estimate is wrong
-vLLM preempts and recomputes, which changes timings, never outputs.
+The KV pool stays bounded: a prompt's requests start only when the estimated blocks of every
+prompt in flight fit in the pool (``admission``), so the cached prompts stay cached until their
+requests have used them; when an estimate is wrong vLLM preempts and recomputes, which changes
+timings, never outputs.
 """
 from __future__ import annotations
 
@@ -48,14 +49,23 @@ def blocks_per_prompt(prompt_len: int, cells: list[CellRequest], block_size: int
     return shared + own
 
 
-def prompts_in_flight(engine: Engine, prompts: list[list[int]], cells: list[list[CellRequest]]) -> int:
-    """How many prompts' requests may run at once: what the KV pool holds (longest prompt's
-    estimate) and what the batch admits (``max_num_seqs``)."""
+def admission(engine: Engine, prompts: list[list[int]], cells: list[list[CellRequest]]):
+    """A test of whether one more prompt's requests may start, given the prompts in flight: their
+    blocks (``blocks_per_prompt``) must fit in the KV pool beside those already admitted, and
+    their requests in the batch (``max_num_seqs``). The first prompt is always admitted."""
     facts = engine.facts()
-    worst = max(blocks_per_prompt(len(p), c, facts["block_size"]) for p, c in zip(prompts, cells))
-    by_memory = facts["kv_pool_blocks"] // worst
-    by_batch = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs // max(map(len, cells))
-    return max(1, min(by_memory, by_batch))
+    need = [blocks_per_prompt(len(p), c, facts["block_size"]) for p, c in zip(prompts, cells)]
+    pool = facts["kv_pool_blocks"]
+    seats = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
+    def admits(index: int, in_flight: list[int]) -> bool:
+        if not in_flight:
+            return True
+        blocks = sum(need[i] for i in in_flight) + need[index]
+        requests = sum(len(cells[i]) for i in in_flight) + len(cells[index])
+        return blocks <= pool and requests <= seats
+
+    return admits
 
 
 def generate_shared(engine: Engine, prompts: list[list[int]], cells: list[list[CellRequest]],
@@ -68,7 +78,7 @@ def generate_shared(engine: Engine, prompts: list[list[int]], cells: list[list[C
     core = engine.llm.llm_engine
     if core.has_unfinished_requests():
         raise RuntimeError("the engine is busy: shared-prefill generation needs it to itself")
-    window = prompts_in_flight(engine, prompts, cells)
+    admits = admission(engine, prompts, cells)
     waiting = deque(range(len(prompts)))
     remaining: dict[int, int] = {}
     results: list[list[GenerationResult | None]] = [[None] * len(c) for c in cells]
@@ -81,7 +91,7 @@ def generate_shared(engine: Engine, prompts: list[list[int]], cells: list[list[C
 
     try:
         while waiting or core.has_unfinished_requests():
-            while waiting and len(remaining) < window:
+            while waiting and admits(waiting[0], list(remaining)):
                 index = waiting.popleft()
                 remaining[index] = len(cells[index])
                 add(f"warm-{index}", prompts[index], sampling_params(1, (), {CONFIG_KEY: dict(NO_EVICTION)}))
