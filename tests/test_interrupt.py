@@ -48,6 +48,21 @@ def scores(out: Path):
     return table.sort_index(axis=0).sort_index(axis=1)
 
 
+def kill_when(process: subprocess.Popen, out: Path, ready, sig) -> None:
+    """Send ``sig`` to the sweep once ``ready(complete, partial)`` holds for its run directories,
+    a second later (into the engine's start, ten seconds and more, not its end)."""
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if ready(*cells(out)):
+            time.sleep(1)
+            break
+        assert process.poll() is None, f"the sweep ended before it could be killed:\n{process.stdout.read()[-3000:]}"
+        time.sleep(0.2)
+    os.killpg(process.pid, sig)
+    process.wait(timeout=120)
+    assert process.returncode != 0
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted")
@@ -64,18 +79,10 @@ def uninterrupted(tmp_path_factory) -> Path:
     ids=["SIGKILL-in-first-cell", "SIGTERM-in-second-cell", "SIGINT-in-third-cell"],
 )
 def test_a_killed_sweep_resumes_to_the_same_results(tmp_path, uninterrupted, sig, complete_before_kill):
-    process = sweep(tmp_path)
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        complete, partial = cells(tmp_path)
-        if len(complete) == complete_before_kill and partial and (partial[0] / ENGINE_LOG).exists():
-            time.sleep(1)  # into the cell's engine start (ten seconds and more), not its end
-            break
-        assert process.poll() is None, f"the sweep ended before it could be killed:\n{process.stdout.read()[-3000:]}"
-        time.sleep(0.2)
-    os.killpg(process.pid, sig)
-    process.wait(timeout=120)
-    assert process.returncode != 0
+    def engine_started(complete, partial):
+        return len(complete) == complete_before_kill and partial and (partial[0] / ENGINE_LOG).exists()
+
+    kill_when(sweep(tmp_path), tmp_path, engine_started, sig)
 
     complete, partial = cells(tmp_path)
     assert len(complete) == complete_before_kill, "the cell under way did not publish"
@@ -99,18 +106,10 @@ def test_a_killed_group_sweep_resumes_to_the_same_outputs(tmp_path, uninterrupte
     sweep's (near-tie rule)."""
     from harness.regression import compare
 
-    process = sweep(tmp_path, launcher="shared_prefill")
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        _, partial = cells(tmp_path)
-        if any((p / ENGINE_LOG).exists() for p in partial):
-            time.sleep(1)
-            break
-        assert process.poll() is None, f"the sweep ended before it could be killed:\n{process.stdout.read()[-3000:]}"
-        time.sleep(0.2)
-    os.killpg(process.pid, sig)
-    process.wait(timeout=120)
-    assert process.returncode != 0
+    def engine_started(complete, partial):
+        return any((p / ENGINE_LOG).exists() for p in partial)
+
+    kill_when(sweep(tmp_path, launcher="shared_prefill"), tmp_path, engine_started, sig)
     assert cells(tmp_path)[0] == [], "a cell of the killed group was published"
 
     resumed = sweep(tmp_path, launcher="shared_prefill")
