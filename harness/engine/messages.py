@@ -30,10 +30,10 @@ class EvictionPlan:
     ``settings``: each scheduled request that evicts, with its own settings.
     ``evicted_tokens``: each scheduled request's evicted-token count (logical length minus
     physical length, which turns logical positions into physical slots).
-    ``copy_targets``: requests that evict this step with prefix caching on: positions in their
-    block list whose blocks are registered in the prefix cache (or shared), in order; the request's
-    last ``len(targets)`` blocks were allocated this step to replace them, so compaction writes
-    only blocks the request owns alone.
+    ``copy_targets``: requests that evict this step with prefix caching on: ``(position, block
+    id)`` pairs, a position in the request's block list whose block is registered in the prefix
+    cache (or shared) and the fresh block allocated this step that compaction writes instead, so
+    it writes only blocks the request owns alone.
     ``released``: requests whose blocks were freed since the last plan (finished, aborted or
     preempted: the worker drops their cached scores).
     """
@@ -41,7 +41,7 @@ class EvictionPlan:
     default: EvictionSettings | None
     settings: dict[str, EvictionSettings] = field(default_factory=dict)
     evicted_tokens: dict[str, int] = field(default_factory=dict)
-    copy_targets: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    copy_targets: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     released: tuple[str, ...] = ()
 
 

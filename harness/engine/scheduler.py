@@ -20,10 +20,11 @@ ledger of each request's *evicted token count* (logical length minus physical le
   replayed one token per step after its prompt, so it meets the same evictions at the same steps.
 
 With prefix caching on, eviction never writes a block the prefix cache may hand to someone else:
-* a step that compacts a request allocates, through vLLM's own ``allocate_slots`` (so admission
+* a step that compacts a request allocates, inside vLLM's own ``allocate_slots`` (so admission
   and preemption count them), one fresh block per target block that is registered in the cache
-  or shared; compaction writes those instead (``EvictionPlan.copy_targets``), and the pristine
-  blocks are released, still cached, for the next request with the same prompt;
+  or shared; compaction writes those instead (``EvictionPlan.copy_targets``), they take the
+  targets' places in the request's block list, and the pristine blocks are released, still
+  cached, for the next request with the same prompt;
 * a request's blocks are registered only until its first eviction (after it, its physical blocks
   no longer hold what their logical hashes describe);
 * a replayed (preempted) evicting request takes cache hits only inside its prompt, so its prefill
@@ -133,22 +134,20 @@ class PhysicalLengthManager(FullAttentionManager):
     def _physical(self, request_id: str, num_tokens: int) -> int:
         return num_tokens - self.kv_evicted.get(request_id, 0)
 
-    def _slots(self, request_id: str, num_tokens: int) -> int:
-        """Slots to hold: the physical tokens, plus one block per copy target of this step."""
-        physical = self._physical(request_id, num_tokens)
-        targets = self.kv_scheduler.copy_targets(request_id, num_tokens)
-        return cdiv(physical, self.block_size) * self.block_size + len(targets) * self.block_size if targets else physical
-
     def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
-        return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
+        blocks = super().get_num_blocks_to_allocate(request_id, self._physical(request_id, num_tokens), *args, **kwargs)
+        return blocks + len(self.kv_scheduler.copy_targets(request_id, num_tokens))
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         blocks = super().allocate_new_blocks(
-            request_id, self._slots(request_id, num_tokens), self._physical(request_id, num_tokens_main_model)
+            request_id, self._physical(request_id, num_tokens), self._physical(request_id, num_tokens_main_model)
         )
         targets = self.kv_scheduler.copy_targets(request_id, num_tokens)
         if targets:
-            self.kv_scheduler.kv_planned_targets[request_id] = targets
+            # Counted above, so vLLM's admission check covered them. They stay out of the request's
+            # block list (whose row in the worker's block table holds max_model_len's blocks at
+            # most) until the eviction makes them part of it.
+            self.kv_scheduler.kv_planned_targets[request_id] = (targets, self.block_pool.get_new_blocks(len(targets)))
         return blocks
 
     def cache_blocks(self, request, *args, **kwargs):
@@ -175,7 +174,9 @@ class EvictionScheduler(Scheduler):
         self.kv_request_settings: dict[str, EvictionSettings] = {}  # live requests that evict
         self.kv_request_stats: OrderedDict[str, RequestStats] = OrderedDict()
         self.kv_policies: dict[tuple, Policy] = {}
-        self.kv_planned_targets: dict[str, tuple[int, ...]] = {}  # copy targets allocated this step
+        # Copy targets allocated by this schedule() (positions, blocks), then held for its step.
+        self.kv_planned_targets: dict[str, tuple[tuple[int, ...], list]] = {}
+        self.kv_copy_blocks: dict[str, list] = {}
         # Evicting requests kept out of the prefix cache: their copies could not fit in the pool.
         self.kv_uncached: set[str] = set()
         self.kv_released: set[str] = set()  # freed since the last plan
@@ -321,13 +322,15 @@ class EvictionScheduler(Scheduler):
         ledger = self.kv_ledger
         scheduled = output.num_scheduled_tokens
         settings = {rid: self.kv_request_settings[rid] for rid in scheduled if rid in self.kv_request_settings}
-        targets, self.kv_planned_targets = self.kv_planned_targets, {}
+        planned, self.kv_planned_targets = self.kv_planned_targets, {}
+        self.kv_copy_blocks = {rid: blocks for rid, (_, blocks) in planned.items()}
         released, self.kv_released = tuple(sorted(self.kv_released)), set()
         attach(output, PLAN_ATTRIBUTE, EvictionPlan(
             default=self.kv_settings,
             settings=settings,
             evicted_tokens={rid: ledger.evicted[rid] for rid in scheduled if rid in ledger.evicted},
-            copy_targets={rid: t for rid, t in targets.items() if rid in scheduled},
+            copy_targets={rid: tuple(zip(positions, (b.block_id for b in blocks)))
+                          for rid, (positions, blocks) in planned.items()},
             released=released,
         ))
         if output.total_num_scheduled_tokens:
@@ -353,12 +356,14 @@ class EvictionScheduler(Scheduler):
             ledger = self.kv_ledger
             ledger.model_s += report.model_s
             ledger.evict_s += report.evict_s
-            for request_id in plan.copy_targets:
-                if request_id not in report.evictions and request_id in self.requests:
+            copies, self.kv_copy_blocks = self.kv_copy_blocks, {}
+            for request_id, eviction in report.evictions.items():
+                self._release(request_id, eviction, copies.pop(request_id, []))
+            for request_id, unused in copies.items():
+                self.kv_cache_manager.block_pool.free_blocks(unused)
+                if request_id in self.requests and not self.requests[request_id].is_finished():
                     raise EvictionNotActiveError(
                         f"the worker did not evict request {request_id}, for which copy targets were allocated")
-            for request_id, eviction in report.evictions.items():
-                self._release(request_id, eviction, len(plan.copy_targets.get(request_id, ())))
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _free_request_blocks(self, request):
@@ -371,7 +376,9 @@ class EvictionScheduler(Scheduler):
             ledger.preempted_after_eviction += 1
             if request_id in self.kv_request_stats:
                 self.kv_request_stats[request_id].preempted_after_eviction += 1
-        self.kv_planned_targets.pop(request_id, None)
+        planned = self.kv_planned_targets.pop(request_id, None)  # preempted by the same schedule()
+        if planned is not None:
+            self.kv_cache_manager.block_pool.free_blocks(planned[1])
         if request_id in self.kv_request_settings:
             self.kv_released.add(request_id)
             if request.is_finished():
@@ -379,28 +386,31 @@ class EvictionScheduler(Scheduler):
                 self.kv_uncached.discard(request_id)
         super()._free_request_blocks(request)
 
-    def _release(self, request_id: str, eviction, copy_targets: int) -> None:
-        """Give the request's block list its new shape and return the other blocks to the pool."""
+    def _release(self, request_id: str, eviction, copies: list) -> None:
+        """Give the request's block list its new shape (its blocks, then this step's copy targets,
+        as the worker reshaped them) and return the other blocks to the pool."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished():
-            return  # its blocks are being freed whole anyway
+            self.kv_cache_manager.block_pool.free_blocks(copies)
+            return  # its own blocks are being freed whole anyway
         blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[request_id]
-        if len(blocks) != eviction.held_blocks:
-            raise RuntimeError(f"request {request_id} holds {len(blocks)} blocks, the worker evicted from {eviction.held_blocks}")
+        held = blocks + copies
+        if len(held) != eviction.held_blocks:
+            raise RuntimeError(f"request {request_id} holds {len(held)} blocks, the worker evicted from {eviction.held_blocks}")
         kept = set(eviction.kept_blocks)
-        victims = [block for position, block in enumerate(blocks) if position not in kept]
-        blocks[:] = [blocks[position] for position in eviction.kept_blocks]
+        victims = [block for position, block in enumerate(held) if position not in kept]
+        blocks[:] = [held[position] for position in eviction.kept_blocks]
         self.kv_cache_manager.block_pool.free_blocks(victims)
         ledger = self.kv_ledger
         ledger.evicted[request_id] = ledger.evicted.get(request_id, 0) + eviction.evicted_tokens
         stats = self._stats(request_id, self.kv_request_settings[request_id])
-        stats.copy_target_blocks += copy_targets
-        ledger.copy_target_blocks += copy_targets
+        stats.copy_target_blocks += len(copies)
+        ledger.copy_target_blocks += len(copies)
         stats.evict_s += eviction.seconds
         if not eviction.evicted_tokens:
             return
         for counts in (ledger, stats):
             counts.evictions[eviction.phase] += 1
-            counts.freed_blocks += len(victims) - copy_targets
+            counts.freed_blocks += len(victims) - len(copies)
             counts.evicted_tokens += eviction.evicted_tokens
             counts.copied_tokens[eviction.phase] += eviction.copied_tokens

@@ -162,13 +162,15 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
         if phase is None:
             continue
         block_ids = request.block_ids[0]
+        targets = plan.copy_targets.get(request_id, ())
+        held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
         state.synchronize()
         started = time.perf_counter()
-        eviction = evict(policy, state.view, block_ids, after - evicted, phase, state.book, request_id,
-                         plan.copy_targets.get(request_id, ()))
+        eviction = evict(policy, state.view, held, after - evicted, phase, state.book, request_id,
+                         tuple(position for position, _ in targets))
         if not (eviction.evicted_tokens or eviction.changes_blocks):
             continue
-        block_ids[:] = [block_ids[position] for position in eviction.kept_blocks]
+        block_ids[:] = [held[position] for position in eviction.kept_blocks]
         row = batch.req_id_to_index.get(request_id)
         if row is not None:
             batch.block_table.add_row(request.block_ids, row)
