@@ -152,3 +152,18 @@ def test_the_asked_fact_is_stated_once():
         answer, context = sample.answers[0], sample.context
         first, last = context.index(answer), context.rindex(answer)
         assert last - first < 40, f"{sample.id}: {answer!r} is stated in more than one place"
+
+
+def test_answers_sit_early_middle_and_late_in_turn():
+    """Needle depths are stratified, not drawn: any three consecutive samples of a task put the
+    answer in the early, middle and late bands of the context, so a small limit sees every depth."""
+    for task in ("single_doc_qa", "key_retrieval"):
+        samples = synthetic.generate(tasks=[task], samples_per_task=6)
+        depths = [s.context.index(s.answers[0]) / len(s.context) for s in samples]
+        for index, depth in enumerate(depths):
+            low, high = synthetic.DEPTHS[index % 3]
+            assert low - 0.05 <= depth <= high + 0.05, (task, index, depth)
+    passages = synthetic.generate(tasks=["multi_doc_qa"], samples_per_task=3)
+    asked = [s.input.removeprefix("In which city was ").removesuffix(" born?") for s in passages]
+    order = [s.context.index(f"\n{name}\n") / len(s.context) for s, name in zip(passages, asked)]
+    assert order[0] < order[1] < order[2]

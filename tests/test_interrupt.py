@@ -20,7 +20,7 @@ from harness.results import RUN_FILES
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.engine
 SWEEP = ["-m", "model=tiny", "policy=full,paged,streaming", "budget=256", "data.limit=1",
-         "data.tasks=[key_retrieval,passage_count]"]
+         "data.tasks=[key_retrieval,code_completion]"]
 
 
 def default_signals() -> None:
