@@ -269,10 +269,10 @@ def shared_engine_note(frame: pd.DataFrame) -> list[str]:
     shared = shared[~shared["isolated"].fillna(True).astype(bool)] if "isolated" in shared else shared.iloc[:0]
     if shared.empty:
         return []
-    return [f"Timing columns of {len(shared)} run(s) were measured on an engine shared by the sweep's cells "
-            "(each prompt prefilled once, every cell's requests batched together; `perf.json` `isolated: false`): "
-            "they are not comparable with isolated runs. Throughput comparisons come from "
-            "`experiments/throughput.py`.", ""]
+    return [f"Timing, KV-block and eviction-share columns of {len(shared)} run(s) are those of an engine "
+            "shared by the sweep's cells (each prompt prefilled once, every cell's requests batched together; "
+            "`perf.json` `isolated: false`): they are not comparable with isolated runs. Throughput and memory "
+            "comparisons come from `experiments/throughput.py`.", ""]
 
 
 def to_markdown(frame: pd.DataFrame, command: str) -> str:

@@ -126,15 +126,16 @@ def test_a_single_run_prints_no_sweep_progress(capsys):
 
 
 def test_every_ablation_cell_composes_and_validates():
-    """+experiment=ablation: ten variants x two budgets, each a distinct run directory."""
+    """+experiment=ablation: ten variants x two budgets, each a distinct run directory, and full
+    cache once (its reference)."""
     from harness.sweep import expand_sweep
 
     variants = sorted(p.stem for p in (ROOT / "conf" / "ablation").glob("*.yaml"))
-    assert len(variants) == 10
+    assert len(variants) == 11 and "full" in variants
     cells = expand_sweep([f"+ablation={','.join(variants)}", "budget=256,512", "+experiment=ablation"])
     names = set()
     for overrides in cells:
         cfg = compose_cfg(*overrides)
         validate(cfg)
         names.add(run_dir(cfg).name)
-    assert len(names) == 20
+    assert len(names) == 21
