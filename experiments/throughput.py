@@ -6,6 +6,7 @@
     python experiments/throughput.py overhead   # the plugin with eviction off vs stock vLLM
     python experiments/throughput.py latency    # one 6k-token prompt: time per output token
     python experiments/throughput.py shared_prefix  # 12 requests on one 2k-token system prompt: prefix cache on vs off
+    python experiments/throughput.py attention  # SnapKV and H2O (query capture + attention scoring) beside PagedEviction
     python experiments/throughput.py paper      # the paper's workload, on an NVIDIA GPU
 
 Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
@@ -77,6 +78,14 @@ SETTINGS = {
             TIGHT, eviction_cells(POLICIES, (256, 512, 1024)), fixed_pool_requests=3,
         ),
         Setting(
+            "attention",
+            "The attention-aware policies beside PagedEviction at budget 512, on the cpu setting's fixed "
+            "pool: what capturing each request's newest 32 queries per layer and recomputing their "
+            "attention at every eviction cost, as a share of the model's step time.",
+            CPU, (FULL_FIXED, *eviction_cells(("paged", "snapkv", "h2o"), (512,))),
+            baseline=FULL_FIXED, fixed_pool_budget=512,
+        ),
+        Setting(
             "overhead",
             "The patched engine with eviction switched off against stock vLLM, same workload and pool "
             "(every request fits): three trials, each a stock process then a patched one, three "
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, cpu_tight, overhead, latency, shared_prefix")
+            parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, cpu_tight, attention, overhead, latency, shared_prefix")
     out = args.out or ROOT / "results" / "throughput" / setting.name
     command = "python experiments/throughput.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     started = time.perf_counter()

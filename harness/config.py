@@ -45,7 +45,14 @@ def _validate(cfg: DictConfig) -> None:
     # Full cache ignores the budget, but a budget no policy could use is a typo: refuse it too.
     check_budget(cfg.budget, cfg.block_size)
     if cfg.policy.name != "full":
-        make_policy(cfg.policy.name, cfg.budget, cfg.block_size, **(cfg.policy.options or {}))
+        try:
+            policy = make_policy(cfg.policy.name, cfg.budget, cfg.block_size, **(cfg.policy.options or {}))
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"policy {cfg.policy.name}: {error}") from None
+        if policy.query_window and not cfg.engine.enforce_eager:
+            raise ConfigError(
+                f"policy {cfg.policy.name} reads attention queries through hooks that compiled graphs skip: "
+                "set engine.enforce_eager=true")
     if cfg.budget > cfg.model.max_model_len:
         raise ConfigError(
             f"budget={cfg.budget} is above model {cfg.model.name}'s context of "

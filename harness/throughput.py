@@ -213,6 +213,7 @@ def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
             "copied_prefill": (kv.get("copied_tokens") or {}).get("prefill", 0),
             "copied_decode": (kv.get("copied_tokens") or {}).get("decode", 0),
             "evict_share": kv.get("evict_share_of_step"),
+            "capture_share": kv.get("capture_share_of_step"),
         })
     table = pd.DataFrame(rows)
     for label, cell in (("x_baseline", setting.baseline), ("x_ceiling", setting.ceiling)):
@@ -236,9 +237,12 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
         if ceiling in by_cell.index:
             text += f", {row['x_ceiling']:.2f}x {ceiling}"
         lines.append(text)
-    paged = table[(table["policy.name"] == "paged") & table["evict_share"].notna()]
-    for _, row in paged.iterrows():
-        lines.append(f"{row['cell']}: eviction work {100 * row['evict_share']:.2f}% of model step time (target < 5%)")
+    evicting = table[~table["policy.name"].isin(["full", "stock"]) & table["evict_share"].notna()]
+    for _, row in evicting.iterrows():
+        text = f"{row['cell']}: eviction work {100 * row['evict_share']:.2f}% of model step time"
+        if pd.notna(row.get("capture_share")) and row.get("capture_share") > 0:
+            text += f", query capture {100 * row['capture_share']:.2f}%"
+        lines.append(text + (" (target < 5%)" if row["policy.name"] == "paged" else ""))
     lines += overhead_lines(table)
     for cell in setting.cells:
         twin = Cell(cell.policy, cell.budget, cell.pool, cell.stock, cell.repeats, cell.trial)
@@ -282,6 +286,7 @@ COLUMNS = {
     "running_peak": "running peak", "blocks_used_peak": "blocks used peak", "preemptions": "preempt",
     "evictions": "evictions", "freed_blocks": "blocks freed", "copied_prefill": "copied (prefill)",
     "copied_decode": "copied (decode)", "copy_target_blocks": "copy-target blocks", "evict_share": "evict % of step",
+    "capture_share": "capture % of step",
 }
 
 
@@ -289,8 +294,9 @@ def markdown_table(table: pd.DataFrame) -> str:
     from tabulate import tabulate
 
     shown = table[[c for c in COLUMNS if c in table.columns]].copy()
-    if "evict_share" in shown:
-        shown["evict_share"] = 100 * shown["evict_share"]
+    for share in ("evict_share", "capture_share"):
+        if share in shown:
+            shown[share] = 100 * shown[share]
     shown = shown.astype(object).where(shown.notna(), None)  # "-" for what a cell did not measure
     return tabulate(shown.rename(columns=COLUMNS), headers="keys", tablefmt="github", showindex=False,
                     floatfmt=".2f", missingval="-")

@@ -10,10 +10,13 @@ from typing import Any
 
 from policies.base import BlockPolicy, BudgetError, Policy, ScoredBlockPolicy, ScoredTokenPolicy, TokenPolicy, check_budget
 from policies.full import FullCache
+from policies.h2o import H2O
 from policies.keydiff import KeyDiff, KeyDiffBlocks
 from policies.knorm import InverseKeyNorm, InverseKeyNormBlocks
 from policies.paged import PagedEviction, ValueKeyRatioTokens
+from policies.snapkv import SnapKV, SnapKVBlocks
 from policies.streaming import StreamingLLM
+from policies.tova import TOVA
 
 REGISTRY: dict[str, type[Policy]] = {
     "full": FullCache,
@@ -21,10 +24,15 @@ REGISTRY: dict[str, type[Policy]] = {
     "streaming": StreamingLLM,
     "knorm": InverseKeyNorm,
     "keydiff": KeyDiff,
+    # Attention-aware: scores from an observation window of each request's newest queries.
+    "snapkv": SnapKV,
+    "h2o": H2O,
+    "tova": TOVA,
     # Each score at the other granularity (score and granularity apart, for ablations).
     "paged_token": ValueKeyRatioTokens,
     "knorm_block": InverseKeyNormBlocks,
     "keydiff_block": KeyDiffBlocks,
+    "snapkv_block": SnapKVBlocks,
 }
 
 

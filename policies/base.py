@@ -15,7 +15,11 @@ A policy never sees a block table or an engine. It answers three questions:
 
 A policy whose token scores never change once the token is written (``static_scores``, e.g.
 ||V||/||K|| or ||K||) lets the engine keep them per request (``cached_form``: a few floats per
-token) and score only the tokens written since its last eviction. ``prefill_keep``,
+token) and score only the tokens written since its last eviction. An attention-aware policy
+declares a ``query_window`` W: its ``layer_scores`` also gets a ``Window`` (the queries of the
+request's newest W tokens in that layer, ``policies.attention``); one whose scores add up over
+the request's life (``accumulates``, H2O) gets only the queries no eviction has counted yet, and
+the engine adds the result to the scores it keeps per request, which follow their tokens. ``prefill_keep``,
 ``decode_keep`` and ``decode_evict_block`` answer from whole ``[layers, tokens, heads, dim]``
 tensors, for tests and notebooks. The engine owns when these are called; the policy owns what
 they answer.
@@ -62,6 +66,7 @@ class Policy:
     granularity: ClassVar[Granularity] = "none"
     needs_kv: ClassVar[bool] = True        # False: decisions from positions alone (no scores)
     static_scores: ClassVar[bool] = False  # a token's score is fixed once its K/V is written
+    accumulates: ClassVar[bool] = False    # scores are sums over the request's queries so far
     # True when a policy may keep different tokens per layer / KV head; the engine then compacts
     # each (layer, head) separately, which costs copies but no extra memory.
     per_head: bool = False
@@ -72,6 +77,11 @@ class Policy:
     @property
     def evicts(self) -> bool:
         return self.granularity != "none"
+
+    @property
+    def query_window(self) -> int:
+        """How many of a request's newest queries the engine must keep for this policy (0: none)."""
+        return 0
 
     def prefill_keep_count(self, prompt_len: int) -> int:
         """How many prompt tokens stay after prefill; the engine sizes its copies from this."""
@@ -99,19 +109,23 @@ class Policy:
         selections below accept it in place of the full scores)."""
         return scores
 
-    def scores_of(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-        """``[scored layers, heads, tokens]`` from whole ``[layers, tokens, heads, dim]`` tensors."""
+    def scores_of(self, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> torch.Tensor | None:
+        """``[scored layers, heads, tokens]`` from whole ``[layers, tokens, heads, dim]`` tensors
+        (and, for an attention-aware policy, one ``Window`` per layer)."""
         if not self.needs_kv:
             return None
-        return torch.stack([self.layer_scores(keys[l], values[l]) for l in self.scored_layers(keys.shape[0])])
+        layers = self.scored_layers(keys.shape[0])
+        if self.query_window:
+            return torch.stack([self.layer_scores(keys[l], values[l], windows[l]) for l in layers])
+        return torch.stack([self.layer_scores(keys[l], values[l]) for l in layers])
 
     # --- decisions -----------------------------------------------------------------------------
     def select_prefill(self, scores: torch.Tensor | None, tokens: int, layers: int, heads: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not evict in prefill")
 
-    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> torch.Tensor:
         layers, tokens, heads, _ = keys.shape
-        return self.select_prefill(self.scores_of(keys, values), tokens, layers, heads)
+        return self.select_prefill(self.scores_of(keys, values, windows), tokens, layers, heads)
 
     def describe(self) -> dict:
         """What a results table needs to know about how this policy spends memory and copies."""
@@ -134,8 +148,8 @@ class BlockPolicy(Policy):
         """Position, in the request's block list, of the block to drop."""
         raise NotImplementedError
 
-    def decode_evict_block(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        return self.select_victim(self.scores_of(keys, values), keys.shape[1])
+    def decode_evict_block(self, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> int:
+        return self.select_victim(self.scores_of(keys, values, windows), keys.shape[1])
 
 
 class TokenPolicy(Policy):
@@ -146,9 +160,13 @@ class TokenPolicy(Policy):
     def select_decode(self, scores: torch.Tensor | None, tokens: int, layers: int, heads: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def select_prefill(self, scores, tokens, layers, heads):
+        # A token policy keeps by the same rule after prefill as in decode unless it says otherwise.
+        return self.select_decode(scores, tokens, layers, heads)
+
+    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> torch.Tensor:
         layers, tokens, heads, _ = keys.shape
-        return self.select_decode(self.scores_of(keys, values), tokens, layers, heads)
+        return self.select_decode(self.scores_of(keys, values, windows), tokens, layers, heads)
 
 
 def broadcast_keep(kept: torch.Tensor, layers: int, heads: int) -> torch.Tensor:
@@ -224,9 +242,6 @@ class ScoredTokenPolicy(TokenPolicy):
             return keep_edges_and_best(scores.expand(layers, heads, -1), edge, edge, self.budget)
         kept = keep_edges_and_best(scores.mean(dim=(0, 1)), edge, edge, self.budget)
         return broadcast_keep(kept, layers, heads)
-
-    def select_prefill(self, scores, tokens, layers, heads):
-        return self._keep(scores, layers, heads)
 
     def select_decode(self, scores, tokens, layers, heads):
         return self._keep(scores, layers, heads)

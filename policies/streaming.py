@@ -31,8 +31,5 @@ class StreamingLLM(TokenPolicy):
         kept = torch.cat([torch.arange(self.n_sink), torch.arange(tokens - recent, tokens)])
         return broadcast_keep(kept, layers, heads)
 
-    def select_prefill(self, scores, tokens, layers, heads):
-        return self._keep(tokens, layers, heads)
-
     def select_decode(self, scores, tokens, layers, heads):
         return self._keep(tokens, layers, heads)

@@ -101,6 +101,7 @@ def test_memory_is_really_returned(policy_runs, policy):
     _, engine, _ = policy_runs("tiny", policy)
     budget = CASES["tiny"]["budget"]
     ledger = engine["ledger"]
+    assert ledger["capture_s"] == 0, "no query is captured for attention-free policies"
     assert ledger["decode_blocks_peak"] <= math.ceil((budget + BLOCK) / BLOCK) + 1
     assert ledger["freed_blocks"] > 0
     assert engine["free_blocks_after"] == engine["free_blocks_before"] == ledger["kv_pool_blocks"], "every block is back"
@@ -125,11 +126,12 @@ def test_engine_core_in_its_own_process_gives_the_same_outputs(policy_runs, work
     assert separate["free_blocks_after"] == separate["ledger"]["kv_pool_blocks"]
 
 
-@pytest.mark.parametrize("policy", ["paged", "knorm"])
+@pytest.mark.parametrize("policy", ["paged", "knorm", "h2o"])
 def test_outputs_under_preemption_equal_outputs_without(workdir, policy):
     """A pool of 29 blocks for requests that grow to 17: the scheduler preempts requests that had
     already evicted; they recompute their prompt and replay their outputs one token per step, so
-    they meet the same evictions and produce the same tokens."""
+    they meet the same evictions and produce the same tokens (H2O: its attention totals and query
+    window, dropped with the blocks, are rebuilt by the replay)."""
     prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
     settings = {"policy": policy, "budget": 512}
     roomy = run_engine(workdir, "tiny", prompts, 300, eviction=settings)

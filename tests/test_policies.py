@@ -193,14 +193,15 @@ def test_bad_budgets_are_clear_errors(budget, message):
 
 def test_unknown_policy_and_option_list_valid_choices():
     with pytest.raises(ValueError, match="valid: full, paged, streaming, knorm, keydiff"):
-        make_policy("h2o", budget=8, block_size=B)
+        make_policy("oracle", budget=8, block_size=B)
     with pytest.raises(ValueError, match="no option n_sinks"):
         make_policy("streaming", budget=8, block_size=B, n_sinks=4)
 
 
 def test_every_policy_states_its_granularity():
     expected = {"full": "none", "paged": "block", "streaming": "token", "knorm": "token", "keydiff": "token",
-                "paged_token": "token", "knorm_block": "block", "keydiff_block": "block"}
+                "paged_token": "token", "knorm_block": "block", "keydiff_block": "block",
+                "snapkv": "token", "h2o": "token", "tova": "token", "snapkv_block": "block"}
     assert {name: cls.granularity for name, cls in REGISTRY.items()} == expected
     described = make_policy("paged", budget=8, block_size=B).describe()
     assert described["granularity"] == "block" and described["decode_copies"] is False

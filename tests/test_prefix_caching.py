@@ -18,8 +18,8 @@ pytestmark = pytest.mark.engine
 # (80 new tokens cross budget + block again).
 MIXED = [
     {"policy": "paged", "budget": 128}, {"policy": "knorm", "budget": 256}, {"policy": "streaming", "budget": 128},
-    {"policy": "full"}, {"policy": "keydiff", "budget": 192}, {"policy": "paged", "budget": 256},
-    {"policy": "knorm", "budget": 128}, {"policy": "paged_token", "budget": 128},
+    {"policy": "full"}, {"policy": "keydiff", "budget": 192}, {"policy": "snapkv", "budget": 256},
+    {"policy": "h2o", "budget": 128}, {"policy": "paged_token", "budget": 128},
 ]
 
 

@@ -130,9 +130,10 @@ def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
 
     import openai
 
-    prompts = text_prompts("tiny", [500, 800, 900, 700, 600], seed=21)
+    prompts = text_prompts("tiny", [500, 800, 900, 700, 650, 750, 600], seed=21)
     asked = [{"policy": "knorm", "budget": 256}, {"policy": "streaming", "budget": 128}, {"policy": "full"},
-             {"policy": "keydiff", "budget": 192}, {"policy": "paged", "budget": 100}]
+             {"policy": "keydiff", "budget": 192}, {"policy": "snapkv", "budget": 128},
+             {"policy": "h2o", "budget": 192}, {"policy": "paged", "budget": 100}]
 
     def complete(index):
         try:

@@ -9,8 +9,11 @@ Memory stays flat in the model's size: K/V are read one layer at a time (one lay
 in the cache's dtype), never the whole request for every layer. A policy whose scores are fixed
 once a token is written (``static_scores``) keeps them per request between evictions
 (``ScoreBook``): a decode eviction then scores only the tokens written since the last one, a block
-of them, whatever the context length. Nothing here imports vLLM, so the Hugging Face reference
-engine runs the same code path.
+of them, whatever the context length. An attention-aware policy scores with the request's query
+window (``ScoreBook.windows``, filled by the engine as the attention layers run); one whose scores
+accumulate (H2O) adds the attention of the queries since its last eviction to the totals the book
+keeps, which follow their tokens through compaction and block drops. Nothing here imports vLLM,
+so the Hugging Face reference engine runs the same code path.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from harness.engine.kv_view import KVView
 from policies import BlockPolicy, Policy, TokenPolicy
+from policies.attention import Window
 
 Phase = Literal["prefill", "decode"]
 
@@ -51,17 +55,53 @@ class Eviction:
 
 
 @dataclass
+class QueryWindow:
+    """A request's newest queries, ``[layers, n, query_heads, head_dim]`` oldest first, and how many
+    of the newest no eviction has counted yet (``fresh``)."""
+
+    queries: torch.Tensor
+    fresh: int = 0
+
+
+class MissingWindowError(RuntimeError):
+    """An attention-aware policy must evict, but the engine captured no queries for the request."""
+
+
+@dataclass
 class ScoreBook:
-    """Per-request cached scores of a static-score policy, in slot order (``policy.cached_form``)."""
+    """Per-request policy state between evictions, dropped when the request lets go of its blocks
+    (finish, abort, preemption: a replay rebuilds it): the scores a static-score policy cached or
+    an accumulating one summed (``policy.cached_form``, in slot order), and the query windows of
+    attention-aware policies, with each layer's softmax ``scales``."""
 
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
+    windows: dict[str, QueryWindow] = field(default_factory=dict)
+    scales: list[float] = field(default_factory=list)
+
+    def observe(self, request_id: str, queries: torch.Tensor, size: int) -> None:
+        """Add the ``[layers, k, heads, dim]`` queries a step computed; keep the newest ``size``."""
+        window = self.windows.get(request_id)
+        uncounted = queries.shape[1]
+        if window is not None:
+            queries = torch.cat([window.queries, queries], dim=1)
+            uncounted += window.fresh
+        self.windows[request_id] = QueryWindow(queries[:, -size:], min(uncounted, size))
+
+    def layer_windows(self, request_id: str, fresh_only: bool) -> list[Window]:
+        window = self.windows.get(request_id)
+        if window is None or not window.queries.shape[1]:
+            raise MissingWindowError(f"request {request_id} must evict by attention but no queries were captured for it")
+        count = window.fresh if fresh_only else window.queries.shape[1]
+        return [Window(layer[window.queries.shape[1] - count:], scale) for layer, scale in zip(window.queries, self.scales)]
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self.scores.pop(request_id, None)
+            self.windows.pop(request_id, None)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.scores.values())
+        tensors = list(self.scores.values()) + [w.queries for w in self.windows.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def phase_due(policy: Policy, prompt_len: int, computed_before: int, computed_after: int, evicted: int) -> Phase | None:
@@ -79,27 +119,40 @@ def phase_due(policy: Policy, prompt_len: int, computed_before: int, computed_af
     return None
 
 
-def score_slots(policy: Policy, view: KVView, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-    """``[scored layers, heads, end - start]`` scores of slots ``[start, end)``, a layer at a time."""
+def score_slots(policy: Policy, view: KVView, block_ids: list[int], start: int, end: int,
+                windows: list[Window] | None = None) -> torch.Tensor:
+    """``[scored layers, heads, end - start]`` scores of slots ``[start, end)``, a layer at a time
+    (an attention-aware policy also gets each layer's query window)."""
     rows = []
     for layer in policy.scored_layers(view.num_layers):
         keys, values = view.read_layer(layer, block_ids, start, end)
-        rows.append(policy.layer_scores(keys, values))
+        if windows is None:
+            rows.append(policy.layer_scores(keys, values))
+        else:
+            rows.append(policy.layer_scores(keys, values, windows[layer]))
     return torch.stack(rows)
 
 
 def current_scores(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase,
-                   cached: torch.Tensor | None) -> torch.Tensor | None:
-    """The scores a decision needs: all tokens' at prefill (the cache starts afresh), and for a
-    static-score policy in decode the cached ones plus those of the tokens written since."""
+                   cached: torch.Tensor | None, windows: list[Window] | None = None) -> torch.Tensor | None:
+    """The scores a decision needs: all tokens' at prefill (the cache starts afresh), for a
+    static-score policy in decode the cached ones plus those of the tokens written since, and for
+    an accumulating one the kept totals plus what the uncounted queries paid every token."""
     if not policy.needs_kv:
         return None
+    if policy.accumulates:
+        scores = score_slots(policy, view, block_ids, 0, tokens, windows)
+        if cached is not None:
+            if cached.shape[-1] > tokens:
+                raise RuntimeError(f"totals for {cached.shape[-1]} tokens, but the request holds {tokens}")
+            scores[..., : cached.shape[-1]] += cached
+        return scores
     if phase == "decode" and policy.static_scores and cached is not None:
         if cached.shape[-1] > tokens:
             raise RuntimeError(f"cached scores for {cached.shape[-1]} tokens, but the request holds {tokens}")
         fresh = score_slots(policy, view, block_ids, cached.shape[-1], tokens)
         return torch.cat([cached, policy.cached_form(fresh)], dim=-1)
-    return score_slots(policy, view, block_ids, 0, tokens)
+    return score_slots(policy, view, block_ids, 0, tokens, windows)
 
 
 def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor,
@@ -155,8 +208,14 @@ def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase
     if len(block_ids) < held:
         raise ValueError(f"{len(copy_targets)} copy target(s) but only {len(block_ids) - len(source)} spare block(s)")
     cached = book.scores.get(request_id) if book is not None else None
-    scores = current_scores(policy, view, source, tokens, phase, cached)
-    remember = book is not None and policy.static_scores and scores is not None
+    windows = None
+    if policy.query_window:
+        if book is None:
+            raise MissingWindowError(f"{policy.name} scores by attention: it needs the request's query window")
+        windows = book.layer_windows(request_id, fresh_only=policy.accumulates)
+        book.windows[request_id].fresh = 0  # counted by this eviction
+    scores = current_scores(policy, view, source, tokens, phase, cached, windows)
+    remember = book is not None and (policy.static_scores or policy.accumulates) and scores is not None
 
     if phase == "decode" and isinstance(policy, BlockPolicy):
         if copy_targets:

@@ -48,11 +48,14 @@ class EvictionPlan:
 @dataclass
 class EvictionReport:
     """Worker to scheduler: the evictions this step carried out (request id -> how its block list
-    changed) and how long the model and the evictions took."""
+    changed), how long the model and the evictions took (the model's time includes copying the
+    query window, ``capture_s`` of it), and the bytes of per-request policy state the worker holds."""
 
     evictions: dict[str, Eviction] = field(default_factory=dict)
     model_s: float = 0.0
     evict_s: float = 0.0
+    capture_s: float = 0.0
+    state_bytes: int = 0
 
 
 def attach(message_holder, attribute: str, message) -> None:

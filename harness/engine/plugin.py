@@ -22,7 +22,9 @@ Everything is inert for requests that do not evict.
 from __future__ import annotations
 
 from harness.engine.llm import check_vllm_version
-from harness.engine.settings import CONFIG_KEY, check_compatible, request_settings, settings_from
+from harness.engine.settings import (
+    CONFIG_KEY, build_policy, check_compatible, check_policy_runs, request_settings, settings_from,
+)
 
 
 def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = None) -> dict | None:
@@ -39,9 +41,11 @@ def check_request(vllm_config, params) -> None:
     from vllm.exceptions import VLLMValidationError
 
     try:
-        settings = request_settings(extra, settings_from(vllm_config), vllm_config.cache_config.block_size)
+        block_size = vllm_config.cache_config.block_size
+        settings = request_settings(extra, settings_from(vllm_config), block_size)
         if settings is not None:
             check_compatible(vllm_config)
+            check_policy_runs(build_policy(settings, block_size), vllm_config)
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 

@@ -5,9 +5,14 @@ The cache is a ``DynamicCache`` whose per-layer ``[1, heads, tokens, dim]`` tens
 to the shared evictor (``harness.engine.evictor``) as if they were paged: "block" b of the
 request is tokens ``[b*B, (b+1)*B)``. After an eviction the dropped blocks are cut out and the
 tail trimmed to the physical length, which is what vLLM's block table sees. RoPE positions stay
-logical (``position_ids``) while the cache holds fewer tokens, as in the engine.
+logical (``position_ids``) while the cache holds fewer tokens, as in the engine. For an
+attention-aware policy the model runs a registered attention function (Hugging Face's own
+``AttentionInterface``) that hands each layer's post-RoPE queries to the request's window and then
+runs the model's eager attention unchanged.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -54,6 +59,32 @@ class DynamicCacheView(KVView):
         self.layers = [entry.keys for entry in self.cache.layers]
 
 
+def window_attention_implementation(base: str = "eager") -> str:
+    """Register (once per ``base``) and name a Hugging Face attention implementation that hands
+    each layer's post-RoPE queries (``[new tokens, query_heads, head_dim]``) to the attention
+    module's ``kv_report_queries(layer, queries)``, if it has one, and then runs ``base``
+    ("eager", the model's own eager attention, or a registered one such as "sdpa") unchanged."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"kv_harness_window_{base}"
+
+    def attention(module, query, key, value, attention_mask, scaling, **kwargs):
+        report = getattr(module, "kv_report_queries", None)
+        if report is not None:
+            report(module.layer_idx, query[0].transpose(0, 1))
+        if base == "eager":
+            run = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            run = ALL_ATTENTION_FUNCTIONS[base]
+        return run(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask if base == "eager" else ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
 class ReferenceEngine:
     """One request at a time, greedy, float32: slow and simple on purpose."""
 
@@ -61,11 +92,24 @@ class ReferenceEngine:
                  device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
+        self.window = policy.query_window if policy is not None else 0
+        attention = window_attention_implementation("eager") if self.window else "eager"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attention)
         self.model = self.model.to(device).eval()
         self.device = torch.device(device)
         self.policy = policy
+        self.step_queries: dict[int, torch.Tensor] = {}
+        self.attention_layers = [layer.self_attn for layer in self.model.model.layers]
+        for layer in self.attention_layers:
+            layer.kv_report_queries = self.step_queries.__setitem__
         self.book = ScoreBook()
+
+    def _observe(self, request_id: str) -> None:
+        """This step's queries (each layer's newest ``window``) into the request's window."""
+        if not self.window:
+            return
+        queries = torch.stack([self.step_queries[layer][-self.window:] for layer in range(len(self.attention_layers))])
+        self.book.observe(request_id, queries, self.window)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
         return self.generate_with_top_logprobs(prompt_ids, max_new_tokens, eos_token_id)[0]
@@ -78,7 +122,8 @@ class ReferenceEngine:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        self.book.forget(list(self.book.scores))  # one request at a time: a fresh request
+        # One request at a time: each starts with an empty book.
+        self.book = ScoreBook(scales=[float(layer.scaling) for layer in self.attention_layers])
         prompt_len = len(prompt_ids)
         inputs = torch.tensor([prompt_ids], device=self.device)
         positions = torch.arange(prompt_len, device=self.device).unsqueeze(0)
@@ -93,6 +138,7 @@ class ReferenceEngine:
                 logits_to_keep=1,  # only the last position is sampled; skip the prompt's logits
             ).logits
             before, computed = computed, computed + inputs.shape[1]
+            self._observe("request")
             token = int(logits[0, -1].argmax())
             output.append(token)
             logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1).topk(top)
@@ -110,7 +156,7 @@ class ReferenceEngine:
     def _evict(self, cache, physical: int, phase) -> int:
         view = DynamicCacheView(cache, self.policy.block_size)
         blocks = -(-physical // self.policy.block_size)
-        eviction = evict(self.policy, view, list(range(blocks)), physical, phase, self.book)
+        eviction = evict(self.policy, view, list(range(blocks)), physical, phase, self.book, "request")
         if eviction.evicted_tokens or eviction.changes_blocks:
             view.drop(eviction.dropped_blocks, physical - eviction.evicted_tokens)
         return eviction.evicted_tokens

@@ -28,7 +28,8 @@ With prefix caching on, eviction never writes a block the prefix cache may hand 
 * a request's blocks are registered only until its first eviction (after it, its physical blocks
   no longer hold what their logical hashes describe);
 * a replayed (preempted) evicting request takes cache hits only inside its prompt, so its prefill
-  eviction runs again at the prompt's end.
+  eviction runs again at the prompt's end; an attention-aware one leaves its window of prompt
+  queries to be computed.
 
 The ledger also records what the memory claims rest on: blocks in use per step, concurrency,
 evictions and their cost, engine-wide and per request. With eviction off only those measurements
@@ -47,7 +48,7 @@ from harness.engine.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
 from harness.engine.settings import (
-    EvictionSettings, build_policy, check_compatible, request_settings, settings_from,
+    EvictionSettings, build_policy, check_compatible, check_policy_runs, request_settings, settings_from,
 )
 from policies import BlockPolicy, Policy
 
@@ -73,6 +74,8 @@ class Ledger:
     copy_target_blocks: int = 0  # blocks allocated so that compaction did not write cached ones
     evict_s: float = 0.0
     model_s: float = 0.0
+    capture_s: float = 0.0         # copying attention-aware policies' query windows (in model_s)
+    state_bytes_peak: int = 0      # per-request policy state held by the worker (scores, windows)
 
     def reset_measurements(self) -> None:
         """Start counting afresh (between repeats of a benchmark on one engine); the live
@@ -99,6 +102,9 @@ class Ledger:
             "evict_s": self.evict_s,
             "model_s": self.model_s,
             "evict_share_of_step": self.evict_s / self.model_s if self.model_s else 0.0,
+            "capture_s": self.capture_s,
+            "capture_share_of_step": self.capture_s / self.model_s if self.model_s else 0.0,
+            "policy_state_bytes_peak": self.state_bytes_peak,
         }
 
 
@@ -206,7 +212,9 @@ class EvictionScheduler(Scheduler):
     def policy_for(self, settings: EvictionSettings) -> Policy:
         policy = self.kv_policies.get(settings.key)
         if policy is None:
-            policy = self.kv_policies[settings.key] = build_policy(settings, self.kv_block_size)
+            policy = build_policy(settings, self.kv_block_size)
+            check_policy_runs(policy, self.vllm_config)
+            self.kv_policies[settings.key] = policy
         return policy
 
     def add_request(self, request) -> None:
@@ -217,6 +225,7 @@ class EvictionScheduler(Scheduler):
         if settings is not None:
             if self.kv_unsupported is not None:
                 raise ValueError(f"request {request.request_id} asks for KV eviction: {self.kv_unsupported}")
+            self.policy_for(settings)
             self.kv_request_settings[request.request_id] = settings
             self._stats(request.request_id, settings)
             if self.cache_config.enable_prefix_caching and not self._copies_fit(request, settings):
@@ -246,10 +255,12 @@ class EvictionScheduler(Scheduler):
         return stats
 
     def _cap_replayed_cache_hits(self) -> None:
-        """A replayed evicting request (preempted, recomputing its outputs) may hit the cached
-        prompt but no further: its prefill eviction must run again at the prompt's end, and its
-        later evictions at the same lengths (``KVCacheManager.get_computed_blocks``,
-        ``vllm/v1/core/kv_cache_manager.py:264``, caps hits at ``num_tokens - 1`` only)."""
+        """An evicting request takes cache hits only where its own computation is not needed: its
+        prompt's last token runs (vLLM caps hits at ``num_tokens - 1`` only,
+        ``vllm/v1/core/kv_cache_manager.py:264``, so a replayed, preempted request could hit past
+        its prompt), so its prefill eviction runs again at the prompt's end and its later
+        evictions at the same lengths; and an attention-aware policy's window of prompt queries
+        is computed, not read from the cache (a cache holds keys and values, not queries)."""
         manager = self.kv_cache_manager
         find = manager.get_computed_blocks
 
@@ -257,9 +268,13 @@ class EvictionScheduler(Scheduler):
             if request.request_id in self.kv_uncached:
                 return manager.empty_kv_cache_blocks, 0, 0
             blocks, hit, boundary = find(request)
-            if request.request_id not in self.kv_request_settings or hit < request.num_prompt_tokens:
+            settings = self.kv_request_settings.get(request.request_id)
+            if settings is None:
                 return blocks, hit, boundary
-            keep = (request.num_prompt_tokens - 1) // self.kv_block_size
+            limit = request.num_prompt_tokens - max(1, self.policy_for(settings).query_window)
+            if hit <= limit:
+                return blocks, hit, boundary
+            keep = max(limit, 0) // self.kv_block_size
             capped = manager.create_kv_cache_blocks(tuple(list(group[:keep]) for group in blocks.blocks))
             return capped, keep * self.kv_block_size, 0
 
@@ -356,6 +371,8 @@ class EvictionScheduler(Scheduler):
             ledger = self.kv_ledger
             ledger.model_s += report.model_s
             ledger.evict_s += report.evict_s
+            ledger.capture_s += report.capture_s
+            ledger.state_bytes_peak = max(ledger.state_bytes_peak, report.state_bytes)
             copies, self.kv_copy_blocks = self.kv_copy_blocks, {}
             for request_id, eviction in report.evictions.items():
                 self._release(request_id, eviction, copies.pop(request_id, []))

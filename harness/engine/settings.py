@@ -142,3 +142,12 @@ def check_compatible(vllm_config) -> None:
             "KV eviction needs synchronous scheduling (a step's evictions reach the next schedule): "
             "pass --no-async-scheduling"
         )
+
+
+def check_policy_runs(policy: Policy, vllm_config) -> None:
+    """What a policy needs of the engine beyond eviction itself: an attention-aware policy's query
+    window is copied by Python hooks on the attention layers, which compiled graphs skip."""
+    if policy.query_window and not vllm_config.model_config.enforce_eager:
+        raise ValueError(
+            f"{policy.name} reads attention queries through hooks that compiled graphs skip: "
+            "run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")

@@ -8,6 +8,9 @@
   mapping become physical (logical minus the request's evicted tokens, from the scheduler's
   ``EvictionPlan``). RoPE positions, input-id gathering and the sampled-token discard mask stay
   logical.
+* For requests whose policy reads attention, the step's query rows are planned here and copied
+  by hooks on the attention layers as the model runs (``query_capture``), then added to each
+  request's window once the step is done.
 * After a step has written its K/V and sampled, each request of the plan whose prompt just
   completed past its budget, or whose newest block just filled past it, is handed to the evictor
   with its own policy (and the copy targets the scheduler allocated under prefix caching); the
@@ -30,6 +33,7 @@ import torch
 
 from harness.engine.evictor import ScoreBook, evict, phase_due
 from harness.engine.kv_view import KVView, UnsupportedLayoutError, make_view
+from harness.engine.query_capture import QueryCapture
 from harness.engine.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
 )
@@ -47,11 +51,14 @@ class WorkerEviction:
         self.settings = settings
         self.block_size = runner.cache_config.block_size
         self.policies: dict[tuple, Policy] = {}
-        self.backend = self.view = None
+        self.backend = self.view = self.capture = None
         self.unsupported = None  # why this runner cannot evict, if it cannot
+        self.book = ScoreBook()  # per-request policy state: cached scores, totals, query windows
         try:
             check_compatible(runner.vllm_config)
             self.backend, self.view = kv_view_of(runner, self.block_size)
+            self.capture = QueryCapture(runner, attention_layers(runner))
+            self.book.scales = self.capture.scales
         except (ValueError, UnsupportedLayoutError) as error:
             if settings is not None:
                 raise
@@ -59,12 +66,14 @@ class WorkerEviction:
         if settings is not None:
             self.policy_for(settings)
         self.device = runner.device
-        self.book = ScoreBook()  # cached scores of live requests (static-score policies)
 
     def policy_for(self, settings: EvictionSettings) -> Policy:
         policy = self.policies.get(settings.key)
         if policy is None:
-            policy = self.policies[settings.key] = build_policy(settings, self.block_size)
+            policy = build_policy(settings, self.block_size)
+            if policy.query_window and self.capture is not None and self.capture.unsupported:
+                raise EvictionNotActiveError(f"{settings.policy} cannot run on this engine: {self.capture.unsupported}")
+            self.policies[settings.key] = policy
         return policy
 
     def synchronize(self) -> None:
@@ -87,6 +96,16 @@ def kv_view_of(runner, block_size: int) -> tuple[str, KVView]:
     isa = getattr(context[group.layer_names[0]], "isa", None)
     backend = group.backend.get_name()
     return backend, make_view(backend, list(runner.kv_caches), isa)
+
+
+def attention_layers(runner) -> list:
+    """The attention modules in the order of ``runner.kv_caches`` (sorted by layer index,
+    ``vllm/v1/worker/utils.py:844-858``), so window layer i is view layer i."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    names = sorted(runner.attn_groups[0][0].layer_names, key=extract_layer_index)
+    context = runner.compilation_config.static_forward_context
+    return [context[name] for name in names]
 
 
 def attach_eviction_state(runner) -> None:
@@ -141,6 +160,25 @@ def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
     request_of_token = runner.req_indices.gpu[:total].long()
     physical_positions = runner.positions[:total] - device_counts[request_of_token].to(runner.positions.dtype)
     batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical_positions)
+
+
+def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
+    """Which query rows of this step the attention hooks copy: the newest ``query_window`` of each
+    scheduled request whose policy reads attention (its rows, ``query_start_loc``, are final once
+    vLLM has prepared the inputs)."""
+    if state.capture is None:
+        return
+    plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+    wanted = []
+    if plan is not None:
+        batch = runner.input_batch
+        starts = runner.query_start_loc.np
+        for request_id, settings in plan.settings.items():
+            size = state.policy_for(settings).query_window
+            row = batch.req_id_to_index.get(request_id)
+            if size and row is not None:
+                wanted.append((request_id, int(starts[row]), int(starts[row + 1]), size))
+    state.capture.plan(wanted, runner.device)
 
 
 def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
@@ -202,6 +240,7 @@ def install() -> None:
         state = eviction_state(self)
         if state is not None:
             to_physical(self, state, scheduler_output)
+            plan_capture(self, state, scheduler_output)
         return result
 
     original_execute = GPUModelRunner.execute_model
@@ -218,6 +257,11 @@ def install() -> None:
         output = original_sample(self, *args, **kwargs)
         step, self._kv_step = self.__dict__.get("_kv_step"), None
         state = eviction_state(self)
+        capture_s = 0.0
+        if state is not None and state.capture is not None and state.capture.rows is not None:
+            before = state.capture.seconds
+            state.capture.absorb(state.book)
+            capture_s = state.capture.seconds - before
         if state is None or step is None or not isinstance(output, ModelRunnerOutput) or not output.req_ids:
             return output
         scheduler_output, started = step
@@ -231,6 +275,7 @@ def install() -> None:
         finished = time.perf_counter()
         attach(output, REPORT_ATTRIBUTE, EvictionReport(
             evictions, model_s=evict_started - started, evict_s=finished - evict_started,
+            capture_s=capture_s, state_bytes=state.book.nbytes(),
         ))
         return output
 

@@ -1,0 +1,92 @@
+"""The observation window: each request's newest queries, captured as vLLM's attention layers run.
+
+vLLM's ``Attention.forward(query, key, value)`` (``vllm/model_executor/layers/attention/
+attention.py:488``) receives a step's queries after the model applied RoPE, ``[tokens,
+num_heads * head_size]`` with the requests' tokens one after the other in batch order
+(``query_start_loc``). A forward pre-hook, torch's own module hook, on each attention layer copies
+the rows of the requests whose policy reads attention, the newest ``query_window`` of each; no
+kernel is touched. After the step the copies join each request's window in the worker's
+``ScoreBook``; nothing is captured (and no hook does any work) for a step in which no request
+needs it.
+
+Compiled graphs (``torch.compile``, CUDA graphs) do not run Python hooks per step, so capture
+needs eager mode; attention variants whose weights are not ``softmax(q.k * scale)`` (logit soft
+cap, ALiBi, sliding window, attention sinks) are refused too: the recomputed attention would not
+be what the kernel computed.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from harness.engine.evictor import ScoreBook
+
+
+def unsupported_reason(runner, modules) -> str | None:
+    """Why this engine cannot give attention-aware policies their window (None: it can)."""
+    if not runner.model_config.enforce_eager:
+        return ("attention-aware policies read queries from a hook on each attention layer, which compiled "
+                "graphs skip: run with enforce_eager (engine.enforce_eager=true, --enforce-eager)")
+    for module in modules:
+        impl = module.impl
+        if getattr(impl, "logits_soft_cap", None) or getattr(impl, "alibi_slopes", None) is not None \
+                or module.sliding_window is not None or module.has_sink:
+            return (f"attention-aware policies recompute softmax(q.k * scale); layer {module.layer_name} adds a "
+                    "logit soft cap, ALiBi, a sliding window or sinks")
+    return None
+
+
+class QueryCapture:
+    """Hooks on a runner's attention layers (in KV-cache layer order) and this step's capture plan."""
+
+    def __init__(self, runner, modules: list):
+        self.modules = modules
+        self.scales = [float(module.impl.scale) for module in modules]
+        self.unsupported = unsupported_reason(runner, modules)
+        self.rows: torch.Tensor | None = None           # this step's query rows to copy
+        self.owners: list[tuple[str, int, int]] = []    # (request id, rows, window size) in row order
+        self.copies: list[torch.Tensor | None] = [None] * len(modules)
+        self.seconds = 0.0                               # time spent copying and absorbing queries
+        self.rows_captured = 0
+        if self.unsupported is None:
+            for index, module in enumerate(modules):
+                module.register_forward_pre_hook(self._hook(index))
+
+    def _hook(self, index: int):
+        def copy_queries(module, args):
+            if self.rows is None:
+                return
+            started = time.perf_counter()
+            query = args[0]
+            self.copies[index] = query.reshape(query.shape[0], module.num_heads, module.head_size).index_select(0, self.rows)
+            self.seconds += time.perf_counter() - started
+        return copy_queries
+
+    def plan(self, wanted: list[tuple[str, int, int, int]], device) -> None:
+        """``wanted``: (request id, first row, end row, window size) of each request to capture."""
+        self.rows, self.owners = None, []
+        if not wanted:
+            return
+        rows = []
+        for request_id, start, end, size in wanted:
+            take = min(size, end - start)
+            rows.append(torch.arange(end - take, end))
+            self.owners.append((request_id, take, size))
+        self.rows = torch.cat(rows).to(device)
+
+    def absorb(self, book: ScoreBook) -> None:
+        """Hand this step's copies to each request's window."""
+        if self.rows is None:
+            return
+        started = time.perf_counter()
+        if any(copy is None for copy in self.copies):
+            raise RuntimeError("an attention layer ran without capturing the queries planned for it")
+        step = torch.stack(self.copies)  # [layers, rows, heads, dim]
+        offset = 0
+        for request_id, count, size in self.owners:
+            book.observe(request_id, step[:, offset : offset + count], size)
+            offset += count
+        self.rows_captured += offset
+        self.rows, self.owners, self.copies = None, [], [None] * len(self.modules)
+        self.seconds += time.perf_counter() - started

@@ -1,0 +1,50 @@
+"""Attention from an observation window: what attention-aware policies score with.
+
+vLLM's attention kernels return no attention weights, and no kernel is changed here. A policy
+that needs attention declares a ``query_window`` W; the engine keeps, per request and layer, the
+queries of the request's newest W tokens as the attention layer received them (post-RoPE), and
+at eviction time the attention those queries pay to the cached keys is recomputed in PyTorch:
+scaled dot products, causal within the window, softmax over the request's physical cache (the
+tokens still cached, as the kernel saw them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Window:
+    """One layer's window: ``queries`` ``[n, query_heads, head_dim]``, oldest first, of the
+    request's newest n tokens, whose keys are the last n cached slots; ``scale`` is the layer's
+    softmax scale (1/sqrt(head_dim) for Llama-style models)."""
+
+    queries: torch.Tensor
+    scale: float
+
+    def __len__(self) -> int:
+        return self.queries.shape[0]
+
+
+def window_attention(window: Window, keys: torch.Tensor) -> torch.Tensor:
+    """``[kv_heads, group, n, tokens]`` attention probabilities of the window's queries over the
+    cached ``[tokens, kv_heads, head_dim]`` keys, float32. Query heads are grouped by the KV head
+    they read (query head h reads KV head h // group, vLLM's and Hugging Face's GQA layout)."""
+    n, query_heads, dim = window.queries.shape
+    tokens, kv_heads, _ = keys.shape
+    if n > tokens:
+        raise ValueError(f"a window of {n} queries over {tokens} cached tokens")
+    group = query_heads // kv_heads
+    queries = window.queries.float().reshape(n, kv_heads, group, dim).permute(1, 2, 0, 3)
+    logits = torch.matmul(queries, keys.float().permute(1, 2, 0).unsqueeze(1)) * window.scale
+    # Query j of the window is the token in slot tokens - n + j: it saw the slots up to its own.
+    position = torch.arange(tokens, device=keys.device)
+    future = position[None, :] > (tokens - n + torch.arange(n, device=keys.device))[:, None]
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
+def received_attention(window: Window, keys: torch.Tensor) -> torch.Tensor:
+    """``[kv_heads, tokens]``: the attention each cached token received from the window's queries,
+    summed over the queries and averaged over the query heads that share its KV head."""
+    return window_attention(window, keys).sum(dim=2).mean(dim=1)
