@@ -8,7 +8,9 @@ the prompt), in every layer and KV head, the *truth* is the attention mass the o
 (the prompt's last 32 queries, where the question sits) pays each earlier token: the signal SnapKV
 and H2O evict by (``policies.attention.received_attention``). Each proxy scores the same tokens
 with the policies' own functions: ||V||/||K|| (PagedEviction), -||K|| (inverse key norm), KeyDiff,
-and recency (position, StreamingLLM's implicit score). Over the tokens before the window:
+and recency (position, StreamingLLM's implicit score). Over the tokens the policies choose among
+(after the first block of 32, which PagedEviction, Knorm and KeyDiff all keep, whose first token
+is the attention sink, and before the window):
 
 * spearman: rank correlation of proxy and truth;
 * recall@10%: the share of the 10% most-attended tokens that the proxy's top 10% contains
@@ -45,6 +47,7 @@ from policies.knorm import inverse_key_norm  # noqa: E402
 from policies.paged import value_key_ratio  # noqa: E402
 
 WINDOW = 32
+FIRST = 32  # the protected first block
 TOP = 0.10
 PROXIES = {
     "||V||/||K||": value_key_ratio,
@@ -93,9 +96,9 @@ def measure(model, capture: Capture, prompt: list[int]) -> list[dict]:
     rows = []
     for layer, entry in enumerate(cache.layers):
         keys, values = entry.keys[0].transpose(0, 1), entry.values[0].transpose(0, 1)  # [tokens, heads, dim]
-        truth = received_attention(Window(capture.queries[layer], capture.scales[layer]), keys)[:, :-WINDOW]
+        truth = received_attention(Window(capture.queries[layer], capture.scales[layer]), keys)[:, FIRST:-WINDOW]
         for name, score in PROXIES.items():
-            result = compare(score(keys, values)[:, :-WINDOW], truth)
+            result = compare(score(keys, values)[:, FIRST:-WINDOW], truth)
             for head in range(truth.shape[0]):
                 rows.append({"proxy": name, "layer": layer, "head": head,
                              **{m: float(result[m][head]) for m in METRICS}})
@@ -137,7 +140,7 @@ def markdown(summary: pd.DataFrame, per_head: pd.DataFrame, command: str, second
     lines = [
         "# Attention-free scores as proxies for window attention (SmolLM2-135M, embedded suite)", "",
         f"`{command}` ({seconds / 60:.1f} min). Truth: the attention mass the prompt's last {WINDOW} queries pay "
-        "each earlier token, per layer and KV head. Each metric is averaged over layers and KV heads per prompt, "
+        f"each token between the first block ({FIRST} tokens, always kept) and the window, per layer and KV head. Each metric is averaged over layers and KV heads per prompt, "
         f"then over {summary.prompts.iloc[0]} prompts (95% bootstrap interval over prompts; * = the paired "
         "difference excludes 0). recall@10% of a random choice is 0.10.", "",
         "| proxy | spearman | recall@10% | mass@10% |", "|---|---|---|---|",
