@@ -42,7 +42,7 @@ def test_tables_read_full_cache_first_and_budgets_in_numeric_order():
     for table in (score_table(cpu_sweep), system_table(cpu_sweep)):
         rows = list(table.index)
         assert rows[0] == ("full", "all")
-        assert rows[1:4] == [("keydiff", "256"), ("keydiff", "512"), ("keydiff", "1024")]
+        assert rows[1:4] == [("h2o", "256"), ("h2o", "512"), ("h2o", "1024")]  # alphabetical, then by budget
     retention = system_table(cpu_sweep)["retention_avg_pct"]
     averages = score_table(cpu_sweep)["average"]
     assert retention[("full", "all")] == 100
