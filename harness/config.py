@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.data import DataError, check_data_config
+from harness.engine.settings import check_policy_runs
 from harness.models import ModelNotFoundError, kv_bytes_per_token, resolve_model_path
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
@@ -49,10 +50,10 @@ def _validate(cfg: DictConfig) -> None:
             policy = make_policy(cfg.policy.name, cfg.budget, cfg.block_size, **(cfg.policy.options or {}))
         except (TypeError, ValueError) as error:
             raise ConfigError(f"policy {cfg.policy.name}: {error}") from None
-        if policy.query_window and not cfg.engine.enforce_eager:
-            raise ConfigError(
-                f"policy {cfg.policy.name} reads attention queries through hooks that compiled graphs skip: "
-                "set engine.enforce_eager=true")
+        try:
+            check_policy_runs(policy, cfg.engine.enforce_eager)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if cfg.budget > cfg.model.max_model_len:
         raise ConfigError(
             f"budget={cfg.budget} is above model {cfg.model.name}'s context of "

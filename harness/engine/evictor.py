@@ -140,16 +140,14 @@ def current_scores(policy: Policy, view: KVView, block_ids: list[int], tokens: i
     an accumulating one the kept totals plus what the uncounted queries paid every token."""
     if not policy.needs_kv:
         return None
+    if cached is not None and cached.shape[-1] > tokens:
+        raise RuntimeError(f"kept scores for {cached.shape[-1]} tokens, but the request holds {tokens}")
     if policy.accumulates:
         scores = score_slots(policy, view, block_ids, 0, tokens, windows)
         if cached is not None:
-            if cached.shape[-1] > tokens:
-                raise RuntimeError(f"totals for {cached.shape[-1]} tokens, but the request holds {tokens}")
             scores[..., : cached.shape[-1]] += cached
         return scores
     if phase == "decode" and policy.static_scores and cached is not None:
-        if cached.shape[-1] > tokens:
-            raise RuntimeError(f"cached scores for {cached.shape[-1]} tokens, but the request holds {tokens}")
         fresh = score_slots(policy, view, block_ids, cached.shape[-1], tokens)
         return torch.cat([cached, policy.cached_form(fresh)], dim=-1)
     return score_slots(policy, view, block_ids, 0, tokens, windows)

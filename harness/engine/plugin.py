@@ -45,7 +45,7 @@ def check_request(vllm_config, params) -> None:
         settings = request_settings(extra, settings_from(vllm_config), block_size)
         if settings is not None:
             check_compatible(vllm_config)
-            check_policy_runs(build_policy(settings, block_size), vllm_config)
+            check_policy_runs(build_policy(settings, block_size), vllm_config.model_config.enforce_eager)
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 

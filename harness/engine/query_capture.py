@@ -24,7 +24,11 @@ from harness.engine.evictor import ScoreBook
 
 
 def unsupported_reason(runner, modules) -> str | None:
-    """Why this engine cannot give attention-aware policies their window (None: it can)."""
+    """Why this engine cannot give attention-aware policies their window (None: it can). Reads the
+    layer's own settings (``attention.py:335-340``: ``num_heads``, ``head_size``,
+    ``sliding_window``, ``has_sink``) and its backend's (``impl.logits_soft_cap``,
+    ``impl.alibi_slopes``, ``impl.scale``: ``v1/attention/backends/cpu_attn.py:304-322``,
+    ``flash_attn.py:1072``)."""
     if not runner.model_config.enforce_eager:
         return ("attention-aware policies read queries from a hook on each attention layer, which compiled "
                 "graphs skip: run with enforce_eager (engine.enforce_eager=true, --enforce-eager)")
@@ -47,8 +51,7 @@ class QueryCapture:
         self.rows: torch.Tensor | None = None           # this step's query rows to copy
         self.owners: list[tuple[str, int, int]] = []    # (request id, rows, window size) in row order
         self.copies: list[torch.Tensor | None] = [None] * len(modules)
-        self.seconds = 0.0                               # time spent copying and absorbing queries
-        self.rows_captured = 0
+        self.seconds = 0.0                               # this step's time copying queries so far
         if self.unsupported is None:
             for index, module in enumerate(modules):
                 module.register_forward_pre_hook(self._hook(index))
@@ -75,10 +78,11 @@ class QueryCapture:
             self.owners.append((request_id, take, size))
         self.rows = torch.cat(rows).to(device)
 
-    def absorb(self, book: ScoreBook) -> None:
-        """Hand this step's copies to each request's window."""
+    def absorb(self, book: ScoreBook) -> float:
+        """Hand this step's copies to each request's window; returns the seconds this step spent
+        capturing (the hooks' copies and this)."""
         if self.rows is None:
-            return
+            return 0.0
         started = time.perf_counter()
         if any(copy is None for copy in self.copies):
             raise RuntimeError("an attention layer ran without capturing the queries planned for it")
@@ -87,6 +91,6 @@ class QueryCapture:
         for request_id, count, size in self.owners:
             book.observe(request_id, step[:, offset : offset + count], size)
             offset += count
-        self.rows_captured += offset
         self.rows, self.owners, self.copies = None, [], [None] * len(self.modules)
-        self.seconds += time.perf_counter() - started
+        seconds, self.seconds = self.seconds + time.perf_counter() - started, 0.0
+        return seconds

@@ -60,10 +60,11 @@ class DynamicCacheView(KVView):
 
 
 def window_attention_implementation(base: str = "eager") -> str:
-    """Register (once per ``base``) and name a Hugging Face attention implementation that hands
-    each layer's post-RoPE queries (``[new tokens, query_heads, head_dim]``) to the attention
-    module's ``kv_report_queries(layer, queries)``, if it has one, and then runs ``base``
-    ("eager", the model's own eager attention, or a registered one such as "sdpa") unchanged."""
+    """Register and name a Hugging Face attention implementation (each call re-registers the same
+    name) that hands each layer's post-RoPE queries (``[new tokens, query_heads, head_dim]``) to
+    the attention module's ``kv_report_queries(layer, queries)``, if it has one, and then runs
+    ``base`` ("eager", the model's own eager attention, or a registered one such as "sdpa")
+    unchanged."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -213,7 +213,7 @@ class EvictionScheduler(Scheduler):
         policy = self.kv_policies.get(settings.key)
         if policy is None:
             policy = build_policy(settings, self.kv_block_size)
-            check_policy_runs(policy, self.vllm_config)
+            check_policy_runs(policy, self.vllm_config.model_config.enforce_eager)
             self.kv_policies[settings.key] = policy
         return policy
 

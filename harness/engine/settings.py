@@ -144,10 +144,10 @@ def check_compatible(vllm_config) -> None:
         )
 
 
-def check_policy_runs(policy: Policy, vllm_config) -> None:
+def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:
     """What a policy needs of the engine beyond eviction itself: an attention-aware policy's query
     window is copied by Python hooks on the attention layers, which compiled graphs skip."""
-    if policy.query_window and not vllm_config.model_config.enforce_eager:
+    if policy.query_window and not enforce_eager:
         raise ValueError(
             f"{policy.name} reads attention queries through hooks that compiled graphs skip: "
             "run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")

@@ -165,7 +165,7 @@ def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
 def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
     """Which query rows of this step the attention hooks copy: the newest ``query_window`` of each
     scheduled request whose policy reads attention (its rows, ``query_start_loc``, are final once
-    vLLM has prepared the inputs)."""
+    vLLM has prepared the inputs: ``vllm/v1/worker/gpu_model_runner.py:2029-2030``)."""
     if state.capture is None:
         return
     plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
@@ -257,11 +257,7 @@ def install() -> None:
         output = original_sample(self, *args, **kwargs)
         step, self._kv_step = self.__dict__.get("_kv_step"), None
         state = eviction_state(self)
-        capture_s = 0.0
-        if state is not None and state.capture is not None and state.capture.rows is not None:
-            before = state.capture.seconds
-            state.capture.absorb(state.book)
-            capture_s = state.capture.seconds - before
+        capture_s = state.capture.absorb(state.book) if state is not None and state.capture is not None else 0.0
         if state is None or step is None or not isinstance(output, ModelRunnerOutput) or not output.req_ids:
             return output
         scheduler_output, started = step
