@@ -6,7 +6,7 @@
     python experiments/throughput.py overhead   # the plugin with eviction off vs stock vLLM
     python experiments/throughput.py latency    # one 6k-token prompt: time per output token
     python experiments/throughput.py shared_prefix  # 12 requests on one 2k-token system prompt: prefix cache on vs off
-    python experiments/throughput.py attention  # SnapKV and H2O (query capture + attention scoring) beside PagedEviction
+    python experiments/throughput.py attention  # attention-aware policies and the learned scorer beside PagedEviction
     python experiments/throughput.py paper      # the paper's workload, on an NVIDIA GPU
 
 Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
@@ -79,10 +79,11 @@ SETTINGS = {
         ),
         Setting(
             "attention",
-            "The attention-aware policies beside PagedEviction at budget 512, on the cpu setting's fixed "
+            "The attention-aware policies (SnapKV, H2O, LRU, the hybrid of SnapKV, recency and KeyDiff) "
+            "beside PagedEviction and the learned K/V scorer at budget 512, on the cpu setting's fixed "
             "pool: what capturing each request's newest 32 queries per layer and recomputing their "
             "attention at every eviction cost, as a share of the model's step time.",
-            CPU, (FULL_FIXED, *eviction_cells(("paged", "snapkv", "h2o"), (512,))),
+            CPU, (FULL_FIXED, *eviction_cells(("paged", "learned", "snapkv", "h2o", "lru", "hybrid"), (512,))),
             baseline=FULL_FIXED, fixed_pool_budget=512,
         ),
         Setting(

@@ -33,15 +33,14 @@ def variant_label(config: dict) -> str:
     """The policy's name plus whatever makes this run differ from its defaults: options away from
     the policy's own defaults and a block size other than the engine's (``paged[per_head=True]``,
     ``paged[block_size=64]``). Tables and plots key rows by it, so ablations read apart."""
-    import dataclasses
-
-    from policies import REGISTRY
+    from policies import REGISTRY, default_options
 
     policy = config.get("policy") or {}
     name = policy.get("name", "?")
-    defaults = {f.name: f.default for f in dataclasses.fields(REGISTRY[name])} if name in REGISTRY else {}
+    defaults = default_options(name) if name in REGISTRY else {}
+    missing = object()
     changed = [f"{key}={value}" for key, value in sorted((policy.get("options") or {}).items())
-               if defaults.get(key, dataclasses.MISSING) != value]
+               if defaults.get(key, missing) != value]
     engine_block = (config.get("engine") or {}).get("block_size")
     if engine_block is not None and config.get("block_size") not in (None, engine_block):
         changed.append(f"block_size={config['block_size']}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.data import DataError, check_data_config
-from harness.engine.settings import check_policy_runs
+from harness.engine.settings import check_policy_runs, policy_options
 from harness.models import ModelNotFoundError, kv_bytes_per_token, resolve_model_path
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
@@ -47,7 +47,7 @@ def _validate(cfg: DictConfig) -> None:
     check_budget(cfg.budget, cfg.block_size)
     if cfg.policy.name != "full":
         try:
-            policy = make_policy(cfg.policy.name, cfg.budget, cfg.block_size, **(cfg.policy.options or {}))
+            policy = make_policy(cfg.policy.name, cfg.budget, cfg.block_size, **policy_options(cfg))
         except (TypeError, ValueError) as error:
             raise ConfigError(f"policy {cfg.policy.name}: {error}") from None
         try:
@@ -102,8 +102,13 @@ def check_kv_pool(cfg: DictConfig) -> None:
 
 def identity(cfg: DictConfig) -> dict:
     """What makes two runs the same cell. Full cache ignores the budget: it runs once per model and data."""
+    policy = OmegaConf.to_container(cfg.policy, resolve=True)
+    options = policy.get("options") or {}
+    if cfg.policy.name in REGISTRY and options.get("granularity", object()) == REGISTRY[cfg.policy.name].granularity:
+        # A policy's own granularity names the cell it named before granularity became an option.
+        policy["options"] = {k: v for k, v in options.items() if k != "granularity"}
     keys = {
-        "policy": OmegaConf.to_container(cfg.policy, resolve=True),
+        "policy": policy,
         "budget": None if cfg.policy.name == "full" else cfg.budget,
         "block_size": cfg.block_size,
         "model": OmegaConf.to_container(cfg.model, resolve=True),

@@ -30,11 +30,11 @@ def group_key(cfg: DictConfig) -> str:
 
 
 def eviction_of(cfg: DictConfig):
-    from harness.engine.settings import EvictionSettings
+    from harness.engine.settings import EvictionSettings, policy_options
 
     if cfg.policy.name == "full":
         return None
-    return EvictionSettings(cfg.policy.name, cfg.budget, dict(cfg.policy.get("options") or {}))
+    return EvictionSettings(cfg.policy.name, cfg.budget, policy_options(cfg))
 
 
 def run_grouped(cfgs: list[DictConfig]) -> list[str]:

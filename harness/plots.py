@@ -15,7 +15,16 @@ matplotlib.use("Agg")  # files only: works without a screen, in CI and notebooks
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-STYLE = {"paged": "C0", "streaming": "C1", "knorm": "C2", "keydiff": "C3", "full": "black"}
+def color(label: str):
+    """One colour per registered policy, by registry order (full cache black): a new policy gets
+    its own with no edit here. ``label`` may be a variant, ``paged[per_head=True]``."""
+    from policies import REGISTRY
+
+    name = label.split("[")[0]
+    if name == "full":
+        return "black"
+    names = [n for n in REGISTRY if n != "full"]
+    return plt.get_cmap("tab20")(names.index(name) % 20) if name in names else None
 
 
 def _save(fig, out: Path, name: str) -> list[Path]:
@@ -39,7 +48,7 @@ def _against_budget(ax, frame: pd.DataFrame, column: str, ylabel: str) -> None:
         errors = [group[column] - group[bounds[0]], group[bounds[1]] - group[column]] if has_bounds else None
         dodge = 2 ** (0.04 * (index - (len(policies) - 1) / 2)) if has_bounds else 1  # bars side by side
         ax.errorbar(group["budget"] * dodge, group[column], yerr=errors, marker="o", capsize=3, label=policy,
-                    color=STYLE.get(policy))
+                    color=color(policy))
     full = frame[frame["policy.name"] == "full"]
     if len(full):
         ax.axhline(full[column].iloc[0], linestyle="--", color="black", label="full cache")
@@ -91,8 +100,8 @@ def accuracy_vs_throughput(runs: pd.DataFrame, title: str):
         if "average_low" in group:
             ax.errorbar(group["output_tokens_per_s"], group["average"], fmt="none", capsize=2, alpha=0.5,
                         yerr=[group["average"] - group["average_low"], group["average_high"] - group["average"]],
-                        color=STYLE.get(policy))
-        ax.scatter(group["output_tokens_per_s"], group["average"], label=policy, color=STYLE.get(policy),
+                        color=color(policy))
+        ax.scatter(group["output_tokens_per_s"], group["average"], label=policy, color=color(policy),
                    marker="*" if policy == "full" else "o", s=90 if policy == "full" else 40)
         for _, row in group.iterrows():
             if pd.notna(row["budget"]):

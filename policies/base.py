@@ -1,28 +1,22 @@
-"""What every eviction policy is: a budget, a block size, a score and two decisions.
+"""What every eviction policy is: a budget, a block size and the decisions the engine asks for.
 
 A policy never sees a block table or an engine. It answers three questions:
 
 * how important is each cached token? ``layer_scores`` gets one layer's K/V of one request as
-  ``[tokens, kv_heads, head_dim]`` tensors (keys post-RoPE, as cached) and returns
-  ``[kv_heads, tokens]`` scores, higher = keep. The engine calls it one layer at a time (a whole
-  request's K/V for every layer would be gigabytes on an 8B model), for the layers
-  ``scored_layers`` names, and stacks the answers into ``[layers, heads, tokens]``;
+  ``[tokens, kv_heads, head_dim]`` tensors and returns ``[kv_heads, tokens]`` scores (a scored
+  policy asks its ``policies.score.Score``). The engine calls it one layer at a time, for the
+  layers ``scored_layers`` names, and stacks the answers into ``[layers, heads, tokens]``;
 * after prefill, when the prompt is longer than the budget: which prompt tokens survive
   (``select_prefill``, ``[layers, kv_heads, kept]`` sorted indices, equal counts everywhere);
 * during decode, each time the cache holds ``budget + block_size`` tokens (the newest block just
   filled): a block policy names one block to drop (``select_victim``), a token policy says which
   ``budget`` tokens stay (``select_decode``).
 
-A policy whose token scores never change once the token is written (``static_scores``, e.g.
-||V||/||K|| or ||K||) lets the engine keep them per request (``cached_form``: a few floats per
-token) and score only the tokens written since its last eviction. An attention-aware policy
-declares a ``query_window`` W: its ``layer_scores`` also gets a ``Window`` (the queries of the
-request's newest W tokens in that layer, ``policies.attention``); one whose scores add up over
-the request's life (``accumulates``, H2O) gets only the queries no eviction has counted yet, and
-the engine adds the result to the scores it keeps per request, which follow their tokens. ``prefill_keep``,
-``decode_keep`` and ``decode_evict_block`` answer from whole ``[layers, tokens, heads, dim]``
-tensors, for tests and notebooks. The engine owns when these are called; the policy owns what
-they answer.
+What the score needs (``static_scores``, ``query_window``, ``accumulates``) tells the engine what
+to keep per request (``policies.score``). Scored policies, one score at either granularity, are in
+``policies.selection``; ``prefill_keep``, ``decode_keep`` and ``decode_evict_block`` answer from
+whole ``[layers, tokens, heads, dim]`` tensors, for tests and notebooks. The engine owns when these
+are called; the policy owns what they answer.
 """
 from __future__ import annotations
 
@@ -67,9 +61,6 @@ class Policy:
     needs_kv: ClassVar[bool] = True        # False: decisions from positions alone (no scores)
     static_scores: ClassVar[bool] = False  # a token's score is fixed once its K/V is written
     accumulates: ClassVar[bool] = False    # scores are sums over the request's queries so far
-    # True when a policy may keep different tokens per layer / KV head; the engine then compacts
-    # each (layer, head) separately, which costs copies but no extra memory.
-    per_head: bool = False
 
     def __post_init__(self) -> None:
         check_budget(self.budget, self.block_size)
@@ -134,7 +125,7 @@ class Policy:
             "budget": self.budget,
             "block_size": self.block_size,
             "granularity": self.granularity,
-            "per_head": self.per_head,
+            "per_head": getattr(self, "per_head", False),
             "decode_copies": self.granularity == "token",
         }
 
@@ -223,83 +214,3 @@ def keep_edges_and_best(
 def l2(x: torch.Tensor) -> torch.Tensor:
     """Per-token L2 norm over head_dim, in float32 whatever the cache dtype."""
     return torch.linalg.vector_norm(x.float(), dim=-1)
-
-
-@dataclass
-class ScoredTokenPolicy(TokenPolicy):
-    """A token policy that keeps the ``budget`` best-scored tokens, the edges protected.
-
-    Subclasses only define ``layer_scores``. Selection is per layer and KV head by default
-    (``per_head=False`` averages the scores into one shared choice).
-    """
-
-    per_head: bool = True
-    protect_edges: bool = True
-
-    def _keep(self, scores: torch.Tensor, layers: int, heads: int) -> torch.Tensor:
-        edge = self.block_size if self.protect_edges else 0
-        if self.per_head:
-            return keep_edges_and_best(scores.expand(layers, heads, -1), edge, edge, self.budget)
-        kept = keep_edges_and_best(scores.mean(dim=(0, 1)), edge, edge, self.budget)
-        return broadcast_keep(kept, layers, heads)
-
-    def select_decode(self, scores, tokens, layers, heads):
-        return self._keep(scores, layers, heads)
-
-
-@dataclass
-class ScoredBlockPolicy(BlockPolicy):
-    """Any token score, block-wise (PagedEviction's shape): after prefill the first block, the last
-    ``B + L mod B`` tokens and the best ``C - 2B`` middle tokens survive (``C + L mod B`` in all, so
-    the physical length stays congruent to the logical one modulo B); in decode the full block with
-    the lowest mean score, never the first nor the newest, leaves the block table whole.
-
-    Subclasses only define ``layer_scores``. Scores are averaged over the scored layers and KV heads
-    into one keep set per request (``per_head=True`` selects prefill tokens per layer and head).
-    """
-
-    # Which blocks may be evicted in decode: every full block but the first and the newest
-    # ("global", the paper), or only the `local_blocks` oldest after the first (the fork's "local").
-    candidates: Literal["global", "local"] = "global"
-    local_blocks: int = 3
-    # Layers whose scores are averaged: "all", or one layer index (the fork scored layer 0 only).
-    score_layers: str | int = "all"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.candidates not in ("global", "local"):
-            raise ValueError(f"candidates must be 'global' or 'local', got {self.candidates!r}")
-        if self.score_layers != "all" and not isinstance(self.score_layers, int):
-            raise ValueError(f"score_layers must be 'all' or a layer index, got {self.score_layers!r}")
-
-    def scored_layers(self, num_layers: int) -> list[int]:
-        return list(range(num_layers)) if self.score_layers == "all" else [self.score_layers]
-
-    def cached_form(self, scores: torch.Tensor) -> torch.Tensor:
-        # Decode decisions use the score averaged over layers and heads: one float per token.
-        return scores.mean(dim=(0, 1), keepdim=True)
-
-    def prefill_keep_count(self, prompt_len: int) -> int:
-        if prompt_len <= self.budget:
-            return prompt_len
-        return self.budget + prompt_len % self.block_size
-
-    def select_prefill(self, scores, tokens, layers, heads):
-        tail = self.block_size + tokens % self.block_size
-        total = self.prefill_keep_count(tokens)
-        if self.per_head:
-            return keep_edges_and_best(scores.expand(layers, -1, -1), self.block_size, tail, total)
-        kept = keep_edges_and_best(scores.mean(dim=(0, 1)), self.block_size, tail, total)
-        return broadcast_keep(kept, layers, heads)
-
-    def select_victim(self, scores, tokens):
-        blocks = tokens // self.block_size
-        last_candidate = blocks - 2  # the newest block is blocks - 1
-        if self.candidates == "local":
-            last_candidate = min(last_candidate, self.local_blocks)
-        if last_candidate < 1:
-            raise ValueError(f"no evictable block among {blocks} (need at least 3 full blocks)")
-        usable = blocks * self.block_size
-        block_scores = scores.mean(dim=(0, 1))[:usable].view(blocks, self.block_size).mean(dim=-1)
-        # argmin returns the first minimum: ties go to the oldest candidate, deterministically.
-        return 1 + int(torch.argmin(comparable(block_scores[1 : last_candidate + 1])))

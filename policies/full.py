@@ -5,11 +5,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from policies.base import Granularity, Policy
+from policies.registry import register_policy
 
 
+@register_policy("full")
 @dataclass
 class FullCache(Policy):
-    name: ClassVar[str] = "full"
+    """Full cache: every token kept (stock vLLM)."""
+
     granularity: ClassVar[Granularity] = "none"
 
     def __post_init__(self) -> None:

@@ -3,11 +3,12 @@
 Every query adds the attention it pays to each cached token to that token's running total; the
 cache keeps the ``recent`` newest tokens and, of the others, those with the largest totals (the
 heavy hitters), per layer and KV head. H2O decides at every step; here the decision runs every
-``block_size`` steps (the engine's eviction cadence), over totals that count every query: the
-window (at least a block) holds the queries written since the last eviction, whose attention over
-the cache is exactly what each of them paid (nothing was evicted in between, and the window is
-causal). The prompt is counted from its last ``window`` queries (H2O proper sums all prompt
-queries: the full L x L attention, which no paged engine keeps).
+``block_size`` steps (the engine's eviction cadence), over totals that count every query. The
+engine counts the window's queries whenever it holds nothing but uncounted ones, when the prompt
+completes and at each eviction, whether or not the prompt was cut: what a query paid the cache is
+exact when counted late (nothing was evicted in between, and the window is causal). The prompt is
+counted from its last ``window`` queries (H2O proper sums all prompt queries: the full L x L
+attention, which no paged engine keeps).
 """
 from __future__ import annotations
 
@@ -15,40 +16,36 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from policies.attention import received_attention
-from policies.base import TokenPolicy, keep_edges_and_best
+from policies.registry import register_score
+from policies.score import Score
 
 
+@register_score("h2o", granularity="token")
 @dataclass
-class H2O(TokenPolicy):
-    name: ClassVar[str] = "h2o"
+class H2O(Score):
+    """H2O: attention totals over every query (heavy hitters) plus the recent tokens, per KV head."""
+
     accumulates: ClassVar[bool] = True
+    share: ClassVar[str] = "head"  # totals and choices per layer and KV head
 
-    window: int = 32
-    recent: int | None = None  # None: half the budget (H2O's even split of heavy and recent)
-    per_head: bool = True      # totals and choices per layer and KV head
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.recent is None:
-            self.recent = self.budget // 2
-        if not 0 <= self.recent < self.budget:
-            raise ValueError(f"recent must be in [0, budget={self.budget}), got {self.recent}")
-        if self.window < self.block_size:
-            raise ValueError(
-                f"h2o counts every query, {self.block_size} between two evictions: window={self.window} "
-                f"must be at least block_size={self.block_size}")
-        if not self.per_head:
-            raise ValueError("h2o keeps heavy hitters per layer and KV head (per_head=True)")
+    window: int = 32           # queries kept per request and layer (every query is counted)
+    recent: int | None = None  # newest tokens always kept; None: half the budget (H2O's even split)
 
     @property
     def query_window(self) -> int:
         return self.window
 
-    def layer_scores(self, keys, values, window=None):
+    def __call__(self, keys, values, window=None):
         return received_attention(window, keys)
 
-    def _keep(self, scores, layers, heads):
-        return keep_edges_and_best(scores.expand(layers, heads, -1), 0, self.recent, self.budget)
+    def recent_tokens(self, budget: int) -> int:
+        return budget // 2 if self.recent is None else self.recent
 
-    def select_decode(self, scores, tokens, layers, heads):
-        return self._keep(scores, layers, heads)
+    def token_edges(self, budget, block_size):
+        return 0, self.recent_tokens(budget)
+
+    def check(self, budget, block_size, granularity):
+        if not 0 <= self.recent_tokens(budget) < budget:
+            raise ValueError(f"recent must be in [0, budget={budget}), got {self.recent}")
+        if self.window < 1:
+            raise ValueError(f"window must be a positive number of queries, got {self.window}")

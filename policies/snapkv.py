@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from policies.attention import Window, received_attention
-from policies.base import ScoredBlockPolicy, TokenPolicy, keep_edges_and_best
+from policies.registry import register_score
+from policies.score import Score
 
 
 def pooled_votes(window: Window, keys: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -29,64 +30,31 @@ def pooled_votes(window: Window, keys: torch.Tensor, kernel: int) -> torch.Tenso
     return torch.cat([pooled, votes[:, before:]], dim=-1)
 
 
-def check_window(window: int, kernel: int, budget: int) -> None:
-    if not 0 < window < budget:
-        raise ValueError(f"window must be in [1, budget={budget}), got {window}")
-    if kernel < 1 or kernel % 2 == 0:
-        raise ValueError(f"kernel must be a positive odd number, got {kernel}")
-
-
+@register_score("snapkv", granularity="token", aliases={"snapkv_block": "block"})
 @dataclass
-class SnapKV(TokenPolicy):
-    name: ClassVar[str] = "snapkv"
+class SnapKV(Score):
+    """SnapKV: the observation window's pooled attention votes, per KV head."""
 
-    window: int = 32
-    kernel: int = 5
-    per_head: bool = True  # SnapKV selects per layer and KV head
+    share: ClassVar[str] = "head"  # SnapKV selects per layer and KV head
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_window(self.window, self.kernel, self.budget)
-        if not self.per_head:
-            raise ValueError("snapkv selects per layer and KV head (per_head=True)")
+    window: int = 32  # observation window: the newest queries kept per request and layer
+    kernel: int = 5   # average-pooling kernel over the votes
 
     @property
     def query_window(self) -> int:
         return self.window
 
-    def layer_scores(self, keys, values, window=None):
+    def __call__(self, keys, values, window=None):
         return pooled_votes(window, keys, self.kernel)
 
-    def _keep(self, scores: torch.Tensor, layers: int, heads: int) -> torch.Tensor:
-        return keep_edges_and_best(scores.expand(layers, heads, -1), 0, self.window, self.budget)
+    def token_edges(self, budget, block_size):
+        return 0, self.window  # the window's own tokens stay
 
-    def select_decode(self, scores, tokens, layers, heads):
-        return self._keep(scores, layers, heads)
-
-
-@dataclass
-class SnapKVBlocks(ScoredBlockPolicy):
-    """SnapKV's pooled votes at block granularity: prefill keeps the first block, the tail (which
-    holds the window: ``window <= block_size``) and the best-voted tokens per KV head; decode drops
-    the full block with the lowest mean vote."""
-
-    name: ClassVar[str] = "snapkv_block"
-
-    window: int = 32
-    kernel: int = 5
-    per_head: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_window(self.window, self.kernel, self.budget)
-        if self.window > self.block_size:
-            raise ValueError(
-                f"snapkv_block keeps its window in the newest block: window={self.window} must be at most "
-                f"block_size={self.block_size}")
-
-    @property
-    def query_window(self) -> int:
-        return self.window
-
-    def layer_scores(self, keys, values, window=None):
-        return pooled_votes(window, keys, self.kernel)
+    def check(self, budget, block_size, granularity):
+        if not 0 < self.window < budget:
+            raise ValueError(f"window must be in [1, budget={budget}), got {self.window}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
+        if granularity == "block" and self.window > block_size:
+            raise ValueError(f"snapkv at block granularity keeps its window in the newest block: "
+                             f"window={self.window} must be at most block_size={block_size}")

@@ -12,14 +12,17 @@ from typing import ClassVar
 import torch
 
 from policies.base import TokenPolicy, broadcast_keep
+from policies.registry import register_policy
 
 
+@register_policy("streaming")
 @dataclass
 class StreamingLLM(TokenPolicy):
-    name: ClassVar[str] = "streaming"
+    """StreamingLLM: attention sinks plus the most recent tokens."""
+
     needs_kv: ClassVar[bool] = False  # positions alone decide
 
-    n_sink: int = 4
+    n_sink: int = 4  # attention sinks: the first tokens, always kept
 
     def __post_init__(self) -> None:
         super().__post_init__()

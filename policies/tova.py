@@ -12,24 +12,24 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from policies.attention import window_attention
-from policies.base import TokenPolicy, keep_edges_and_best
+from policies.registry import register_score
+from policies.score import Score
 
 
+@register_score("tova", granularity="token")
 @dataclass
-class TOVA(TokenPolicy):
-    name: ClassVar[str] = "tova"
+class TOVA(Score):
+    """TOVA: the attention the newest query pays each token, all heads averaged, per layer."""
+
+    share: ClassVar[str] = "layer"  # one choice per layer, shared by its heads
 
     @property
     def query_window(self) -> int:
         return 1
 
-    def layer_scores(self, keys, values, window=None):
+    def __call__(self, keys, values, window=None):
         newest = window_attention(window, keys)[:, :, -1].mean(dim=(0, 1))  # [tokens], all heads
         return newest.expand(keys.shape[1], -1)
 
-    def _keep(self, scores, layers, heads):
-        per_layer = keep_edges_and_best(scores[:, 0], 0, 0, self.budget)  # [layers, budget]
-        return per_layer[:, None, :].expand(layers, heads, -1).contiguous()
-
-    def select_decode(self, scores, tokens, layers, heads):
-        return self._keep(scores, layers, heads)
+    def token_edges(self, budget, block_size):
+        return 0, 0

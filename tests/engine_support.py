@@ -38,6 +38,19 @@ def run_engine(tmp_path: Path, model: str, prompts, max_new_tokens: int, **spec)
     return run_in_subprocess(spec, tmp_path, timeout_s=1800)
 
 
+def plain_policy(name: str, budget: int, block: int = BLOCK, granularity: str | None = None):
+    """The plain reference's rule for a registered policy at its default options: its score (an
+    alias names its base score), its granularity and the selection options it is configured with."""
+    from plain_reference import PlainPolicy
+    from policies import REGISTRY
+
+    entry = REGISTRY[name]
+    if granularity in (None, entry.granularity):
+        options = {key: entry.options[key] for key in ("per_head", "protect_edges", "weights") if key in entry.options}
+        return PlainPolicy(entry.alias_of or name, entry.granularity, budget, block, **options)
+    return PlainPolicy(name, granularity, budget, block, weights=entry.options.get("weights"))
+
+
 def reference_outputs(model: str, policy, prompts, max_new_tokens: int) -> list[list[int]]:
     from harness.engine.reference import ReferenceEngine
 

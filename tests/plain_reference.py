@@ -17,9 +17,13 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 EPS = 1e-6
+LEARNED_WEIGHTS = Path(__file__).resolve().parents[1] / "policies" / "learned_scorer.json"
 
 
 def rounded(scores: torch.Tensor) -> torch.Tensor:
@@ -48,28 +52,40 @@ def keep_with_edges(scores: torch.Tensor, first: int, last: int, total: int) -> 
                       torch.arange(length - last, length).expand(*lead, last)], dim=-1)
 
 
-def token_scores(score: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """``[layers, heads, tokens]`` scores, higher = keep: ||V||/||K||, -||K|| or KeyDiff's."""
-    rows = []
-    for k, v in zip(keys, values):
-        if score == "ratio":
-            rows.append(v.norm(dim=-1) / k.norm(dim=-1).clamp_min(EPS))
-        elif score == "key_norm":  # the lowest key norms are kept
-            rows.append(-k.norm(dim=-1))
-        else:  # keydiff: the keys least aligned with the mean key direction
-            unit = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            anchor = unit.mean(dim=1, keepdim=True)
-            anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            rows.append(-(unit * anchor).sum(dim=-1))
-    return torch.stack(rows)
+def keydiff(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The keys least aligned with their head's mean key direction score highest."""
+    unit = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    anchor = unit.mean(dim=1, keepdim=True)
+    anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return -(unit * anchor).sum(dim=-1)
 
 
-# name -> (score, granularity). Block: PagedEviction's rule (shared keep set, whole blocks in decode);
-# token: per layer and head, the first and last block protected, compacted in decode.
-RULES = {
-    "paged": ("ratio", "block"), "paged_token": ("ratio", "token"),
-    "knorm": ("key_norm", "token"), "knorm_block": ("key_norm", "block"),
-    "keydiff": ("keydiff", "token"), "keydiff_block": ("keydiff", "block"),
+def learned(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The trained scorer: its committed weights (data, read here) times log-norm features."""
+    fitted = json.loads(LEARNED_WEIGHTS.read_text())
+    a, b = torch.log(k.norm(dim=-1) + 1e-6), torch.log(v.norm(dim=-1) + 1e-6)
+    named = {"log_key_norm": a, "log_value_norm": b, "log_key_norm^2": a * a, "log_value_norm^2": b * b,
+             "log_key_norm*log_value_norm": a * b}
+    return sum(weight * named[name] for name, weight in zip(fitted["features"], fitted["weights"]))
+
+
+# Attention-free scores by name, from one layer's ``[heads, tokens, dim]`` K/V: ``[heads, tokens]``,
+# higher = keep.
+KV_SCORES = {
+    "paged": lambda k, v: v.norm(dim=-1) / k.norm(dim=-1).clamp_min(EPS),  # ||V|| / ||K||
+    "knorm": lambda k, v: -k.norm(dim=-1),                                 # the lowest key norms kept
+    "keydiff": keydiff,
+    "value_norm": lambda k, v: v.norm(dim=-1),                             # the longest values kept
+    "learned": learned,
+    "recency": lambda k, v: torch.arange(k.shape[1], dtype=torch.float32).expand(k.shape[0], -1),
+}
+TOP_K = 16  # LRU: a query uses the tokens it attends to most
+# Attention-aware scores: which tokens their rule always keeps at token granularity (first, last),
+# given the budget C and block B, and whether they choose per KV head or per layer.
+ATTENTION_RULES = {
+    "snapkv": {"edges": lambda C, B: (0, WINDOW), "share": "head"},
+    "h2o": {"edges": lambda C, B: (0, C // 2), "share": "head"},
+    "tova": {"edges": lambda C, B: (0, 0), "share": "layer"},
 }
 
 
@@ -103,59 +119,123 @@ def average_pool(votes: torch.Tensor, kernel: int) -> torch.Tensor:
 
 
 class PlainPolicy:
-    """The rules, by name: which cached tokens stay, as ``[layers, heads, kept]`` indices."""
+    """A rule, by its score and selection parameters: which cached tokens stay, as
+    ``[layers, heads, kept]`` indices, or in decode at block granularity the block that leaves.
 
-    def __init__(self, name: str, budget: int, block: int):
-        self.name, self.budget, self.block = name, budget, block
+    ``score``: a ``KV_SCORES`` or ``ATTENTION_RULES`` name, or "streaming" (4 sinks + recent).
+    ``granularity``: "token" (the budget's best tokens, first and last block protected unless the
+    rule names its edges, compacted) or "block" (PagedEviction's rule: first block, the last
+    ``B + L mod B`` tokens and the best middle after prefill; the lowest-mean full block in decode).
+    ``per_head``: one choice per layer and KV head, or one per request from the mean over layers and
+    heads (token default True, block default False; rules that fix it ignore it).
+    """
+
+    def __init__(self, score: str, granularity: str, budget: int, block: int, per_head: bool | None = None,
+                 protect_edges: bool = True, weights: dict | None = None):
+        self.score, self.granularity, self.budget, self.block = score, granularity, budget, block
+        self.per_head = (granularity == "token") if per_head is None else per_head
+        self.protect_edges = protect_edges
+        self.weights = weights or {}  # hybrid: score name -> weight
         self.reset()
 
+    @property
+    def counts_queries(self) -> bool:
+        """Rules whose state sums up every query (H2O's totals, LRU's ages)."""
+        return self.score in ("h2o", "lru")
+
     def reset(self) -> None:
-        """A new request: H2O's attention totals start empty."""
-        self.totals: list[torch.Tensor] | None = None
+        """A new request: the state of H2O (attention totals) and LRU (ages) starts empty."""
+        self.totals: torch.Tensor | None = None
+
+    def count(self, keys: list[torch.Tensor], queries: list[torch.Tensor], scale: float) -> None:
+        """Fold ``queries`` (the step's newest tokens, oldest first) into the state: H2O adds the
+        attention each paid every cached token to its total (new tokens start from zero); LRU takes
+        them one at a time: every token ages by one, and the tokens a query attends to most (and
+        the one it wrote) become zero old."""
+        length = keys[0].shape[1]
+        old = torch.zeros(len(keys), keys[0].shape[0], length)
+        if self.totals is not None:
+            old[..., : self.totals.shape[-1]] = self.totals
+        if self.score == "h2o":
+            self.totals = old + torch.stack([attention_received(q, k, scale) for q, k in zip(queries, keys)])
+            return
+        for layer, (q, k) in enumerate(zip(queries, keys)):
+            for i in range(q.shape[0]):
+                slot = length - q.shape[0] + i
+                old[layer, :, : slot + 1] += 1
+                seen = attention_received(q[i : i + 1], k[:, : slot + 1], scale)  # [kv heads, slot + 1]
+                used = best_positions(seen, min(TOP_K, slot + 1))
+                old[layer].scatter_(-1, used, 0.0)
+                old[layer, :, slot] = 0.0
+        self.totals = old
+
+    def component(self, score: str, keys, values, queries, scale) -> torch.Tensor:
+        """``[layers, heads, tokens]`` scores of one named score (TOVA: ``[layers, 1, tokens]``)."""
+        if score in KV_SCORES:
+            return torch.stack([KV_SCORES[score](k, v) for k, v in zip(keys, values)])
+        if score == "h2o":
+            return self.totals
+        if score == "lru":  # the youngest kept
+            return -self.totals
+        if score == "tova":  # the newest query's attention, averaged over all query heads
+            return torch.stack([attention_received(q[-1:], k, scale).mean(dim=0, keepdim=True)
+                                for q, k in zip(queries, keys)])
+        if score == "hybrid":  # weighted scores, each scaled to [0, 1] per layer and head
+            total = 0
+            for name, weight in self.weights.items():
+                part = self.component(name, keys, values, queries, scale).expand(len(keys), keys[0].shape[0], -1)
+                low, high = part.min(dim=-1, keepdim=True).values, part.max(dim=-1, keepdim=True).values
+                scaled = torch.where(high > low, (part - low) / (high - low), torch.zeros_like(part))
+                total = total + weight * scaled
+            return total
+        votes = []  # snapkv: the window's votes, average-pooled before the window (kernel 5)
+        for q, k in zip(queries, keys):
+            received = attention_received(q, k, scale)
+            before = k.shape[1] - q.shape[0]
+            votes.append(torch.cat([average_pool(received[:, :before], 5), received[:, before:]], dim=-1))
+        return torch.stack(votes)
+
+    def scores(self, keys, values, queries, scale) -> torch.Tensor:
+        return self.component(self.score, keys, values, queries, scale)
+
+    def share(self) -> str:
+        fixed = ATTENTION_RULES.get(self.score, {}).get("share")
+        if self.granularity == "block":  # block keep sets: per KV head, or one per request
+            return "head" if fixed == "head" or (fixed is None and self.per_head) else "request"
+        return fixed or ("head" if self.per_head else "request")
 
     def keep(self, keys: list[torch.Tensor], values: list[torch.Tensor], phase: str,
              queries: list[torch.Tensor] | None = None, scale: float = 1.0) -> torch.Tensor | int:
-        """``keys[l]``/``values[l]``: ``[heads, tokens, dim]``. A block index in decode for a block rule.
-        ``queries[l]``: the window, ``[n, query heads, dim]`` (for H2O: the queries not yet counted)."""
+        """``keys[l]``/``values[l]``: ``[heads, tokens, dim]``; ``queries[l]``: the window,
+        ``[n, query heads, dim]``."""
         C, B = self.budget, self.block
         heads, length = keys[0].shape[0], keys[0].shape[1]
         layers = len(keys)
-        if self.name == "streaming":  # 4 attention sinks + the most recent tokens
+        if self.score == "streaming":  # 4 attention sinks + the most recent tokens
             kept = torch.cat([torch.arange(4), torch.arange(length - (C - 4), length)])
             return kept.expand(layers, heads, -1)
-        if self.name == "h2o":  # totals over every query; the newest C/2 tokens and the heaviest rest
-            added = [attention_received(q, k, scale) for q, k in zip(queries, keys)]
+        scores = self.scores(keys, values, queries, scale)
+        if self.granularity == "block" and phase == "decode":
+            victim = self._lowest_block(scores.mean(dim=(0, 1)), length)
             if self.totals is not None:
-                for total, new in zip(self.totals, added):
-                    new[:, : total.shape[-1]] += total
-            recent = C // 2
-            kept = keep_with_edges(torch.stack(added), 0, recent, C)
-            self.totals = list(torch.stack(added).gather(-1, kept))
-            return kept
-        if self.name == "tova":  # the newest query's attention, averaged over all heads, per layer
-            newest = [attention_received(q[-1:], k, scale).mean(dim=0) for q, k in zip(queries, keys)]
-            return keep_with_edges(torch.stack(newest), 0, 0, C)[:, None, :].expand(layers, heads, -1)
-        if self.name in ("snapkv", "snapkv_block"):  # pooled votes of the window, per KV head
-            scores = []
-            for q, k in zip(queries, keys):
-                votes = attention_received(q, k, scale)
-                before = length - q.shape[0]
-                scores.append(torch.cat([average_pool(votes[:, :before], 5), votes[:, before:]], dim=-1))
-            scores = torch.stack(scores)
-            if self.name == "snapkv":
-                return keep_with_edges(scores, 0, WINDOW, C)
-            if phase == "prefill":  # per KV head, first block and tail protected
-                return keep_with_edges(scores, B, B + length % B, C + length % B)
-            return self._lowest_block(scores.mean(dim=(0, 1)), length)
-        score, granularity = RULES[self.name]
-        scores = token_scores(score, keys, values)
-        if granularity == "token":
-            return keep_with_edges(scores, B, B, C)
-        per_token = scores.mean(dim=(0, 1))  # averaged over layers and heads
-        if phase == "prefill":
-            kept = keep_with_edges(per_token, B, B + length % B, C + length % B)
-            return kept.expand(layers, heads, -1)
-        return self._lowest_block(per_token, length)
+                self.totals = torch.cat([self.totals[..., : victim * B], self.totals[..., (victim + 1) * B:]], dim=-1)
+            return victim
+        if self.granularity == "block":
+            first, last, total = B, B + length % B, C + length % B
+        else:
+            rule = ATTENTION_RULES.get(self.score)
+            first, last = rule["edges"](C, B) if rule else ((B, B) if self.protect_edges else (0, 0))
+            total = C
+        share = self.share()
+        if share == "head":
+            kept = keep_with_edges(scores.expand(layers, heads, -1), first, last, total)
+        elif share == "layer":
+            kept = keep_with_edges(scores[:, 0], first, last, total)[:, None, :].expand(layers, heads, -1)
+        else:
+            kept = keep_with_edges(scores.mean(dim=(0, 1)), first, last, total).expand(layers, heads, -1)
+        if self.totals is not None:
+            self.totals = self.totals.gather(-1, kept)
+        return kept
 
     def _lowest_block(self, per_token: torch.Tensor, length: int) -> int:
         B = self.block
@@ -206,7 +286,6 @@ class PlainReference:
         cache = DynamicCache(config=self.model.config)
         policy.reset()
         self.queries = []
-        self.uncounted = 0  # queries no eviction has counted yet (H2O)
         logical, physical, out = 0, 0, []
         counts = {"prefill": 0, "decode": 0}
         step = torch.tensor([prompt])
@@ -216,9 +295,12 @@ class PlainReference:
                                 cache_position=torch.arange(physical, physical + width),
                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             logical, physical = logical + width, physical + width
-            self.uncounted += width
             out.append(int(logits[0, -1].argmax()))
             prefill = len(out) == 1
+            if policy.counts_queries:  # the prompt's last WINDOW queries, then every decode query
+                counted = min(width, WINDOW)
+                policy.count([layer.keys[0] for layer in cache.layers],
+                             [q[q.shape[0] - counted:] for q in self.queries], self.head_dim ** -0.5)
             if prefill and physical > policy.budget:
                 physical = self._apply(cache, policy, "prefill")
                 counts["prefill"] += 1
@@ -231,10 +313,7 @@ class PlainReference:
     def _apply(self, cache, policy: PlainPolicy, phase: str) -> int:
         keys = [layer.keys[0] for layer in cache.layers]
         values = [layer.values[0] for layer in cache.layers]
-        counted = min(self.uncounted, WINDOW) if policy.name == "h2o" else WINDOW
-        queries = [q[q.shape[0] - counted:] for q in self.queries]
-        self.uncounted = 0
-        kept = policy.keep(keys, values, phase, queries, self.head_dim ** -0.5)
+        kept = policy.keep(keys, values, phase, self.queries, self.head_dim ** -0.5)
         if isinstance(kept, int):  # a whole block leaves
             length = keys[0].shape[1]
             index = torch.cat([torch.arange(kept * policy.block), torch.arange((kept + 1) * policy.block, length)])

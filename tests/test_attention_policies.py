@@ -1,12 +1,12 @@
 """Attention-aware policies (SnapKV, H2O, TOVA): the window's attention, the policies' rules, the
-per-request state, and the engine against both references (the harness's Hugging Face reference
-and the plain one that shares no code with policies/ or harness/engine/)."""
+per-request state, and H2O's totals when the prompt fits the budget, in the engine against both
+references. Every attention-aware policy in the engine: tests/test_policy_matrix.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from harness.engine.evictor import MissingWindowError, ScoreBook, evict
+from harness.engine.evictor import MissingWindowError, ScoreBook, count_due, count_queries, evict, phase_due
 from harness.engine.kv_view import FlashAttnView
 from policies import make_policy
 from policies.attention import Window, received_attention, window_attention
@@ -42,7 +42,7 @@ def test_snapkv_keeps_its_window_and_the_best_pooled_votes():
     ("snapkv", {"window": 256}, "window must be in [1, budget=256)"),
     ("snapkv", {"kernel": 4}, "kernel must be a positive odd number"),
     ("snapkv_block", {"window": 64}, "window=64 must be at most block_size=32"),
-    ("h2o", {"window": 16}, "window=16 must be at least block_size=32"),
+    ("h2o", {"window": 0}, "window must be a positive number of queries, got 0"),
     ("h2o", {"recent": 256}, "recent must be in [0, budget=256)"),
 ])
 def test_attention_policy_options_are_checked(name, options, message):
@@ -51,7 +51,7 @@ def test_attention_policy_options_are_checked(name, options, message):
 
 
 def test_h2o_keeps_half_the_budget_recent_by_default():
-    assert make_policy("h2o", 256, 32).recent == 128
+    assert make_policy("h2o", 256, 32).score.token_edges(256, 32) == (0, 128)
 
 
 def paged_request(tokens: int, seed: int = 0):
@@ -95,70 +95,85 @@ def test_h2o_totals_follow_their_tokens_and_add_up():
     assert book.windows["r"].fresh == 0, "the window's queries are counted once"
 
 
-# --- the engine -------------------------------------------------------------------------------
+def test_h2o_counts_every_query_when_the_prompt_fits_the_budget():
+    """A 20-token prompt under budget 32 (no prefill eviction) then decode to 40 tokens, one query a
+    step, as the worker and the Hugging Face reference drive the evictor: at the decode eviction
+    the totals hold what the prompt's last window and every decode query paid each token, each
+    over the cache as that query saw it."""
+    policy = make_policy("h2o", 32, 8, window=8, recent=8)
+    view, blocks, gen = paged_request(40)
+    keys = torch.stack([view.read_layer(l, blocks, 0, 40)[0] for l in range(3)])
+    queries = torch.randn(3, 40, 2, 4, generator=gen)  # the query of every token, per layer
+    book = ScoreBook(scales=[0.5] * 3)
+    prompt, counts = 20, 0
+    book.observe("r", queries[:, prompt - 8 : prompt], size=8)
+    for before in [0] + list(range(prompt, 40)):
+        after = prompt if before == 0 else before + 1
+        if before:
+            book.observe("r", queries[:, before : after], size=8)
+        phase = phase_due(policy, prompt, before, after, 0)
+        if phase is None and count_due(policy, prompt, before, after, book, "r"):
+            count_queries(policy, view, blocks, after, book, "r")
+            counts += 1
+    assert (phase, counts) == ("decode", 3), "counted at the prompt's end and twice when the window filled"
+    expected = torch.zeros(3, 2, 40)
+    for token in range(prompt - 8, 40):
+        for layer in range(3):
+            seen = received_attention(Window(queries[layer, token : token + 1], 0.5), keys[layer, : token + 1])
+            expected[layer, :, : token + 1] += seen
+    kept = policy.select_decode(expected, 40, 3, 2)
+    evict(policy, view, blocks, 40, "decode", book, "r")
+    torch.testing.assert_close(book.scores["r"], expected.gather(-1, kept))
 
-ATTENTION_POLICIES = ["snapkv", "snapkv_block", "h2o", "tova"]
-BUDGET, NEW_TOKENS = 256, 64
+
+# --- H2O when the prompt fits the budget: its totals must still count every query ----------------
+
+FIT_BUDGET, FIT_NEW_TOKENS = 128, 224
 
 
 @pytest.fixture(scope="module")
-def mixed_run(tmp_path_factory):
-    """One SmolLM2 engine, five prompts (600-1500 tokens) under each attention-aware policy at
-    budget 256 in one batch: every prompt evicts in prefill, and 64 new tokens evict in decode."""
-    from engine_support import mixed_lengths, run_engine, text_prompts
+def fitting_prompts():
+    """Two prompts of 50-120 tokens under budget 128: no prefill eviction, and 224 new tokens reach
+    the first decode eviction after 40-110 decode queries, then evict every block. Chosen from six
+    such prompts as the two whose outputs changed when the totals missed the prompt's window and
+    the decode queries before the first eviction (the bug this guards against)."""
+    from engine_support import mixed_lengths, text_prompts
 
-    prompts = text_prompts("smollm2", mixed_lengths(5, 600, 1500, seed=2), seed=2)
-    settings = [{"policy": name, "budget": BUDGET} for name in ATTENTION_POLICIES for _ in prompts]
-    run = run_engine(tmp_path_factory.mktemp("attention"), "smollm2", prompts * len(ATTENTION_POLICIES), NEW_TOKENS,
-                     request_eviction=settings)
-    return prompts, run
-
-
-def outputs_of(run, index: int, count: int) -> list:
-    return run["outputs"][index * count : (index + 1) * count]
+    prompts = text_prompts("smollm2", mixed_lengths(6, 50, 120, seed=21), seed=21)
+    return [prompts[1], prompts[4]]
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("policy", ATTENTION_POLICIES)
-def test_engine_equals_the_harness_reference(mixed_run, policy):
-    from engine_support import BLOCK, assert_mostly_equal, reference_outputs
+@pytest.fixture(scope="module", params=[False, True], ids=["no_prefix_cache", "prefix_cache"])
+def fitting_run(request, tmp_path_factory, fitting_prompts):
+    from engine_support import run_engine
 
-    prompts, run = mixed_run
-    index = ATTENTION_POLICIES.index(policy)
-    assert_mostly_equal(outputs_of(run, index, len(prompts)),
-                 reference_outputs("smollm2", make_policy(policy, BUDGET, BLOCK), prompts, NEW_TOKENS))
+    return run_engine(tmp_path_factory.mktemp("h2o_fits"), "smollm2", fitting_prompts, FIT_NEW_TOKENS,
+                      eviction={"policy": "h2o", "budget": FIT_BUDGET},
+                      prefix_caching=request.param, warm_cache=request.param)
 
 
 @pytest.fixture(scope="module")
-def plain_runs(mixed_run):
-    from engine_support import BLOCK, model_path
-    from plain_reference import PlainPolicy, PlainReference
+def fitting_plain(fitting_prompts):
+    from engine_support import model_path, plain_policy
+    from plain_reference import PlainReference
 
-    prompts, _ = mixed_run
     plain = PlainReference(model_path("smollm2"))
-    return {name: [plain.generate(prompt, NEW_TOKENS, PlainPolicy(name, BUDGET, BLOCK)) for prompt in prompts]
-            for name in ATTENTION_POLICIES}
+    return [plain.generate(prompt, FIT_NEW_TOKENS, plain_policy("h2o", FIT_BUDGET)) for prompt in fitting_prompts]
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("policy", ATTENTION_POLICIES)
-def test_engine_equals_the_plain_reference(mixed_run, plain_runs, policy):
-    from engine_support import assert_mostly_equal
-
-    prompts, run = mixed_run
-    index = ATTENTION_POLICIES.index(policy)
-    assert_mostly_equal(outputs_of(run, index, len(prompts)), [ids for ids, _ in plain_runs[policy]])
-    assert all(counts["prefill"] == 1 and counts["decode"] >= 1 for _, counts in plain_runs[policy])
+def test_h2o_with_prompts_inside_the_budget_equals_its_plain_reference_on_long_outputs(fitting_run, fitting_plain):
+    """Every prompt and decode query enters the totals whether or not the prompt was cut: the
+    engine equals the plain rule token for token, with and without the prefix cache."""
+    assert [ids for ids, _ in fitting_plain] == fitting_run["outputs"]
+    assert all(counts["prefill"] == 0 and counts["decode"] >= 1 for _, counts in fitting_plain)
+    assert fitting_run["ledger"]["evictions"] == {"prefill": 0, "decode": sum(c["decode"] for _, c in fitting_plain)}
+    assert fitting_run["free_blocks_after"] == fitting_run["ledger"]["kv_pool_blocks"]
 
 
 @pytest.mark.engine
-def test_engine_evicts_in_both_phases_returns_every_block_and_measures_the_capture(mixed_run, plain_runs):
-    prompts, run = mixed_run
-    ledger = run["ledger"]
-    requests = len(prompts) * len(ATTENTION_POLICIES)
-    assert ledger["evictions"]["prefill"] == requests
-    assert ledger["evictions"]["decode"] == sum(c["decode"] for runs in plain_runs.values() for _, c in runs)
-    assert run["free_blocks_after"] == run["free_blocks_before"] == ledger["kv_pool_blocks"]
-    assert 0 < ledger["capture_s"] < ledger["model_s"]
-    # Windows of 32 queries x 30 layers x 9 heads x 64 dims in float32 (2.2 MB) per live request.
-    assert 0 < ledger["policy_state_bytes_peak"] <= requests * (32 * 30 * 9 * 64 * 4 + 30 * 3 * 2048 * 4)
+def test_h2o_with_prompts_inside_the_budget_equals_the_harness_reference(fitting_prompts, fitting_plain):
+    from engine_support import BLOCK, reference_outputs
+
+    assert reference_outputs("smollm2", make_policy("h2o", FIT_BUDGET, BLOCK), fitting_prompts, FIT_NEW_TOKENS) \
+        == [ids for ids, _ in fitting_plain]

@@ -48,7 +48,7 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
         (["data.tasks=[single_doc_qa,nope]"], "unknown task(s) nope"),
         (["model.path=/no/such/model"], "does not exist"),
         (["policy=streaming", "+policy.options.n_sinks=2"], "no option n_sinks"),
-        (["policy.name=oracle"], "valid: full, paged, streaming, knorm, keydiff"),
+        (["policy.name=oracle"], "valid: full, h2o, hybrid, keydiff, keydiff_block"),
         (["engine.kv_cache_gib=0.1"], "holds 2304 tokens, but one request of model smollm2-135m may need "
                                       "max_model_len=8192 tokens (256 blocks): raise engine.kv_cache_gib to at least 0.352"),
         (["engine.num_kv_blocks=100"], "engine.num_kv_blocks=100 (of 32 tokens) holds 3200 tokens"),

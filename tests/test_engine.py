@@ -9,9 +9,9 @@ import math
 import pytest
 
 from engine_support import (
-    BLOCK, assert_mostly_equal, assert_same_outputs, mixed_lengths, model_path, reference_outputs, run_engine, text_prompts,
+    BLOCK, assert_mostly_equal, assert_same_outputs, mixed_lengths, reference_outputs, run_engine,
+    text_prompts,
 )
-from plain_reference import PlainPolicy, PlainReference
 from policies import make_policy
 
 pytestmark = pytest.mark.engine
@@ -70,23 +70,6 @@ def test_policy_equals_reference(policy_runs, model, policy):
     ledger = engine["ledger"]
     assert ledger["evictions"]["prefill"] == len(prompts), "every prompt was pruned after prefill"
     assert ledger["evictions"]["decode"] >= len(prompts), "and evicted again while decoding"
-
-
-@pytest.fixture(scope="module")
-def plain_smollm2():
-    return PlainReference(model_path("smollm2"))
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_policy_equals_its_plain_reference(policy_runs, plain_smollm2, policy):
-    """Eviction semantics against an oracle that shares no code with policies/ or harness/engine/:
-    each policy's published rule applied to a DynamicCache (tests/plain_reference.py)."""
-    prompts, engine, _ = policy_runs("smollm2", policy)
-    rule = PlainPolicy(policy, CASES["smollm2"]["budget"], BLOCK)
-    runs = [plain_smollm2.generate(prompt, NEW_TOKENS, rule) for prompt in prompts]
-    assert_mostly_equal(engine["outputs"], [ids for ids, _ in runs])
-    assert engine["ledger"]["evictions"]["prefill"] == sum(counts["prefill"] for _, counts in runs)
-    assert engine["ledger"]["evictions"]["decode"] == sum(counts["decode"] for _, counts in runs)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -124,7 +124,7 @@ def test_each_side_requires_the_others_message():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"kv_eviction": {"policy": "oracle", "budget": 256}}, "unknown policy 'oracle'; valid: full, paged"),
+        ({"kv_eviction": {"policy": "oracle", "budget": 256}}, "unknown policy 'oracle'; valid: full, h2o, hybrid"),
         ({"kv_eviction": {"policy": "paged", "budget": 100}}, "not a multiple of block_size=32"),
         ({"kv_eviction": {"policy": "paged", "budget": 256, "options": {"windw": 2}}}, "has no option windw"),
         ({"kv_eviction": {"policy": "paged"}}, "needs a 'budget'"),

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from policies import REGISTRY, BudgetError, make_policy
-from policies.paged import PagedEviction
-from policies.streaming import StreamingLLM
+from pathlib import Path
+
+from policies import REGISTRY, BudgetError, default_options, make_policy
 
 B = 4
 LAYERS, HEADS, DIM = 2, 3, 8
@@ -65,7 +65,7 @@ def test_paged_prefill_keeps_first_block_last_tokens_and_best_middle():
     value_norm = torch.ones(tokens)
     value_norm[[6, 9, 10, 13]] = 5.0  # the four best middle tokens by ||V||/||K||
     keys, values = with_norms(torch.ones(tokens), value_norm)
-    kept = PagedEviction(budget=budget, block_size=B).prefill_keep(keys, values)
+    kept = make_policy("paged", budget=budget, block_size=B).prefill_keep(keys, values)
     expected = [0, 1, 2, 3, 6, 9, 10, 13, 16, 17, 18, 19, 20, 21, 22]
     assert kept[0, 0].tolist() == expected
     assert (kept == kept[0, 0]).all(), "shared across layers and heads by default"
@@ -78,14 +78,14 @@ def test_paged_score_is_value_over_key_norm():
     value_norm = torch.ones(tokens)
     value_norm[7] = 0.1  # small value norm -> low score
     keys, values = with_norms(key_norm, value_norm)
-    kept = PagedEviction(budget=12, block_size=B).prefill_keep(keys, values)[0, 0].tolist()
+    kept = make_policy("paged", budget=12, block_size=B).prefill_keep(keys, values)[0, 0].tolist()
     # first block, last 4 + 17 mod 4 tokens, and the 4 best of the middle: 5, then ties by position
     assert kept == [0, 1, 2, 3, 4, 5, 6, 8, 12, 13, 14, 15, 16]
 
 
 def test_paged_per_head_selection_may_differ_between_heads():
     keys, values = kv(23, seed=3)
-    kept = PagedEviction(budget=12, block_size=B, per_head=True).prefill_keep(keys, values)
+    kept = make_policy("paged", budget=12, block_size=B, per_head=True).prefill_keep(keys, values)
     assert kept.shape == (LAYERS, HEADS, 15)
     assert len({tuple(row.tolist()) for row in kept.reshape(-1, 15)}) > 1
 
@@ -94,20 +94,20 @@ def test_paged_decode_evicts_argmin_block_never_first_or_newest():
     # 5 blocks of 4 tokens; block scores 0.1 (block 0), 3, 1, 2, 0.1 (newest): argmin among 1..3 is 2
     per_block = torch.tensor([0.1, 3.0, 1.0, 2.0, 0.1]).repeat_interleave(B)
     keys, values = with_norms(torch.ones(20), per_block)
-    policy = PagedEviction(budget=16, block_size=B)
+    policy = make_policy("paged", budget=16, block_size=B)
     assert policy.decode_evict_block(keys, values) == 2
 
 
 def test_paged_decode_ties_break_to_oldest_candidate():
     keys, values = with_norms(torch.ones(24), torch.ones(24))
-    assert PagedEviction(budget=20, block_size=B).decode_evict_block(keys, values) == 1
+    assert make_policy("paged", budget=20, block_size=B).decode_evict_block(keys, values) == 1
 
 
 def test_paged_local_candidates_are_the_oldest_blocks_after_the_first():
     per_block = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.5, 1.0]).repeat_interleave(B)
     keys, values = with_norms(torch.ones(24), per_block)
-    assert PagedEviction(budget=20, block_size=B).decode_evict_block(keys, values) == 4
-    local = PagedEviction(budget=20, block_size=B, candidates="local", local_blocks=3)
+    assert make_policy("paged", budget=20, block_size=B).decode_evict_block(keys, values) == 4
+    local = make_policy("paged", budget=20, block_size=B, candidates="local", local_blocks=3)
     assert local.decode_evict_block(keys, values) == 1
 
 
@@ -115,7 +115,7 @@ def test_paged_zero_key_norm_gives_finite_scores():
     key_norm = torch.ones(20)
     key_norm[9] = 0.0
     keys, values = with_norms(key_norm, torch.ones(20))
-    policy = PagedEviction(budget=16, block_size=B)
+    policy = make_policy("paged", budget=16, block_size=B)
     scores = policy.scores_of(keys, values)
     assert torch.isfinite(scores).all()
     assert policy.decode_evict_block(keys, values) in (1, 2, 3)
@@ -125,16 +125,16 @@ def test_paged_zero_key_norm_gives_finite_scores():
 def test_paged_single_layer_scoring():
     keys, values = kv(23, seed=5)
     keys[1] *= 100  # layer 1 would change the choice if it were averaged in
-    only_first = PagedEviction(budget=12, block_size=B, score_layers=0).prefill_keep(keys, values)
-    reference = PagedEviction(budget=12, block_size=B).prefill_keep(keys[:1], values[:1])
+    only_first = make_policy("paged", budget=12, block_size=B, score_layers=0).prefill_keep(keys, values)
+    reference = make_policy("paged", budget=12, block_size=B).prefill_keep(keys[:1], values[:1])
     assert torch.equal(only_first[0], reference[0])
 
 
 def test_streaming_keeps_sinks_and_recent_window():
     keys, values = kv(30)
-    kept = StreamingLLM(budget=12, block_size=B, n_sink=4).prefill_keep(keys, values)
+    kept = make_policy("streaming", budget=12, block_size=B, n_sink=4).prefill_keep(keys, values)
     assert kept[0, 0].tolist() == [0, 1, 2, 3] + list(range(22, 30))
-    decode = StreamingLLM(budget=12, block_size=B).decode_keep(*kv(16))
+    decode = make_policy("streaming", budget=12, block_size=B).decode_keep(*kv(16))
     assert decode[1, 2].tolist() == [0, 1, 2, 3] + list(range(8, 16))
 
 
@@ -192,20 +192,47 @@ def test_bad_budgets_are_clear_errors(budget, message):
 
 
 def test_unknown_policy_and_option_list_valid_choices():
-    with pytest.raises(ValueError, match="valid: full, paged, streaming, knorm, keydiff"):
+    with pytest.raises(ValueError, match="valid: full, h2o, hybrid, keydiff, keydiff_block"):
         make_policy("oracle", budget=8, block_size=B)
     with pytest.raises(ValueError, match="no option n_sinks"):
         make_policy("streaming", budget=8, block_size=B, n_sinks=4)
 
 
 def test_every_policy_states_its_granularity():
-    expected = {"full": "none", "paged": "block", "streaming": "token", "knorm": "token", "keydiff": "token",
-                "paged_token": "token", "knorm_block": "block", "keydiff_block": "block",
-                "snapkv": "token", "h2o": "token", "tova": "token", "snapkv_block": "block"}
-    assert {name: cls.granularity for name, cls in REGISTRY.items()} == expected
+    for name, entry in REGISTRY.items():
+        assert make_policy(name, budget=64, block_size=32).granularity == entry.granularity, name
+    assert {name for name, entry in REGISTRY.items() if entry.alias_of} >= {"paged_token", "knorm_block", "keydiff_block"}
     described = make_policy("paged", budget=8, block_size=B).describe()
     assert described["granularity"] == "block" and described["decode_copies"] is False
     assert not math.isnan(described["budget"])
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_the_config_a_policy_starts_from_is_the_codes_default(name):
+    """``policy=<name>`` composes the registry's defaults, and building from them gives the policy
+    built with no options at all: a config default and the code cannot disagree."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base="1.3"):
+        node = OmegaConf.to_container(compose("config", overrides=[f"policy={name}"]).policy)
+    assert node == {"name": name, "options": default_options(name)}
+    assert make_policy(name, 256, 32, **node["options"]) == make_policy(name, 256, 32)
+
+
+def test_granularity_is_an_option_of_every_score_and_aliases_keep_old_names():
+    for name, entry in REGISTRY.items():
+        if entry.score is None or entry.fixed_granularity:
+            continue
+        for granularity in ("token", "block"):
+            assert make_policy(name, 256, 32, granularity=granularity).granularity == granularity
+    # A config that switched granularity (its node still holds the block defaults) is the alias.
+    switched = make_policy("paged", 256, 32, **{**default_options("paged"), "granularity": "token"})
+    assert switched == make_policy("paged_token", 256, 32)
+    with pytest.raises(ValueError, match="no option candidates"):
+        make_policy("paged", 256, 32, granularity="token", candidates="local")
+    with pytest.raises(ValueError, match="paged_token' is paged at token granularity"):
+        make_policy("paged_token", 256, 32, granularity="block")
 
 
 @pytest.mark.parametrize("block_name, token_name", [("paged", "paged_token"), ("knorm_block", "knorm"),

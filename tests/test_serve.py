@@ -130,10 +130,13 @@ def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
 
     import openai
 
-    prompts = text_prompts("tiny", [500, 800, 900, 700, 650, 750, 600], seed=21)
+    prompts = text_prompts("tiny", [500, 800, 900, 700, 650, 750, 720, 640, 560, 610, 600], seed=21)
     asked = [{"policy": "knorm", "budget": 256}, {"policy": "streaming", "budget": 128}, {"policy": "full"},
              {"policy": "keydiff", "budget": 192}, {"policy": "snapkv", "budget": 128},
-             {"policy": "h2o", "budget": 192}, {"policy": "paged", "budget": 100}]
+             {"policy": "h2o", "budget": 192}, {"policy": "lru", "budget": 160},
+             {"policy": "hybrid", "budget": 160, "options": {"weights": {"keydiff": 1.0, "tova": 2.0}, "granularity": "block"}},
+             {"policy": "learned", "budget": 128}, {"policy": "value_norm", "budget": 224},
+             {"policy": "paged", "budget": 100}]
 
     def complete(index):
         try:
@@ -152,7 +155,8 @@ def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
     assert isinstance(refused, openai.BadRequestError) and refused.status_code == 400
     assert "budget=100 is not a multiple of block_size=32" in str(refused)
     for index, settings in enumerate(asked[:-1]):
-        policy = make_policy(settings["policy"], settings.get("budget", 256), BLOCK) if settings["policy"] != "full" else None
+        policy = None if settings["policy"] == "full" else \
+            make_policy(settings["policy"], settings["budget"], BLOCK, **settings.get("options", {}))
         assert served[index] == reference_outputs("tiny", policy, [prompts[index]], 48)[0], settings
 
 

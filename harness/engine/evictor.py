@@ -11,8 +11,11 @@ once a token is written (``static_scores``) keeps them per request between evict
 (``ScoreBook``): a decode eviction then scores only the tokens written since the last one, a block
 of them, whatever the context length. An attention-aware policy scores with the request's query
 window (``ScoreBook.windows``, filled by the engine as the attention layers run); one whose scores
-accumulate (H2O) adds the attention of the queries since its last eviction to the totals the book
-keeps, which follow their tokens through compaction and block drops. Nothing here imports vLLM,
+accumulate (H2O) adds what each query paid every cached token to the totals the book keeps, which
+follow their tokens through compaction and block drops. Queries are counted whether or not an
+eviction is due (``count_due``): the prompt's last window once the prompt is computed, decode
+queries whenever the window holds ``window`` uncounted ones, and the rest at an eviction. Counting
+late is exact: until the next eviction the cache only grows, and the window is causal. Nothing here imports vLLM,
 so the Hugging Face reference engine runs the same code path.
 """
 from __future__ import annotations
@@ -57,7 +60,7 @@ class Eviction:
 @dataclass
 class QueryWindow:
     """A request's newest queries, ``[layers, n, query_heads, head_dim]`` oldest first, and how many
-    of the newest no eviction has counted yet (``fresh``)."""
+    of the newest an accumulating policy has not counted yet (``fresh``)."""
 
     queries: torch.Tensor
     fresh: int = 0
@@ -119,6 +122,35 @@ def phase_due(policy: Policy, prompt_len: int, computed_before: int, computed_af
     return None
 
 
+def count_due(policy: Policy, prompt_len: int, computed_before: int, computed_after: int,
+              book: ScoreBook | None, request_id: str) -> bool:
+    """Whether an accumulating policy must count the request's uncounted queries after this step:
+    the step completed the prompt (its last window of queries is counted then, eviction or not), or
+    in decode the window holds nothing but uncounted queries (one more step would push one out)."""
+    if not policy.accumulates or book is None or request_id not in book.windows:
+        return False
+    fresh = book.windows[request_id].fresh
+    if computed_before < prompt_len <= computed_after:
+        return fresh > 0
+    return computed_before >= prompt_len and fresh >= policy.query_window
+
+
+def count_queries(policy: Policy, view: KVView, block_ids: list[int], tokens: int, book: ScoreBook,
+                  request_id: str) -> torch.Tensor:
+    """Fold what the window's uncounted queries say of each of the ``tokens`` cached slots into the
+    request's state (H2O: the attention they paid, added to the totals); returns the state."""
+    totals = book.scores.get(request_id)
+    if totals is not None and totals.shape[-1] > tokens:
+        raise RuntimeError(f"kept totals for {totals.shape[-1]} tokens, but the request holds {tokens}")
+    if not book.windows[request_id].fresh and totals is not None and totals.shape[-1] == tokens:
+        return totals
+    fresh = book.windows[request_id].fresh
+    counted = score_slots(policy, view, block_ids, 0, tokens, book.layer_windows(request_id, fresh_only=True))
+    book.windows[request_id].fresh = 0
+    book.scores[request_id] = policy.score.accumulate(totals, counted, fresh)
+    return book.scores[request_id]
+
+
 def score_slots(policy: Policy, view: KVView, block_ids: list[int], start: int, end: int,
                 windows: list[Window] | None = None) -> torch.Tensor:
     """``[scored layers, heads, end - start]`` scores of slots ``[start, end)``, a layer at a time
@@ -136,17 +168,12 @@ def score_slots(policy: Policy, view: KVView, block_ids: list[int], start: int, 
 def current_scores(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase,
                    cached: torch.Tensor | None, windows: list[Window] | None = None) -> torch.Tensor | None:
     """The scores a decision needs: all tokens' at prefill (the cache starts afresh), for a
-    static-score policy in decode the cached ones plus those of the tokens written since, and for
-    an accumulating one the kept totals plus what the uncounted queries paid every token."""
+    static-score policy in decode the cached ones plus those of the tokens written since
+    (an accumulating policy's totals come from ``count_queries``)."""
     if not policy.needs_kv:
         return None
     if cached is not None and cached.shape[-1] > tokens:
         raise RuntimeError(f"kept scores for {cached.shape[-1]} tokens, but the request holds {tokens}")
-    if policy.accumulates:
-        scores = score_slots(policy, view, block_ids, 0, tokens, windows)
-        if cached is not None:
-            scores[..., : cached.shape[-1]] += cached
-        return scores
     if phase == "decode" and policy.static_scores and cached is not None:
         fresh = score_slots(policy, view, block_ids, cached.shape[-1], tokens)
         return torch.cat([cached, policy.cached_form(fresh)], dim=-1)
@@ -185,10 +212,12 @@ def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor,
 
 
 def kept_scores(policy: Policy, scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """The cached scores after compaction: each slot's score follows its token."""
+    """The cached scores after compaction: each slot's score follows its token (accumulated
+    totals stay per layer and head; static scores take the policy's cached form)."""
     layers = policy.scored_layers(kept.shape[0])
     if scores.shape[0] == len(layers) and scores.shape[1] == kept.shape[1]:
-        return policy.cached_form(scores.gather(-1, kept[layers].to(scores.device)))
+        followed = scores.gather(-1, kept[layers].to(scores.device))
+        return followed if policy.accumulates else policy.cached_form(followed)
     return scores.gather(-1, kept[:1, :1].to(scores.device))  # a reduced form under a shared keep set
 
 
@@ -207,12 +236,16 @@ def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase
         raise ValueError(f"{len(copy_targets)} copy target(s) but only {len(block_ids) - len(source)} spare block(s)")
     cached = book.scores.get(request_id) if book is not None else None
     windows = None
-    if policy.query_window:
-        if book is None:
-            raise MissingWindowError(f"{policy.name} scores by attention: it needs the request's query window")
-        windows = book.layer_windows(request_id, fresh_only=policy.accumulates)
-        book.windows[request_id].fresh = 0  # counted by this eviction
-    scores = current_scores(policy, view, source, tokens, phase, cached, windows)
+    if policy.query_window and book is None:
+        raise MissingWindowError(f"{policy.name} scores by attention: it needs the request's query window")
+    if policy.accumulates:
+        book.layer_windows(request_id, fresh_only=False)  # refuses a request with no captured queries
+        scores = count_queries(policy, view, source, tokens, book, request_id)
+    else:
+        if policy.query_window:
+            windows = book.layer_windows(request_id, fresh_only=False)
+            book.windows[request_id].fresh = 0
+        scores = current_scores(policy, view, source, tokens, phase, cached, windows)
     remember = book is not None and (policy.static_scores or policy.accumulates) and scores is not None
 
     if phase == "decode" and isinstance(policy, BlockPolicy):
@@ -220,7 +253,8 @@ def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase
             raise ValueError("a block eviction writes nothing: it takes no copy targets")
         victim = policy.select_victim(scores, tokens)
         if remember:
-            scores = policy.cached_form(scores) if cached is None else scores
+            if cached is None and not policy.accumulates:  # totals stay per layer and head
+                scores = policy.cached_form(scores)
             book.scores[request_id] = torch.cat(
                 [scores[..., : victim * block_size], scores[..., (victim + 1) * block_size :]], dim=-1)
         return Eviction(phase, tuple(p for p in range(held) if p != victim), held, block_size, 0)

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from harness.engine.messages import EvictionNotActiveError
-from harness.engine.settings import SCHEDULER_CLS, EvictionSettings
+from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, policy_options
 
 WORKER_EXTENSION_CLS = "harness.engine.worker_extension.EvictionWorkerExtension"
 
@@ -304,5 +304,5 @@ def start_engine(model_path: str, cfg) -> Engine:
     evicting policy that the engine does not run."""
     eviction = None
     if cfg.policy.name != "full":
-        eviction = EvictionSettings(cfg.policy.name, cfg.budget, dict(cfg.policy.get("options") or {}))
+        eviction = EvictionSettings(cfg.policy.name, cfg.budget, policy_options(cfg))
     return Engine(model_path, cfg.model, cfg.engine, cfg.block_size, seed=cfg.get("seed", 0), eviction=eviction)

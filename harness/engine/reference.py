@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from harness.engine.evictor import ScoreBook, evict, phase_due
+from harness.engine.evictor import ScoreBook, count_due, count_queries, evict, phase_due
 from harness.engine.kv_view import KVView
 from policies import Policy
 
@@ -150,6 +150,11 @@ class ReferenceEngine:
                 phase = phase_due(self.policy, prompt_len, before, computed, evicted)
                 if phase is not None:
                     evicted += self._evict(cache, computed - evicted, phase)
+                elif count_due(self.policy, prompt_len, before, computed, self.book, "request"):
+                    physical = computed - evicted
+                    view = DynamicCacheView(cache, self.policy.block_size)
+                    count_queries(self.policy, view, list(range(-(-physical // self.policy.block_size))), physical,
+                                  self.book, "request")
             inputs = torch.tensor([[token]], device=self.device)
             positions = torch.tensor([[computed]], device=self.device)
         return output, best

@@ -44,11 +44,19 @@ class EvictionSettings:
     @property
     def key(self) -> tuple:
         """Hashable identity (policies are built once per distinct settings)."""
-        return self.policy, self.budget, tuple(sorted(self.options.items()))
+        return self.policy, self.budget, json.dumps(self.options, sort_keys=True)  # options may nest (hybrid's weights)
 
 
 # The settings of a request that keeps its whole cache, whatever the engine's default.
 NO_EVICTION = {"policy": "full"}
+
+
+def policy_options(cfg) -> dict:
+    """A Hydra config's ``policy.options`` as plain Python (nested values included)."""
+    from omegaconf import OmegaConf
+
+    options = cfg.policy.get("options")
+    return OmegaConf.to_container(options, resolve=True) if options is not None else {}
 
 
 def parse_settings(raw, where: str) -> EvictionSettings | None:

@@ -11,8 +11,10 @@
 * For requests whose policy reads attention, the step's query rows are planned here and copied
   by hooks on the attention layers as the model runs (``query_capture``), then added to each
   request's window once the step is done.
-* After a step has written its K/V and sampled, each request of the plan whose prompt just
-  completed past its budget, or whose newest block just filled past it, is handed to the evictor
+* After a step has written its K/V and sampled, a request whose policy sums attention (H2O) has
+  its uncounted queries counted when the prompt completes or its window is all uncounted; each
+  request of the plan whose prompt just completed past its budget, or whose newest block just
+  filled past it, is handed to the evictor
   with its own policy (and the copy targets the scheduler allocated under prefix caching); the
   request's block list and its row in the persistent block table take their new shape, and the
   step's ``EvictionReport`` tells the scheduler, which returns the released blocks to the pool.
@@ -31,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from harness.engine.evictor import ScoreBook, evict, phase_due
+from harness.engine.evictor import ScoreBook, count_due, count_queries, evict, phase_due
 from harness.engine.kv_view import KVView, UnsupportedLayoutError, make_view
 from harness.engine.query_capture import QueryCapture
 from harness.engine.messages import (
@@ -197,9 +199,11 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
         before = request.num_computed_tokens
         after = before + scheduler_output.num_scheduled_tokens[request_id]
         phase = phase_due(policy, request.num_prompt_tokens, before, after, evicted)
-        if phase is None:
-            continue
         block_ids = request.block_ids[0]
+        if phase is None:
+            if count_due(policy, request.num_prompt_tokens, before, after, state.book, request_id):
+                count_queries(policy, state.view, block_ids, after - evicted, state.book, request_id)
+            continue
         targets = plan.copy_targets.get(request_id, ())
         held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
         state.synchronize()

@@ -1,0 +1,71 @@
+"""What a score is: how important each cached token is, and what computing it needs.
+
+A score is called with one layer's K/V of one request, ``[tokens, kv_heads, head_dim]`` tensors
+(keys post-RoPE, as cached), and returns ``[kv_heads, tokens]`` float32 scores, higher = keep. It
+declares what the engine must give it and may keep for it:
+
+* ``static``: a token's score is fixed once its K/V is written (||V||/||K||, ||K||): the engine
+  keeps scores per request and scores only the tokens written since the last eviction;
+* ``query_window`` W > 0: it also gets a ``Window``, the queries of the request's newest W tokens
+  in that layer (``policies.attention``), and reads attention;
+* ``accumulates``: its scores add up over the request's queries (H2O): the engine counts every
+  query once and keeps the totals, which follow their tokens through compaction and block drops.
+
+What the engine then does with the scores (which tokens or block stay) is the selection's
+(``policies.selection``); a score may fix part of it where its rule says so (``token_edges``: SnapKV
+keeps its window, H2O its recent tokens; ``share``: TOVA chooses per layer).
+
+An attention-free score without options is one function; ``policies.registry.register_score``
+makes it a ``Score`` and a policy at either granularity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Literal
+
+import torch
+
+Share = Literal["head", "layer", "request"]
+
+
+@dataclass
+class Score:
+    static: ClassVar[bool] = False
+    accumulates: ClassVar[bool] = False
+    # The selection sharing this score's rule imposes (None: the selection's ``per_head`` option).
+    share: ClassVar[Share | None] = None
+
+    @property
+    def query_window(self) -> int:
+        """How many of a request's newest queries the engine must keep for this score (0: none)."""
+        return 0
+
+    def __call__(self, keys: torch.Tensor, values: torch.Tensor, window=None) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} computes no score")
+
+    def token_edges(self, budget: int, block_size: int) -> tuple[int, int] | None:
+        """The (first, last) tokens a token selection always keeps under this score's rule, or None
+        for the selection's own (``protect_edges``)."""
+        return None
+
+    def check(self, budget: int, block_size: int, granularity: str) -> None:
+        """Refuse options that cannot work with this budget, block size and granularity."""
+
+    def accumulate(self, kept: torch.Tensor | None, counted: torch.Tensor, queries: int) -> torch.Tensor:
+        """An accumulating score's new state: ``kept`` ``[layers, heads, t]`` (None at first) is
+        the state of the request's first t tokens, ``counted`` ``[layers, heads, tokens]`` this
+        score of the ``queries`` newest queries not yet counted. By default they add up (H2O)."""
+        if kept is not None:
+            counted[..., : kept.shape[-1]] += kept
+        return counted
+
+
+def function_score(name: str, function: Callable, static: bool) -> type[Score]:
+    """A ``Score`` class around an attention-free ``function(keys, values) -> [heads, tokens]``."""
+
+    def call(self, keys, values, window=None):
+        return function(keys, values)
+
+    cls = type(function.__name__, (Score,), {"__call__": call, "static": static, "__doc__": function.__doc__,
+                                             "__module__": function.__module__})
+    return dataclass(cls)

@@ -1,0 +1,28 @@
+"""Every registered policy at every granularity it runs at, derived from the registry: what the
+generic tests (evictor, plain reference, Hugging Face reference, engine) iterate over. A new
+registered score joins every one of them with no test edited."""
+from __future__ import annotations
+
+from policies import REGISTRY
+
+
+def policy_matrix() -> list[tuple[str, dict]]:
+    """(name, options) pairs: each evicting policy as registered, plus each score at the other
+    granularity where no alias names it already (``h2o`` with ``granularity=block``)."""
+    cases = [(name, {}) for name, entry in REGISTRY.items() if entry.evicts]
+    named = {(entry.alias_of or name, entry.granularity) for name, entry in REGISTRY.items() if entry.score}
+    for name, entry in REGISTRY.items():
+        if entry.score is None or entry.fixed_granularity:
+            continue
+        for granularity in ("token", "block"):
+            if (name, granularity) not in named:
+                cases.append((name, {"granularity": granularity}))
+    return cases
+
+
+def case_id(name: str, options: dict) -> str:
+    return name + "".join(f"[{key}={value}]" for key, value in options.items())
+
+
+MATRIX = policy_matrix()
+MATRIX_IDS = [case_id(name, options) for name, options in MATRIX]

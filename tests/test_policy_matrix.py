@@ -1,0 +1,64 @@
+"""Every registered policy at every granularity (``tests/policy_matrix.py``, derived from the
+registry) in the real engine: one SmolLM2 engine runs them all in one batch through per-request
+settings, and each equals the plain reference that shares no code with policies/ or
+harness/engine/. The plain reference equals the harness's Hugging Face reference for the same
+matrix (``tests/test_plain_reference.py``, on the tiny model), so the engine equals both. A newly
+registered score is checked here with no test edited."""
+from __future__ import annotations
+
+import pytest
+
+from engine_support import (
+    BLOCK, assert_mostly_equal, mixed_lengths, model_path, plain_policy, run_engine, text_prompts,
+)
+from policies import REGISTRY
+from policy_matrix import MATRIX, MATRIX_IDS
+
+pytestmark = pytest.mark.engine
+
+BUDGET, NEW_TOKENS = 256, 64
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Two prompts of 500-900 tokens: both evict in prefill, and 64 new tokens evict in decode again."""
+    return text_prompts("smollm2", mixed_lengths(2, 500, 900, seed=2), seed=2)
+
+
+@pytest.fixture(scope="module")
+def matrix_run(tmp_path_factory, prompts):
+    settings = [{"policy": name, "budget": BUDGET, "options": options} for name, options in MATRIX for _ in prompts]
+    return run_engine(tmp_path_factory.mktemp("matrix"), "smollm2", prompts * len(MATRIX), NEW_TOKENS,
+                      request_eviction=settings)
+
+
+def outputs_of(run, case: int, count: int) -> list:
+    return run["outputs"][case * count : (case + 1) * count]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(prompts):
+    from plain_reference import PlainReference
+
+    plain = PlainReference(model_path("smollm2"))
+    return [[plain.generate(prompt, NEW_TOKENS, plain_policy(name, BUDGET, BLOCK, options.get("granularity")))
+             for prompt in prompts] for name, options in MATRIX]
+
+
+@pytest.mark.parametrize("case", range(len(MATRIX)), ids=MATRIX_IDS)
+def test_engine_equals_the_plain_reference(matrix_run, plain_runs, prompts, case):
+    assert_mostly_equal(outputs_of(matrix_run, case, len(prompts)), [ids for ids, _ in plain_runs[case]])
+    assert all(counts["prefill"] == 1 and counts["decode"] >= 1 for _, counts in plain_runs[case])
+
+
+def test_engine_evicts_in_both_phases_returns_every_block_and_measures_the_capture(matrix_run, plain_runs, prompts):
+    ledger = matrix_run["ledger"]
+    assert ledger["evictions"]["prefill"] == len(MATRIX) * len(prompts)
+    assert ledger["evictions"]["decode"] == sum(c["decode"] for runs in plain_runs for _, c in runs)
+    assert matrix_run["free_blocks_after"] == matrix_run["free_blocks_before"] == ledger["kv_pool_blocks"]
+    reading = [name for name, _ in MATRIX if REGISTRY[name].reads_attention]
+    assert reading and 0 < ledger["capture_s"] < ledger["model_s"]
+    # Windows of at most 32 queries x 30 layers x 9 heads x 64 dims in float32 (2.2 MB) per live
+    # request, and per-(layer, head, token) totals or scores.
+    requests = len(MATRIX) * len(prompts)
+    assert 0 < ledger["policy_state_bytes_peak"] <= requests * (32 * 30 * 9 * 64 * 4 + 30 * 3 * 2048 * 4)
