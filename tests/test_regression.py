@@ -50,12 +50,13 @@ def test_every_sample_matches_the_committed_reference(tmp_path):
     assert not problems, "samples moved:\n" + "\n".join(problems[:20])
 
 
-# PagedEviction with its decode victim replaced by the newest block: a real engine run of a broken
-# policy, which the sample-by-sample comparison must catch.
+# PagedEviction with its decode victim replaced by the newest block (block selection broken, the
+# run is paged alone): a real engine run of a broken policy, which the sample-by-sample comparison
+# must catch.
 BROKEN = """
 import sys, runpy
-from policies.paged import PagedEviction
-PagedEviction.select_victim = lambda self, scores, tokens: tokens // self.block_size - 1
+from policies.selection import ScoredBlockPolicy
+ScoredBlockPolicy.select_victim = lambda self, scores, tokens: tokens // self.block_size - 1
 sys.argv = ["run.py", *sys.argv[1:]]
 runpy.run_path("run.py", run_name="__main__")
 """
