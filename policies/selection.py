@@ -9,7 +9,8 @@
   the last ``B + L mod B`` tokens and the best ``C - 2B`` middle tokens survive (``C + L mod B`` in
   all, so the physical length stays congruent to the logical one modulo B); in decode the full
   block with the lowest mean score, never the first nor the newest, leaves the block table whole:
-  nothing is copied.
+  nothing is copied. Prefill keep sets are per KV head or one per request: a score whose rule
+  chooses per layer (TOVA) is averaged per request here.
 
 Both wrap a ``policies.score.Score``: what the engine must keep for it (static scores, a query
 window, accumulated totals) is the score's to declare.
