@@ -73,10 +73,11 @@ def test_the_window_keeps_the_newest_queries_and_counts_the_uncounted():
     assert not book.windows and book.nbytes() == 0
 
 
-def test_an_attention_policy_without_its_window_refuses_to_evict():
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_an_attention_policy_without_its_window_refuses_to_evict(name):
     view, blocks, _ = paged_request(40)
     with pytest.raises(MissingWindowError, match="no queries were captured"):
-        evict(make_policy("snapkv", 16, 8, window=4), view, blocks, 40, "prefill", ScoreBook(scales=[1.0] * 3), "r")
+        evict(make_policy(name, 16, 8, window=4), view, blocks, 40, "prefill", ScoreBook(scales=[1.0] * 3), "r")
 
 
 def test_h2o_totals_follow_their_tokens_and_add_up():

@@ -142,10 +142,11 @@ def count_queries(policy: Policy, view: KVView, block_ids: list[int], tokens: in
     totals = book.scores.get(request_id)
     if totals is not None and totals.shape[-1] > tokens:
         raise RuntimeError(f"kept totals for {totals.shape[-1]} tokens, but the request holds {tokens}")
-    if not book.windows[request_id].fresh and totals is not None and totals.shape[-1] == tokens:
-        return totals
+    windows = book.layer_windows(request_id, fresh_only=True)  # refuses a request with no captured queries
     fresh = book.windows[request_id].fresh
-    counted = score_slots(policy, view, block_ids, 0, tokens, book.layer_windows(request_id, fresh_only=True))
+    if not fresh and totals is not None and totals.shape[-1] == tokens:
+        return totals
+    counted = score_slots(policy, view, block_ids, 0, tokens, windows)
     book.windows[request_id].fresh = 0
     book.scores[request_id] = policy.score.accumulate(totals, counted, fresh)
     return book.scores[request_id]
@@ -239,7 +240,6 @@ def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase
     if policy.query_window and book is None:
         raise MissingWindowError(f"{policy.name} scores by attention: it needs the request's query window")
     if policy.accumulates:
-        book.layer_windows(request_id, fresh_only=False)  # refuses a request with no captured queries
         scores = count_queries(policy, view, source, tokens, book, request_id)
     else:
         if policy.query_window:
