@@ -10,15 +10,15 @@ import hydra
 from omegaconf import DictConfig
 
 from harness import interrupts
-from harness.config import ConfigError
-from harness.engine.messages import EvictionNotActiveError
+from harness.config import ConfigError, run_settings
+from harness.eviction.messages import EvictionNotActiveError
 from harness.experiment import run_cell
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> str:
     try:
-        status, _ = run_cell(cfg)
+        status, _ = run_cell(run_settings(cfg))
         return status
     except (ConfigError, EvictionNotActiveError) as error:
         print(f"error: {error}", file=sys.stderr)

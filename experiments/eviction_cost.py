@@ -65,8 +65,14 @@ def measure(case: dict) -> dict:
 
     import torch
 
-    from harness.engine import evictor
-    from harness.engine.kv_view import FlashAttnView
+    try:
+        from harness.eviction import evictor
+        from harness.eviction.state import PolicyState
+        from harness.engine.backend_views import FlashAttnView
+    except ImportError:  # a commit from before the eviction core had a package of its own
+        from harness.engine import evictor
+        from harness.engine.kv_view import FlashAttnView
+        PolicyState = getattr(evictor, "ScoreBook", None)
     from policies import make_policy
 
     torch.set_num_threads(2)
@@ -79,8 +85,10 @@ def measure(case: dict) -> dict:
     view = FlashAttnView(layers)
     block_ids = (torch.randperm(blocks, generator=generator) + 1).tolist()
     policy = make_policy(case["policy"], case["budget"], BLOCK)
-    cached = "book" in inspect.signature(evictor.evict).parameters
-    kwargs = {"book": evictor.ScoreBook(), "request_id": "r"} if cached else {}
+    parameters = inspect.signature(evictor.evict).parameters
+    state_argument = next((name for name in ("state", "book") if name in parameters), None)  # renamed at 2026-11-24
+    cached = state_argument is not None
+    kwargs = {state_argument: PolicyState(), "request_id": "r"} if cached else {}
     tokens = case["tokens"]
     if case["phase"] == "decode":  # an earlier eviction first: the steady state
         warm = evictor.evict(policy, view, block_ids, tokens, "decode", **kwargs)

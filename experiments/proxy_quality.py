@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from harness.data import load_samples, task_spec  # noqa: E402
 from harness.data.prompts import build_prompt  # noqa: E402
-from harness.engine.reference import window_attention_implementation  # noqa: E402
+from harness.eviction.hf_reference import window_attention_implementation  # noqa: E402
 from harness.models import resolve_model_path  # noqa: E402
 from harness.stats import bootstrap  # noqa: E402
 from policies.attention import Window, received_attention  # noqa: E402
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=6, help="prompts per task of the embedded suite")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "proxy_quality")
     args = parser.parse_args(argv)
-    from omegaconf import OmegaConf
+    from harness.config import DataSettings
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path("embedded:smollm2-135m-instruct")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  attn_implementation=window_attention_implementation("sdpa")).eval()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     capture = Capture(model)
-    samples = load_samples(OmegaConf.create({"source": "embedded", "limit": args.limit, "seed": 0}))
+    samples = load_samples(DataSettings("embedded", "embedded", limit=args.limit, seed=0))
     args.out.mkdir(parents=True, exist_ok=True)
     started, rows = time.perf_counter(), []
     for index, sample in enumerate(samples):

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.throughput import Cell, Setting, Workload, run_setting, write_report
+from harness.throughput_benchmark import Cell, Setting, Workload, run_setting, write_report
 
 POLICIES = ("paged", "streaming", "knorm")
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 from harness.data import load_samples, task_spec  # noqa: E402
 from harness.data.prompts import build_prompt  # noqa: E402
-from harness.engine.reference import window_attention_implementation  # noqa: E402
+from harness.eviction.hf_reference import window_attention_implementation  # noqa: E402
 from harness.models import resolve_model_path  # noqa: E402
 from harness.stats import bootstrap  # noqa: E402
 from policies.attention import Window, received_attention  # noqa: E402
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-task", type=int, default=6, help="generated prompts per task")
     parser.add_argument("--out", type=Path, default=WEIGHTS, help="where the fitted weights go")
     args = parser.parse_args(argv)
-    from omegaconf import OmegaConf
+    from harness.config import DataSettings
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path("embedded:smollm2-135m-instruct")
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation=window_attention_implementation("sdpa")).eval()
     capture = Capture(model)
-    training = load_samples(OmegaConf.create({"source": "embedded", "limit": args.per_task, "seed": TRAIN_SEED}))
-    evaluation = load_samples(OmegaConf.create({"source": "embedded", "limit": None, "seed": EVALUATION_SEED}))
+    training = load_samples(DataSettings("embedded", "embedded", limit=args.per_task, seed=TRAIN_SEED))
+    evaluation = load_samples(DataSettings("embedded", "embedded", limit=None, seed=EVALUATION_SEED))
     overlap = {s.context for s in training} & {s.context for s in evaluation}
     if overlap:
         raise SystemExit(f"{len(overlap)} training context(s) also appear in the evaluation suite")

@@ -1,135 +1,237 @@
-"""Everything wrong with a config is found here, in milliseconds, before any model loads.
+"""The one place a Hydra config enters the harness: checked, then turned into typed settings.
 
-Hydra already rejects unknown config groups (``policy=h2o``) and lists the choices; this module
-checks what Hydra cannot: budgets against block size and context, block sizes against the
-backend, policy options, data paths and limits, model paths.
+``run_settings(cfg)`` finds everything wrong with a config in milliseconds, before any model loads
+(Hydra already rejects unknown config groups and lists the choices; this checks what Hydra cannot:
+budgets against block size and context, block sizes against the backend, policy options, data
+paths and limits, model paths, the KV pool), and returns a ``RunSettings`` that every other room
+reads instead of the raw config. The cell's identity (its run directory's name) is computed from
+the config as resolved, so adding a typed field never renames a cell.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from harness.data import DataError, check_data_config
-from harness.engine.settings import check_policy_runs, policy_options
+from harness.engine.compatibility import check_policy_runs
+from harness.eviction.settings import EvictionSettings
 from harness.models import ModelNotFoundError, kv_bytes_per_token, resolve_model_path
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
 DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    name: str
+    path: str                  # a local directory, a hub id, or embedded:<name>
+    max_model_len: int
+    max_prompt_tokens: int     # LongBench's middle-truncation limit
+    dtype: str
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    device: str
+    block_size: int
+    kv_cache_gib: float | None = None      # the KV pool in GiB (None: vLLM sizes it from free memory)
+    num_kv_blocks: int | None = None       # or in blocks
+    gpu_memory_utilization: float | None = None
+    threads: int | None = None             # None: every core this process may use (CPU); vLLM's choice (GPU)
+    enforce_eager: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    in_process: bool = True                # engine core in this process (its scheduler can be read)
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    name: str
+    source: str                            # harness.data.SOURCES
+    path: str | None = None
+    hub_id: str | None = None
+    tasks: tuple[str, ...] | None = None   # None: every task of the source
+    limit: int | None = None               # first N samples per task
+    seed: int = 0
+    context_words: tuple[int, ...] | None = None  # the embedded suite's context lengths
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """One cell, checked and typed. ``resolved`` is the config exactly as Hydra resolved it: what
+    ``config.yaml`` records and what names the cell."""
+
+    policy: str
+    options: dict
+    budget: int
+    block_size: int
+    model: ModelSettings
+    engine: EngineSettings
+    data: DataSettings
+    seed: int
+    output_dir: str
+    force: bool
+    resolved: dict = field(repr=False, compare=False)
+
+    @property
+    def evicts(self) -> bool:
+        return self.policy != "full"
+
+    @property
+    def eviction(self) -> EvictionSettings | None:
+        """The engine-wide eviction settings this cell runs (None: full cache)."""
+        return EvictionSettings(self.policy, self.budget, self.options) if self.evicts else None
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} budget={self.budget}" if self.evicts else "full cache"
+
+    def identity(self) -> dict:
+        """What makes two runs the same cell. Full cache ignores the budget: it runs once per model and data."""
+        policy = dict(self.resolved["policy"])
+        options = policy.get("options") or {}
+        if self.policy in REGISTRY and options.get("granularity", object()) == REGISTRY[self.policy].granularity:
+            # A policy's own granularity names the cell it named before granularity became an option.
+            policy["options"] = {k: v for k, v in options.items() if k != "granularity"}
+        return {
+            "policy": policy,
+            "budget": self.budget if self.evicts else None,
+            "block_size": self.block_size,
+            "model": self.resolved["model"],
+            "data": self.resolved["data"],
+            "engine": self.resolved["engine"],
+        }
+
+    @property
+    def cell_name(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
+        label = f"{self.policy}_b{self.budget}" if self.evicts else "full"
+        return f"{label}_bs{self.block_size}_{digest}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.model.name / self.data.name / self.cell_name
+
+    def full_cache_twin(self) -> "RunSettings":
+        """The same cell with full cache: the reference a policy's fidelity is measured against."""
+        resolved = dict(self.resolved, policy={"name": "full", "options": {}})
+        return replace(self, policy="full", options={}, resolved=resolved)
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what is wrong and what is allowed."""
 
 
-def validate(cfg: DictConfig) -> None:
+def run_settings(cfg: DictConfig, checked: bool = True) -> RunSettings:
+    """A Hydra config as typed settings, checked unless ``checked=False`` (a cell already checked,
+    read again); ``ConfigError`` says what is wrong and what is allowed."""
     try:
-        _validate(cfg)
+        run = typed(cfg)
+        if checked:
+            check(run)
     except (BudgetError, UnknownPolicyError, DataError, ModelNotFoundError) as error:
         raise ConfigError(str(error)) from None
+    return run
 
 
-def _validate(cfg: DictConfig) -> None:
-    device = cfg.engine.device
+def typed(cfg: DictConfig) -> RunSettings:
+    # A callback's config also holds Hydra's own node, which only resolves inside a running job.
+    resolved = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+
+    def section(kind, values: dict, where: str):
+        known = {f.name for f in fields(kind)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+    policy = resolved["policy"]
+    try:
+        return RunSettings(
+            policy=policy["name"],
+            options=policy.get("options") or {},
+            budget=resolved["budget"],
+            block_size=resolved["block_size"],
+            model=section(ModelSettings, resolved["model"], "model"),
+            engine=section(EngineSettings, resolved["engine"], "engine"),
+            data=section(DataSettings, resolved["data"], "data"),
+            seed=resolved.get("seed", 0),
+            output_dir=str(resolved["output_dir"]),
+            force=bool(resolved.get("force", False)),
+            resolved=resolved,
+        )
+    except TypeError as error:  # a required key missing from a config group
+        raise ConfigError(f"incomplete config: {error}") from None
+
+
+def check(run: RunSettings) -> None:
+    device = run.engine.device
     if device not in DEVICES:
         raise ConfigError(f"unknown engine.device {device!r}; valid: {', '.join(DEVICES)}")
     multiple = DEVICES[device]
-    if not isinstance(cfg.block_size, int) or cfg.block_size < 1 or cfg.block_size % multiple:
+    if not isinstance(run.block_size, int) or run.block_size < 1 or run.block_size % multiple:
         raise ConfigError(
-            f"block_size={cfg.block_size} cannot be used on {device}: its attention backend needs a "
+            f"block_size={run.block_size} cannot be used on {device}: its attention backend needs a "
             f"positive multiple of {multiple}"
         )
-    if cfg.policy.name not in REGISTRY:
-        raise ConfigError(f"unknown policy {cfg.policy.name!r}; valid: {', '.join(REGISTRY)}")
+    if run.policy not in REGISTRY:
+        raise ConfigError(f"unknown policy {run.policy!r}; valid: {', '.join(REGISTRY)}")
     # Full cache ignores the budget, but a budget no policy could use is a typo: refuse it too.
-    check_budget(cfg.budget, cfg.block_size)
-    if cfg.policy.name != "full":
+    check_budget(run.budget, run.block_size)
+    if run.evicts:
         try:
-            policy = make_policy(cfg.policy.name, cfg.budget, cfg.block_size, **policy_options(cfg))
+            policy = make_policy(run.policy, run.budget, run.block_size, **run.options)
         except (TypeError, ValueError) as error:
-            raise ConfigError(f"policy {cfg.policy.name}: {error}") from None
+            raise ConfigError(f"policy {run.policy}: {error}") from None
         try:
-            check_policy_runs(policy, cfg.engine.enforce_eager)
+            check_policy_runs(policy, run.engine.enforce_eager)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    if cfg.budget > cfg.model.max_model_len:
+    if run.budget > run.model.max_model_len:
         raise ConfigError(
-            f"budget={cfg.budget} is above model {cfg.model.name}'s context of "
-            f"{cfg.model.max_model_len} tokens"
+            f"budget={run.budget} is above model {run.model.name}'s context of "
+            f"{run.model.max_model_len} tokens"
         )
-    if device == "cuda" and str(cfg.model.dtype) not in ("bfloat16", "float16"):
+    if device == "cuda" and run.model.dtype not in ("bfloat16", "float16"):
         # FlashAttention (the GPU layout the harness reads) accepts only half precision; vLLM
         # would silently pick the Triton backend for float32 (flash_attn.py:287 supported_dtypes).
         raise ConfigError(
-            f"model.dtype={cfg.model.dtype} cannot run on the GPU engine: FlashAttention, whose KV layout "
+            f"model.dtype={run.model.dtype} cannot run on the GPU engine: FlashAttention, whose KV layout "
             "the harness reads, needs bfloat16 or float16"
         )
-    check_data_config(cfg.data)
-    if not str(cfg.model.path).startswith("embedded:"):
-        resolve_model_path(str(cfg.model.path), prepare=False)
-    check_kv_pool(cfg)
+    check_data_config(run.data)
+    if not run.model.path.startswith("embedded:"):
+        resolve_model_path(run.model.path, prepare=False)
+    check_kv_pool(run)
 
 
-def check_kv_pool(cfg: DictConfig) -> None:
+def check_kv_pool(run: RunSettings) -> None:
     """vLLM refuses to start when its KV pool cannot hold one request of ``max_model_len`` tokens;
     say so here, in the harness's terms, before a model loads."""
     try:
-        model_dir = resolve_model_path(str(cfg.model.path), prepare=False)
+        model_dir = resolve_model_path(run.model.path, prepare=False)
     except ModelNotFoundError:
         return  # not prepared yet: the engine will prepare it and vLLM checks the pool
-    per_token = kv_bytes_per_token(model_dir, str(cfg.model.dtype))
-    blocks = cfg.engine.get("num_kv_blocks")
-    gib = cfg.engine.get("kv_cache_gib")
+    per_token = kv_bytes_per_token(model_dir, run.model.dtype)
+    blocks = run.engine.num_kv_blocks
+    gib = run.engine.kv_cache_gib
     if blocks is None and (gib is None or per_token is None):
         return  # vLLM sizes the pool from free device memory
     if blocks is None:
-        blocks = int(gib * 2**30 // (per_token * cfg.block_size))
-        source = f"engine.kv_cache_gib={gib} ({blocks} blocks of {cfg.block_size} tokens)"
+        blocks = int(gib * 2**30 // (per_token * run.block_size))
+        source = f"engine.kv_cache_gib={gib} ({blocks} blocks of {run.block_size} tokens)"
     else:
-        source = f"engine.num_kv_blocks={blocks} (of {cfg.block_size} tokens)"
-    need = -(-cfg.model.max_model_len // cfg.block_size)
+        source = f"engine.num_kv_blocks={blocks} (of {run.block_size} tokens)"
+    need = -(-run.model.max_model_len // run.block_size)
     if blocks < need:
-        hint = (f"raise engine.kv_cache_gib to at least {need * cfg.block_size * per_token / 2**30:.3f}"
+        hint = (f"raise engine.kv_cache_gib to at least {need * run.block_size * per_token / 2**30:.3f}"
                 if per_token else "raise engine.num_kv_blocks")
         raise ConfigError(
-            f"the KV pool of {source} holds {blocks * cfg.block_size} tokens, but one request of model "
-            f"{cfg.model.name} may need max_model_len={cfg.model.max_model_len} tokens ({need} blocks): "
+            f"the KV pool of {source} holds {blocks * run.block_size} tokens, but one request of model "
+            f"{run.model.name} may need max_model_len={run.model.max_model_len} tokens ({need} blocks): "
             f"{hint} or lower model.max_model_len"
         )
-
-
-def identity(cfg: DictConfig) -> dict:
-    """What makes two runs the same cell. Full cache ignores the budget: it runs once per model and data."""
-    policy = OmegaConf.to_container(cfg.policy, resolve=True)
-    options = policy.get("options") or {}
-    if cfg.policy.name in REGISTRY and options.get("granularity", object()) == REGISTRY[cfg.policy.name].granularity:
-        # A policy's own granularity names the cell it named before granularity became an option.
-        policy["options"] = {k: v for k, v in options.items() if k != "granularity"}
-    keys = {
-        "policy": policy,
-        "budget": None if cfg.policy.name == "full" else cfg.budget,
-        "block_size": cfg.block_size,
-        "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "data": OmegaConf.to_container(cfg.data, resolve=True),
-        "engine": OmegaConf.to_container(cfg.engine, resolve=True),
-    }
-    return keys
-
-
-def cell_name(cfg: DictConfig) -> str:
-    digest = hashlib.sha256(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
-    label = "full" if cfg.policy.name == "full" else f"{cfg.policy.name}_b{cfg.budget}"
-    return f"{label}_bs{cfg.block_size}_{digest}"
-
-
-def full_cache_twin(cfg: DictConfig) -> DictConfig:
-    """The same cell with full cache: the reference a policy's fidelity is measured against."""
-    twin = cfg.copy()
-    twin.policy = OmegaConf.create({"name": "full", "options": {}})
-    return twin
-
-
-def run_dir(cfg: DictConfig) -> Path:
-    return Path(cfg.output_dir) / cfg.model.name / cfg.data.name / cell_name(cfg)

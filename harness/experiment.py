@@ -6,14 +6,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from harness.config import full_cache_twin, run_dir, validate
+from harness.config import RunSettings
 from harness.console import engine_output_to, tail
 from harness.data import load_samples, task_spec
 from harness.data.prompts import build_prompt
 from harness import interrupts
-from harness.engine.messages import EvictionNotActiveError
+from harness.eviction.messages import EvictionNotActiveError
 from harness.metrics.fidelity import fidelity
 from harness.metrics.report import score_run
 from harness.models import resolve_model_path
@@ -28,9 +28,9 @@ ENGINE_LOG = "vllm.log"  # everything vLLM printed while this cell ran, kept in 
 
 @dataclass
 class CellWork:
-    """A cell ready for an engine: its config, where it goes, and its prompts."""
+    """A cell ready for an engine: its settings, where it goes, and its prompts."""
 
-    cfg: DictConfig
+    run: RunSettings
     target: Path
     samples: list        # the samples that run (each with its prompt below)
     prompts: list        # harness.data.prompts.Prompt, one per sample
@@ -50,50 +50,49 @@ class CellWork:
         return [tuple(self.specs[s.task].stop) for s in self.samples]
 
 
-def prepare_cell(cfg: DictConfig, tokenizer=None) -> CellWork | None:
-    """Validate a cell and build its prompts; None when its run directory is already complete."""
-    validate(cfg)
-    target = run_dir(cfg)
-    if is_complete(target) and not cfg.force:
+def prepare_cell(run: RunSettings, tokenizer=None) -> CellWork | None:
+    """Build a cell's prompts; None when its run directory is already complete."""
+    target = run.run_dir
+    if is_complete(target) and not run.force:
         print(f"[skip] {target} is complete (force=true reruns it)")
         return None
-    samples = load_samples(cfg.data)
+    samples = load_samples(run.data)
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(str(cfg.model.path)))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(run.model.path))
     specs = {s.task: task_spec(s.task) for s in samples}
     prompts, kept, skipped = [], [], []
     for sample in samples:
         spec = specs[sample.task]
-        prompt = build_prompt(sample, spec, tokenizer, cfg.model.max_prompt_tokens)
+        prompt = build_prompt(sample, spec, tokenizer, run.model.max_prompt_tokens)
         length = len(prompt.token_ids)
-        if length + spec.max_new_tokens > cfg.model.max_model_len:
+        if length + spec.max_new_tokens > run.model.max_model_len:
             # LongBench's truncation keeps prompts under the limit; a user's own limit may not.
             skipped.append({"task": sample.task, "id": sample.id, "reason": f"prompt of {length} tokens "
-                            f"+ {spec.max_new_tokens} new exceeds max_model_len={cfg.model.max_model_len}"})
+                            f"+ {spec.max_new_tokens} new exceeds max_model_len={run.model.max_model_len}"})
             continue
         prompts.append(prompt)
         kept.append(sample)
     if not kept:
         raise RuntimeError(f"every sample was skipped: {skipped[:3]}")
-    return CellWork(cfg, target, kept, prompts, skipped, specs)
+    return CellWork(run, target, kept, prompts, skipped, specs)
 
 
-def run_cell(cfg: DictConfig) -> tuple[str, Path]:
+def run_cell(run: RunSettings) -> tuple[str, Path]:
     """Run one cell on an engine of its own; returns ("skipped" | "done", its run directory)."""
-    work = prepare_cell(cfg)
+    work = prepare_cell(run)
     if work is None:
-        return "skipped", run_dir(cfg)
+        return "skipped", run.run_dir
     writer = RunWriter(work.target)
     log = writer.partial / ENGINE_LOG
     try:
         from harness.engine import start_engine
 
-        print(f"[engine] starting vLLM for {label(cfg)}: {len(work.prompts)} prompts (its log: {work.target / ENGINE_LOG})",
+        print(f"[engine] starting vLLM for {run.label}: {len(work.prompts)} prompts (its log: {work.target / ENGINE_LOG})",
               flush=True)
         with engine_output_to(log) as terminal:
-            engine = start_engine(resolve_model_path(str(cfg.model.path)), cfg)
+            engine = start_engine(resolve_model_path(run.model.path), run)
             try:
                 started = time.perf_counter()
                 results = engine.generate(work.token_ids, work.max_new_tokens, work.stops, progress=terminal)
@@ -121,7 +120,7 @@ def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, 
                  ledger: dict | None, vllm_version: str, shared: dict | None = None) -> Path:
     """Score a cell's generations and publish its complete run directory (atomically).
     ``shared``: how the cell shared its engine with others (timings are then not isolated)."""
-    cfg = work.cfg
+    run = work.run
     rows = [
         {
             "task": sample.task,
@@ -139,46 +138,42 @@ def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, 
         }
         for sample, prompt, result in zip(work.samples, work.prompts, results)
     ]
-    scores = score_run(rows, work.skipped, cfg)
-    scores["fidelity"] = fidelity_to_full_cache(cfg, rows)
-    check_evictions_happened(cfg, rows, ledger)
+    scores = score_run(rows, work.skipped)
+    scores["fidelity"] = fidelity_to_full_cache(run, rows)
+    check_evictions_happened(run, rows, ledger)
     perf = summarize_perf(results, wall, facts, ledger, shared)
     writer.write_jsonl("predictions.jsonl", rows)
     writer.write_json("scores.json", scores)
     writer.write_json("perf.json", perf)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = dict(run.resolved)
     resolved["provenance"] = provenance(vllm_version)
     writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
     interrupts.check()  # a Ctrl-C swallowed by a finalizer still stops the cell unpublished
     final = writer.commit()
-    print(scores_table(scores, title=f"{label(cfg)} on {cfg.model.name} / {cfg.data.name}"))
+    print(scores_table(scores, title=f"{run.label} on {run.model.name} / {run.data.name}"))
     print(f"[done] {final}")
     return final
 
 
-def label(cfg: DictConfig) -> str:
-    return "full cache" if cfg.policy.name == "full" else f"{cfg.policy.name} budget={cfg.budget}"
-
-
-def check_evictions_happened(cfg: DictConfig, rows: list[dict], ledger: dict | None) -> None:
+def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | None) -> None:
     """An evicting run whose long prompts were never pruned ran stock vLLM: it is not a result."""
-    if cfg.policy.name == "full":
+    if not run.evicts:
         return
-    over = [row for row in rows if row["prompt_tokens"] >= cfg.budget + cfg.block_size]
+    over = [row for row in rows if row["prompt_tokens"] >= run.budget + run.block_size]
     recorded = ledger["evictions"]["prefill"] if ledger else None
     if over and not recorded:
         raise EvictionNotActiveError(
-            f"{len(over)} prompt(s) are longer than budget={cfg.budget} + one block, yet the engine recorded "
-            f"{'no ledger' if ledger is None else 'no prefill eviction'}: policy={cfg.policy.name} was not "
+            f"{len(over)} prompt(s) are longer than budget={run.budget} + one block, yet the engine recorded "
+            f"{'no ledger' if ledger is None else 'no prefill eviction'}: policy={run.policy} was not "
             "running; nothing was written"
         )
 
 
-def fidelity_to_full_cache(cfg: DictConfig, rows: list[dict]) -> dict | None:
+def fidelity_to_full_cache(run: RunSettings, rows: list[dict]) -> dict | None:
     """Agreement with the full-cache run of the same model and data, if that run exists yet."""
-    if cfg.policy.name == "full":
+    if not run.evicts:
         return None
-    twin = run_dir(full_cache_twin(cfg))
+    twin = run.full_cache_twin().run_dir
     if not is_complete(twin):
         return {"missing": f"no complete full-cache run at {twin}; run policy=full first"}
     return fidelity(rows, read_jsonl(twin / "predictions.jsonl"))

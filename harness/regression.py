@@ -1,6 +1,6 @@
 """Two runs of the same cells compared sample by sample, under the near-tie rule.
 
-    python -m harness.regression results/reference results/ci_regression
+    python -m harness.regression results/ci_baseline results/ci_regression
 
 Two greedy fp32 runs of one configuration may round the last bits of a logit differently (kernel
 blocking depends on batch shape and CPU); where the two best tokens are closer than ``TIE_NATS``

@@ -41,7 +41,7 @@ class SweepProgress(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra import compose
 
-        from harness.config import ConfigError, run_dir, validate
+        from harness.config import ConfigError, run_settings
         from harness.results import is_complete
 
         params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
@@ -50,12 +50,12 @@ class SweepProgress(Callback):
         for overrides in cells:
             cell = compose(config_name="config", overrides=overrides)
             try:
-                validate(cell)
+                run = run_settings(cell)
             except ConfigError as error:
                 print(f"error: cell {' '.join(overrides)}: {error}", file=sys.stderr)
                 sys.exit(2)
-            target = str(run_dir(cell))
-            if not is_complete(run_dir(cell)):
+            target = str(run.run_dir)
+            if not is_complete(run.run_dir):
                 pending.add(target)
             self.cells.add(target)
         self.total = len(cells)
@@ -66,12 +66,12 @@ class SweepProgress(Callback):
         self.job_started = time.perf_counter()
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        from harness.config import run_dir
+        from harness.config import run_settings
 
         if not self.total:
             return  # a single run (Hydra calls job callbacks without a multirun): nothing to count
         self.done += 1
-        self.pending.discard(str(run_dir(config)))
+        self.pending.discard(str(run_settings(config, checked=False).run_dir))
         elapsed = time.perf_counter() - self.job_started
         outcome = getattr(job_return, "_return_value", None)
         if outcome == "skipped":

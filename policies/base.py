@@ -14,9 +14,7 @@ A policy never sees a block table or an engine. It answers three questions:
 
 What the score needs (``static_scores``, ``query_window``, ``accumulates``) tells the engine what
 to keep per request (``policies.score``). Scored policies, one score at either granularity, are in
-``policies.selection``; ``prefill_keep``, ``decode_keep`` and ``decode_evict_block`` answer from
-whole ``[layers, tokens, heads, dim]`` tensors, for tests and notebooks. The engine owns when these
-are called; the policy owns what they answer.
+``policies.selection``. The engine owns when these are called; the policy owns what they answer.
 """
 from __future__ import annotations
 
@@ -100,34 +98,9 @@ class Policy:
         selections below accept it in place of the full scores)."""
         return scores
 
-    def scores_of(self, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> torch.Tensor | None:
-        """``[scored layers, heads, tokens]`` from whole ``[layers, tokens, heads, dim]`` tensors
-        (and, for an attention-aware policy, one ``Window`` per layer)."""
-        if not self.needs_kv:
-            return None
-        layers = self.scored_layers(keys.shape[0])
-        if self.query_window:
-            return torch.stack([self.layer_scores(keys[l], values[l], windows[l]) for l in layers])
-        return torch.stack([self.layer_scores(keys[l], values[l]) for l in layers])
-
     # --- decisions -----------------------------------------------------------------------------
     def select_prefill(self, scores: torch.Tensor | None, tokens: int, layers: int, heads: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not evict in prefill")
-
-    def prefill_keep(self, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> torch.Tensor:
-        layers, tokens, heads, _ = keys.shape
-        return self.select_prefill(self.scores_of(keys, values, windows), tokens, layers, heads)
-
-    def describe(self) -> dict:
-        """What a results table needs to know about how this policy spends memory and copies."""
-        return {
-            "policy": self.name,
-            "budget": self.budget,
-            "block_size": self.block_size,
-            "granularity": self.granularity,
-            "per_head": getattr(self, "per_head", False),
-            "decode_copies": self.granularity == "token",
-        }
 
 
 class BlockPolicy(Policy):
@@ -138,9 +111,6 @@ class BlockPolicy(Policy):
     def select_victim(self, scores: torch.Tensor | None, tokens: int) -> int:
         """Position, in the request's block list, of the block to drop."""
         raise NotImplementedError
-
-    def decode_evict_block(self, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> int:
-        return self.select_victim(self.scores_of(keys, values, windows), keys.shape[1])
 
 
 class TokenPolicy(Policy):
@@ -154,10 +124,6 @@ class TokenPolicy(Policy):
     def select_prefill(self, scores, tokens, layers, heads):
         # A token policy keeps by the same rule after prefill as in decode unless it says otherwise.
         return self.select_decode(scores, tokens, layers, heads)
-
-    def decode_keep(self, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> torch.Tensor:
-        layers, tokens, heads, _ = keys.shape
-        return self.select_decode(self.scores_of(keys, values, windows), tokens, layers, heads)
 
 
 def broadcast_keep(kept: torch.Tensor, layers: int, heads: int) -> torch.Tensor:

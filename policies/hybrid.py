@@ -4,7 +4,7 @@
 example attention (SnapKV's votes), recency and KeyDiff, the default. Each component's scores are
 scaled to [0, 1] over the request's tokens (a constant row scores 0) before they are weighed, so
 no score dominates by its units. Components that accumulate state over the request (H2O, LRU)
-are refused: their totals would need a book of their own. Attention-aware components share one
+are refused: their totals would need per-request state of their own. Attention-aware components share one
 query window, the longest any of them needs.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ A token's state is its age: how many queries ago it was last among the ``top_k``
 attended to most (per KV head, attention averaged over the query heads that read it), or was
 written. The newest-used tokens are kept; the state follows its tokens through compaction and
 block drops, like H2O's totals, and every query is counted whether or not an eviction is due
-(``harness.engine.evictor.count_due``). Ranking ties (equal ages) go to the earlier token.
+(``harness.eviction.evictor.count_due``). Ranking ties (equal ages) go to the earlier token.
 """
 from __future__ import annotations
 

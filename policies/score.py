@@ -48,6 +48,11 @@ class Score:
         for the selection's own (``protect_edges``)."""
         return None
 
+    def newest_kept(self) -> int:
+        """How many of the newest tokens this score's rule keeps at any granularity (SnapKV: its
+        window); a block selection keeps the blocks that hold them."""
+        return 0
+
     def check(self, budget: int, block_size: int, granularity: str) -> None:
         """Refuse options that cannot work with this budget, block size and granularity."""
 

@@ -106,8 +106,13 @@ class ScoredBlockPolicy(ScoredPolicy, BlockPolicy):
             return prompt_len
         return self.budget + prompt_len % self.block_size
 
+    @property
+    def newest_blocks(self) -> int:
+        """The newest blocks that always stay: one, or those holding what the score's rule keeps."""
+        return max(1, -(-self.score.newest_kept() // self.block_size))
+
     def select_prefill(self, scores, tokens, layers, heads):
-        tail = self.block_size + tokens % self.block_size
+        tail = self.newest_blocks * self.block_size + tokens % self.block_size
         total = self.prefill_keep_count(tokens)
         if self.shares_per_head():
             return keep_edges_and_best(scores.expand(layers, -1, -1), self.block_size, tail, total)
@@ -116,11 +121,11 @@ class ScoredBlockPolicy(ScoredPolicy, BlockPolicy):
 
     def select_victim(self, scores, tokens):
         blocks = tokens // self.block_size
-        last_candidate = blocks - 2  # the newest block is blocks - 1
+        last_candidate = blocks - 1 - self.newest_blocks  # the newest block is blocks - 1
         if self.candidates == "local":
             last_candidate = min(last_candidate, self.local_blocks)
         if last_candidate < 1:
-            raise ValueError(f"no evictable block among {blocks} (need at least 3 full blocks)")
+            raise ValueError(f"no evictable block among {blocks} (need at least {self.newest_blocks + 2} full blocks)")
         usable = blocks * self.block_size
         block_scores = scores.mean(dim=(0, 1))[:usable].view(blocks, self.block_size).mean(dim=-1)
         # argmin returns the first minimum: ties go to the oldest candidate, deterministically.

@@ -6,7 +6,8 @@ sequence with a 1-D average pool (kernel 5, SnapKV's default), so a kept token k
 neighbours; each layer and KV head keeps the window plus its ``budget - W`` best-voted tokens.
 SnapKV compresses the prompt only; here the same rule runs again at every decode eviction, with
 the window being the newest W tokens then (``snapkv``, token granularity, compacting), or the
-same score chooses whole blocks in decode (``snapkv_block``, PagedEviction's selection).
+same score chooses whole blocks in decode (``snapkv_block``, PagedEviction's selection, which then
+keeps the blocks that hold the window: one at 32-token blocks, two at the GPU's 16).
 """
 from __future__ import annotations
 
@@ -50,11 +51,16 @@ class SnapKV(Score):
     def token_edges(self, budget, block_size):
         return 0, self.window  # the window's own tokens stay
 
+    def newest_kept(self) -> int:
+        return self.window  # at block granularity: the blocks holding the window
+
     def check(self, budget, block_size, granularity):
         if not 0 < self.window < budget:
             raise ValueError(f"window must be in [1, budget={budget}), got {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
-        if granularity == "block" and self.window > block_size:
-            raise ValueError(f"snapkv at block granularity keeps its window in the newest block: "
-                             f"window={self.window} must be at most block_size={block_size}")
+        window_blocks = -(-self.window // block_size)
+        if granularity == "block" and budget // block_size < window_blocks + 1:
+            raise ValueError(f"snapkv at block granularity keeps the {window_blocks} newest block(s) holding its "
+                             f"window={self.window} and needs one more to evict: budget must be at least "
+                             f"{(window_blocks + 1) * block_size}")

@@ -52,9 +52,9 @@ def plain_policy(name: str, budget: int, block: int = BLOCK, granularity: str | 
 
 
 def reference_outputs(model: str, policy, prompts, max_new_tokens: int) -> list[list[int]]:
-    from harness.engine.reference import ReferenceEngine
+    from harness.eviction.hf_reference import HFReferenceEngine
 
-    engine = ReferenceEngine(model_path(model), policy)
+    engine = HFReferenceEngine(model_path(model), policy)
     return [engine.generate(prompt, max_new_tokens) for prompt in prompts]
 
 

@@ -80,16 +80,15 @@ KV_SCORES = {
     "recency": lambda k, v: torch.arange(k.shape[1], dtype=torch.float32).expand(k.shape[0], -1),
 }
 TOP_K = 16  # LRU: a query uses the tokens it attends to most
+WINDOW = 32  # observation window of the attention-aware rules (queries)
 # Attention-aware scores: which tokens their rule always keeps at token granularity (first, last),
 # given the budget C and block B, and whether they choose per KV head or per layer.
+# "newest": newest tokens kept at any granularity (at block granularity, the blocks holding them).
 ATTENTION_RULES = {
-    "snapkv": {"edges": lambda C, B: (0, WINDOW), "share": "head"},
+    "snapkv": {"edges": lambda C, B: (0, WINDOW), "share": "head", "newest": WINDOW},
     "h2o": {"edges": lambda C, B: (0, C // 2), "share": "head"},
     "tova": {"edges": lambda C, B: (0, 0), "share": "layer"},
 }
-
-
-WINDOW = 32  # observation window of the attention-aware rules (queries)
 
 
 def attention_received(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -125,7 +124,8 @@ class PlainPolicy:
     ``score``: a ``KV_SCORES`` or ``ATTENTION_RULES`` name, or "streaming" (4 sinks + recent).
     ``granularity``: "token" (the budget's best tokens, first and last block protected unless the
     rule names its edges, compacted) or "block" (PagedEviction's rule: first block, the last
-    ``B + L mod B`` tokens and the best middle after prefill; the lowest-mean full block in decode).
+    ``B + L mod B`` tokens and the best middle after prefill; the lowest-mean full block in decode;
+    a rule that keeps its newest tokens keeps every block holding them).
     ``per_head``: one choice per layer and KV head, or one per request from the mean over layers and
     heads (token default True, block default False; rules that fix it ignore it).
     """
@@ -221,7 +221,7 @@ class PlainPolicy:
                 self.totals = torch.cat([self.totals[..., : victim * B], self.totals[..., (victim + 1) * B:]], dim=-1)
             return victim
         if self.granularity == "block":
-            first, last, total = B, B + length % B, C + length % B
+            first, last, total = B, self._newest_blocks() * B + length % B, C + length % B
         else:
             rule = ATTENTION_RULES.get(self.score)
             first, last = rule["edges"](C, B) if rule else ((B, B) if self.protect_edges else (0, 0))
@@ -237,11 +237,16 @@ class PlainPolicy:
             self.totals = self.totals.gather(-1, kept)
         return kept
 
+    def _newest_blocks(self) -> int:
+        """Block granularity: the newest block, or all blocks holding the newest tokens the rule keeps."""
+        newest = ATTENTION_RULES.get(self.score, {}).get("newest", 0)
+        return max(1, -(-newest // self.block))
+
     def _lowest_block(self, per_token: torch.Tensor, length: int) -> int:
         B = self.block
         blocks = length // B
         block_scores = rounded(per_token[: blocks * B].view(blocks, B).mean(dim=-1))
-        candidates = block_scores[1 : blocks - 1]  # never the first block, never the newest
+        candidates = block_scores[1 : blocks - self._newest_blocks()]  # never the first, never the newest
         return 1 + int(torch.nonzero(candidates == candidates.min())[0])
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.engine.evictor import MissingWindowError, ScoreBook, count_due, count_queries, evict, phase_due
-from harness.engine.kv_view import FlashAttnView
+from harness.eviction.evictor import count_due, count_queries, evict, phase_due
+from harness.eviction.state import MissingWindowError, PolicyState
+from harness.engine.backend_views import FlashAttnView
 from policies import make_policy
+from policy_probe import prefill_keep
 from policies.attention import Window, received_attention, window_attention
 
 
@@ -32,7 +34,7 @@ def test_snapkv_keeps_its_window_and_the_best_pooled_votes():
     keys[:, 40, 0, 0] = 30.0     # one key every query attends to
     queries = torch.zeros(8, 1, 4)
     queries[:, 0, 0] = 1.0
-    kept = policy.prefill_keep(keys, torch.ones_like(keys), [Window(queries, 1.0)] * 2)
+    kept = prefill_keep(policy, keys, torch.ones_like(keys), [Window(queries, 1.0)] * 2)
     assert kept.shape == (2, 1, 64)
     assert set(range(92, 100)) <= set(kept[0, 0].tolist()), "the window stays"
     assert {38, 39, 40, 41, 42} <= set(kept[0, 0].tolist()), "pooling keeps the voted token's neighbours"
@@ -41,7 +43,7 @@ def test_snapkv_keeps_its_window_and_the_best_pooled_votes():
 @pytest.mark.parametrize("name, options, message", [
     ("snapkv", {"window": 256}, "window must be in [1, budget=256)"),
     ("snapkv", {"kernel": 4}, "kernel must be a positive odd number"),
-    ("snapkv_block", {"window": 64}, "window=64 must be at most block_size=32"),
+    ("snapkv_block", {"window": 240}, "keeps the 8 newest block(s) holding its window=240 and needs one more to evict: budget must be at least 288"),
     ("h2o", {"window": 0}, "window must be a positive number of queries, got 0"),
     ("h2o", {"recent": 256}, "recent must be in [0, budget=256)"),
 ])
@@ -62,22 +64,22 @@ def paged_request(tokens: int, seed: int = 0):
 
 
 def test_the_window_keeps_the_newest_queries_and_counts_the_uncounted():
-    book = ScoreBook(scales=[1.0] * 3)
-    book.observe("r", torch.arange(3 * 5).float().view(3, 5, 1, 1), size=4)
-    assert book.windows["r"].queries[0, :, 0, 0].tolist() == [1, 2, 3, 4] and book.windows["r"].fresh == 4
-    book.windows["r"].fresh = 0
-    book.observe("r", torch.full((3, 1, 1, 1), 9.0), size=4)
-    assert book.windows["r"].queries[0, :, 0, 0].tolist() == [2, 3, 4, 9] and book.windows["r"].fresh == 1
-    assert [len(w) for w in book.layer_windows("r", fresh_only=True)] == [1, 1, 1]
-    book.forget(["r"])
-    assert not book.windows and book.nbytes() == 0
+    state = PolicyState(scales=[1.0] * 3)
+    state.observe("r", torch.arange(3 * 5).float().view(3, 5, 1, 1), size=4)
+    assert state.windows["r"].queries[0, :, 0, 0].tolist() == [1, 2, 3, 4] and state.windows["r"].fresh == 4
+    state.windows["r"].fresh = 0
+    state.observe("r", torch.full((3, 1, 1, 1), 9.0), size=4)
+    assert state.windows["r"].queries[0, :, 0, 0].tolist() == [2, 3, 4, 9] and state.windows["r"].fresh == 1
+    assert [len(w) for w in state.layer_windows("r", fresh_only=True)] == [1, 1, 1]
+    state.forget(["r"])
+    assert not state.windows and state.nbytes() == 0
 
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o"])
 def test_an_attention_policy_without_its_window_refuses_to_evict(name):
     view, blocks, _ = paged_request(40)
     with pytest.raises(MissingWindowError, match="no queries were captured"):
-        evict(make_policy(name, 16, 8, window=4), view, blocks, 40, "prefill", ScoreBook(scales=[1.0] * 3), "r")
+        evict(make_policy(name, 16, 8, window=4), view, blocks, 40, "prefill", PolicyState(scales=[1.0] * 3), "r")
 
 
 def test_h2o_totals_follow_their_tokens_and_add_up():
@@ -85,15 +87,15 @@ def test_h2o_totals_follow_their_tokens_and_add_up():
     eviction adds only the attention of the queries written since."""
     policy = make_policy("h2o", 16, 8, window=8, recent=4)
     view, blocks, gen = paged_request(40)
-    book = ScoreBook(scales=[0.5] * 3)
-    book.observe("r", torch.randn(3, 8, 2, 4, generator=gen), size=8)
-    window = [Window(q, 0.5) for q in book.windows["r"].queries]
+    state = PolicyState(scales=[0.5] * 3)
+    state.observe("r", torch.randn(3, 8, 2, 4, generator=gen), size=8)
+    window = [Window(q, 0.5) for q in state.windows["r"].queries]
     keys = torch.stack([view.read_layer(l, blocks, 0, 40)[0] for l in range(3)])
     totals = torch.stack([received_attention(window[l], keys[l]) for l in range(3)])
     kept = policy.select_prefill(totals, 40, 3, 2)
-    evict(policy, view, blocks, 40, "prefill", book, "r")
-    torch.testing.assert_close(book.scores["r"], totals.gather(-1, kept))
-    assert book.windows["r"].fresh == 0, "the window's queries are counted once"
+    evict(policy, view, blocks, 40, "prefill", state, "r")
+    torch.testing.assert_close(state.scores["r"], totals.gather(-1, kept))
+    assert state.windows["r"].fresh == 0, "the window's queries are counted once"
 
 
 def test_h2o_counts_every_query_when_the_prompt_fits_the_budget():
@@ -105,16 +107,16 @@ def test_h2o_counts_every_query_when_the_prompt_fits_the_budget():
     view, blocks, gen = paged_request(40)
     keys = torch.stack([view.read_layer(l, blocks, 0, 40)[0] for l in range(3)])
     queries = torch.randn(3, 40, 2, 4, generator=gen)  # the query of every token, per layer
-    book = ScoreBook(scales=[0.5] * 3)
+    state = PolicyState(scales=[0.5] * 3)
     prompt, counts = 20, 0
-    book.observe("r", queries[:, prompt - 8 : prompt], size=8)
+    state.observe("r", queries[:, prompt - 8 : prompt], size=8)
     for before in [0] + list(range(prompt, 40)):
         after = prompt if before == 0 else before + 1
         if before:
-            book.observe("r", queries[:, before : after], size=8)
+            state.observe("r", queries[:, before : after], size=8)
         phase = phase_due(policy, prompt, before, after, 0)
-        if phase is None and count_due(policy, prompt, before, after, book, "r"):
-            count_queries(policy, view, blocks, after, book, "r")
+        if phase is None and count_due(policy, prompt, before, after, state, "r"):
+            count_queries(policy, view, blocks, after, state, "r")
             counts += 1
     assert (phase, counts) == ("decode", 3), "counted at the prompt's end and twice when the window filled"
     expected = torch.zeros(3, 2, 40)
@@ -123,8 +125,8 @@ def test_h2o_counts_every_query_when_the_prompt_fits_the_budget():
             seen = received_attention(Window(queries[layer, token : token + 1], 0.5), keys[layer, : token + 1])
             expected[layer, :, : token + 1] += seen
     kept = policy.select_decode(expected, 40, 3, 2)
-    evict(policy, view, blocks, 40, "decode", book, "r")
-    torch.testing.assert_close(book.scores["r"], expected.gather(-1, kept))
+    evict(policy, view, blocks, 40, "decode", state, "r")
+    torch.testing.assert_close(state.scores["r"], expected.gather(-1, kept))
 
 
 # --- H2O when the prompt fits the budget: its totals must still count every query ----------------

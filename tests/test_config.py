@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.config import ConfigError, cell_name, run_dir, validate
+from harness.config import ConfigError, run_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,13 +22,13 @@ def test_default_config_composes():
     cfg = compose_cfg()
     assert (cfg.policy.name, cfg.model.name, cfg.data.name, cfg.engine.device) == ("full", "smollm2-135m", "synthetic", "cpu")
     assert cfg.block_size == 32 and cfg.budget == 1024
-    validate(cfg)
+    run_settings(cfg)
 
 
 @pytest.mark.parametrize("policy", ["full", "paged", "streaming", "knorm", "keydiff"])
 @pytest.mark.parametrize("budget", [256, 512, 1024])
 def test_every_policy_and_budget_validates(policy, budget):
-    validate(compose_cfg(f"policy={policy}", f"budget={budget}"))
+    run_settings(compose_cfg(f"policy={policy}", f"budget={budget}"))
 
 
 def test_gpu_engine_defaults_to_the_papers_block_size():
@@ -59,14 +59,14 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
 )
 def test_bad_config_is_a_clear_error(overrides, message):
     with pytest.raises(ConfigError) as error:
-        validate(compose_cfg(*overrides))
+        run_settings(compose_cfg(*overrides))
     assert message in str(error.value)
 
 
 def test_full_cache_is_one_cell_whatever_the_budget():
-    assert cell_name(compose_cfg("budget=256")) == cell_name(compose_cfg("budget=1024"))
-    assert cell_name(compose_cfg("policy=paged", "budget=256")) != cell_name(compose_cfg("policy=paged", "budget=512"))
-    assert run_dir(compose_cfg("policy=paged", "budget=256")).name.startswith("paged_b256_bs32_")
+    assert run_settings(compose_cfg("budget=256")).cell_name == run_settings(compose_cfg("budget=1024")).cell_name
+    assert run_settings(compose_cfg("policy=paged", "budget=256")).cell_name != run_settings(compose_cfg("policy=paged", "budget=512")).cell_name
+    assert run_settings(compose_cfg("policy=paged", "budget=256")).run_dir.name.startswith("paged_b256_bs32_")
 
 
 def run_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -108,11 +108,11 @@ def test_sweep_time_left_counts_only_runs_still_to_compute(capsys):
     cells = [compose_cfg(f"policy={p}", f"budget={b}", "output_dir=/nonexistent")
              for p, b in (("full", 256), ("full", 512), ("paged", 256))]
     progress = SweepProgress()
-    progress.total, progress.pending = 3, {str(run_dir(c)) for c in cells}
+    progress.total, progress.pending = 3, {str(run_settings(c).run_dir) for c in cells}
     assert len(progress.pending) == 2
     progress.job_started = progress.started = time.perf_counter() - 60
     progress.on_job_end(cells[0], job_return=None)
-    assert progress.pending == {str(run_dir(cells[2]))}, "the paged run is all that is left"
+    assert progress.pending == {str(run_settings(cells[2]).run_dir)}, "the paged run is all that is left"
     assert "1/3 cells done (0 already complete) | elapsed 1m00s ~1m00s left" in capsys.readouterr().out
 
 
@@ -136,6 +136,6 @@ def test_every_ablation_cell_composes_and_validates():
     names = set()
     for overrides in cells:
         cfg = compose_cfg(*overrides)
-        validate(cfg)
-        names.add(run_dir(cfg).name)
+        run_settings(cfg)
+        names.add(run_settings(cfg).run_dir.name)
     assert len(names) == 21

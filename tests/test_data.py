@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from omegaconf import OmegaConf
+from harness.config import DataSettings
 
 from harness.data import DataError, load_samples, task_spec
 from harness.data import synthetic
@@ -13,8 +13,8 @@ from harness.models import EMBEDDED_PREFIX, SMOLLM2, resolve_model_path
 
 
 def data_cfg(**values):
-    base = {"name": "x", "source": "embedded", "path": None, "tasks": None, "limit": None, "seed": 0}
-    return OmegaConf.create({**base, **values})
+    tasks = values.pop("tasks", None)
+    return DataSettings(**{"name": "x", "source": "embedded", **values, "tasks": tuple(tasks) if tasks else None})
 
 
 def test_embedded_suite_is_deterministic_and_in_longbench_format():

@@ -24,7 +24,7 @@ BLOCK, BUDGET, NEW = 16, 256, 64
 
 @pytest.mark.parametrize("policy", ["paged", "streaming", "knorm", "keydiff"])
 def test_gpu_policy_equals_reference_in_bfloat16(tmp_path, policy):
-    from harness.engine.reference import ReferenceEngine
+    from harness.eviction.hf_reference import HFReferenceEngine
 
     prompts = text_prompts("smollm2", [700, 900, 1100, 1300], seed=4)
     engine = run_engine(tmp_path, "smollm2", prompts, NEW, device="cuda", dtype="bfloat16", block_size=BLOCK,
@@ -33,7 +33,7 @@ def test_gpu_policy_equals_reference_in_bfloat16(tmp_path, policy):
     (status,) = engine["eviction_status"]
     assert status["backend"] == "FLASH_ATTN", f"the layout the harness reads, not {status['backend']}"
     assert engine["ledger"]["evictions"]["prefill"] == len(prompts) and engine["ledger"]["evictions"]["decode"] > 0
-    reference = ReferenceEngine(model_path("smollm2"), make_policy(policy, BUDGET, BLOCK),
+    reference = HFReferenceEngine(model_path("smollm2"), make_policy(policy, BUDGET, BLOCK),
                                 dtype=torch.bfloat16, device="cuda")
     runs = [reference.generate_with_top_logprobs(prompt, NEW) for prompt in prompts]
     expected = {"outputs": [ids for ids, _ in runs], "top_logprobs": [top for _, top in runs]}

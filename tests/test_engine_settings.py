@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from harness.engine import llm
-from harness.engine.kv_view import CpuAttnView, FlashAttnView, KVView, UnsupportedLayoutError, make_view
-from harness.engine.messages import EvictionNotActiveError, EvictionPlan, required
-from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, check_compatible, request_settings, settings_from
+from harness.engine.backend_views import CpuAttnView, FlashAttnView, UnsupportedLayoutError, make_view
+from harness.eviction.kv_view import KVView
+from harness.eviction.messages import EvictionNotActiveError, EvictionPlan, required
+from harness.engine.compatibility import SCHEDULER_CLS, check_compatible
+from harness.eviction.settings import EvictionSettings, request_settings, settings_from
 
 
 def vllm_config(**changes):
@@ -115,8 +117,8 @@ def test_each_side_requires_the_others_message():
     to_physical(None, idle, step(extra_args={"other": 1}))  # nobody asked: stock vLLM may run
     with pytest.raises(EvictionNotActiveError, match="default eviction is .*budget=512.* configured with .*budget=256"):
         to_physical(None, evicting, step(EvictionPlan(EvictionSettings("paged", 512))))
-    book = SimpleNamespace(forget=lambda released: None)
-    to_physical(None, SimpleNamespace(settings=paged, unsupported=None, book=book), step(EvictionPlan(paged)))
+    policy_state = SimpleNamespace(forget=lambda released: None)
+    to_physical(None, SimpleNamespace(settings=paged, unsupported=None, policy_state=policy_state), step(EvictionPlan(paged)))
     with pytest.raises(EvictionNotActiveError, match="worker sent no eviction message this step: not patched"):
         required(SimpleNamespace(), "kv_eviction_report", "worker", "not patched")
 

@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from harness.engine.evictor import ScoreBook, evict
-from harness.engine.kv_view import FlashAttnView
+from harness.eviction.evictor import evict
+from harness.eviction.state import PolicyState
+from harness.engine.backend_views import FlashAttnView
 from policies import make_policy
 
 LAYERS, HEADS, DIM, B, BUDGET = 4, 2, 8, 4, 16
@@ -51,7 +52,7 @@ def drop(block_ids, eviction):
 @pytest.mark.parametrize("policy_name", ["paged", "knorm", "keydiff", "streaming"])
 def test_every_read_is_one_layer_of_one_request(policy_name):
     view, block_ids = request()
-    evict(make_policy(policy_name, BUDGET, B), view, block_ids, 30, "prefill", ScoreBook(), "r")
+    evict(make_policy(policy_name, BUDGET, B), view, block_ids, 30, "prefill", PolicyState(), "r")
     assert view.reads, "the evictor read through the view"
     assert all(0 <= layer < LAYERS and 0 <= start < end <= 30 for layer, start, end in view.reads)
 
@@ -59,22 +60,22 @@ def test_every_read_is_one_layer_of_one_request(policy_name):
 def test_a_block_policys_decode_eviction_scores_only_the_newest_tokens():
     """PagedEviction keeps one float per token between evictions: in steady state a decode
     eviction reads the block written since the last one, never the request's older K/V."""
-    policy, book = make_policy("paged", BUDGET, B), ScoreBook()
+    policy, state = make_policy("paged", BUDGET, B), PolicyState()
     view, block_ids = request()
     prompt = 22
-    first = evict(policy, view, block_ids, prompt, "prefill", book, "r")
+    first = evict(policy, view, block_ids, prompt, "prefill", state, "r")
     drop(block_ids, first)
     tokens = prompt - first.evicted_tokens  # C + L mod B = 18
-    assert book.scores["r"].shape == (1, 1, tokens)
+    assert state.scores["r"].shape == (1, 1, tokens)
     for step in range(3):
         grow(view, block_ids, tokens, BUDGET + B - tokens, seed=step)
         view.reads.clear()
-        eviction = evict(policy, view, block_ids, BUDGET + B, "decode", book, "r")
+        eviction = evict(policy, view, block_ids, BUDGET + B, "decode", state, "r")
         assert {(start, end) for _, start, end in view.reads} == {(tokens, BUDGET + B)}
         assert len(view.reads) == LAYERS
         drop(block_ids, eviction)
         tokens = BUDGET
-        assert book.scores["r"].shape[-1] == tokens
+        assert state.scores["r"].shape[-1] == tokens
 
 
 @pytest.mark.parametrize("policy_name, options", [
@@ -82,31 +83,31 @@ def test_a_block_policys_decode_eviction_scores_only_the_newest_tokens():
     ("knorm", {"per_head": False}),
 ])
 def test_cached_scores_decide_exactly_as_fresh_ones(policy_name, options):
-    """One request evicted through prefill and five decode evictions twice: with a score book and
+    """One request evicted through prefill and five decode evictions twice: with a score state and
     without (every score recomputed from the cache): the same blocks go, the same K/V stay."""
     policy = make_policy(policy_name, BUDGET, B, **options)
     cached_view, cached_blocks = request(seed=1)
     fresh_view, fresh_blocks = copy.deepcopy(cached_view), list(cached_blocks)
-    book, tokens = ScoreBook(), 27
+    state, tokens = PolicyState(), 27
     for step in range(6):
         phase = "prefill" if step == 0 else "decode"
         if step:
             for view, blocks in ((cached_view, cached_blocks), (fresh_view, fresh_blocks)):
                 grow(view, blocks, tokens, BUDGET + B - tokens, seed=10 + step)
             tokens = BUDGET + B
-        with_book = evict(policy, cached_view, cached_blocks, tokens, phase, book, "r")
+        with_state = evict(policy, cached_view, cached_blocks, tokens, phase, state, "r")
         without = evict(policy, fresh_view, fresh_blocks, tokens, phase)
-        assert with_book == without
-        drop(cached_blocks, with_book)
+        assert with_state == without
+        drop(cached_blocks, with_state)
         drop(fresh_blocks, without)
-        tokens -= with_book.evicted_tokens
+        tokens -= with_state.evicted_tokens
         for layer in range(LAYERS):
             assert all(torch.equal(a, b) for a, b in zip(cached_view.read_layer(layer, cached_blocks, 0, tokens),
                                                           fresh_view.read_layer(layer, fresh_blocks, 0, tokens)))
 
 
 def test_released_requests_leave_the_book():
-    book = ScoreBook({"a": torch.zeros(1, 1, 5), "b": torch.zeros(1, 1, 7)})
-    assert book.nbytes() == 12 * 4
-    book.forget(["a", "missing"])
-    assert list(book.scores) == ["b"]
+    state = PolicyState({"a": torch.zeros(1, 1, 5), "b": torch.zeros(1, 1, 7)})
+    assert state.nbytes() == 12 * 4
+    state.forget(["a", "missing"])
+    assert list(state.scores) == ["b"]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from engine_support import BLOCK, model_path, plain_policy, reference_outputs, text_prompts
-from harness.engine.evictor import ScoreBook, evict
-from harness.engine.kv_view import FlashAttnView
+from harness.eviction.evictor import evict
+from harness.eviction.state import PolicyState
+from harness.engine.backend_views import FlashAttnView
 from plain_reference import PlainReference
 from policies import make_policy
 from policy_matrix import MATRIX, MATRIX_IDS
@@ -27,12 +28,14 @@ def plain():
     return PlainReference(model_path("tiny"))
 
 
+@pytest.mark.parametrize("block", [BLOCK, 16], ids=["cpu_block", "gpu_block"])
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 @pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
-def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase):
+def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block):
     """Random K/V of 3 layers x 2 KV heads (4 query heads, a window of 32 random queries): after one
-    eviction the harness's evictor left in the request's slots exactly the K/V the plain rule keeps."""
-    budget, block, layers, heads, dim = 64, BLOCK, 3, 2, 8
+    eviction the harness's evictor left in the request's slots exactly the K/V the plain rule keeps,
+    at the CPU's 32-token blocks and the GPU's 16 (where SnapKV's window spans two blocks)."""
+    budget, layers, heads, dim = 64, 3, 2, 8
     tokens = 100 if phase == "prefill" else budget + block
     gen = torch.Generator().manual_seed(len(name) + tokens)
     view = FlashAttnView([torch.randn(8, heads, block, 2 * dim, generator=gen) for _ in range(layers)])
@@ -41,10 +44,10 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase):
     values = [view.read_layer(l, blocks, 0, tokens)[1].permute(1, 0, 2) for l in range(layers)]
     queries = torch.randn(layers, 32, 2 * heads, dim, generator=gen)
     policy = make_policy(name, budget, block, **options)
-    book = ScoreBook(scales=[0.3] * layers)
+    state = PolicyState(scales=[0.3] * layers)
     if policy.query_window:
-        book.observe("r", queries, policy.query_window)
-    eviction = evict(policy, view, blocks, tokens, phase, book, "r")
+        state.observe("r", queries, policy.query_window)
+    eviction = evict(policy, view, blocks, tokens, phase, state, "r")
 
     rule = plain_policy(name, budget, block, options.get("granularity"))
     if rule.counts_queries:

@@ -1,8 +1,9 @@
 """CI regression, sample by sample: rerun the fixed configuration and compare every sample's output
-tokens with results/reference under the near-tie rule (harness.regression).
+tokens with results/ci_baseline under the near-tie rule (harness.regression).
 
-Regenerate the reference on purpose (and commit it) with:
-    rm -rf results/reference && python run.py -m +experiment=ci_regression hydra/launcher=basic output_dir=results/reference
+Regenerate the baseline on purpose (and commit it) with:
+    rm -rf results/ci_baseline && python run.py -m +experiment=ci_regression hydra/launcher=basic output_dir=results/ci_baseline
+Without the ``rm``, the same command adds the cells of a newly registered policy and keeps the rest.
 """
 from __future__ import annotations
 
@@ -15,15 +16,21 @@ import pytest
 
 from harness.regression import compare
 from harness.results import read_jsonl
+from policies import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = ROOT / "results" / "reference"
+CI_BASELINE = ROOT / "results" / "ci_baseline"
 pytestmark = pytest.mark.engine
 
 
-def test_the_reference_is_big_enough_to_catch_a_regression():
-    cells = [p for p in REFERENCE.rglob("predictions.jsonl")]
-    assert len(cells) == 9, "full cache once, four policies at two budgets"
+SWEPT = [name for name, entry in REGISTRY.items() if entry.alias_of is None]  # what ${kv_policies:} sweeps
+CELLS = 1 + 2 * (len(SWEPT) - 1)  # full cache once, every other policy at two budgets
+
+
+def test_the_baseline_covers_every_registered_policy_and_can_catch_a_regression():
+    cells = [p for p in CI_BASELINE.rglob("predictions.jsonl")]
+    assert sorted({p.parent.name.split("_b")[0] for p in cells}) == sorted(SWEPT)
+    assert len(cells) == CELLS, "full cache once, every other policy at two budgets"
     for predictions in cells:
         rows = read_jsonl(predictions)
         by_task = {task: [r for r in rows if r["task"] == task] for task in {r["task"] for r in rows}}
@@ -44,9 +51,9 @@ def test_every_sample_matches_the_committed_reference(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     # The sweep shares prefill (one engine, every prompt prefilled once); the reference was made
     # with one engine per cell: every sample must still match.
-    assert "9 cells (full cache, paged budget=256" in done.stdout and "group 1/1 finished" in done.stdout
+    assert f"{CELLS} cells (full cache, " in done.stdout and "group 1/1 finished" in done.stdout
     assert all(not json.loads(p.read_text())["isolated"] for p in tmp_path.glob("*/*/*/perf.json"))
-    problems = compare(REFERENCE, tmp_path)
+    problems = compare(CI_BASELINE, tmp_path)
     assert not problems, "samples moved:\n" + "\n".join(problems[:20])
 
 
@@ -68,6 +75,6 @@ def test_a_broken_policy_fails_the_comparison(tmp_path):
         capture_output=True, text=True, timeout=1800, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    moved = [p for p in compare(REFERENCE, tmp_path) if "missing from" not in p]
+    moved = [p for p in compare(CI_BASELINE, tmp_path) if "missing from" not in p]
     assert moved and all(p.startswith("smollm2-135m/synthetic/paged_b256_") for p in moved), moved
     assert len(moved) >= 3, f"evicting the newest block changes many samples, not {len(moved)}"

@@ -6,9 +6,11 @@ from types import SimpleNamespace
 
 from hydra import compose, initialize_config_dir
 
-from harness.engine.settings import EvictionSettings
+from harness.eviction.settings import EvictionSettings
 from harness.engine.shared_prefill import CellRequest, admission, blocks_per_prompt
-from harness.group import eviction_of, group_key
+from harness.config import run_settings
+from harness.group import group_key
+from policies import default_options
 
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -16,7 +18,7 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 def cell(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return run_settings(compose(config_name="config", overrides=list(overrides)))
 
 
 def test_cells_differing_in_policy_and_budget_share_an_engine():
@@ -24,8 +26,8 @@ def test_cells_differing_in_policy_and_budget_share_an_engine():
     assert group_key(paged) == group_key(knorm) == group_key(full)
     assert group_key(cell("policy=paged", "data.limit=2")) != group_key(paged)
     assert group_key(cell("policy=paged", "model=tiny")) != group_key(paged)
-    assert eviction_of(full) is None
-    assert eviction_of(knorm) == EvictionSettings("knorm", 512, dict(knorm.policy.options or {}))
+    assert full.eviction is None
+    assert knorm.eviction == EvictionSettings("knorm", 512, default_options("knorm"))
 
 
 def test_a_prompt_holds_its_shared_blocks_once_and_each_requests_own():
@@ -51,3 +53,27 @@ def test_prompts_are_admitted_while_their_blocks_and_requests_fit():
     assert not admits(1, [0])        # 58 + 58 blocks > 100
     assert admits(3, [0])            # 58 + 20 blocks, four requests
     assert not admits(3, [3, 3])     # 60 blocks, but six requests > max_num_seqs = 4
+
+
+def test_a_cells_counters_are_the_sum_of_its_requests_beside_the_engines_shared_figures():
+    from harness.eviction.counters import EvictionCounters, RequestCounters
+    from harness.eviction.evictor import Eviction
+    from harness.group import cell_kv
+
+    first, second = RequestCounters(policy="paged", budget=256), RequestCounters(policy="paged", budget=256)
+    first.record(Eviction("prefill", (0, 1, 2), 6, evicted_tokens=96, copied_tokens=40, seconds=0.5),
+                 released_blocks=4, copy_target_blocks=1)
+    first.record(Eviction("decode", (0, 2), 3, evicted_tokens=32, copied_tokens=0, seconds=0.25),
+                 released_blocks=1, copy_target_blocks=0)
+    second.record(Eviction("prefill", (0, 1), 2, evicted_tokens=0, copied_tokens=0, seconds=0.125),
+                  released_blocks=0, copy_target_blocks=0)  # nothing evicted: only its time counts
+    engine_ledger = {"kv_pool_blocks": 100, "steps": 7, "evictions": {"prefill": 9, "decode": 9}, "evict_s": 9.0}
+    counted = cell_kv(engine_ledger, cell("policy=paged", "budget=256"),
+                   [first.as_dict(), None, second.as_dict()])
+    assert counted["evictions"] == {"prefill": 1, "decode": 1} and counted["freed_blocks"] == 3 + 1
+    assert counted["evicted_tokens"] == 128 and counted["copied_tokens"] == {"prefill": 40, "decode": 0}
+    assert counted["copy_target_blocks"] == 1 and counted["evict_s"] == 0.875
+    assert counted["kv_pool_blocks"] == 100 and counted["steps"] == 7 and "steps" in counted["shared_figures"]
+    assert counted["policy"] == "paged" and counted["budget"] == 256
+    assert EvictionCounters.of(first.as_dict()).counts() == {k: v for k, v in first.as_dict().items()
+                                                             if k not in ("policy", "budget")}

@@ -10,7 +10,7 @@ import pytest
 
 import pandas as pd
 
-from harness.throughput import (Cell, Setting, Workload, check_setting, engine_spec, overhead_lines, run_setting,
+from harness.throughput_benchmark import (Cell, Setting, Workload, check_setting, engine_spec, overhead_lines, run_setting,
                                 write_report)
 
 ROOT = Path(__file__).resolve().parents[1]

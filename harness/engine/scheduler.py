@@ -38,43 +38,41 @@ run; vLLM decides as before.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from harness.engine.evictor import cdiv, phase_due
-from harness.engine.messages import (
+from harness.eviction.counters import EvictionCounters, RequestCounters
+from harness.eviction.evictor import cdiv, phase_due
+from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
-from harness.engine.settings import (
-    EvictionSettings, build_policy, check_compatible, check_policy_runs, request_settings, settings_from,
-)
+from harness.engine.compatibility import check_compatible, check_policy_runs
+from harness.eviction.settings import EvictionSettings, build_policy, request_settings, settings_from
 from policies import BlockPolicy, Policy
-
-SCHEDULER_CLS = f"{__name__}.EvictionScheduler"
 
 
 @dataclass
 class Ledger:
+    """The engine's own figures (pool, steps, peaks, the worker's time) beside the sum of every
+    request's eviction counters (``totals``)."""
+
     policy_name: str | None
     budget: int | None = None
-    evicted: dict[str, int] = field(default_factory=dict)
+    evicted: dict[str, int] = field(default_factory=dict)  # live requests' evicted tokens (state)
     pool_blocks: int = 0
     steps: int = 0
     used_blocks_sum: int = 0
     used_blocks_peak: int = 0
     running_peak: int = 0
     decode_blocks_peak: int = 0  # most blocks any request held while generating
-    preempted_after_eviction: int = 0  # preemptions that dropped a request's eviction state
-    evictions: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
-    freed_blocks: int = 0
-    evicted_tokens: int = 0
-    copied_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
-    copy_target_blocks: int = 0  # blocks allocated so that compaction did not write cached ones
+    totals: EvictionCounters = field(default_factory=EvictionCounters)
+    # The worker's time per step (report): eviction work including query counting outside evictions,
+    # the model, and the query-window copy inside the model's time.
     evict_s: float = 0.0
     model_s: float = 0.0
-    capture_s: float = 0.0         # copying attention-aware policies' query windows (in model_s)
+    capture_s: float = 0.0
     state_bytes_peak: int = 0      # per-request policy state held by the worker (scores, windows)
 
     def reset_measurements(self) -> None:
@@ -84,6 +82,7 @@ class Ledger:
         self.__dict__.update(fresh.__dict__)
 
     def snapshot(self) -> dict:
+        counts = self.totals.counts()
         return {
             "policy": self.policy_name,
             "budget": self.budget,
@@ -93,12 +92,12 @@ class Ledger:
             "kv_blocks_used_mean": self.used_blocks_sum / self.steps if self.steps else 0.0,
             "running_requests_peak": self.running_peak,
             "decode_blocks_peak": self.decode_blocks_peak,
-            "preempted_after_eviction": self.preempted_after_eviction,
-            "evictions": dict(self.evictions),
-            "freed_blocks": self.freed_blocks,
-            "evicted_tokens": self.evicted_tokens,
-            "copied_tokens": dict(self.copied_tokens),
-            "copy_target_blocks": self.copy_target_blocks,
+            "preempted_after_eviction": counts["preempted_after_eviction"],
+            "evictions": counts["evictions"],
+            "freed_blocks": counts["freed_blocks"],
+            "evicted_tokens": counts["evicted_tokens"],
+            "copied_tokens": counts["copied_tokens"],
+            "copy_target_blocks": counts["copy_target_blocks"],
             "evict_s": self.evict_s,
             "model_s": self.model_s,
             "evict_share_of_step": self.evict_s / self.model_s if self.model_s else 0.0,
@@ -108,22 +107,7 @@ class Ledger:
         }
 
 
-@dataclass
-class RequestStats:
-    """What one request's evictions did (kept after it finishes until the harness reads it)."""
-
-    policy: str
-    budget: int
-    evictions: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
-    freed_blocks: int = 0
-    evicted_tokens: int = 0
-    copied_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
-    copy_target_blocks: int = 0  # blocks allocated so compaction did not write cached ones
-    evict_s: float = 0.0
-    preempted_after_eviction: int = 0
-
-
-KEPT_REQUEST_STATS = 100_000  # finished requests' stats kept for the harness (oldest dropped)
+KEPT_REQUEST_COUNTERS = 100_000  # finished requests' stats kept for the harness (oldest dropped)
 
 
 class PhysicalLengthManager(FullAttentionManager):
@@ -178,7 +162,7 @@ class EvictionScheduler(Scheduler):
         self.kv_ledger = Ledger(default.policy if default else None, default.budget if default else None)
         self.kv_ledger.pool_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # minus null block
         self.kv_request_settings: dict[str, EvictionSettings] = {}  # live requests that evict
-        self.kv_request_stats: OrderedDict[str, RequestStats] = OrderedDict()
+        self.kv_request_counters: OrderedDict[str, RequestCounters] = OrderedDict()
         self.kv_policies: dict[tuple, Policy] = {}
         # Copy targets allocated by this schedule() (positions, blocks), then held for its step.
         self.kv_planned_targets: dict[str, tuple[tuple[int, ...], list]] = {}
@@ -227,7 +211,7 @@ class EvictionScheduler(Scheduler):
                 raise ValueError(f"request {request.request_id} asks for KV eviction: {self.kv_unsupported}")
             self.policy_for(settings)
             self.kv_request_settings[request.request_id] = settings
-            self._stats(request.request_id, settings)
+            self._counters(request.request_id, settings)
             if self.cache_config.enable_prefix_caching and not self._copies_fit(request, settings):
                 self.kv_uncached.add(request.request_id)
         super().add_request(request)
@@ -246,13 +230,13 @@ class EvictionScheduler(Scheduler):
         capacity = self.kv_ledger.pool_blocks - self.kv_cache_manager.watermark_blocks
         return need <= capacity
 
-    def _stats(self, request_id: str, settings: EvictionSettings) -> RequestStats:
-        stats = self.kv_request_stats.get(request_id)
-        if stats is None:
-            stats = self.kv_request_stats[request_id] = RequestStats(settings.policy, settings.budget)
-            while len(self.kv_request_stats) > KEPT_REQUEST_STATS:
-                self.kv_request_stats.popitem(last=False)
-        return stats
+    def _counters(self, request_id: str, settings: EvictionSettings) -> RequestCounters:
+        counters = self.kv_request_counters.get(request_id)
+        if counters is None:
+            counters = self.kv_request_counters[request_id] = RequestCounters(policy=settings.policy, budget=settings.budget)
+            while len(self.kv_request_counters) > KEPT_REQUEST_COUNTERS:
+                self.kv_request_counters.popitem(last=False)
+        return counters
 
     def _cap_replayed_cache_hits(self) -> None:
         """An evicting request takes cache hits only where its own computation is not needed: its
@@ -317,8 +301,8 @@ class EvictionScheduler(Scheduler):
             "ledger": self.kv_ledger.snapshot(),
             "free_blocks": self.kv_cache_manager.block_pool.get_num_free_blocks(),
             "prefix_caching": bool(self.cache_config.enable_prefix_caching),
-            "requests": {rid: asdict(self.kv_request_stats.pop(rid)) for rid in requests or ()
-                         if rid in self.kv_request_stats},
+            "requests": {rid: self.kv_request_counters.pop(rid).as_dict() for rid in requests or ()
+                         if rid in self.kv_request_counters},
         }
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
@@ -390,9 +374,9 @@ class EvictionScheduler(Scheduler):
         request_id = request.request_id
         ledger = self.kv_ledger
         if ledger.evicted.pop(request_id, 0) and not request.is_finished():
-            ledger.preempted_after_eviction += 1
-            if request_id in self.kv_request_stats:
-                self.kv_request_stats[request_id].preempted_after_eviction += 1
+            ledger.totals.preempted_after_eviction += 1
+            if request_id in self.kv_request_counters:
+                self.kv_request_counters[request_id].preempted_after_eviction += 1
         planned = self.kv_planned_targets.pop(request_id, None)  # preempted by the same schedule()
         if planned is not None:
             self.kv_cache_manager.block_pool.free_blocks(planned[1])
@@ -420,14 +404,5 @@ class EvictionScheduler(Scheduler):
         self.kv_cache_manager.block_pool.free_blocks(victims)
         ledger = self.kv_ledger
         ledger.evicted[request_id] = ledger.evicted.get(request_id, 0) + eviction.evicted_tokens
-        stats = self._stats(request_id, self.kv_request_settings[request_id])
-        stats.copy_target_blocks += len(copies)
-        ledger.copy_target_blocks += len(copies)
-        stats.evict_s += eviction.seconds
-        if not eviction.evicted_tokens:
-            return
-        for counts in (ledger, stats):
-            counts.evictions[eviction.phase] += 1
-            counts.freed_blocks += len(victims) - len(copies)
-            counts.evicted_tokens += eviction.evicted_tokens
-            counts.copied_tokens[eviction.phase] += eviction.copied_tokens
+        for counters in (ledger.totals, self._counters(request_id, self.kv_request_settings[request_id])):
+            counters.record(eviction, released_blocks=len(victims), copy_target_blocks=len(copies))

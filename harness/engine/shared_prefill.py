@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from harness.engine.evictor import cdiv
+from harness.eviction.evictor import cdiv
 from harness.engine.llm import Engine, GenerationResult, result_of, sampling_params
-from harness.engine.settings import NO_EVICTION, CONFIG_KEY, EvictionSettings
+from harness.eviction.settings import NO_EVICTION, CONFIG_KEY, EvictionSettings
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 * When the KV cache is initialised, an engine configured to evict checks what it is about to
   read: the attention backend by exact name, its kernels and the cache dtype (``kv_view``), the
-  scheduler hook and engine features (``settings.check_compatible``). A run it cannot serve stops
+  scheduler hook and engine features (``harness.engine.compatibility.check_compatible``). A run it cannot serve stops
   at start, not at its first eviction.
 * After vLLM prepares a step's inputs, attention ``seq_lens`` / ``max_seq_len`` and the slot
   mapping become physical (logical minus the request's evicted tokens, from the scheduler's
@@ -33,15 +33,16 @@ import time
 import numpy as np
 import torch
 
-from harness.engine.evictor import ScoreBook, count_due, count_queries, evict, phase_due
-from harness.engine.kv_view import KVView, UnsupportedLayoutError, make_view
+from harness.eviction.evictor import count_due, count_queries, evict, phase_due
+from harness.eviction.state import PolicyState
+from harness.eviction.kv_view import KVView
+from harness.engine.backend_views import UnsupportedLayoutError, make_view
 from harness.engine.query_capture import QueryCapture
-from harness.engine.messages import (
+from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
 )
-from harness.engine.settings import (
-    CONFIG_KEY, SCHEDULER_CLS, EvictionSettings, build_policy, check_compatible, settings_from,
-)
+from harness.eviction.settings import CONFIG_KEY, EvictionSettings, build_policy, settings_from
+from harness.engine.compatibility import SCHEDULER_CLS, check_compatible
 from policies import Policy
 
 
@@ -55,12 +56,12 @@ class WorkerEviction:
         self.policies: dict[tuple, Policy] = {}
         self.backend = self.view = self.capture = None
         self.unsupported = None  # why this runner cannot evict, if it cannot
-        self.book = ScoreBook()  # per-request policy state: cached scores, totals, query windows
+        self.policy_state = PolicyState()  # per-request policy state: cached scores, totals, query windows
         try:
             check_compatible(runner.vllm_config)
             self.backend, self.view = kv_view_of(runner, self.block_size)
             self.capture = QueryCapture(runner, attention_layers(runner))
-            self.book.scales = self.capture.scales
+            self.policy_state.scales = self.capture.scales
         except (ValueError, UnsupportedLayoutError) as error:
             if settings is not None:
                 raise
@@ -145,7 +146,7 @@ def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
             f"the scheduler's default eviction is {plan.default} but this worker was configured with {state.settings}")
     if plan.settings and state.unsupported is not None:
         raise EvictionNotActiveError(f"a request asks for KV eviction but this worker cannot evict: {state.unsupported}")
-    state.book.forget(plan.released)
+    state.policy_state.forget(plan.released)
     evicted = plan.evicted_tokens
     if not evicted:
         return
@@ -201,14 +202,14 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
         phase = phase_due(policy, request.num_prompt_tokens, before, after, evicted)
         block_ids = request.block_ids[0]
         if phase is None:
-            if count_due(policy, request.num_prompt_tokens, before, after, state.book, request_id):
-                count_queries(policy, state.view, block_ids, after - evicted, state.book, request_id)
+            if count_due(policy, request.num_prompt_tokens, before, after, state.policy_state, request_id):
+                count_queries(policy, state.view, block_ids, after - evicted, state.policy_state, request_id)
             continue
         targets = plan.copy_targets.get(request_id, ())
         held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
         state.synchronize()
         started = time.perf_counter()
-        eviction = evict(policy, state.view, held, after - evicted, phase, state.book, request_id,
+        eviction = evict(policy, state.view, held, after - evicted, phase, state.policy_state, request_id,
                          tuple(position for position, _ in targets))
         if not (eviction.evicted_tokens or eviction.changes_blocks):
             continue
@@ -261,7 +262,7 @@ def install() -> None:
         output = original_sample(self, *args, **kwargs)
         step, self._kv_step = self.__dict__.get("_kv_step"), None
         state = eviction_state(self)
-        capture_s = state.capture.absorb(state.book) if state is not None and state.capture is not None else 0.0
+        capture_s = state.capture.absorb(state.policy_state) if state is not None and state.capture is not None else 0.0
         if state is None or step is None or not isinstance(output, ModelRunnerOutput) or not output.req_ids:
             return output
         scheduler_output, started = step
@@ -275,7 +276,7 @@ def install() -> None:
         finished = time.perf_counter()
         attach(output, REPORT_ATTRIBUTE, EvictionReport(
             evictions, model_s=evict_started - started, evict_s=finished - evict_started,
-            capture_s=capture_s, state_bytes=state.book.nbytes(),
+            capture_s=capture_s, state_bytes=state.policy_state.nbytes(),
         ))
         return output
 

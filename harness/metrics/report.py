@@ -9,7 +9,7 @@ from harness.metrics.longbench import score_sample, score_task, score_task_by_le
 AVERAGE_LABEL = "average: unweighted mean of the task scores (LongBench itself prints none)"
 
 
-def score_run(rows: list[dict], skipped: list[dict], cfg=None) -> dict:
+def score_run(rows: list[dict], skipped: list[dict]) -> dict:
     by_task: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         row["score"] = score_sample(row["task"], row["prediction"], row["answers"], row.get("all_classes"))

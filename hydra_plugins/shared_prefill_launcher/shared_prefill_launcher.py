@@ -23,8 +23,8 @@ class SharedPrefillLauncher(Launcher):
         self.config = config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from harness.config import ConfigError
-        from harness.engine.messages import EvictionNotActiveError
+        from harness.config import ConfigError, run_settings
+        from harness.eviction.messages import EvictionNotActiveError
         from harness.group import run_grouped
 
         setup_globals()
@@ -35,7 +35,7 @@ class SharedPrefillLauncher(Launcher):
                 del sweep_config["hydra"]
             cells.append(sweep_config)
         try:
-            outcomes = run_grouped(cells)
+            outcomes = run_grouped([run_settings(cell) for cell in cells])
         except (ConfigError, EvictionNotActiveError) as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)

@@ -1,0 +1,60 @@
+"""What eviction needs of a vLLM engine, checked before it serves: its scheduler, a KV cache dtype the
+harness reads exactly, one worker, no speculative decoding, the V1 model runner, synchronous
+scheduling; and of a policy: eager mode when it captures attention queries."""
+from __future__ import annotations
+
+from policies import Policy
+
+# vLLM's scheduler hook (--scheduler-cls / scheduler_cls) must name this class when eviction is on.
+SCHEDULER_CLS = "harness.engine.scheduler.EvictionScheduler"
+# KV cache dtypes whose K/V the harness reads and copies exactly ("auto" = the model's dtype).
+# fp8 caches hold scaled 8-bit values: scores would need the scales, so they are refused.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+def uses_eviction_scheduler(scheduler_cls) -> bool:
+    """Whether vLLM's ``scheduler_cls`` setting (a dotted name or a class) is the eviction scheduler."""
+    if isinstance(scheduler_cls, str):
+        return scheduler_cls == SCHEDULER_CLS
+    return any(f"{c.__module__}.{c.__qualname__}" == SCHEDULER_CLS for c in getattr(scheduler_cls, "__mro__", ()))
+
+
+def check_compatible(vllm_config) -> None:
+    """Engine features eviction cannot coexist with, refused with the reason (before serving)."""
+    cache = vllm_config.cache_config
+    if not uses_eviction_scheduler(vllm_config.scheduler_config.scheduler_cls):
+        raise ValueError(
+            f"KV eviction needs its scheduler, got scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r}: "
+            f"pass --scheduler-cls {SCHEDULER_CLS} (LLM(scheduler_cls=...) in Python)"
+        )
+    if str(cache.cache_dtype) not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"KV eviction cannot read a {cache.cache_dtype} KV cache (scaled 8-bit values); "
+            f"supported kv_cache_dtype: {', '.join(KV_CACHE_DTYPES)}"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        raise ValueError("KV eviction supports one worker (tensor and pipeline parallel size 1)")
+    if vllm_config.speculative_config is not None:
+        raise ValueError("KV eviction does not support speculative decoding")
+    if vllm_config.use_v2_model_runner:
+        raise ValueError(
+            "KV eviction patches vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0 "
+            "(Model Runner V2 builds positions and seq_lens in one GPU kernel)"
+        )
+    # Left unset, vLLM 0.32 turns asynchronous scheduling on where the executor supports it (the
+    # GPU default; vllm/config/vllm.py:1585): `vllm serve` on a GPU needs --no-async-scheduling.
+    if vllm_config.scheduler_config.async_scheduling:
+        raise ValueError(
+            "KV eviction needs synchronous scheduling (a step's evictions reach the next schedule): "
+            "pass --no-async-scheduling"
+        )
+
+
+def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:
+    """What a policy needs of the engine beyond eviction itself: an attention-aware policy's query
+    window is copied by Python hooks on the attention layers, which compiled graphs skip."""
+    if policy.query_window and not enforce_eager:
+        raise ValueError(
+            f"{policy.name} reads attention queries through hooks that compiled graphs skip: "
+            "run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")
