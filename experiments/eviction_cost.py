@@ -17,6 +17,14 @@ so "before" and "after" are the real evictors, measured side by side in one run:
 Decode cases are the steady state: a request at budget + one block, after an earlier eviction
 (the first fills the per-request score cache). Writes ``results/eviction_cost/summary.md`` and
 ``.csv``.
+
+    python experiments/eviction_cost.py --batch         # a full batch: one request at a time vs together
+
+``--batch``: every request of a batch due in the same decode step (equal lengths, as in the
+throughput workloads), evicted with this tree's evictor one request at a time (``evict`` per
+request, as the worker did before) and all together (``evict_all``: joint reads per layer, in
+groups of at most the view's ``joint_read_bytes``), each in a fresh process, interleaved and
+repeated; medians and the ratio. Writes ``results/eviction_cost/batch.md`` and ``batch.csv``.
 """
 from __future__ import annotations
 
@@ -104,6 +112,106 @@ def measure(case: dict) -> dict:
             "evictor": inspect.getsourcefile(evictor), "score_cache": cached}
 
 
+# (shape, view, policy, budget, requests): the throughput "attention" workload's batch on SmolLM2
+# (12 requests at budget 512, CPU layout, block 32), and a GPU-sized batch on Llama-3.1-8B's shape.
+BATCH_CASES = [
+    *[("smollm2-135m", "cpu_attn", policy, 512, 12) for policy in ("paged", "knorm", "learned", "snapkv", "h2o")],
+    ("llama-3.1-8b", "flash_attn", "paged", 1024, 16),
+    ("llama-3.1-8b", "flash_attn", "knorm", 1024, 16),
+]
+BATCH_BLOCK = {"cpu_attn": 32, "flash_attn": BLOCK}
+QUERY_HEADS = {"smollm2-135m": 9, "llama-3.1-8b": 32}
+
+
+def measure_batch(case: dict) -> dict:
+    """One decode step in which every request of the batch evicts, in this process: after a warm-up
+    eviction of every request (the steady state), the batch grows a block and evicts again."""
+    import time
+
+    import torch
+
+    from harness.engine.backend_views import CpuAttnView, FlashAttnView
+    from harness.eviction.evictor import Due, evict, evict_all
+    from harness.eviction.state import PolicyState
+    from policies import make_policy
+
+    torch.set_num_threads(2)
+    shape, block = SHAPES[case["shape"]], BATCH_BLOCK[case["view"]]
+    dtype = getattr(torch, shape["dtype"])
+    requests, budget = case["requests"], case["budget"]
+    per_request = (budget + 2 * block) // block
+    generator = torch.Generator().manual_seed(0)
+    layers = [torch.randn(requests * per_request + 1, shape["heads"], block, 2 * shape["dim"], generator=generator).to(dtype)
+              for _ in range(shape["layers"])]
+    view = (CpuAttnView if case["view"] == "cpu_attn" else FlashAttnView)(layers)
+    order = (torch.randperm(requests * per_request, generator=generator) + 1).tolist()
+    tables = [order[r * per_request : (r + 1) * per_request] for r in range(requests)]
+    policy = make_policy(case["policy"], budget, block)
+    state = PolicyState(scales=[shape["dim"] ** -0.5] * shape["layers"])
+
+    def step(tokens: int) -> float:
+        if policy.query_window:  # the window's queries, as the capture would have left them
+            for r in range(requests):
+                state.observe(f"r{r}", torch.randn(shape["layers"], block, QUERY_HEADS[case["shape"]], shape["dim"],
+                                                   generator=generator).to(dtype), policy.query_window)
+        dues = [Due(f"r{r}", policy, tables[r], tokens, "decode") for r in range(requests)]
+        started = time.perf_counter()
+        if case["mode"] == "together":
+            evictions = evict_all(view, dues, state)
+        else:
+            evictions = {d.request_id: evict(policy, view, d.block_ids, d.tokens, d.phase, state, d.request_id) for d in dues}
+        seconds = time.perf_counter() - started
+        for r in range(requests):
+            for position in sorted(evictions[f"r{r}"].dropped_blocks, reverse=True):
+                tables[r].append(tables[r].pop(position))  # a dropped block is reused for new tokens
+        return seconds
+
+    step(budget + block)  # warm-up: fills per-request scores and totals
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status_bytes("VmHWM")
+    seconds = step(budget + block)
+    from harness.eviction.memory import predict
+    from harness.models import ModelShape
+
+    model = ModelShape(shape["layers"], shape["heads"], QUERY_HEADS[case["shape"]], shape["dim"], dtype.itemsize)
+    predicted = predict(policy, model, requests, budget + block, view.joint_read_bytes)
+    return {"extra_bytes": max(status_bytes("VmHWM") - before, 0), "seconds": seconds, "predicted_bytes": predicted.total}
+
+
+def run_batch(case: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, __file__, "--batch-child", json.dumps(case)], capture_output=True,
+                          text=True, env=env, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def batch_report(rows: list[dict], repeats: int, revision: str) -> str:
+    from statistics import median
+
+    from tabulate import tabulate
+
+    header = ["model shape", "layout", "policy", "budget", "requests", "ms one at a time", "ms together",
+              "speed-up", "extra MiB one at a time", "extra MiB together", "predicted MiB"]
+    table = []
+    for key in dict.fromkeys((r["shape"], r["view"], r["policy"], r["budget"], r["requests"]) for r in rows):
+        one = [r for r in rows if (r["shape"], r["view"], r["policy"], r["budget"], r["requests"]) == key and r["mode"] == "one"]
+        both = [r for r in rows if (r["shape"], r["view"], r["policy"], r["budget"], r["requests"]) == key and r["mode"] == "together"]
+        one_s, both_s = median(r["seconds"] for r in one), median(r["seconds"] for r in both)
+        table.append([*key, f"{one_s * 1e3:.0f}", f"{both_s * 1e3:.0f}", f"{one_s / both_s:.2f}x",
+                      f"{median(r['extra_bytes'] for r in one) / 2**20:.1f}",
+                      f"{median(r['extra_bytes'] for r in both) / 2**20:.1f}",
+                      f"{both[0]['predicted_bytes'] / 2**20:.1f}"])
+    return (f"# A full batch's decode evictions: one request at a time vs together (evictor at {revision})\n\n"
+            f"Command: `python experiments/eviction_cost.py --batch` (CPU, 2 threads; synthetic caches; every "
+            f"request of the batch due in one step, in the steady state; medians of {repeats} interleaved "
+            "repeats, each in a fresh process; extra MiB: the peak resident memory above the start of the step, "
+            "which takes the step's new query windows and the evictions' scratch; predicted MiB: "
+            "`harness.eviction.memory.predict` for the batch, its policy state and one step's scratch).\n\n"
+            + tabulate(table, headers=header, tablefmt="github") + "\n")
+
+
 def run_case(case: dict, tree: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(case)], capture_output=True,
@@ -150,14 +258,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default=BASELINE, help="git revision of the evictor to compare with")
     parser.add_argument("--out", default=str(ROOT / "results" / "eviction_cost"))
+    parser.add_argument("--batch", action="store_true", help="a full batch: one request at a time vs together")
+    parser.add_argument("--repeats", type=int, default=3, help="--batch: interleaved repeats per case")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(json.loads(args.child))))
         return 0
+    if args.batch_child:
+        print(json.dumps(measure_batch(json.loads(args.batch_child))))
+        return 0
     after = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "harness", "policies"], cwd=ROOT, capture_output=True, text=True).stdout
     after += "+dirty" if dirty.strip() else ""
+    if args.batch:
+        return main_batch(args, after)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         old_tree = extract(args.before, Path(scratch))
@@ -168,15 +284,29 @@ def main() -> int:
                              before_s=old["seconds"], after_s=new["seconds"]))
             last = report(rows[-1:], args.before, after).splitlines()[-1]
             print(last, flush=True)
-    text = report(rows, args.before, after)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.md").write_text(text)
+    return write_results(Path(args.out), "summary", report(rows, args.before, after), rows)
+
+
+def write_results(out: Path, name: str, text: str, rows: list[dict]) -> int:
     import pandas as pd
 
-    pd.DataFrame(rows).to_csv(out / "summary.csv", index=False)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    pd.DataFrame(rows).to_csv(out / f"{name}.csv", index=False)
     print("\n" + text)
     return 0
+
+
+def main_batch(args, revision: str) -> int:
+    rows = []
+    for repeat in range(args.repeats):
+        for shape, view, policy, budget, requests in BATCH_CASES:
+            for mode in ("one", "together") if repeat % 2 == 0 else ("together", "one"):
+                case = dict(shape=shape, view=view, policy=policy, budget=budget, requests=requests, mode=mode)
+                rows.append(dict(case, repeat=repeat, **run_batch(case)))
+                print(f"[batch] repeat {repeat + 1}/{args.repeats} {shape} {policy} {mode}: "
+                      f"{rows[-1]['seconds'] * 1e3:.0f} ms", flush=True)
+    return write_results(Path(args.out), "batch", batch_report(rows, args.repeats, revision), rows)
 
 
 if __name__ == "__main__":

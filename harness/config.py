@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.data import DataError, check_data_config
 from harness.engine.compatibility import check_policy_runs
 from harness.eviction.settings import EvictionSettings
-from harness.models import ModelNotFoundError, kv_bytes_per_token, resolve_model_path
+from harness.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
 DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
@@ -207,6 +207,52 @@ def check(run: RunSettings) -> None:
     if not run.model.path.startswith("embedded:"):
         resolve_model_path(run.model.path, prepare=False)
     check_kv_pool(run)
+    check_memory(run)
+
+
+def check_memory(run: RunSettings) -> None:
+    """On CPU the weights, the KV pool and eviction's predicted state and scratch
+    (``harness.eviction.memory``) must fit the memory available now: refused before any weight
+    loads, with the numbers. (On a GPU the engine shrinks vLLM's share of the device by the
+    prediction instead: ``harness.engine.llm.Engine``.)"""
+    if not run.evicts or run.engine.device != "cpu":
+        return
+    from harness.engine.backend_views import CpuAttnView
+    from harness.eviction.memory import predict
+
+    try:
+        model_dir = resolve_model_path(run.model.path, prepare=False)
+    except ModelNotFoundError:
+        return
+    shape, weights = model_shape(model_dir, run.model.dtype), weight_bytes(model_dir)
+    if shape is None or weights is None:
+        return
+    if run.engine.num_kv_blocks is not None:
+        pool = run.engine.num_kv_blocks * run.block_size * shape.kv_bytes_per_token
+    elif run.engine.kv_cache_gib is not None:
+        pool = int(run.engine.kv_cache_gib * 2**30)
+    else:
+        return
+    policy = make_policy(run.policy, run.budget, run.block_size, **run.options)
+    memory = predict(policy, shape, run.engine.max_num_seqs, run.model.max_model_len, CpuAttnView.joint_read_bytes)
+    available, need = available_memory(), weights + pool + memory.total
+    if available is not None and need > available:
+        raise ConfigError(
+            f"policy {run.policy} at budget={run.budget} needs {memory.describe()} beside the KV pool "
+            f"({pool / 2**30:.2f} GiB) and the weights ({weights / 2**30:.2f} GiB): {need / 2**30:.2f} GiB, but "
+            f"{available / 2**30:.2f} GiB are available: lower engine.max_num_seqs, the budget or engine.kv_cache_gib"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new process can take without swapping (MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def check_kv_pool(run: RunSettings) -> None:

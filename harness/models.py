@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 EMBEDDED_PREFIX = "embedded:"
@@ -67,9 +68,24 @@ def resolve_model_path(path: str, prepare: bool = True) -> str:
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
-def kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
-    """Bytes one token's K and V take over all layers, from a local checkpoint's config.json;
-    None when the model is not local (a hub id) or its config does not say."""
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV cache and the eviction state of a model scale with."""
+
+    layers: int
+    kv_heads: int
+    query_heads: int
+    head_dim: int
+    dtype_bytes: int    # of the KV cache (the model's dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def model_shape(model_dir: str, dtype: str) -> ModelShape | None:
+    """A local checkpoint's shape from its config.json; None when the model is not local (a hub id)
+    or its config does not say."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         return None
@@ -78,10 +94,23 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     try:
         heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[dtype]
+        return ModelShape(config["num_hidden_layers"], config.get("num_key_value_heads", heads), heads,
+                          config.get("head_dim") or config["hidden_size"] // heads, DTYPE_BYTES[dtype])
     except KeyError:
         return None
+
+
+def weight_bytes(model_dir: str) -> int | None:
+    """Bytes of a local checkpoint's weight files (what loading them takes)."""
+    files = list(Path(model_dir).glob("*.safetensors")) + list(Path(model_dir).glob("*.bin"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
+    """Bytes one token's K and V take over all layers, from a local checkpoint's config.json;
+    None when the model is not local (a hub id) or its config does not say."""
+    shape = model_shape(model_dir, dtype)
+    return shape.kv_bytes_per_token if shape else None
 
 
 def _gguf_file() -> Path:

@@ -139,3 +139,12 @@ def test_every_ablation_cell_composes_and_validates():
         run_settings(cfg)
         names.add(run_settings(cfg).run_dir.name)
     assert len(names) == 21
+
+
+def test_a_run_whose_eviction_state_cannot_fit_is_refused_before_any_weight_loads():
+    """PagedEviction keeps one float per token per request; a hundred million concurrent requests'
+    state cannot fit this machine's memory, and the refusal gives the numbers."""
+    with pytest.raises(ConfigError, match=r"policy paged at budget=1024 needs [0-9.]+ GiB \(4\.1 KiB of policy state "
+                                          r"per request x 100000000 requests .* GiB are available: lower engine.max_num_seqs"):
+        run_settings(compose_cfg("policy=paged", "engine.max_num_seqs=100000000"))
+    run_settings(compose_cfg("policy=paged"))  # the default batch fits

@@ -168,17 +168,30 @@ def test_views_write_and_read_back_token_slots(view_cls):
 
 @pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])
 @pytest.mark.parametrize("start, end", [(0, 10), (3, 10), (4, 8), (9, 10)])
-def test_reading_a_run_of_slots_by_whole_blocks_equals_reading_them_one_by_one(view_cls, start, end):
-    """``read_layer`` (the evictor's read, whole blocks then a slice) returns exactly slots
-    [start, end) of the request, in order: the same as gathering them slot by slot."""
+def test_reading_runs_of_slots_by_whole_blocks_equals_reading_them_one_by_one(view_cls, start, end):
+    """``read_layer`` and a joint read of several requests' runs (the evictor's reads: whole blocks,
+    then each run's rows) return exactly each run's slots, in order: the same as gathering them
+    slot by slot."""
     layers, blocks, heads, block_size, dim = 3, 7, 2, 4, 8
     view = view_cls([torch.randn(blocks, heads, block_size, 2 * dim) for _ in range(layers)])
     block_ids = [5, 0, 3, 6]  # the last block is not needed for 10 tokens
+    other = [1, 4, 2]
+    runs = [(block_ids, start, end), (other, 2, 11), (block_ids, 0, 3)]
+    slots = view.locate(runs)
+
+    def slot_by_slot(layer, ids, first, last):
+        positions = torch.arange(first, last)
+        return view._gather(layer, torch.tensor(ids)[positions // block_size], positions % block_size)
+
     for layer in range(layers):
         keys, values = view.read_layer(layer, block_ids, start, end)
-        slot_keys, slot_values = KVView.read_layer(view, layer, block_ids, start, end)  # slot by slot
+        slot_keys, slot_values = slot_by_slot(layer, block_ids, start, end)
         assert keys.shape == (end - start, heads, dim)
         assert torch.equal(keys, slot_keys) and torch.equal(values, slot_values)
+        joint_keys, joint_values = view.read(layer, slots)
+        for part, run in zip(slots.parts, runs):
+            run_keys, run_values = slot_by_slot(layer, *run)
+            assert torch.equal(joint_keys[part], run_keys) and torch.equal(joint_values[part], run_values)
     first, second = view.read_layer(0, block_ids, 0, 4)[0], view.read_layer(0, block_ids, 4, 8)[0]
     assert not torch.equal(first, second), "different blocks read different data"
 

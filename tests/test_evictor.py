@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 
-from harness.eviction.evictor import evict
+from harness.eviction.evictor import Due, evict, evict_all
 from harness.eviction.state import PolicyState
 from harness.engine.backend_views import FlashAttnView
-from policies import make_policy
+from policies import BlockPolicy, make_policy
+from policy_matrix import MATRIX, MATRIX_IDS
 
 LAYERS, HEADS, DIM, B, BUDGET = 4, 2, 8, 4, 16
 POOL = 40
@@ -22,10 +23,17 @@ class RecordingView(FlashAttnView):
     def __init__(self, layers):
         super().__init__(layers)
         self.reads: list[tuple[int, int, int]] = []
+        self.read_calls = 0
 
-    def read_layer(self, layer, block_ids, start, end):
-        self.reads.append((layer, start, end))
-        return super().read_layer(layer, block_ids, start, end)
+    def locate(self, runs):
+        slots = super().locate(runs)
+        slots.runs = [(start, end) for _, start, end in runs]
+        return slots
+
+    def read(self, layer, slots):
+        self.reads.extend((layer, start, end) for start, end in slots.runs)
+        self.read_calls += 1
+        return super().read(layer, slots)
 
 
 def request(seed: int = 0):
@@ -111,3 +119,47 @@ def test_released_requests_leave_the_book():
     assert state.nbytes() == 12 * 4
     state.forget(["a", "missing"])
     assert list(state.scores) == ["b"]
+
+
+@pytest.mark.parametrize("joint_read_bytes", [None, 3000], ids=["all_together", "small_groups"])
+@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+def test_evicting_a_steps_requests_together_equals_evicting_them_one_by_one(name, options, joint_read_bytes):
+    """Three requests due in one step (one prefill, two decode, one with a copy target):
+    ``evict_all`` leaves the same K/V in every slot, the same block lists and the same per-request
+    state as evicting them one at a time; with no limit on a joint read it reads each layer at most
+    twice (scores, then compaction) for all of them, with a small one in groups."""
+    budget, heads, query_heads = 40, HEADS, 2 * HEADS  # room for SnapKV's 32-token window
+    gen = torch.Generator().manual_seed(len(name))
+    caches = [torch.randn(POOL, heads, B, 2 * DIM, generator=gen) for _ in range(LAYERS)]
+    blocks = torch.randperm(POOL, generator=gen).tolist()
+    cases = [("a", blocks[0:13], 50, "prefill", ()), ("b", blocks[13:24] + [blocks[39]], budget + B, "decode", (1,)),
+             ("c", blocks[24:35], budget + B, "decode", ())]
+    windows = {rid: torch.randn(LAYERS, 8, query_heads, DIM, generator=gen) for rid, *_ in cases}
+
+    def run(together: bool):
+        view = RecordingView([c.clone() for c in caches])
+        view.joint_read_bytes = joint_read_bytes
+        state = PolicyState(scales=[0.3] * LAYERS)
+        policies = {}
+        for rid, *_ in cases:
+            policies[rid] = make_policy(name, budget, B, **options)
+            if policies[rid].query_window:
+                state.observe(rid, windows[rid], policies[rid].query_window)
+        dues = [Due(rid, policies[rid], list(ids), tokens, phase, targets) for rid, ids, tokens, phase, targets in cases
+                if not (phase == "decode" and targets and isinstance(policies[rid], BlockPolicy))]
+        if together:
+            evictions = evict_all(view, dues, state)
+        else:
+            evictions = {due.request_id: evict(due.policy, view, due.block_ids, due.tokens, due.phase, state,
+                                               due.request_id, due.copy_targets) for due in dues}
+        return view, state, evictions
+
+    (one_view, one_state, one_evictions), (all_view, all_state, all_evictions) = run(False), run(True)
+    assert all_evictions == one_evictions
+    assert all(torch.equal(a, b) for a, b in zip(all_view.layers, one_view.layers))
+    assert one_state.scores.keys() == all_state.scores.keys()
+    assert all(torch.equal(one_state.scores[r], all_state.scores[r]) for r in one_state.scores)
+    if joint_read_bytes is None:
+        assert all_view.read_calls <= 2 * LAYERS
+    else:  # 3000 bytes hold 23 tokens' K/V at this shape: every request reads alone
+        assert all_view.read_calls > 2 * LAYERS

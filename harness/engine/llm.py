@@ -119,6 +119,10 @@ class Engine:
             kwargs["num_gpu_blocks_override"] = int(engine.num_kv_blocks)
         if engine.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+        self.eviction_reserved = 0
+        if engine.device == "cuda" and eviction is not None and engine.kv_cache_gib is None:
+            kwargs["gpu_memory_utilization"] = self._leave_room_for_eviction(
+                model_path, model, engine, block_size, eviction, kwargs.get("gpu_memory_utilization", 0.9))
         self.llm = LLM(**kwargs)
         self.device = engine.device
         self.dtype = model.dtype
@@ -129,6 +133,32 @@ class Engine:
             except BaseException:
                 self.close()
                 raise
+
+    def _leave_room_for_eviction(self, model_path, model, engine, block_size, eviction, utilization: float) -> float:
+        """vLLM gives the KV pool whatever its share of the device (``total x
+        gpu_memory_utilization``, vllm/v1/worker/utils.py:724-726) leaves after weights and
+        activations (vllm/v1/worker/gpu_worker.py:740-744); the eviction state lives outside the
+        pool, so the share shrinks by its prediction (the engine-wide policy's; a request that
+        brings another policy is not counted)."""
+        import torch
+
+        from harness.engine.backend_views import FlashAttnView
+        from harness.eviction.memory import predict
+        from harness.eviction.settings import build_policy
+        from harness.models import model_shape
+
+        shape = model_shape(model_path, model.dtype)
+        if shape is None:
+            return utilization
+        memory = predict(build_policy(eviction, block_size), shape, engine.max_num_seqs, model.max_model_len,
+                         FlashAttnView.joint_read_bytes)
+        total = torch.cuda.mem_get_info()[1]
+        shrunk = utilization - memory.total / total
+        if shrunk < 0.1:
+            raise ValueError(f"policy {eviction.policy} needs {memory.describe()}, more than this "
+                             f"{total / 2**30:.0f} GiB device can spare: lower engine.max_num_seqs or the budget")
+        self.eviction_reserved = memory.total
+        return shrunk
 
     def close(self) -> None:
         """Shut the engine down now, in ordinary code. Left to the garbage collector, vLLM's
@@ -157,6 +187,9 @@ class Engine:
             "block_size": cache.block_size,
             "kv_pool_blocks": cache.num_gpu_blocks,
             "kv_pool_bytes": cache.kv_cache_memory_bytes or self._pool_bytes(cache),
+            # NONE in eager mode; on CPU, compiled mode is DYNAMO_TRACE_ONCE (vllm/platforms/cpu.py:356-366)
+            "compilation": self.llm.llm_engine.vllm_config.compilation_config.mode.name,
+            "eviction_reserved_bytes": self.eviction_reserved,  # GPU: taken from vLLM's share for eviction
         }
 
     def _pool_bytes(self, cache) -> int | None:

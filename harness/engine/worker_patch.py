@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from harness.eviction.evictor import count_due, count_queries, evict, phase_due
+from harness.eviction.evictor import Due, count_due, count_queries, evict_all, phase_due
 from harness.eviction.state import PolicyState
 from harness.eviction.kv_view import KVView
 from harness.engine.backend_views import UnsupportedLayoutError, make_view
@@ -185,12 +185,14 @@ def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
 
 
 def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
-    """Run the evictions this step calls for; returns ``{request_id: Eviction}``."""
+    """Run the evictions this step calls for, all together (``evict_all``: one read and one write
+    per layer for every request); returns ``{request_id: Eviction}``, each carrying an equal share
+    of the step's eviction time (the batch has no per-request time)."""
     plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
     if plan is None or not plan.settings:
         return {}
-    batch = runner.input_batch
-    report = {}
+    started = time.perf_counter()
+    dues, blocks_of = [], {}
     for request_id, settings in plan.settings.items():
         request = runner.requests.get(request_id)
         if request is None:
@@ -207,18 +209,24 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
             continue
         targets = plan.copy_targets.get(request_id, ())
         held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
-        state.synchronize()
-        started = time.perf_counter()
-        eviction = evict(policy, state.view, held, after - evicted, phase, state.policy_state, request_id,
-                         tuple(position for position, _ in targets))
+        blocks_of[request_id] = (block_ids, held)
+        dues.append(Due(request_id, policy, held, after - evicted, phase, tuple(position for position, _ in targets)))
+    if not dues:
+        return {}
+    evictions = evict_all(state.view, dues, state.policy_state)
+    state.synchronize()
+    share = (time.perf_counter() - started) / len(dues)
+    batch = runner.input_batch
+    report = {}
+    for request_id, eviction in evictions.items():
         if not (eviction.evicted_tokens or eviction.changes_blocks):
             continue
+        block_ids, held = blocks_of[request_id]
         block_ids[:] = [held[position] for position in eviction.kept_blocks]
         row = batch.req_id_to_index.get(request_id)
         if row is not None:
-            batch.block_table.add_row(request.block_ids, row)
-        state.synchronize()
-        report[request_id] = dataclasses.replace(eviction, seconds=time.perf_counter() - started)
+            batch.block_table.add_row(runner.requests[request_id].block_ids, row)
+        report[request_id] = dataclasses.replace(eviction, seconds=share)
     return report
 
 

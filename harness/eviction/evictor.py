@@ -90,60 +90,112 @@ def count_queries(policy: Policy, view: KVView, block_ids: list[int], tokens: in
                   request_id: str) -> torch.Tensor:
     """Fold what the window's uncounted queries say of each of the ``tokens`` cached slots into the
     request's state (H2O: the attention they paid, added to the totals); returns the state."""
+    job = counting_job(policy, block_ids, tokens, state, request_id)
+    if job is not None:
+        (counted,) = score_runs(view, [job])
+        fold_counted(policy, state, request_id, counted)
+    return state.scores[request_id]
+
+
+@dataclass
+class ScoreJob:
+    """One request's slots ``[start, end)`` to score with its policy (and its query windows)."""
+
+    policy: Policy
+    block_ids: list[int]
+    start: int
+    end: int
+    windows: list[Window] | None = None
+
+
+def counting_job(policy: Policy, block_ids: list[int], tokens: int, state: PolicyState, request_id: str
+                 ) -> ScoreJob | None:
+    """The scoring an accumulating policy's uncounted queries need, or None when all are counted."""
     totals = state.scores.get(request_id)
     if totals is not None and totals.shape[-1] > tokens:
         raise RuntimeError(f"kept totals for {totals.shape[-1]} tokens, but the request holds {tokens}")
     windows = state.layer_windows(request_id, fresh_only=True)  # refuses a request with no captured queries
-    fresh = state.windows[request_id].fresh
-    if not fresh and totals is not None and totals.shape[-1] == tokens:
-        return totals
-    counted = score_slots(policy, view, block_ids, 0, tokens, windows)
-    state.windows[request_id].fresh = 0
-    state.scores[request_id] = policy.score.accumulate(totals, counted, fresh)
-    return state.scores[request_id]
+    if not state.windows[request_id].fresh and totals is not None and totals.shape[-1] == tokens:
+        return None
+    return ScoreJob(policy, block_ids, 0, tokens, windows)
+
+
+def fold_counted(policy: Policy, state: PolicyState, request_id: str, counted: torch.Tensor) -> None:
+    window = state.windows[request_id]
+    state.scores[request_id] = policy.score.accumulate(state.scores.get(request_id), counted, window.fresh)
+    window.fresh = 0
+
+
+def score_runs(view: KVView, jobs: list[ScoreJob]) -> list[torch.Tensor]:
+    """Each job's ``[scored layers, heads, end - start]`` scores. A layer at a time, every job's
+    slots of that layer are read with one gather (the slots are located once for all layers), and
+    each job's policy scores its part (an attention-aware one with that layer's query window)."""
+    scores = []
+    for group in joint_reads(view, [job.end - job.start for job in jobs]):
+        scores.extend(score_together(view, [jobs[index] for index in group]))
+    return scores
+
+
+def joint_reads(view: KVView, lengths: list[int]) -> list[list[int]]:
+    """Consecutive runs grouped so that one layer's joint read of a group stays within the view's
+    ``joint_read_bytes`` (a run longer than that reads alone)."""
+    limit = view.joint_read_bytes
+    groups, size = [], 0
+    for index, length in enumerate(lengths):
+        need = length * view.token_bytes
+        if not groups or (limit is not None and size + need > limit):
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        size += need
+    return groups
+
+
+def score_together(view: KVView, jobs: list[ScoreJob]) -> list[torch.Tensor]:
+    slots = view.locate([(job.block_ids, job.start, job.end) for job in jobs])
+    scored = [set(job.policy.scored_layers(view.num_layers)) for job in jobs]
+    rows: list[list[torch.Tensor]] = [[] for _ in jobs]
+    for layer in range(view.num_layers):
+        users = [index for index, layers in enumerate(scored) if layer in layers]
+        if not users:
+            continue
+        keys, values = view.read(layer, slots)
+        for index in users:
+            job, part = jobs[index], slots.parts[index]
+            if job.windows is None:
+                rows[index].append(job.policy.layer_scores(keys[part], values[part]))
+            else:
+                rows[index].append(job.policy.layer_scores(keys[part], values[part], job.windows[layer]))
+    return [torch.stack(row) for row in rows]
 
 
 def score_slots(policy: Policy, view: KVView, block_ids: list[int], start: int, end: int,
                 windows: list[Window] | None = None) -> torch.Tensor:
-    """``[scored layers, heads, end - start]`` scores of slots ``[start, end)``, a layer at a time
-    (an attention-aware policy also gets each layer's query window)."""
-    rows = []
-    for layer in policy.scored_layers(view.num_layers):
-        keys, values = view.read_layer(layer, block_ids, start, end)
-        if windows is None:
-            rows.append(policy.layer_scores(keys, values))
-        else:
-            rows.append(policy.layer_scores(keys, values, windows[layer]))
-    return torch.stack(rows)
+    """``[scored layers, heads, end - start]`` scores of one request's slots ``[start, end)``."""
+    (scores,) = score_runs(view, [ScoreJob(policy, block_ids, start, end, windows)])
+    return scores
 
 
-def current_scores(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase,
-                   cached: torch.Tensor | None, windows: list[Window] | None = None) -> torch.Tensor | None:
-    """The scores a decision needs: all tokens' at prefill (the cache starts afresh), for a
-    static-score policy in decode the cached ones plus those of the tokens written since
-    (an accumulating policy's totals come from ``count_queries``)."""
-    if not policy.needs_kv:
-        return None
-    if cached is not None and cached.shape[-1] > tokens:
-        raise RuntimeError(f"kept scores for {cached.shape[-1]} tokens, but the request holds {tokens}")
-    if phase == "decode" and policy.static_scores and cached is not None:
-        fresh = score_slots(policy, view, block_ids, cached.shape[-1], tokens)
-        return torch.cat([cached, policy.cached_form(fresh)], dim=-1)
-    return score_slots(policy, view, block_ids, 0, tokens, windows)
+@dataclass
+class Move:
+    """One request's compaction: ``kept`` ``[layers, heads, n]`` source indices into the slots of
+    ``block_ids`` move to slots 0..n-1 of ``targets``; slots before ``first`` keep their contents."""
+
+    block_ids: list[int]
+    tokens: int
+    kept: torch.Tensor
+    targets: list[int]
+    first: int
+
+    @property
+    def written(self) -> int:
+        return self.kept.shape[-1] - self.first
 
 
-def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor,
-            targets_table: list[int] | None = None, rewrite_from: int | None = None) -> int:
-    """Pack ``kept`` ([layers, heads, n] source indices into the slots of ``block_ids``) into slots
-    0..n-1 of ``targets_table`` (default: the same blocks), one layer at a time; returns the slots
-    written.
-
-    Slots before the first index that moves keep their contents, unless ``rewrite_from`` says
-    the target blocks differ from there on (copy targets); from that slot on each layer's sources
-    (all at or after it, indices being sorted) are read first and then written, so overlapping
-    sources and destinations are safe.
-    """
-    kept = kept.to(view.device)
+def plan_move(block_ids: list[int], tokens: int, kept: torch.Tensor, targets_table: list[int] | None = None,
+              rewrite_from: int | None = None) -> Move | None:
+    """Where a compaction starts: at the first index that moves, or earlier when ``rewrite_from``
+    says the target blocks differ from there on (copy targets); None when nothing moves."""
     count = kept.shape[-1]
     identity = torch.arange(count, device=kept.device)
     moved = (kept != identity).flatten(0, 1).any(dim=0)
@@ -151,16 +203,47 @@ def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor,
     if rewrite_from is not None and rewrite_from < count:
         starts.append(rewrite_from)
     if not starts:
-        return 0
-    first = min(starts)
-    targets = torch.arange(first, count, device=kept.device)
-    table = torch.tensor(targets_table or block_ids, dtype=torch.long, device=kept.device)
-    blocks, offsets = table[targets // view.block_size], targets % view.block_size
+        return None
+    return Move(block_ids, tokens, kept, targets_table or block_ids, min(starts))
+
+
+def compact_all(view: KVView, moves: list[Move]) -> None:
+    """Carry out every move, a layer at a time with one read and one write for all of them.
+
+    Each move's sources lie at or after its ``first`` slot (indices are sorted), and a layer's
+    reads all happen before its writes, so sources and destinations may overlap (and a block
+    shared read-only between requests is read before anything is written)."""
+    for group in joint_reads(view, [move.tokens - move.first for move in moves]):
+        compact_together(view, [moves[index] for index in group])
+
+
+def compact_together(view: KVView, moves: list[Move]) -> None:
+    device = view.device
+    sources = view.locate([(move.block_ids, move.first, move.tokens) for move in moves])
+    target_blocks, target_offsets, gathers = [], [], []
+    for move, part in zip(moves, sources.parts):
+        table = torch.tensor(move.targets, dtype=torch.long, device=device)
+        slots = torch.arange(move.first, move.kept.shape[-1], device=device)
+        target_blocks.append(table[slots // view.block_size])
+        target_offsets.append(slots % view.block_size)
+        # [layers, written, heads]: each written slot's source row in the layer's joint read
+        gathers.append((move.kept[:, :, move.first:].to(device) - move.first + part.start).transpose(1, 2))
+    blocks, offsets = torch.cat(target_blocks), torch.cat(target_offsets)
+    index = torch.cat(gathers, dim=1)
     for layer in range(view.num_layers):
-        keys, values = view.read_layer(layer, block_ids, first, tokens)
-        index = (kept[layer, :, first:] - first).T.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-        view.write_layer(layer, blocks, offsets, torch.gather(keys, 0, index), torch.gather(values, 0, index))
-    return count - first
+        keys, values = view.read(layer, sources)
+        rows = index[layer].unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+        view.write_layer(layer, blocks, offsets, torch.gather(keys, 0, rows), torch.gather(values, 0, rows))
+
+
+def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor,
+            targets_table: list[int] | None = None, rewrite_from: int | None = None) -> int:
+    """Pack one request's ``kept`` ([layers, heads, n] source indices into the slots of
+    ``block_ids``) into slots 0..n-1 of ``targets_table`` (default: the same blocks); returns the
+    slots written."""
+    move = plan_move(block_ids, tokens, kept.to(view.device), targets_table, rewrite_from)
+    compact_all(view, [move] if move else [])
+    return move.written if move else 0
 
 
 def kept_scores(policy: Policy, scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -173,56 +256,127 @@ def kept_scores(policy: Policy, scores: torch.Tensor, kept: torch.Tensor) -> tor
     return scores.gather(-1, kept[:1, :1].to(scores.device))  # a reduced form under a shared keep set
 
 
+@dataclass
+class Due:
+    """A request whose eviction is due this step: ``tokens`` physical tokens in ``block_ids``, then
+    one block of its own per ``copy_targets`` position (blocks that must not be written: registered
+    in the prefix cache or shared), which compaction writes instead, in that order."""
+
+    request_id: str
+    policy: Policy
+    block_ids: list[int]
+    tokens: int
+    phase: Phase
+    copy_targets: tuple[int, ...] = ()
+
+    @property
+    def source(self) -> list[int]:
+        return self.block_ids[: cdiv(self.tokens, self.policy.block_size)]
+
+    @property
+    def held(self) -> int:
+        return len(self.source) + len(self.copy_targets)
+
+
+def evict_all(view: KVView, dues: list[Due], state: PolicyState | None = None) -> dict[str, Eviction]:
+    """Carry out every eviction due in a step, together: all their scoring reads one layer at a
+    time with one gather, and all their compactions one layer at a time with one gather and one
+    scatter. Returns ``{request_id: Eviction}``. With a ``state``, a static-score policy's scores
+    are cached there, an accumulating one's totals kept, and attention windows read."""
+    jobs, cached = [], {}
+    for due in dues:
+        if len(due.block_ids) < due.held:
+            raise ValueError(f"{len(due.copy_targets)} copy target(s) but only "
+                             f"{len(due.block_ids) - len(due.source)} spare block(s)")
+        policy, rid = due.policy, due.request_id
+        if policy.query_window and state is None:
+            raise MissingWindowError(f"{policy.name} scores by attention: it needs the request's query window")
+        cached[rid] = state.scores.get(rid) if state is not None else None
+        jobs.append(scoring_job(due, state, cached[rid]))
+    scored = iter(score_runs(view, [job for job in jobs if job is not None]))
+
+    evictions, moves, remembered = {}, [], []
+    for due, job in zip(dues, jobs):
+        policy, rid, tokens, block_size = due.policy, due.request_id, due.tokens, due.policy.block_size
+        fresh = next(scored) if job is not None else None
+        scores = decision_scores(due, state, cached[rid], fresh)
+        remember = state is not None and (policy.static_scores or policy.accumulates) and scores is not None
+        held = due.held
+
+        if due.phase == "decode" and isinstance(policy, BlockPolicy):
+            if due.copy_targets:
+                raise ValueError("a block eviction writes nothing: it takes no copy targets")
+            victim = policy.select_victim(scores, tokens)
+            if remember:
+                if cached[rid] is None and not policy.accumulates:  # totals stay per layer and head
+                    scores = policy.cached_form(scores)
+                state.scores[rid] = torch.cat(
+                    [scores[..., : victim * block_size], scores[..., (victim + 1) * block_size :]], dim=-1)
+            evictions[rid] = Eviction(due.phase, tuple(p for p in range(held) if p != victim), held, block_size, 0)
+            continue
+
+        layers, heads = view.num_layers, view.num_heads
+        if due.phase == "prefill":
+            kept = policy.select_prefill(scores, tokens, layers, heads)
+        elif isinstance(policy, TokenPolicy):
+            kept = policy.select_decode(scores, tokens, layers, heads)
+        else:
+            raise TypeError(f"{type(policy).__name__} cannot evict in {due.phase}")
+        source = due.source
+        positions = list(range(len(source)))  # where each target block sits in block_ids
+        for extra, target in enumerate(due.copy_targets):
+            positions[target] = len(source) + extra
+        move = plan_move(source, tokens, kept.to(view.device), [due.block_ids[p] for p in positions],
+                         min(due.copy_targets) * block_size if due.copy_targets else None)
+        if move is not None:
+            moves.append(move)
+        if remember:
+            remembered.append((rid, policy, scores, kept))
+        remaining = kept.shape[-1]
+        evictions[rid] = Eviction(due.phase, tuple(positions[: cdiv(remaining, block_size)]), held,
+                                  tokens - remaining, move.written if move else 0)
+    compact_all(view, moves)
+    for rid, policy, scores, kept in remembered:
+        state.scores[rid] = kept_scores(policy, scores, kept)
+    return evictions
+
+
+def scoring_job(due: Due, state: PolicyState | None, cached: torch.Tensor | None) -> ScoreJob | None:
+    """What a due eviction must score: an accumulating policy its uncounted queries over every
+    slot; a static-score policy in decode only the slots written since its scores were cached;
+    otherwise every slot (an attention-aware policy with its whole window). None: nothing."""
+    policy, source, tokens = due.policy, due.source, due.tokens
+    if policy.accumulates:
+        return counting_job(policy, source, tokens, state, due.request_id)
+    if not policy.needs_kv:
+        return None
+    if cached is not None and cached.shape[-1] > tokens:
+        raise RuntimeError(f"kept scores for {cached.shape[-1]} tokens, but the request holds {tokens}")
+    if due.phase == "decode" and policy.static_scores and cached is not None:
+        return ScoreJob(policy, source, cached.shape[-1], tokens)
+    windows = None
+    if policy.query_window:
+        windows = state.layer_windows(due.request_id, fresh_only=False)
+        state.windows[due.request_id].fresh = 0
+    return ScoreJob(policy, source, 0, tokens, windows)
+
+
+def decision_scores(due: Due, state: PolicyState | None, cached: torch.Tensor | None,
+                    fresh: torch.Tensor | None) -> torch.Tensor | None:
+    """The scores the decision reads, from what ``scoring_job`` asked for."""
+    policy = due.policy
+    if policy.accumulates:
+        if fresh is not None:
+            fold_counted(policy, state, due.request_id, fresh)
+        return state.scores[due.request_id]
+    if fresh is None:
+        return None
+    if due.phase == "decode" and policy.static_scores and cached is not None:
+        return torch.cat([cached, policy.cached_form(fresh)], dim=-1)
+    return fresh
+
+
 def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase,
           state: PolicyState | None = None, request_id: str = "", copy_targets: tuple[int, ...] = ()) -> Eviction:
-    """Apply the policy to a request holding ``tokens`` physical tokens in ``block_ids``.
-
-    With a ``state``, a static-score policy's scores are cached there under ``request_id``.
-    ``copy_targets``: positions of blocks that must not be written (registered in the prefix
-    cache or shared); the request's token blocks are then followed in ``block_ids`` by as many
-    blocks of its own, which compaction writes instead, in that order."""
-    block_size = policy.block_size
-    source = block_ids[: cdiv(tokens, block_size)]
-    held = len(source) + len(copy_targets)
-    if len(block_ids) < held:
-        raise ValueError(f"{len(copy_targets)} copy target(s) but only {len(block_ids) - len(source)} spare block(s)")
-    cached = state.scores.get(request_id) if state is not None else None
-    windows = None
-    if policy.query_window and state is None:
-        raise MissingWindowError(f"{policy.name} scores by attention: it needs the request's query window")
-    if policy.accumulates:
-        scores = count_queries(policy, view, source, tokens, state, request_id)
-    else:
-        if policy.query_window:
-            windows = state.layer_windows(request_id, fresh_only=False)
-            state.windows[request_id].fresh = 0
-        scores = current_scores(policy, view, source, tokens, phase, cached, windows)
-    remember = state is not None and (policy.static_scores or policy.accumulates) and scores is not None
-
-    if phase == "decode" and isinstance(policy, BlockPolicy):
-        if copy_targets:
-            raise ValueError("a block eviction writes nothing: it takes no copy targets")
-        victim = policy.select_victim(scores, tokens)
-        if remember:
-            if cached is None and not policy.accumulates:  # totals stay per layer and head
-                scores = policy.cached_form(scores)
-            state.scores[request_id] = torch.cat(
-                [scores[..., : victim * block_size], scores[..., (victim + 1) * block_size :]], dim=-1)
-        return Eviction(phase, tuple(p for p in range(held) if p != victim), held, block_size, 0)
-
-    layers, heads = view.num_layers, view.num_heads
-    if phase == "prefill":
-        kept = policy.select_prefill(scores, tokens, layers, heads)
-    elif isinstance(policy, TokenPolicy):
-        kept = policy.select_decode(scores, tokens, layers, heads)
-    else:
-        raise TypeError(f"{type(policy).__name__} cannot evict in {phase}")
-    positions = list(range(len(source)))  # where each target block sits in block_ids
-    for extra, target in enumerate(copy_targets):
-        positions[target] = len(source) + extra
-    copied = compact(view, source, tokens, kept, [block_ids[p] for p in positions],
-                     min(copy_targets) * block_size if copy_targets else None)
-    if remember:
-        state.scores[request_id] = kept_scores(policy, scores, kept)
-    remaining = kept.shape[-1]
-    return Eviction(phase, tuple(positions[: cdiv(remaining, block_size)]), held, tokens - remaining, copied)
+    """One request's eviction (``evict_all`` with a single due)."""
+    return evict_all(view, [Due(request_id, policy, block_ids, tokens, phase, copy_targets)], state)[request_id]

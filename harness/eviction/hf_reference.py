@@ -33,6 +33,10 @@ class DynamicCacheView(KVView):
     def num_heads(self) -> int:
         return self.cache.layers[0].keys.shape[1]
 
+    @property
+    def head_dim(self) -> int:
+        return self.cache.layers[0].keys.shape[-1]
+
     def _index(self, blocks, offsets):
         return blocks * self.block_size + offsets
 

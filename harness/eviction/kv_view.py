@@ -16,9 +16,22 @@ class KVView:
     ``[tokens, kv_heads, head_dim]`` tensors in the cache's own dtype.
     """
 
+    # The most bytes one layer's joint read of several requests may take (None: no limit): reads
+    # stay small enough for the CPU's caches, and eviction scratch bounded on a GPU.
+    joint_read_bytes: int | None = None
+
     def __init__(self, layers: list[torch.Tensor], block_size: int):
         self.layers = layers
         self.block_size = block_size
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's K and V in one layer."""
+        return 2 * self.num_heads * self.head_dim * self.layers[0].element_size() if self.layers else 0
+
+    @property
+    def head_dim(self) -> int:
+        raise NotImplementedError
 
     @property
     def num_layers(self) -> int:
@@ -32,11 +45,29 @@ class KVView:
     def device(self) -> torch.device:
         return self.layers[0].device
 
+    def locate(self, runs: list[tuple[list[int], int, int]]) -> "Slots":
+        """Where the slots ``[start, end)`` of each run ``(block ids, start, end)`` live, found once
+        (on the cache's device) for reading them, concatenated in run order, from every layer."""
+        positions = [torch.arange(start, end, device=self.device) for _, start, end in runs]
+        tables = [torch.tensor(block_ids, dtype=torch.long, device=self.device) for block_ids, _, _ in runs]
+        blocks = torch.cat([table[p // self.block_size] for table, p in zip(tables, positions)])
+        offsets = torch.cat([p % self.block_size for p in positions])
+        parts, base = [], 0
+        for _, start, end in runs:
+            parts.append(slice(base, base + end - start))
+            base += end - start
+        return Slots(parts, blocks=blocks, offsets=offsets)
+
+    def read(self, layer: int, slots: "Slots") -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[rows, kv_heads, head_dim]`` of located slots in one layer; run i is
+        rows ``slots.parts[i]`` (a view may read more rows than the runs hold)."""
+        return self._gather(layer, slots.blocks, slots.offsets)
+
     def read_layer(self, layer: int, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``[start, end)`` of a request whose blocks are ``block_ids``."""
-        positions = torch.arange(start, end, device=self.device)
-        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self._gather(layer, table[positions // self.block_size], positions % self.block_size)
+        slots = self.locate([(block_ids, start, end)])
+        keys, values = self.read(layer, slots)
+        return keys[slots.parts[0]], values[slots.parts[0]]
 
     def write_layer(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor) -> None:
@@ -47,3 +78,12 @@ class KVView:
 
     def _scatter(self, layer, blocks, offsets, keys, values):
         raise NotImplementedError
+
+
+class Slots:
+    """Located runs of slots: ``parts[i]``, the rows of run i in what ``KVView.read`` returns, and
+    whatever index the view reads them with."""
+
+    def __init__(self, parts: list[slice], **index):
+        self.parts = parts
+        self.__dict__.update(index)

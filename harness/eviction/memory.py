@@ -1,0 +1,61 @@
+"""What eviction takes beside vLLM's KV pool, predicted before any model loads.
+
+Per request the worker keeps a policy's state between evictions (``PolicyState``): an
+attention-aware policy's query window in the model's dtype, a static score's cached form or an
+accumulating score's totals in float32, for at most ``budget + block_size`` tokens once the request
+evicts (a request inside its budget holds fewer). On top, one step's evictions allocate scratch:
+the scores of every layer for the longest prompt (a prefill eviction scores all of it before
+choosing), one joint read of K/V and its gathered copy (at most the view's ``joint_read_bytes``, or
+one request's layer when that is larger), and an attention-aware score's softmax over its window
+for one layer of the longest context. ``experiments/eviction_cost.py --batch`` measures a full
+batch's step against this prediction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from policies import Policy
+
+SCORE_BYTES = 4  # scores and totals are float32
+
+
+@dataclass(frozen=True)
+class EvictionMemory:
+    per_request: int   # bytes of policy state one request keeps between evictions
+    requests: int      # requests at once (max_num_seqs)
+    scratch: int       # bytes one step's evictions allocate on top, at most
+
+    @property
+    def total(self) -> int:
+        return self.per_request * self.requests + self.scratch
+
+    def describe(self) -> str:
+        return (f"{self.total / 2**30:.2f} GiB ({self.per_request / 2**10:.1f} KiB of policy state per request x "
+                f"{self.requests} requests + {self.scratch / 2**20:.0f} MiB of eviction scratch)")
+
+
+def state_per_token(policy: Policy, layers: int, kv_heads: int) -> int:
+    """Bytes of scores a policy keeps per cached token between evictions."""
+    scored = len(policy.scored_layers(layers))
+    if policy.accumulates:
+        return scored * kv_heads * SCORE_BYTES  # totals stay per layer and KV head
+    if policy.static_scores:
+        return policy.cached_form(torch.zeros(scored, kv_heads, 1)).numel() * SCORE_BYTES
+    return 0
+
+
+def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
+            joint_read_bytes: int | None) -> EvictionMemory:
+    """``shape``: ``harness.models.ModelShape`` (layers, KV and query heads, head dim, dtype bytes)."""
+    held = min(policy.budget + policy.block_size, max_model_len)
+    window = policy.query_window * shape.layers * shape.query_heads * shape.head_dim * shape.dtype_bytes
+    per_request = window + held * state_per_token(policy, shape.layers, shape.kv_heads)
+    layer_bytes = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # one token's K and V in one layer
+    longest_read = max_model_len * layer_bytes
+    joint_read = longest_read if joint_read_bytes is None else max(joint_read_bytes, longest_read)
+    prefill_scores = shape.layers * shape.kv_heads * max_model_len * SCORE_BYTES
+    softmax = shape.query_heads * policy.query_window * max_model_len * SCORE_BYTES
+    scratch = 2 * joint_read + prefill_scores + softmax if policy.evicts else 0
+    return EvictionMemory(per_request if policy.evicts else 0, max_num_seqs, scratch)
