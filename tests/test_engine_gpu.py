@@ -1,17 +1,32 @@
 """The same plugin on NVIDIA GPUs (vLLM 0.32, FlashAttention, V1 model runner, block size 16).
 
-Skipped without a CUDA device: nothing here has run on a GPU yet (see the issue notes). The engine
-runs SmolLM2 in bfloat16 (FlashAttention refuses float32); the oracle is the Hugging Face reference
-in bfloat16 on the same GPU. Two bf16 implementations round differently (8-bit mantissa: logits of
-~20 move by ~0.1), so a parting counts as a tie within BF16_TIE_NATS instead of fp32's 1e-3.
+Skipped without a CUDA device: nothing here has run on a GPU yet (see the issue notes). What a GPU
+run must check, on one engine per configuration with every policy x granularity of the registry
+(``tests/policy_matrix.py``) as per-request settings in one batch:
+
+* eager mode (every policy) and CUDA graphs (the attention-free ones; attention-aware policies
+  read queries through hooks that graphs skip, and are refused there);
+* prefix caching off and on (on: every prompt's blocks are registered first, and no block still
+  registered under the same hash may change);
+* prompts longer than three prefill chunks (``max_num_batched_tokens`` 512);
+* SmolLM2 (9 query / 3 KV heads) and, when ``KVH_GPU_GQA_MODEL`` names a local 32/8 GQA checkpoint
+  (Llama-3.2-1B, Llama-3.1-8B), that model too;
+* every block back in the pool, and the policy state the worker held within its prediction.
+
+The oracle is the Hugging Face reference in bfloat16 on the same GPU. Two bf16 implementations
+round differently (8-bit mantissa: logits of ~20 move by ~0.1), so a parting counts as a tie within
+BF16_TIE_NATS instead of fp32's 1e-3.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from engine_support import assert_same_outputs, model_path, run_engine, text_prompts
-from policies import make_policy
+from engine_support import assert_same_outputs, model_path, run_engine
+from policies import REGISTRY, make_policy
+from policy_matrix import MATRIX
 
 pytestmark = [
     pytest.mark.engine,
@@ -19,23 +34,58 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with vllm==0.32.0"),
 ]
 BF16_TIE_NATS = 0.15
-BLOCK, BUDGET, NEW = 16, 256, 64
+BLOCK, BUDGET, NEW, CHUNK = 16, 256, 64, 512
+GQA_MODEL = os.environ.get("KVH_GPU_GQA_MODEL")
+MODELS = ["smollm2"] + (["gqa"] if GQA_MODEL else [])
 
 
-@pytest.mark.parametrize("policy", ["paged", "streaming", "knorm", "keydiff"])
-def test_gpu_policy_equals_reference_in_bfloat16(tmp_path, policy):
+def checkpoint(model: str) -> str:
+    return GQA_MODEL if model == "gqa" else model_path(model)
+
+
+def prompts_for(model: str) -> list[list[int]]:
+    from harness.data.token_prompts import token_prompts
+
+    return token_prompts(checkpoint(model), [1700, 2100], seed=4)  # 4 and 5 chunks of 512
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no_prefix_cache", "prefix_cache"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_every_policy_on_the_gpu_equals_the_bf16_reference(tmp_path, model, prefix_caching, eager):
     from harness.eviction.hf_reference import HFReferenceEngine
+    from harness.eviction.memory import predict
+    from harness.models import model_shape
 
-    prompts = text_prompts("smollm2", [700, 900, 1100, 1300], seed=4)
-    engine = run_engine(tmp_path, "smollm2", prompts, NEW, device="cuda", dtype="bfloat16", block_size=BLOCK,
-                        kv_cache_gib=None, gpu_memory_utilization=0.5, in_process=False,
-                        eviction={"policy": policy, "budget": BUDGET})
-    (status,) = engine["eviction_status"]
-    assert status["backend"] == "FLASH_ATTN", f"the layout the harness reads, not {status['backend']}"
-    assert engine["ledger"]["evictions"]["prefill"] == len(prompts) and engine["ledger"]["evictions"]["decode"] > 0
-    reference = HFReferenceEngine(model_path("smollm2"), make_policy(policy, BUDGET, BLOCK),
-                                dtype=torch.bfloat16, device="cuda")
-    runs = [reference.generate_with_top_logprobs(prompt, NEW) for prompt in prompts]
-    expected = {"outputs": [ids for ids, _ in runs], "top_logprobs": [top for _, top in runs]}
-    assert_same_outputs(expected, engine, tie_nats=BF16_TIE_NATS)
-    assert engine["free_blocks_after"] == engine["free_blocks_before"]
+    cases = [(name, options) for name, options in MATRIX if eager or not REGISTRY[name].reads_attention]
+    prompts = prompts_for(model)
+    settings = [{"policy": name, "budget": BUDGET, "options": options} for name, options in cases for _ in prompts]
+    run = run_engine(tmp_path, "smollm2", prompts * len(cases), NEW, model_path=checkpoint(model), device="cuda",
+                     dtype="bfloat16", block_size=BLOCK, max_model_len=4096, kv_cache_gib=None,
+                     gpu_memory_utilization=0.5, in_process=True, enforce_eager=eager,
+                     max_num_batched_tokens=CHUNK, prefix_caching=prefix_caching, warm_cache=prefix_caching,
+                     request_eviction=settings)
+    machine = run["perf"][0]["machine"]
+    assert machine["compilation"] == ("NONE" if eager else "VLLM_COMPILE")
+    ledger = run["ledger"]
+    assert ledger["evictions"]["prefill"] == len(settings) and ledger["evictions"]["decode"] > 0
+    assert run["free_blocks_after"] == run["free_blocks_before"] == ledger["kv_pool_blocks"]
+    if prefix_caching:
+        assert run["cached_blocks"]["still_registered"] > 0 and run["cached_blocks"]["changed"] == 0
+
+    shape = model_shape(checkpoint(model), "bfloat16")
+    predicted = sum(predict(make_policy(name, BUDGET, BLOCK, **options), shape, 1, 4096, None).per_request
+                    for name, options in cases for _ in prompts)
+    assert 0 < ledger["policy_state_bytes_peak"] <= predicted
+
+    expected = {"outputs": [], "top_logprobs": []}
+    for name, options in cases:
+        reference = HFReferenceEngine(checkpoint(model), make_policy(name, BUDGET, BLOCK, **options),
+                                      dtype=torch.bfloat16, device="cuda")
+        for prompt in prompts:
+            ids, top = reference.generate_with_top_logprobs(prompt, NEW)
+            expected["outputs"].append(ids)
+            expected["top_logprobs"].append(top)
+        del reference
+        torch.cuda.empty_cache()
+    assert_same_outputs(expected, run, tie_nats=BF16_TIE_NATS)

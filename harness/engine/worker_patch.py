@@ -241,8 +241,14 @@ def install() -> None:
     original_init_cache = GPUModelRunner.initialize_kv_cache
 
     @functools.wraps(original_init_cache)
-    def initialize_kv_cache(self, *args, **kwargs):
-        original_init_cache(self, *args, **kwargs)
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs):
+        original_init_cache(self, kv_cache_config, is_profiling, *args, **kwargs)
+        if is_profiling:
+            # A throw-away cache for CUDA-graph memory profiling (vllm/v1/worker/gpu_model_runner.py:6231,
+            # freed by _cleanup_profiling_kv_cache): no view may keep it alive while the real
+            # cache is allocated.
+            self.__dict__.pop("_kv_eviction", None)
+            return
         attach_eviction_state(self)
 
     original_prepare = GPUModelRunner._prepare_inputs

@@ -279,10 +279,19 @@ class Due:
 
 
 def evict_all(view: KVView, dues: list[Due], state: PolicyState | None = None) -> dict[str, Eviction]:
-    """Carry out every eviction due in a step, together: all their scoring reads one layer at a
-    time with one gather, and all their compactions one layer at a time with one gather and one
-    scatter. Returns ``{request_id: Eviction}``. With a ``state``, a static-score policy's scores
-    are cached there, an accumulating one's totals kept, and attention windows read."""
+    """Carry out every eviction due in a step, together: in groups whose K/V of one layer fit the
+    view's ``joint_read_bytes``, a group's scoring reads each layer with one gather, and its
+    compactions each layer with one gather and one scatter. Grouping also bounds the step's
+    scratch (a group's scores and keep sets live until its compaction). Returns ``{request_id:
+    Eviction}``. With a ``state``, a static-score policy's scores are cached there, an
+    accumulating one's totals kept, and attention windows read."""
+    evictions = {}
+    for group in joint_reads(view, [due.tokens for due in dues]):
+        evictions.update(evict_group(view, [dues[index] for index in group], state))
+    return evictions
+
+
+def evict_group(view: KVView, dues: list[Due], state: PolicyState | None) -> dict[str, Eviction]:
     jobs, cached = [], {}
     for due in dues:
         if len(due.block_ids) < due.held:

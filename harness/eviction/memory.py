@@ -3,11 +3,8 @@
 Per request the worker keeps a policy's state between evictions (``PolicyState``): an
 attention-aware policy's query window in the model's dtype, a static score's cached form or an
 accumulating score's totals in float32, for at most ``budget + block_size`` tokens once the request
-evicts (a request inside its budget holds fewer). On top, one step's evictions allocate scratch:
-the scores of every layer for the longest prompt (a prefill eviction scores all of it before
-choosing), one joint read of K/V and its gathered copy (at most the view's ``joint_read_bytes``, or
-one request's layer when that is larger), and an attention-aware score's softmax over its window
-for one layer of the longest context. ``experiments/eviction_cost.py --batch`` measures a full
+evicts (a request inside its budget holds fewer). On top, one step's evictions allocate scratch,
+bounded by the group of requests the evictor takes at once (``predict``). ``experiments/eviction_cost.py --batch`` measures a full
 batch's step against this prediction.
 """
 from __future__ import annotations
@@ -46,16 +43,24 @@ def state_per_token(policy: Policy, layers: int, kv_heads: int) -> int:
     return 0
 
 
+INDEX_BYTES = 8  # keep sets and gather indices are int64
+
+
 def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
             joint_read_bytes: int | None) -> EvictionMemory:
-    """``shape``: ``harness.models.ModelShape`` (layers, KV and query heads, head dim, dtype bytes)."""
+    """``shape``: ``harness.models.ModelShape`` (layers, KV and query heads, head dim, dtype bytes).
+
+    Scratch is one group of requests evicted together (``harness.eviction.evictor.evict_all``): as
+    many tokens as ``joint_read_bytes`` of one layer's K/V hold (at least the longest context), read
+    and gathered (twice that), their scores of every layer, their keep sets and gather indices
+    (three int64 copies per layer, KV head and token), and one layer's softmax over the window."""
     held = min(policy.budget + policy.block_size, max_model_len)
     window = policy.query_window * shape.layers * shape.query_heads * shape.head_dim * shape.dtype_bytes
     per_request = window + held * state_per_token(policy, shape.layers, shape.kv_heads)
     layer_bytes = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # one token's K and V in one layer
-    longest_read = max_model_len * layer_bytes
-    joint_read = longest_read if joint_read_bytes is None else max(joint_read_bytes, longest_read)
-    prefill_scores = shape.layers * shape.kv_heads * max_model_len * SCORE_BYTES
+    group_tokens = max_model_len if joint_read_bytes is None else max(joint_read_bytes // layer_bytes, max_model_len)
+    group_tokens = min(group_tokens, max_num_seqs * max_model_len)
+    per_token = shape.layers * shape.kv_heads * (SCORE_BYTES + 3 * INDEX_BYTES)
     softmax = shape.query_heads * policy.query_window * max_model_len * SCORE_BYTES
-    scratch = 2 * joint_read + prefill_scores + softmax if policy.evicts else 0
+    scratch = group_tokens * (2 * layer_bytes + per_token) + softmax if policy.evicts else 0
     return EvictionMemory(per_request if policy.evicts else 0, max_num_seqs, scratch)
