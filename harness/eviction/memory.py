@@ -44,6 +44,7 @@ def state_per_token(policy: Policy, layers: int, kv_heads: int) -> int:
 
 
 INDEX_BYTES = 8  # keep sets and gather indices are int64
+MARGIN = 1.1     # see predict
 
 
 def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
@@ -52,15 +53,19 @@ def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
 
     Scratch is one group of requests evicted together (``harness.eviction.evictor.evict_all``): as
     many tokens as ``joint_read_bytes`` of one layer's K/V hold (at least the longest context), read
-    and gathered (twice that), their scores of every layer, their keep sets and gather indices
-    (three int64 copies per layer, KV head and token), and one layer's softmax over the window."""
+    and gathered (twice that), their scores of every layer and the state built from them beside the
+    old, their keep sets and gather indices (three int64 copies per layer, KV head and token); one
+    request's selection temporaries (sorting its scores) and one layer's softmax over the window;
+    and ``MARGIN`` for what this count leaves out (allocator rounding, short-lived copies):
+    ``experiments/eviction_cost.py --batch`` measures each case within the prediction."""
     held = min(policy.budget + policy.block_size, max_model_len)
     window = policy.query_window * shape.layers * shape.query_heads * shape.head_dim * shape.dtype_bytes
     per_request = window + held * state_per_token(policy, shape.layers, shape.kv_heads)
     layer_bytes = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # one token's K and V in one layer
     group_tokens = max_model_len if joint_read_bytes is None else max(joint_read_bytes // layer_bytes, max_model_len)
     group_tokens = min(group_tokens, max_num_seqs * max_model_len)
-    per_token = shape.layers * shape.kv_heads * (SCORE_BYTES + 3 * INDEX_BYTES)
+    per_token = shape.layers * shape.kv_heads * (2 * SCORE_BYTES + 3 * INDEX_BYTES)
+    selection = shape.layers * shape.kv_heads * max_model_len * (4 * SCORE_BYTES + INDEX_BYTES)
     softmax = shape.query_heads * policy.query_window * max_model_len * SCORE_BYTES
-    scratch = group_tokens * (2 * layer_bytes + per_token) + softmax if policy.evicts else 0
+    scratch = int(MARGIN * (group_tokens * (2 * layer_bytes + per_token) + selection + softmax)) if policy.evicts else 0
     return EvictionMemory(per_request if policy.evicts else 0, max_num_seqs, scratch)
