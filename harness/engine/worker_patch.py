@@ -12,12 +12,12 @@
   by hooks on the attention layers as the model runs (``query_capture``), then added to each
   request's window once the step is done.
 * After a step has written its K/V and sampled, a request whose policy sums attention (H2O) has
-  its uncounted queries counted when the prompt completes or its window is all uncounted; each
-  request of the plan whose prompt just completed past its budget, or whose newest block just
-  filled past it, is handed to the evictor
-  with its own policy (and the copy targets the scheduler allocated under prefix caching); the
-  request's block list and its row in the persistent block table take their new shape, and the
-  step's ``EvictionReport`` tells the scheduler, which returns the released blocks to the pool.
+  its uncounted queries counted when the prompt completes or its window is all uncounted; the
+  requests of the plan whose prompt just completed past their budget, or whose newest block just
+  filled past it, go to the evictor together (``evict_all``), each with its own policy (and the
+  copy targets the scheduler allocated under prefix caching); their block lists and rows in the
+  persistent block table take their new shape, and the step's ``EvictionReport`` tells the
+  scheduler, which returns the released blocks to the pool.
 
 vLLM offers no hook around input preparation, so these three runner methods are wrapped (the one
 global patch the harness installs, from its general plugin). ``CPUModelRunner`` subclasses

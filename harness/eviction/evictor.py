@@ -1,22 +1,25 @@
-"""Carries out one policy decision on one request's paged KV: the worker-side mechanism.
+"""Carries out policy decisions on requests' paged KV: the worker-side mechanism.
 
-It scores the request's tokens through a backend view, asks the policy, and either drops a block
-(decode, block policies: nothing moves) or compacts the kept tokens into the request's first
-slots (prefill, and decode for token policies) so that whole tail blocks become free. It returns
-which of the request's blocks to release; the scheduler side returns them to vLLM's pool.
+For each request due (``Due``) it scores the tokens through a view, asks the policy, and either
+drops a block (decode, block policies: nothing moves) or compacts the kept tokens into the
+request's first slots (prefill, and decode for token policies) so that whole tail blocks become
+free. It returns which of each request's blocks to release; the scheduler side returns them to
+vLLM's pool. The requests due in one step are handled together (``evict_all``), in groups whose
+K/V of one layer fit the view's ``joint_read_bytes``: a group's scoring reads each layer with one
+gather, and its compactions each layer with one gather and one scatter.
 
-Memory stays flat in the model's size: K/V are read one layer at a time (one layer of one request,
-in the cache's dtype), never the whole request for every layer. A policy whose scores are fixed
-once a token is written (``static_scores``) keeps them per request between evictions
-(``PolicyState``): a decode eviction then scores only the tokens written since the last one, a block
-of them, whatever the context length. An attention-aware policy scores with the request's query
-window (``PolicyState.windows``, filled by the engine as the attention layers run); one whose scores
+Memory stays flat in the model's size: K/V are read one layer at a time (in the cache's dtype),
+never a request's every layer at once. A policy whose scores are fixed once a token is written
+(``static_scores``) keeps them per request between evictions (``PolicyState``): a decode eviction
+then scores only the tokens written since the last one, a block of them, whatever the context
+length. An attention-aware policy scores with the request's query window
+(``PolicyState.windows``, filled by the engine as the attention layers run); one whose scores
 accumulate (H2O) adds what each query paid every cached token to the totals the state keeps, which
 follow their tokens through compaction and block drops. Queries are counted whether or not an
 eviction is due (``count_due``): the prompt's last window once the prompt is computed, decode
 queries whenever the window holds ``window`` uncounted ones, and the rest at an eviction. Counting
-late is exact: until the next eviction the cache only grows, and the window is causal. Nothing here imports vLLM,
-so the Hugging Face reference engine runs the same code path.
+late is exact: until the next eviction the cache only grows, and the window is causal. Nothing
+here imports vLLM, so the Hugging Face reference engine runs the same code path.
 """
 from __future__ import annotations
 
