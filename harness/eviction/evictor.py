@@ -23,7 +23,7 @@ here imports vLLM, so the Hugging Face reference engine runs the same code path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -95,7 +95,7 @@ def count_queries(policy: Policy, view: KVView, block_ids: list[int], tokens: in
     request's state (H2O: the attention they paid, added to the totals); returns the state."""
     job = counting_job(policy, block_ids, tokens, state, request_id)
     if job is not None:
-        (counted,) = score_runs(view, [job])
+        (counted,) = score_together(view, [job])
         fold_counted(policy, state, request_id, counted)
     return state.scores[request_id]
 
@@ -129,16 +129,6 @@ def fold_counted(policy: Policy, state: PolicyState, request_id: str, counted: t
     window.fresh = 0
 
 
-def score_runs(view: KVView, jobs: list[ScoreJob]) -> list[torch.Tensor]:
-    """Each job's ``[scored layers, heads, end - start]`` scores. A layer at a time, every job's
-    slots of that layer are read with one gather (the slots are located once for all layers), and
-    each job's policy scores its part (an attention-aware one with that layer's query window)."""
-    scores = []
-    for group in joint_reads(view, [job.end - job.start for job in jobs]):
-        scores.extend(score_together(view, [jobs[index] for index in group]))
-    return scores
-
-
 def joint_reads(view: KVView, lengths: list[int]) -> list[list[int]]:
     """Consecutive runs grouped so that one layer's joint read of a group stays within the view's
     ``joint_read_bytes`` (a run longer than that reads alone)."""
@@ -155,6 +145,11 @@ def joint_reads(view: KVView, lengths: list[int]) -> list[list[int]]:
 
 
 def score_together(view: KVView, jobs: list[ScoreJob]) -> list[torch.Tensor]:
+    """Each job's ``[scored layers, heads, end - start]`` scores. A layer at a time, every job's
+    slots of that layer are read with one gather (the slots are located once for all layers), and
+    each job's policy scores its part (an attention-aware one with that layer's query window)."""
+    if not jobs:
+        return []
     slots = view.locate([(job.block_ids, job.start, job.end) for job in jobs])
     scored = [set(job.policy.scored_layers(view.num_layers)) for job in jobs]
     rows: list[list[torch.Tensor]] = [[] for _ in jobs]
@@ -170,13 +165,6 @@ def score_together(view: KVView, jobs: list[ScoreJob]) -> list[torch.Tensor]:
             else:
                 rows[index].append(job.policy.layer_scores(keys[part], values[part], job.windows[layer]))
     return [torch.stack(row) for row in rows]
-
-
-def score_slots(policy: Policy, view: KVView, block_ids: list[int], start: int, end: int,
-                windows: list[Window] | None = None) -> torch.Tensor:
-    """``[scored layers, heads, end - start]`` scores of one request's slots ``[start, end)``."""
-    (scores,) = score_runs(view, [ScoreJob(policy, block_ids, start, end, windows)])
-    return scores
 
 
 @dataclass
@@ -210,17 +198,14 @@ def plan_move(block_ids: list[int], tokens: int, kept: torch.Tensor, targets_tab
     return Move(block_ids, tokens, kept, targets_table or block_ids, min(starts))
 
 
-def compact_all(view: KVView, moves: list[Move]) -> None:
+def compact_together(view: KVView, moves: list[Move]) -> None:
     """Carry out every move, a layer at a time with one read and one write for all of them.
 
     Each move's sources lie at or after its ``first`` slot (indices are sorted), and a layer's
     reads all happen before its writes, so sources and destinations may overlap (and a block
     shared read-only between requests is read before anything is written)."""
-    for group in joint_reads(view, [move.tokens - move.first for move in moves]):
-        compact_together(view, [moves[index] for index in group])
-
-
-def compact_together(view: KVView, moves: list[Move]) -> None:
+    if not moves:
+        return
     device = view.device
     sources = view.locate([(move.block_ids, move.first, move.tokens) for move in moves])
     target_blocks, target_offsets, gathers = [], [], []
@@ -237,16 +222,6 @@ def compact_together(view: KVView, moves: list[Move]) -> None:
         keys, values = view.read(layer, sources)
         rows = index[layer].unsqueeze(-1).expand(-1, -1, keys.shape[-1])
         view.write_layer(layer, blocks, offsets, torch.gather(keys, 0, rows), torch.gather(values, 0, rows))
-
-
-def compact(view: KVView, block_ids: list[int], tokens: int, kept: torch.Tensor,
-            targets_table: list[int] | None = None, rewrite_from: int | None = None) -> int:
-    """Pack one request's ``kept`` ([layers, heads, n] source indices into the slots of
-    ``block_ids``) into slots 0..n-1 of ``targets_table`` (default: the same blocks); returns the
-    slots written."""
-    move = plan_move(block_ids, tokens, kept.to(view.device), targets_table, rewrite_from)
-    compact_all(view, [move] if move else [])
-    return move.written if move else 0
 
 
 def kept_scores(policy: Policy, scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -305,7 +280,7 @@ def evict_group(view: KVView, dues: list[Due], state: PolicyState | None) -> dic
             raise MissingWindowError(f"{policy.name} scores by attention: it needs the request's query window")
         cached[rid] = state.scores.get(rid) if state is not None else None
         jobs.append(scoring_job(due, state, cached[rid]))
-    scored = iter(score_runs(view, [job for job in jobs if job is not None]))
+    scored = iter(score_together(view, [job for job in jobs if job is not None]))
 
     evictions, moves, remembered = {}, [], []
     for due, job in zip(dues, jobs):
@@ -347,7 +322,7 @@ def evict_group(view: KVView, dues: list[Due], state: PolicyState | None) -> dic
         remaining = kept.shape[-1]
         evictions[rid] = Eviction(due.phase, tuple(positions[: cdiv(remaining, block_size)]), held,
                                   tokens - remaining, move.written if move else 0)
-    compact_all(view, moves)
+    compact_together(view, moves)
     for rid, policy, scores, kept in remembered:
         state.scores[rid] = kept_scores(policy, scores, kept)
     return evictions
