@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class EngineSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     in_process: bool = True                # engine core in this process (its scheduler can be read)
+    tensor_parallel_size: int = 1          # workers the model's heads are split over (vLLM's multiprocess executor)
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,17 @@ class RunSettings:
         if self.policy in REGISTRY and options.get("granularity", object()) == REGISTRY[self.policy].granularity:
             # A policy's own granularity names the cell it named before granularity became an option.
             policy["options"] = {k: v for k, v in options.items() if k != "granularity"}
+        engine = dict(self.resolved["engine"])
+        if engine.get("tensor_parallel_size") == 1:
+            # One worker names the cell it named before tensor parallelism became a setting.
+            del engine["tensor_parallel_size"]
         return {
             "policy": policy,
             "budget": self.budget if self.evicts else None,
             "block_size": self.block_size,
             "model": self.resolved["model"],
             "data": self.resolved["data"],
-            "engine": self.resolved["engine"],
+            "engine": engine,
         }
 
     @property
@@ -206,8 +212,31 @@ def check(run: RunSettings) -> None:
     check_data_config(run.data)
     if not run.model.path.startswith("embedded:"):
         resolve_model_path(run.model.path, prepare=False)
+    check_tensor_parallel(run)
     check_kv_pool(run)
     check_memory(run)
+
+
+def check_tensor_parallel(run: RunSettings) -> None:
+    """Each rank holds an equal share of the model's KV and query heads (vLLM would replicate KV
+    heads it cannot split, which eviction does not follow), and on CPU at least one core."""
+    size = run.engine.tensor_parallel_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"engine.tensor_parallel_size={size!r} must be a positive integer")
+    if size == 1:
+        return
+    if run.engine.device == "cpu":
+        cores = len(os.sched_getaffinity(0))
+        if size > cores:
+            raise ConfigError(f"engine.tensor_parallel_size={size} needs a core per rank; this process may use {cores}")
+    try:
+        shape = model_shape(resolve_model_path(run.model.path, prepare=False), run.model.dtype)
+    except ModelNotFoundError:
+        return  # not prepared yet: vLLM checks the query heads, the workers the KV heads
+    if shape is not None and (shape.kv_heads % size or shape.query_heads % size):
+        raise ConfigError(
+            f"engine.tensor_parallel_size={size} must divide model {run.model.name}'s {shape.query_heads} query "
+            f"and {shape.kv_heads} KV heads: each rank evicts its own share of them")
 
 
 def check_memory(run: RunSettings) -> None:
@@ -227,18 +256,22 @@ def check_memory(run: RunSettings) -> None:
     shape, weights = model_shape(model_dir, run.model.dtype), weight_bytes(model_dir)
     if shape is None or weights is None:
         return
+    # Under tensor parallelism every rank holds a pool of kv_cache_gib for its heads, and its own
+    # policy state (scores of every head, windows of its own heads: counted whole per rank here).
+    ranks = run.engine.tensor_parallel_size
     if run.engine.num_kv_blocks is not None:
         pool = run.engine.num_kv_blocks * run.block_size * shape.kv_bytes_per_token
     elif run.engine.kv_cache_gib is not None:
-        pool = int(run.engine.kv_cache_gib * 2**30)
+        pool = int(run.engine.kv_cache_gib * 2**30) * ranks
     else:
         return
     policy = make_policy(run.policy, run.budget, run.block_size, **run.options)
     memory = predict(policy, shape, run.engine.max_num_seqs, run.model.max_model_len, CpuAttnView.joint_read_bytes)
-    available, need = available_memory(), weights + pool + memory.total
+    available, need = available_memory(), weights + pool + memory.total * ranks
     if available is not None and need > available:
+        per_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
         raise ConfigError(
-            f"policy {run.policy} at budget={run.budget} needs {memory.describe()} beside the KV pool "
+            f"policy {run.policy} at budget={run.budget} needs {memory.describe()}{per_rank} beside the KV pool "
             f"({pool / 2**30:.2f} GiB) and the weights ({weights / 2**30:.2f} GiB): {need / 2**30:.2f} GiB, but "
             f"{available / 2**30:.2f} GiB are available: lower engine.max_num_seqs, the budget or engine.kv_cache_gib"
         )
@@ -263,6 +296,8 @@ def check_kv_pool(run: RunSettings) -> None:
     except ModelNotFoundError:
         return  # not prepared yet: the engine will prepare it and vLLM checks the pool
     per_token = kv_bytes_per_token(model_dir, run.model.dtype)
+    if per_token is not None:
+        per_token //= run.engine.tensor_parallel_size  # a rank's pool holds its share of the heads
     blocks = run.engine.num_kv_blocks
     gib = run.engine.kv_cache_gib
     if blocks is None and (gib is None or per_token is None):

@@ -5,7 +5,8 @@ example attention (SnapKV's votes), recency and KeyDiff, the default. Each compo
 scaled to [0, 1] over the request's tokens (a constant row scores 0) before they are weighed, so
 no score dominates by its units. Components that accumulate state over the request (H2O, LRU)
 are refused: their totals would need per-request state of their own. Attention-aware components share one
-query window, the longest any of them needs.
+query window, the longest any of them needs. Every component is taken per KV head (TOVA's too: the
+newest query's attention averaged over that head's query group), so the sum is per head as well.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """What a score is: how important each cached token is, and what computing it needs.
 
 A score is called with one layer's K/V of one request, ``[tokens, kv_heads, head_dim]`` tensors
-(keys post-RoPE, as cached), and returns ``[kv_heads, tokens]`` float32 scores, higher = keep. It
+(keys post-RoPE, as cached), and returns ``[kv_heads, tokens]`` float32 scores, higher = keep. A
+head's row reads only that head's keys, values and query group: under tensor parallelism each
+rank scores its own heads (a choice across heads is the selection's, ``share``). It
 declares what the engine must give it and may keep for it:
 
 * ``static``: a token's score is fixed once its K/V is written (||V||/||K||, ||K||): the engine

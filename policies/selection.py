@@ -65,8 +65,8 @@ class ScoredTokenPolicy(ScoredPolicy, TokenPolicy):
         if edges is None:
             edges = (self.block_size, self.block_size) if self.protect_edges else (0, 0)
         first, last = edges
-        if self.score.share == "layer":  # the score is one row per layer, shared by its heads
-            per_layer = keep_edges_and_best(scores[:, 0], first, last, self.budget)
+        if self.score.share == "layer":  # one choice per layer, from its heads' average
+            per_layer = keep_edges_and_best(scores.mean(dim=1), first, last, self.budget)
             return per_layer[:, None, :].expand(layers, heads, -1).contiguous()
         if self.shares_per_head():
             return keep_edges_and_best(scores.expand(layers, heads, -1), first, last, self.budget)

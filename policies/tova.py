@@ -19,7 +19,8 @@ from policies.score import Score
 @register_score("tova", granularity="token")
 @dataclass
 class TOVA(Score):
-    """TOVA: the attention the newest query pays each token, all heads averaged, per layer."""
+    """TOVA: the attention the newest query pays each token, per KV head (its query group
+    averaged); the layer's heads share one choice from their average."""
 
     share: ClassVar[str] = "layer"  # one choice per layer, shared by its heads
 
@@ -28,8 +29,10 @@ class TOVA(Score):
         return 1
 
     def __call__(self, keys, values, window=None):
-        newest = window_attention(window, keys)[:, :, -1].mean(dim=(0, 1))  # [tokens], all heads
-        return newest.expand(keys.shape[1], -1)
+        # [kv_heads, tokens]: each KV head's row averages its own query group; the selection
+        # averages the rows (``share = "layer"``), which is the average over all query heads
+        # (equal groups), and a head's row needs no other head's queries (tensor parallelism).
+        return window_attention(window, keys)[:, :, -1].mean(dim=1)
 
     def token_edges(self, budget, block_size):
         return 0, 0

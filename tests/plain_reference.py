@@ -170,16 +170,15 @@ class PlainPolicy:
         self.totals = old
 
     def component(self, score: str, keys, values, queries, scale) -> torch.Tensor:
-        """``[layers, heads, tokens]`` scores of one named score (TOVA: ``[layers, 1, tokens]``)."""
+        """``[layers, heads, tokens]`` scores of one named score."""
         if score in KV_SCORES:
             return torch.stack([KV_SCORES[score](k, v) for k, v in zip(keys, values)])
         if score == "h2o":
             return self.totals
         if score == "lru":  # the youngest kept
             return -self.totals
-        if score == "tova":  # the newest query's attention, averaged over all query heads
-            return torch.stack([attention_received(q[-1:], k, scale).mean(dim=0, keepdim=True)
-                                for q, k in zip(queries, keys)])
+        if score == "tova":  # the newest query's attention (per KV head; a layer's choice averages them)
+            return torch.stack([attention_received(q[-1:], k, scale) for q, k in zip(queries, keys)])
         if score == "hybrid":  # weighted scores, each scaled to [0, 1] per layer and head
             total = 0
             for name, weight in self.weights.items():
@@ -230,7 +229,7 @@ class PlainPolicy:
         if share == "head":
             kept = keep_with_edges(scores.expand(layers, heads, -1), first, last, total)
         elif share == "layer":
-            kept = keep_with_edges(scores[:, 0], first, last, total)[:, None, :].expand(layers, heads, -1)
+            kept = keep_with_edges(scores.mean(dim=1), first, last, total)[:, None, :].expand(layers, heads, -1)
         else:
             kept = keep_with_edges(scores.mean(dim=(0, 1)), first, last, total).expand(layers, heads, -1)
         if self.totals is not None:

@@ -1,6 +1,7 @@
 """Config composition and the bad-input paths: every error is one clear line, before any model loads."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,12 +56,25 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
         (["policy=full", "budget=-5"], "budget=-5 is below two blocks"),
         (["policy=full", "budget=1000000"], "budget=1000000 is above model smollm2-135m's context"),
         (["engine=gpu", "model=tiny"], "model.dtype=float32 cannot run on the GPU engine"),
+        (["engine.tensor_parallel_size=0"], "engine.tensor_parallel_size=0 must be a positive integer"),
+        (["engine.tensor_parallel_size=2"], "engine.tensor_parallel_size=2 must divide model smollm2-135m's 9 query "
+                                            "and 3 KV heads"),
+        (["model=tiny", f"engine.tensor_parallel_size={len(os.sched_getaffinity(0)) + 2}"], "needs a core per rank"),
     ],
 )
 def test_bad_config_is_a_clear_error(overrides, message):
     with pytest.raises(ConfigError) as error:
         run_settings(compose_cfg(*overrides))
     assert message in str(error.value)
+
+
+def test_tensor_parallelism_names_its_own_cells_and_one_worker_keeps_the_old_names():
+    """``tensor_parallel_size`` joined the engine settings after cells were committed: at 1 a cell
+    keeps its name, at 2 it is another cell."""
+    one = run_settings(compose_cfg("model=tiny", "policy=paged", "budget=256"))
+    assert "tensor_parallel_size" not in one.identity()["engine"] and one.engine.tensor_parallel_size == 1
+    two = run_settings(compose_cfg("model=tiny", "policy=paged", "budget=256", "engine.tensor_parallel_size=2"))
+    assert two.engine.tensor_parallel_size == 2 and two.cell_name != one.cell_name
 
 
 def test_full_cache_is_one_cell_whatever_the_budget():

@@ -18,7 +18,9 @@ def vllm_config(**changes):
     config = SimpleNamespace(
         additional_config={"kv_eviction": {"policy": "paged", "budget": 512}},
         cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, world_size=1,
+                                        prefill_context_parallel_size=1, decode_context_parallel_size=1,
+                                        data_parallel_size=1),
         speculative_config=None,
         use_v2_model_runner=False,
         scheduler_config=SimpleNamespace(async_scheduling=False, scheduler_cls=SCHEDULER_CLS),
@@ -51,7 +53,10 @@ def test_bad_settings_are_refused(raw, message):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"parallel_config.tensor_parallel_size": 2}, "one worker"),
+        ({"parallel_config.pipeline_parallel_size": 2}, "tensor parallelism only, got pipeline_parallel_size=2"),
+        ({"parallel_config.prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2: a request's tokens"),
+        ({"parallel_config.decode_context_parallel_size": 2}, "decode_context_parallel_size=2"),
+        ({"parallel_config.world_size": 4}, "vLLM's world size is 4 for tensor_parallel_size=1"),
         ({"speculative_config": object()}, "speculative decoding"),
         ({"use_v2_model_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
         ({"scheduler_config.async_scheduling": True}, "--no-async-scheduling"),
@@ -63,6 +68,7 @@ def test_bad_settings_are_refused(raw, message):
 )
 def test_incompatible_engines_are_refused_with_the_reason(change, message):
     check_compatible(vllm_config())
+    check_compatible(vllm_config(**{"parallel_config.tensor_parallel_size": 2, "parallel_config.world_size": 2}))
     with pytest.raises(ValueError, match=message):
         check_compatible(vllm_config(**change))
 

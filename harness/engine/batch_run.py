@@ -13,7 +13,7 @@ prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that requ
 {policy, budget, options}, or null for the engine's default), warm_cache (first prefill every
 prompt with a one-token full-cache request, snapshot every block the prefix cache then holds,
 and after the run report how many of those still registered under the same hash changed),
-enforce_eager (default true; false: vLLM's compiled mode).
+enforce_eager (default true; false: vLLM's compiled mode), tensor_parallel_size (default 1).
 OUT holds each request's output ids and preemptions, the free blocks before and after, and the
 scheduler's ledger (null for stock vLLM).
 """
@@ -42,6 +42,7 @@ def run(spec: dict) -> dict:
         in_process=spec.get("in_process", True), max_num_seqs=spec.get("max_num_seqs", 64),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), kv_cache_gib=spec.get("kv_cache_gib", 1.0),
         num_kv_blocks=spec.get("kv_blocks"), gpu_memory_utilization=spec.get("gpu_memory_utilization"),
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
     )
     engine = Engine(spec["model_path"], model, engine_settings, spec["block_size"], eviction=eviction,
                     stock=bool(spec.get("stock")), prefix_caching=bool(spec.get("prefix_caching")))
@@ -87,8 +88,8 @@ def run(spec: dict) -> dict:
 
 
 def cached_blocks(engine) -> dict[int, tuple]:
-    """Every block registered in the prefix cache: block id -> (its hash, its K/V in every layer).
-    Needs the engine core and the worker in this process (``in_process``, one CPU worker)."""
+    """Every block registered in the prefix cache: block id -> (its hash, its K/V in every layer of
+    every rank). Needs the engine core in this process (``in_process``)."""
     scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
     registered = {block.block_id: block.block_hash for block in scheduler.kv_cache_manager.block_pool.blocks
                   if block.block_hash is not None and not block.is_null}
@@ -97,7 +98,7 @@ def cached_blocks(engine) -> dict[int, tuple]:
     def read(worker):
         return [layer[ids].clone() for layer in worker.model_runner.kv_caches]
 
-    (layers,) = engine.llm.collective_rpc(read)
+    layers = [layer for rank in engine.llm.collective_rpc(read) for layer in rank]
     return {block_id: (registered[block_id], [layer[i] for layer in layers]) for i, block_id in enumerate(ids)}
 
 

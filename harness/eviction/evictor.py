@@ -18,16 +18,20 @@ accumulate (H2O) adds what each query paid every cached token to the totals the 
 follow their tokens through compaction and block drops. Queries are counted whether or not an
 eviction is due (``count_due``): the prompt's last window once the prompt is computed, decode
 queries whenever the window holds ``window`` uncounted ones, and the rest at an eviction. Counting
-late is exact: until the next eviction the cache only grows, and the window is causal. Nothing
-here imports vLLM, so the Hugging Face reference engine runs the same code path.
+late is exact: until the next eviction the cache only grows, and the window is causal. Under
+tensor parallelism (``shards``) a rank scores its own KV heads, the ranks exchange those scores,
+and each decides on every head and compacts its own (``harness.eviction.shards``). Nothing here
+imports vLLM, so the Hugging Face reference engine runs the same code path.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from harness.eviction.shards import SINGLE, HeadShards
 from harness.eviction.kv_view import KVView
 from policies import BlockPolicy, Policy, TokenPolicy
 from policies.attention import Window
@@ -90,12 +94,12 @@ def count_due(policy: Policy, prompt_len: int, computed_before: int, computed_af
 
 
 def count_queries(policy: Policy, view: KVView, block_ids: list[int], tokens: int, state: PolicyState,
-                  request_id: str) -> torch.Tensor:
+                  request_id: str, shards: HeadShards = SINGLE) -> torch.Tensor:
     """Fold what the window's uncounted queries say of each of the ``tokens`` cached slots into the
     request's state (H2O: the attention they paid, added to the totals); returns the state."""
     job = counting_job(policy, block_ids, tokens, state, request_id)
     if job is not None:
-        (counted,) = score_together(view, [job])
+        (counted,) = shards.gather_heads(score_together(view, [job]))
         fold_counted(policy, state, request_id, counted)
     return state.scores[request_id]
 
@@ -256,20 +260,25 @@ class Due:
         return len(self.source) + len(self.copy_targets)
 
 
-def evict_all(view: KVView, dues: list[Due], state: PolicyState | None = None) -> dict[str, Eviction]:
+def evict_all(view: KVView, dues: list[Due], state: PolicyState | None = None,
+              shards: HeadShards = SINGLE) -> dict[str, Eviction]:
     """Carry out every eviction due in a step, together: in groups whose K/V of one layer fit the
     view's ``joint_read_bytes``, a group's scoring reads each layer with one gather, and its
     compactions each layer with one gather and one scatter. Grouping also bounds the step's
     scratch (a group's scores and keep sets live until its compaction). Returns ``{request_id:
     Eviction}``. With a ``state``, a static-score policy's scores are cached there, an
-    accumulating one's totals kept, and attention windows read."""
-    evictions = {}
+    accumulating one's totals kept, and attention windows read. Under tensor parallelism
+    (``shards``), every rank must call this with the same dues, and checks that all decided alike."""
+    evictions, kept_sets = {}, []
     for group in joint_reads(view, [due.tokens for due in dues]):
-        evictions.update(evict_group(view, [dues[index] for index in group], state))
+        evictions.update(evict_group(view, [dues[index] for index in group], state, shards, kept_sets))
+    shards.check_agree([(rid, e.kept_blocks, e.evicted_tokens, e.copied_tokens) for rid, e in evictions.items()],
+                       kept_sets, view.device)
     return evictions
 
 
-def evict_group(view: KVView, dues: list[Due], state: PolicyState | None) -> dict[str, Eviction]:
+def evict_group(view: KVView, dues: list[Due], state: PolicyState | None, shards: HeadShards = SINGLE,
+                kept_sets: list | None = None) -> dict[str, Eviction]:
     jobs, cached = [], {}
     for due in dues:
         if len(due.block_ids) < due.held:
@@ -280,7 +289,8 @@ def evict_group(view: KVView, dues: list[Due], state: PolicyState | None) -> dic
             raise MissingWindowError(f"{policy.name} scores by attention: it needs the request's query window")
         cached[rid] = state.scores.get(rid) if state is not None else None
         jobs.append(scoring_job(due, state, cached[rid]))
-    scored = iter(score_together(view, [job for job in jobs if job is not None]))
+    # Every rank holds the scores of every head from here on (a single worker's scores).
+    scored = iter(shards.gather_heads(score_together(view, [job for job in jobs if job is not None])))
 
     evictions, moves, remembered = {}, [], []
     for due, job in zip(dues, jobs):
@@ -302,7 +312,7 @@ def evict_group(view: KVView, dues: list[Due], state: PolicyState | None) -> dic
             evictions[rid] = Eviction(due.phase, tuple(p for p in range(held) if p != victim), held, block_size, 0)
             continue
 
-        layers, heads = view.num_layers, view.num_heads
+        layers, heads = view.num_layers, view.num_heads * shards.size
         if due.phase == "prefill":
             kept = policy.select_prefill(scores, tokens, layers, heads)
         elif isinstance(policy, TokenPolicy):
@@ -313,10 +323,13 @@ def evict_group(view: KVView, dues: list[Due], state: PolicyState | None) -> dic
         positions = list(range(len(source)))  # where each target block sits in block_ids
         for extra, target in enumerate(due.copy_targets):
             positions[target] = len(source) + extra
+        if kept_sets is not None and shards.size > 1:
+            kept_sets.append(kept)
+        # Where compaction starts is decided on every head, so that all ranks rewrite the same slots.
         move = plan_move(source, tokens, kept.to(view.device), [due.block_ids[p] for p in positions],
                          min(due.copy_targets) * block_size if due.copy_targets else None)
         if move is not None:
-            moves.append(move)
+            moves.append(dataclasses.replace(move, kept=move.kept[:, shards.local(view.num_heads)]))
         if remember:
             remembered.append((rid, policy, scores, kept))
         remaining = kept.shape[-1]
