@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from harness import interrupts
 from harness.config import ConfigError, run_settings
+from harness.devices import take_job_share
 from harness.eviction.messages import EvictionNotActiveError
 from harness.experiment import run_cell
 
@@ -18,7 +19,7 @@ from harness.experiment import run_cell
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> str:
     try:
-        status, _ = run_cell(run_settings(cfg))
+        status, _ = run_cell(take_job_share(run_settings(cfg)))
         return status
     except (ConfigError, EvictionNotActiveError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -7,6 +7,7 @@
     python experiments/throughput.py latency    # one 6k-token prompt: time per output token
     python experiments/throughput.py shared_prefix  # 12 requests on one 2k-token system prompt: prefix cache on vs off
     python experiments/throughput.py attention  # attention-aware policies and the learned scorer beside PagedEviction
+    python experiments/throughput.py tensor_parallel  # the tiny Llama on two workers vs one, per-rank eviction time
     python experiments/throughput.py paper      # the paper's workload, on an NVIDIA GPU
 
 Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
@@ -48,6 +49,14 @@ OVERHEAD_TRIALS = tuple(
 )
 
 SHARED_OFF = Cell("paged", 512, pool="unlimited")
+
+# One worker and two, alternating within each trial (a process each), so that every ratio compares
+# engines that ran back to back; two repeats per process.
+TP_TRIALS = tuple(
+    Cell(policy, budget, "unlimited", repeats=2, trial=trial, tensor_parallel_size=size)
+    for trial in (1, 2, 3) for policy, budget in (("full", None), ("paged", 256), ("knorm", 256), ("snapkv", 256))
+    for size in (1, 2)
+)
 
 # CPU workloads keep the paper's shape (decode-heavy, all requests at once, more of them than the
 # pool holds at full length) at a size two cores finish in minutes. The pool holds every request
@@ -111,6 +120,16 @@ SETTINGS = {
             (SHARED_OFF, Cell("paged", 512, pool="unlimited", prefix_caching=True),
              Cell("full", pool="unlimited"), Cell("full", pool="unlimited", prefix_caching=True)),
             baseline=SHARED_OFF,
+        ),
+        Setting(
+            "tensor_parallel",
+            "The tiny Llama (4 query and 2 KV heads) on two workers, a core each, against one worker "
+            "on both cores: what splitting the heads and all-gathering each eviction's scores cost, "
+            "for full cache, PagedEviction, Knorm and SnapKV at budget 256 (16 requests x 1024 in x "
+            "128 out, every request fits). A correctness and overhead figure on two cores, not a speed "
+            "claim: tensor parallelism pays where one device cannot hold the model.",
+            Workload(requests=16, prompt_tokens=1024, output_tokens=128, model="embedded:tiny-llama"),
+            TP_TRIALS, baseline=TP_TRIALS[0],
         ),
         Setting(
             "paper",

@@ -47,7 +47,8 @@ class EngineSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     in_process: bool = True                # engine core in this process (its scheduler can be read)
-    tensor_parallel_size: int = 1          # workers the model's heads are split over (vLLM's multiprocess executor)
+    tensor_parallel_size: int = 1          # workers the model's heads are split over
+    distributed_executor_backend: str | None = None  # vLLM's: None (its choice: mp on one node), "mp" or "ray"
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,8 @@ class RunSettings:
         if self.policy in REGISTRY and options.get("granularity", object()) == REGISTRY[self.policy].granularity:
             # A policy's own granularity names the cell it named before granularity became an option.
             policy["options"] = {k: v for k, v in options.items() if k != "granularity"}
-        engine = dict(self.resolved["engine"])
-        if engine.get("tensor_parallel_size") == 1:
-            # One worker names the cell it named before tensor parallelism became a setting.
-            del engine["tensor_parallel_size"]
+        engine = {key: value for key, value in self.resolved["engine"].items()
+                  if not (key in LATER_ENGINE_KEYS and value == LATER_ENGINE_KEYS[key])}
         return {
             "policy": policy,
             "budget": self.budget if self.evicts else None,
@@ -126,6 +125,12 @@ class RunSettings:
         """The same cell with full cache: the reference a policy's fidelity is measured against."""
         resolved = dict(self.resolved, policy={"name": "full", "options": {}})
         return replace(self, policy="full", options={}, resolved=resolved)
+
+
+# Engine settings added after cells were committed, with the value every earlier cell ran at: a
+# cell at that value keeps the name it had (one worker, vLLM's own executor choice).
+LATER_ENGINE_KEYS = {"tensor_parallel_size": 1, "distributed_executor_backend": None}
+EXECUTOR_BACKENDS = (None, "mp", "ray")
 
 
 class ConfigError(ValueError):
@@ -220,9 +225,17 @@ def check(run: RunSettings) -> None:
 def check_tensor_parallel(run: RunSettings) -> None:
     """Each rank holds an equal share of the model's KV and query heads (vLLM would replicate KV
     heads it cannot split, which eviction does not follow), and on CPU at least one core."""
-    size = run.engine.tensor_parallel_size
+    size, backend = run.engine.tensor_parallel_size, run.engine.distributed_executor_backend
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"engine.tensor_parallel_size={size!r} must be a positive integer")
+    if backend not in EXECUTOR_BACKENDS:
+        raise ConfigError(f"engine.distributed_executor_backend={backend!r}; valid: null (vLLM's choice), mp, ray")
+    if backend == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("engine.distributed_executor_backend=ray needs Ray in this environment: "
+                              ".venv/bin/pip install 'ray[default]' (on every node)")
     if size == 1:
         return
     if run.engine.device == "cpu":

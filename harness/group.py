@@ -27,18 +27,29 @@ def group_key(run: RunSettings) -> str:
     return json.dumps({key: run.resolved.get(key) for key in SHARED_KEYS}, sort_keys=True, default=str)
 
 
-def run_grouped(runs: list[RunSettings]) -> list[str]:
-    """Run every cell, one engine per group; returns "done" or "skipped" per cell, in order."""
+def groups_of(runs: list[RunSettings]) -> list[tuple[list[int], list[int]]]:
+    """The sweep's groups, in order of first appearance: each group's cells (indices into ``runs``)
+    and the distinct run directories among them (full cache appears once per budget in a sweep,
+    one run directory), as the index of the first cell naming each."""
     groups: dict[str, list[int]] = defaultdict(list)
     for index, run in enumerate(runs):
         groups[group_key(run)].append(index)
+    result = []
+    for members in groups.values():
+        distinct: dict[str, int] = {}
+        for index in members:
+            distinct.setdefault(str(runs[index].run_dir), index)
+        result.append((members, list(distinct.values())))
+    return result
+
+
+def run_grouped(runs: list[RunSettings]) -> list[str]:
+    """Run every cell, one engine per group; returns "done" or "skipped" per cell, in order."""
+    groups = groups_of(runs)
     outcome = ["skipped"] * len(runs)
     started = time.perf_counter()
-    for number, members in enumerate(groups.values(), 1):
-        distinct: dict[str, int] = {}
-        for index in members:  # full cache appears once per budget in a sweep: one run directory
-            distinct.setdefault(str(runs[index].run_dir), index)
-        done = run_group([runs[i] for i in distinct.values()], f"group {number}/{len(groups)}")
+    for number, (members, distinct) in enumerate(groups, 1):
+        done = run_group([runs[i] for i in distinct], f"group {number}/{len(groups)}")
         for index in members:
             outcome[index] = done.get(str(runs[index].run_dir), "skipped")
         print(f"[sweep] group {number}/{len(groups)} finished | elapsed {time.perf_counter() - started:.0f}s",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
@@ -56,11 +56,13 @@ class Cell:
     repeats: int = 1            # the batch generated this many times on one engine; medians reported
     trial: int = 1              # which of several engine processes of the same configuration
     prefix_caching: bool = False  # vLLM's prefix cache on
+    tensor_parallel_size: int = 1  # the model's heads split over this many workers
 
     @property
     def name(self) -> str:
         what = "stock vLLM" if self.stock else self.policy if self.policy == "full" else f"{self.policy} b{self.budget}"
         what += " + prefix cache" if self.prefix_caching else ""
+        what += f" TP={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         return f"{what} / {self.pool} pool" + (f" #{self.trial}" if self.trial > 1 else "")
 
     @property
@@ -111,7 +113,7 @@ def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_pa
         "model_path": model_path, "prompts": prompts, "max_new_tokens": workload.output_tokens,
         "block_size": workload.block_size, "max_model_len": workload.max_model_len, "dtype": workload.dtype,
         "device": workload.device, "repeats": cell.repeats, "stock": cell.stock,
-        "prefix_caching": cell.prefix_caching,
+        "prefix_caching": cell.prefix_caching, "tensor_parallel_size": cell.tensor_parallel_size,
         "max_num_seqs": max(workload.requests, 1),
         # On CPU the memory vLLM may use for KV; the pool's size itself is set in blocks below.
         "kv_cache_gib": 4.0 if workload.device == "cpu" else None,
@@ -214,6 +216,8 @@ def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
             "copied_decode": (kv.get("copied_tokens") or {}).get("decode", 0),
             "evict_share": kv.get("evict_share_of_step"),
             "capture_share": kv.get("capture_share_of_step"),
+            "tensor_parallel_size": cell.tensor_parallel_size,
+            "evict_share_ranks": rank_shares(perf[-1].get("ranks") or []),
         })
     table = pd.DataFrame(rows)
     for label, cell in (("x_baseline", setting.baseline), ("x_ceiling", setting.ceiling)):
@@ -221,6 +225,40 @@ def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
             reference = table.loc[table["cell"] == cell.name, "output_tok_s"].iloc[0]
             table[label] = table["output_tok_s"] / reference
     return table
+
+
+def rank_shares(ranks: list[dict]) -> str | None:
+    """Each rank's eviction seconds as a share of its own model time on evicting steps, "r0/r1"."""
+    if len(ranks) < 2:
+        return None
+    return "/".join(f"{100 * r['evict_s'] / r['model_s']:.2f}" if r["model_s"] else "-"
+                    for r in sorted(ranks, key=lambda r: r["rank"]))
+
+
+def tensor_parallel_lines(table: pd.DataFrame) -> list[str]:
+    """Each cell under tensor parallelism against the same cell on one worker, trial by trial (the
+    two run back to back): the median ratio of output tok/s and its range over trials."""
+    lines = []
+    split = table[table["tensor_parallel_size"] > 1]
+    for (policy, budget, pool, size), cells in split.groupby(["policy.name", "budget", "pool", "tensor_parallel_size"],
+                                                             dropna=False):
+        ones = table[(table["policy.name"] == policy) & (table["pool"] == pool) & (table["tensor_parallel_size"] == 1)
+                     & ((table["budget"] == budget) | (pd.isna(budget) & table["budget"].isna()))].set_index("trial")
+        trials = sorted(set(cells["trial"]) & set(ones.index))
+        if not trials:
+            continue
+        by_trial = cells.set_index("trial")
+        ratios = [by_trial.loc[t, "output_tok_s"] / ones.loc[t, "output_tok_s"] for t in trials]
+        name = policy if policy in ("full", "stock") else f"{policy} b{int(budget)}"
+        text = (f"{name} TP={size} vs TP=1: {statistics.median(ratios):.2f}x output tok/s (median of {len(trials)} "
+                f"back-to-back trial{'s' if len(trials) > 1 else ''}")
+        text += f", range {min(ratios):.2f}-{max(ratios):.2f})" if len(trials) > 1 else ")"
+        shares = [s for s in by_trial["evict_share_ranks"] if isinstance(s, str)]
+        if shares and policy not in ("full", "stock"):
+            text += f"; eviction % of each rank's step: {', '.join(shares)} (TP=1: " + ", ".join(
+                f"{100 * v:.2f}" for v in ones["evict_share"] if pd.notna(v)) + ")"
+        lines.append(text)
+    return lines
 
 
 def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
@@ -244,22 +282,25 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
             text += f", query capture {100 * row['capture_share']:.2f}%"
         lines.append(text + (" (target < 5%)" if row["policy.name"] == "paged" else ""))
     lines += overhead_lines(table)
+    lines += tensor_parallel_lines(table)
     for cell in setting.cells:
-        twin = Cell(cell.policy, cell.budget, cell.pool, cell.stock, cell.repeats, cell.trial)
+        twin = Cell(cell.policy, cell.budget, cell.pool, cell.stock, cell.repeats, cell.trial,
+                    tensor_parallel_size=cell.tensor_parallel_size)
         if cell.prefix_caching and {cell.name, twin.name} <= set(by_cell.index):
             on, off = by_cell.loc[cell.name], by_cell.loc[twin.name]
             lines.append(f"{cell.name}: {on['output_tok_s']:.1f} output tok/s vs {off['output_tok_s']:.1f} without the "
                          f"prefix cache ({on['output_tok_s'] / off['output_tok_s']:.2f}x), batch {on['wall_s']:.1f} s vs "
                          f"{off['wall_s']:.1f} s, TTFT p50 {on['ttft_p50_s']:.2f} s vs {off['ttft_p50_s']:.2f} s")
     # On a pool every request fits, eviction cannot buy concurrency: what it changes is the time
-    # per output token (the paper's latency claim), against the full-cache baseline.
+    # per output token (the paper's latency claim), against full cache on the same engine
+    # configuration and trial.
     if setting.baseline is not None and setting.baseline.policy == "full" and base in by_cell.index:
-        full = by_cell.loc[base, "tpot_p50_ms"]
         for cell in setting.cells:
-            if cell.policy != "full" and cell.pool == "unlimited":
-                tpot = by_cell.loc[cell.name, "tpot_p50_ms"]
-                lines.append(f"{cell.name}: time per output token {tpot:.2f} ms vs full cache {full:.2f} ms "
-                             f"({100 * (tpot / full - 1):+.1f}%; the paper reports -10 to -12%)")
+            full = replace(cell, policy="full", budget=None, repeats=setting.baseline.repeats)
+            if cell.policy != "full" and cell.pool == "unlimited" and full.name in by_cell.index:
+                tpot, reference = by_cell.loc[cell.name, "tpot_p50_ms"], by_cell.loc[full.name, "tpot_p50_ms"]
+                lines.append(f"{cell.name}: time per output token {tpot:.2f} ms vs full cache {reference:.2f} ms "
+                             f"({100 * (tpot / reference - 1):+.1f}%; the paper reports -10 to -12%)")
     return lines
 
 
@@ -286,7 +327,7 @@ COLUMNS = {
     "running_peak": "running peak", "blocks_used_peak": "blocks used peak", "preemptions": "preempt",
     "evictions": "evictions", "freed_blocks": "blocks freed", "copied_prefill": "copied (prefill)",
     "copied_decode": "copied (decode)", "copy_target_blocks": "copy-target blocks", "evict_share": "evict % of step",
-    "capture_share": "capture % of step",
+    "capture_share": "capture % of step", "evict_share_ranks": "evict % of step per rank",
 }
 
 

@@ -60,6 +60,7 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
         (["engine.tensor_parallel_size=2"], "engine.tensor_parallel_size=2 must divide model smollm2-135m's 9 query "
                                             "and 3 KV heads"),
         (["model=tiny", f"engine.tensor_parallel_size={len(os.sched_getaffinity(0)) + 2}"], "needs a core per rank"),
+        (["engine.distributed_executor_backend=dask"], "engine.distributed_executor_backend='dask'; valid: null"),
     ],
 )
 def test_bad_config_is_a_clear_error(overrides, message):
@@ -162,3 +163,16 @@ def test_a_run_whose_eviction_state_cannot_fit_is_refused_before_any_weight_load
                                           r"per request x 100000000 requests .* GiB are available: lower engine.max_num_seqs"):
         run_settings(compose_cfg("policy=paged", "engine.max_num_seqs=100000000"))
     run_settings(compose_cfg("policy=paged"))  # the default batch fits
+
+
+def test_every_committed_cell_keeps_its_name():
+    """A cell's name is a digest of its resolved config: settings added since (tensor parallelism,
+    the executor backend) must leave every committed cell's name as it was, or sweeps would rerun
+    them and CI would compare against nothing."""
+    from omegaconf import OmegaConf
+
+    configs = sorted((ROOT / "results").rglob("config.yaml"))
+    assert len(configs) >= 50
+    for path in configs:
+        run = run_settings(OmegaConf.load(path), checked=False)
+        assert run.cell_name == path.parent.name, path

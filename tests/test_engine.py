@@ -100,19 +100,3 @@ def test_engine_core_in_its_own_process_gives_the_same_outputs(policy_runs, work
     assert separate["ledger"]["evictions"] == in_process["ledger"]["evictions"]
     assert separate["ledger"]["freed_blocks"] == in_process["ledger"]["freed_blocks"] > 0
     assert separate["free_blocks_after"] == separate["ledger"]["kv_pool_blocks"]
-
-
-@pytest.mark.parametrize("policy", ["paged", "knorm", "h2o"])
-def test_outputs_under_preemption_equal_outputs_without(workdir, policy):
-    """A pool of 29 blocks for requests that grow to 17: the scheduler preempts requests that had
-    already evicted; they recompute their prompt and replay their outputs one token per step, so
-    they meet the same evictions and produce the same tokens (H2O: its attention totals and query
-    window, dropped with the blocks, are rebuilt by the replay)."""
-    prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
-    settings = {"policy": policy, "budget": 512}
-    roomy = run_engine(workdir, "tiny", prompts, 300, eviction=settings)
-    tight = run_engine(workdir, "tiny", prompts, 300, eviction=settings, kv_blocks=30, max_model_len=900)
-    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
-    assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding evictions"
-    assert_same_outputs(roomy, tight)
-    assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]

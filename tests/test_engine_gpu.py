@@ -89,3 +89,23 @@ def test_every_policy_on_the_gpu_equals_the_bf16_reference(tmp_path, model, pref
         del reference
         torch.cuda.empty_cache()
     assert_same_outputs(expected, run, tie_nats=BF16_TIE_NATS)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not GQA_MODEL,
+                    reason="needs two GPUs and KVH_GPU_GQA_MODEL (a model whose heads split over two ranks)")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_every_policy_on_two_gpus_equals_one(tmp_path, eager):
+    """Tensor parallelism over NCCL (the CPU tests run it over gloo and shared memory): the GQA
+    model split over two GPUs generates what one GPU generates, for every policy x granularity."""
+    cases = [(name, options) for name, options in MATRIX if eager or not REGISTRY[name].reads_attention]
+    prompts = prompts_for("gqa")
+    settings = [{"policy": name, "budget": BUDGET, "options": options} for name, options in cases for _ in prompts]
+    runs = [run_engine(tmp_path / f"tp{size}", "smollm2", prompts * len(cases), NEW, model_path=GQA_MODEL,
+                       device="cuda", dtype="bfloat16", block_size=BLOCK, max_model_len=4096, kv_cache_gib=None,
+                       gpu_memory_utilization=0.5, in_process=False, enforce_eager=eager,
+                       max_num_batched_tokens=CHUNK, request_eviction=settings, tensor_parallel_size=size)
+            for size in (1, 2)]
+    assert runs[1]["perf"][0]["machine"]["tensor_parallel_size"] == 2
+    assert runs[1]["ledger"]["evictions"] == runs[0]["ledger"]["evictions"]
+    assert runs[1]["free_blocks_after"] == runs[1]["free_blocks_before"]
+    assert_same_outputs(runs[0], runs[1], tie_nats=BF16_TIE_NATS)

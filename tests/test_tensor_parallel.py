@@ -46,9 +46,11 @@ def on_ranks(work):
     def run(rank):
         try:
             results[rank] = work(rank, HeadShards(rank, RANKS, group.all_gather(rank)))
+        except RankDisagreementError as error:  # raised by every rank after the same collective
+            errors[rank] = error
         except BaseException as error:  # noqa: BLE001 - handed to the test below
             errors[rank] = error
-            group.barrier.abort()
+            group.barrier.abort()  # the other rank may be waiting in a collective
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(RANKS)]
     for thread in threads:

@@ -13,7 +13,8 @@ prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that requ
 {policy, budget, options}, or null for the engine's default), warm_cache (first prefill every
 prompt with a one-token full-cache request, snapshot every block the prefix cache then holds,
 and after the run report how many of those still registered under the same hash changed),
-enforce_eager (default true; false: vLLM's compiled mode), tensor_parallel_size (default 1).
+enforce_eager (default true; false: vLLM's compiled mode), tensor_parallel_size (default 1),
+distributed_executor_backend (default: vLLM's choice).
 OUT holds each request's output ids and preemptions, the free blocks before and after, and the
 scheduler's ledger (null for stock vLLM).
 """
@@ -43,6 +44,7 @@ def run(spec: dict) -> dict:
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), kv_cache_gib=spec.get("kv_cache_gib", 1.0),
         num_kv_blocks=spec.get("kv_blocks"), gpu_memory_utilization=spec.get("gpu_memory_utilization"),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        distributed_executor_backend=spec.get("distributed_executor_backend"),
     )
     engine = Engine(spec["model_path"], model, engine_settings, spec["block_size"], eviction=eviction,
                     stock=bool(spec.get("stock")), prefix_caching=bool(spec.get("prefix_caching")))
@@ -59,6 +61,8 @@ def run(spec: dict) -> dict:
     perf = []
     for _ in range(spec.get("repeats", 1)):
         engine.ledger(reset=True)
+        if not spec.get("stock"):
+            engine.rank_seconds(reset=True)
         started = time.perf_counter()
         count = len(spec["prompts"])
         batches = [[i] for i in range(count)] if spec.get("one_by_one") else [list(range(count))]
@@ -73,6 +77,7 @@ def run(spec: dict) -> dict:
         wall = time.perf_counter() - started
         ledger = engine.ledger()
         perf.append(summarize_perf(results, wall, engine.facts(), ledger))
+        perf[-1]["ranks"] = engine.rank_seconds() if not spec.get("stock") else []
     return {
         "outputs": [r.token_ids for r in results],
         "preemptions": [r.preemptions for r in results],

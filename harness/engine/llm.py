@@ -112,6 +112,8 @@ class Engine:
             async_scheduling=False,
             tensor_parallel_size=engine.tensor_parallel_size,
         )
+        if engine.distributed_executor_backend is not None:
+            kwargs["distributed_executor_backend"] = engine.distributed_executor_backend
         if not stock:
             kwargs["scheduler_cls"] = SCHEDULER_CLS
             kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
@@ -262,6 +264,11 @@ class Engine:
     def eviction_status(self) -> list[dict]:
         """Each worker's eviction settings, attention backend and whether its runner is patched."""
         return self.llm.collective_rpc("kv_eviction_status")
+
+    def rank_seconds(self, reset: bool = False) -> list[dict]:
+        """Each tensor-parallel rank's own model, eviction and capture seconds over the steps that
+        evicted (the ledger's come from rank 0 alone); ``reset`` starts them afresh."""
+        return [s for s in self.llm.collective_rpc("kv_eviction_seconds", args=(reset,)) if s is not None]
 
     def ledger(self, reset: bool = False) -> dict | None:
         """The scheduler's eviction and memory ledger (see ``harness.engine.scheduler``), in either

@@ -59,6 +59,9 @@ class WorkerEviction:
         self.unsupported = None  # why this runner cannot evict, if it cannot
         self.policy_state = PolicyState()  # per-request policy state: cached scores, totals, query windows
         self.shards = SINGLE
+        # This rank's own seconds (the scheduler sees rank 0's reports only): model steps that
+        # evicted or captured, evictions, query capture; read through the worker extension.
+        self.seconds = {"model_s": 0.0, "evict_s": 0.0, "capture_s": 0.0}
         try:
             check_compatible(runner.vllm_config)
             self.backend, self.view = kv_view_of(runner, self.block_size)
@@ -320,6 +323,9 @@ def install() -> None:
         evictions = evict_after_step(self, state, scheduler_output)
         state.synchronize()
         finished = time.perf_counter()
+        for key, seconds in (("model_s", evict_started - started), ("evict_s", finished - evict_started),
+                             ("capture_s", capture_s)):
+            state.seconds[key] += seconds
         attach(output, REPORT_ATTRIBUTE, EvictionReport(
             evictions, model_s=evict_started - started, evict_s=finished - evict_started,
             capture_s=capture_s, state_bytes=state.policy_state.nbytes(),
