@@ -7,8 +7,11 @@ at most ``parallelism`` in flight. Each job publishes its cells atomically as a 
 so a job that dies (a killed process, a lost node) leaves no half-written cell: it is submitted
 again, up to ``retries`` times, and its cells already complete are skipped. On Slurm, a job that
 reaches its time limit or is preempted checkpoints by requeueing itself (submitit's
-``Checkpointable``): the requeued job skips what is complete. A job that fails with an error
-(a config vLLM refuses, a bug) is not retried: its error is printed.
+``Checkpointable``): the requeued job skips what is complete. A group's cells are published
+together when its generation ends, so ``timeout_min`` must cover a whole group (a group that
+outlasts it restarts from its start on every requeue). A job that fails with an error (a config
+vLLM refuses, a bug) is not retried: its error is printed. With ``force=true`` a resubmitted job
+recomputes its group's cells again, as a local forced sweep would.
 
 ``cluster="local"`` runs the same jobs as processes on this machine through submitit's own local
 executor, which is how the launcher is tested; ``cluster="slurm"`` submits them with sbatch.
@@ -20,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 import submitit
-from submitit.core.utils import UncompletedJobError
+from submitit.core.utils import FailedJobError, UncompletedJobError
 
-from harness.config import RunSettings
+from harness.config import ConfigError, RunSettings
 from harness.results import is_complete
 
 
@@ -60,9 +63,9 @@ class ClusterSettings:
 
 def executor_for(settings: ClusterSettings) -> submitit.Executor:
     if settings.cluster not in ("slurm", "local"):
-        raise ValueError(f"cluster={settings.cluster!r}; valid: slurm, local")
+        raise ConfigError(f"cluster={settings.cluster!r}; valid: slurm, local")
     if settings.parallelism < 1 or settings.retries < 0:
-        raise ValueError(f"parallelism must be at least 1 and retries at least 0, got {settings.parallelism}, "
+        raise ConfigError(f"parallelism must be at least 1 and retries at least 0, got {settings.parallelism}, "
                          f"{settings.retries}")
     executor = submitit.AutoExecutor(folder=settings.folder, cluster=settings.cluster)
     executor.update_parameters(**settings.parameters)
@@ -102,6 +105,10 @@ def run_on_cluster(runs: list[RunSettings], settings: ClusterSettings, say=print
             name = f"group {submission.group + 1}/{len(groups)}"
             try:
                 done = submission.job.result()
+            except FailedJobError as error:  # the job's own exception (a subclass of the next)
+                say(f"[cluster] job {submission.job.job_id} ({name}) failed: {str(error).strip().splitlines()[-1]} "
+                    f"(log: {submission.job.paths.stderr})")
+                done = None
             except UncompletedJobError as error:
                 if submission.attempts <= settings.retries:
                     say(f"[cluster] job {submission.job.job_id} ({name}) ended without a result "
@@ -110,10 +117,6 @@ def run_on_cluster(runs: list[RunSettings], settings: ClusterSettings, say=print
                     continue
                 say(f"[cluster] job {submission.job.job_id} ({name}) ended without a result after "
                     f"{submission.attempts} attempt(s); rerun the sweep to resume it")
-                done = None
-            except Exception as error:  # noqa: BLE001 - the job's own error, printed with its log
-                say(f"[cluster] job {submission.job.job_id} ({name}) failed: {str(error).strip().splitlines()[-1]} "
-                    f"(log: {submission.job.paths.stderr})")
                 done = None
             for index in members:
                 outcome[index] = "failed" if done is None else done.get(str(runs[index].run_dir), "skipped")

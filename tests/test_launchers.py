@@ -9,9 +9,10 @@ from hydra.utils import instantiate
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def hydra_launcher(name: str):
+def hydra_launcher(name: str, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"hydra/launcher={name}"], return_hydra_config=True).hydra.launcher
+        return compose("config", overrides=[f"hydra/launcher={name}", *overrides],
+                       return_hydra_config=True).hydra.launcher
 
 
 def test_slurm_launcher_instantiates_without_submitting():
@@ -20,6 +21,8 @@ def test_slurm_launcher_instantiates_without_submitting():
     launcher = instantiate(config)
     assert type(launcher).__name__ == "ClusterGroupLauncher"
     assert launcher.settings["cluster"] == "slurm" and launcher.settings["retries"] == 1
+    # the README's command line names a partition without a "+"
+    assert hydra_launcher("slurm_gpu", "hydra.launcher.parameters.slurm_partition=gpu").parameters.slurm_partition == "gpu"
 
 
 def test_the_local_cluster_launcher_is_the_slurm_one_on_this_machine():

