@@ -10,8 +10,9 @@ import pytest
 
 import pandas as pd
 
+from harness.stats import ratio_interval
 from harness.throughput_benchmark import (Cell, Setting, Workload, check_setting, engine_spec, overhead_lines, run_setting,
-                                write_report)
+                                trial_lines, write_report)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -48,11 +49,45 @@ def test_overhead_is_the_median_of_back_to_back_trials():
     table = pd.DataFrame([{"policy.name": p, "trial": t, "output_tok_s": v, "pool": "unlimited"} for p, t, v in rows])
     assert overhead_lines(table) == [
         "patched engine, eviction off, vs stock vLLM: +0.00% output tok/s (median of 3 back-to-back trials; "
-        "trials range -1.00% to +1.00%; target within 2%)"
+        "trials range -1.00% to +1.00%; 95% interval -2.46% to +2.51%; target within 2%)"
     ]
+    compiled = pd.DataFrame([{"policy.name": p, "trial": t, "output_tok_s": v * 1.5, "pool": "unlimited",
+                              "enforce_eager": False} for p, t, v in rows])
+    both = pd.concat([table.assign(enforce_eager=True), compiled])
+    lines = overhead_lines(both)
+    assert lines[1].startswith("compiled mode: patched engine, eviction off, vs stock vLLM: +0.00% output tok/s")
+    assert lines[2].startswith("patched engine in eager mode (eviction off) vs stock vLLM at the platform's defaults "
+                               "(compiled): -33.33% output tok/s (median of 3")
     assert overhead_lines(table[table["trial"] == 1])[0].startswith(
         "patched engine, eviction off, vs stock vLLM: +1.00% output tok/s (median of 1 back-to-back trial;")
     assert Cell("full", trial=2).slug == "full__fixed-pool__trial-2"
+
+
+def test_a_ratio_over_trials_is_a_geometric_mean_with_a_t_interval():
+    ratio = ratio_interval([2.0, 2.0, 2.0])
+    assert (ratio.estimate, ratio.low, ratio.high, ratio.samples) == (pytest.approx(2.0), pytest.approx(2.0),
+                                                                      pytest.approx(2.0), 3)
+    spread = ratio_interval([1.0, 4.0])  # logs 0 and 2 ln 2: mean ln 2, sd sqrt(2) ln 2, t(1) = 12.706
+    assert spread.estimate == pytest.approx(2.0)
+    assert spread.high == pytest.approx(2.0 * 2.0 ** 12.706) and spread.low == pytest.approx(2.0 / 2.0 ** 12.706)
+    with pytest.raises(ValueError, match="at least two trials"):
+        ratio_interval([1.5])
+
+
+def test_trials_give_each_policy_ratios_against_full_cache_and_paged_of_the_same_trial():
+    rows = [("full", None, 1, 100.0), ("paged", 512, 1, 200.0), ("snapkv", 512, 1, 150.0),
+            ("full", None, 2, 50.0), ("paged", 512, 2, 100.0), ("snapkv", 512, 2, 75.0),
+            ("knorm", 512, 1, 120.0)]  # knorm ran once: no interval
+    table = pd.DataFrame([{"policy.name": p, "budget": b, "trial": t, "output_tok_s": v, "pool": "fixed",
+                           "tensor_parallel_size": 1, "evict_share": 0.1 * t if p == "snapkv" else None,
+                           "capture_share": 0.01 if p == "snapkv" else None} for p, b, t, v in rows])
+    lines = trial_lines(setting(FULL), table)
+    assert lines[0] == "paged b512 over 2 trials: 2.00x full cache (2.00-2.00)"
+    # snapkv: 0.75x paged in both trials although the machine ran at half speed in trial 2;
+    # shares 11% and 21%: mean 16, t(1) x sd/sqrt(2) = 12.706 x 5 = 63.5
+    assert lines[1] == ("snapkv b512 over 2 trials: 1.50x full cache (1.50-1.50); 0.75x PagedEviction (0.75-0.75); "
+                        "eviction + capture 16.00% of model step time (0.00-79.53)")
+    assert len(lines) == 2
 
 
 @pytest.mark.parametrize(
