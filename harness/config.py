@@ -61,6 +61,7 @@ class DataSettings:
     limit: int | None = None               # first N samples per task
     seed: int = 0
     context_words: tuple[int, ...] | None = None  # the embedded suite's context lengths
+    lengths: tuple[int, ...] | None = None        # RULER's sample lengths in tokens
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,10 @@ def check(run: RunSettings) -> None:
             "the harness reads, needs bfloat16 or float16"
         )
     check_data_config(run.data)
+    too_long = [n for n in run.data.lengths or () if n > run.model.max_model_len]
+    if too_long:
+        raise ConfigError(f"data.lengths {list(too_long)} exceed model {run.model.name}'s max_model_len="
+                          f"{run.model.max_model_len}: RULER lengths must be at most that")
     if not run.model.path.startswith("embedded:"):
         resolve_model_path(run.model.path, prepare=False)
     check_tensor_parallel(run)

@@ -56,11 +56,11 @@ def prepare_cell(run: RunSettings, tokenizer=None) -> CellWork | None:
     if is_complete(target) and not run.force:
         print(f"[skip] {target} is complete (force=true reruns it)")
         return None
-    samples = load_samples(run.data)
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(run.model.path))
+    samples = load_samples(run.data, tokenizer)
     specs = {s.task: task_spec(s.task) for s in samples}
     prompts, kept, skipped = [], [], []
     for sample in samples:
@@ -130,6 +130,7 @@ def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, 
             "answers": sample.answers,
             "all_classes": sample.all_classes,
             "length": sample.length,
+            "depth": sample.meta.get("depth"),  # where a generated sample's one needle sits (percent)
             "prompt_tokens": result.prompt_tokens,
             "output_tokens": result.output_tokens,
             "finish_reason": result.finish_reason,

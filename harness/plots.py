@@ -3,7 +3,9 @@
 * score vs budget, one panel per task, one line per policy with its 95% intervals as error bars,
   full cache dashed with its interval as a grey band;
 * output throughput vs budget, full cache dashed;
-* accuracy (average score, with its interval) vs throughput, one point per run.
+* accuracy (average score, with its interval) vs throughput, one point per run;
+* where samples record their needle's depth (RULER's single-needle tasks): a needle heatmap per
+  budget, score by depth (10 bands) and sample length in tokens, one panel per policy.
 """
 from __future__ import annotations
 
@@ -115,6 +117,53 @@ def accuracy_vs_throughput(runs: pd.DataFrame, title: str):
     return fig
 
 
+DEPTH_BANDS = 10
+
+
+def depth_samples(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per sample of each run that recorded a needle depth: variant, budget label, depth band,
+    length and score."""
+    from harness.aggregate import with_budget_label
+    from harness.results import read_jsonl
+
+    rows = []
+    for _, run in with_budget_label(runs).iterrows():
+        for record in read_jsonl(Path(run["run_dir"]) / "predictions.jsonl"):
+            if record.get("depth") is not None:
+                band = min(int(record["depth"] / (100 / DEPTH_BANDS)), DEPTH_BANDS - 1)
+                rows.append({"variant": run["variant"], "budget": run["budget"], "band": band,
+                             "length": record["length"], "score": 100 * record["score"]})
+    return pd.DataFrame(rows)
+
+
+def needle_heatmaps(runs: pd.DataFrame, title: str) -> list[tuple[str, "plt.Figure"]]:
+    """Per budget, one panel per policy (full cache first): mean score by depth band (rows, 0% =
+    the context's start) and length (columns), the classic needle-in-a-haystack picture."""
+    samples = depth_samples(runs)
+    figures = []
+    if samples.empty:
+        return figures
+    lengths = sorted(samples["length"].unique())
+    full = samples[samples["variant"] == "full"]
+    for budget in sorted(b for b in samples["budget"].unique() if b != "all"):
+        shown = pd.concat([full, samples[samples["budget"] == budget]])
+        variants = ["full"] * (not full.empty) + sorted(v for v in shown["variant"].unique() if v != "full")
+        fig, axes = plt.subplots(1, len(variants), figsize=(2.2 * len(variants) + 1, 3.4), squeeze=False, sharey=True)
+        for ax, variant in zip(axes[0], variants):
+            grid = (shown[shown["variant"] == variant].pivot_table(index="band", columns="length", values="score")
+                    .reindex(index=range(DEPTH_BANDS), columns=lengths))
+            image = ax.imshow(grid.to_numpy(), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            ax.set_title(variant if variant == "full" else f"{variant} b{budget}", fontsize=8)
+            ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths], fontsize=7)
+            ax.set_xlabel("length (tokens)", fontsize=7)
+        axes[0][0].set_yticks(range(DEPTH_BANDS), [f"{b * 100 // DEPTH_BANDS}%" for b in range(DEPTH_BANDS)], fontsize=7)
+        axes[0][0].set_ylabel("needle depth", fontsize=8)
+        fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="score (0-100)")
+        fig.suptitle(f"{title}, budget {budget} (blank: no sample)", fontsize=9)
+        figures.append((budget, fig))
+    return figures
+
+
 def plot_all(frame: pd.DataFrame, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -124,4 +173,6 @@ def plot_all(frame: pd.DataFrame, out: Path) -> list[Path]:
         written += _save(score_vs_budget(group, f"Score vs KV budget: {model} on {data}"), out, f"{stem}_score_vs_budget")
         written += _save(throughput_vs_budget(runs, f"Throughput vs KV budget: {model} on {data}"), out, f"{stem}_throughput")
         written += _save(accuracy_vs_throughput(runs, f"Accuracy vs throughput: {model} on {data}"), out, f"{stem}_tradeoff")
+        for budget, figure in needle_heatmaps(runs, f"Needle score by depth and length: {model} on {data}"):
+            written += _save(figure, out, f"{stem}_needles_b{budget}")
     return written

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.models import ModelShape
 from harness.results import atomic_write_text
 
 
@@ -306,6 +307,68 @@ def trial_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
     return lines
 
 
+# The paper's model, for the same arithmetic (Llama-3.1-8B's config and parameter count).
+LLAMA_31_8B = (ModelShape(layers=32, kv_heads=8, query_heads=32, head_dim=128, dtype_bytes=2), 8.03e9)
+
+
+def recompute_share(shape: ModelShape, parameters: float, window: int, cached: int, block: int) -> float:
+    """What recomputing a window's attention costs against the model, in FLOPs: the window's
+    ``window`` queries against ``cached`` keys in every layer (q.k products), once per eviction,
+    over the ``block`` decode steps between two evictions, each about 2 x parameters plus its own
+    attention over the cache (q.k and p.v). No implementation that recomputes that attention
+    exactly can cost less than this share of the step time on a compute-bound machine."""
+    per_layer = 2 * shape.query_heads * cached * shape.head_dim
+    recompute = window * per_layer * shape.layers
+    step = 2 * parameters + 2 * per_layer * shape.layers
+    return recompute / (block * step)
+
+
+def parameter_count(model_dir: str) -> int | None:
+    """Parameters of a local safetensors checkpoint, from the files' headers."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                total += math.prod(handle.get_slice(name).get_shape())
+    return total
+
+
+def recompute_lines(setting: Setting) -> list[str]:
+    """For attention-aware cells: the FLOP floor of recomputing their window's attention, on this
+    model and on Llama-3.1-8B at the same budget and block."""
+    from harness.models import model_shape, resolve_model_path
+    from policies import make_policy
+
+    workload = setting.workload
+    windows = {}
+    for cell in setting.cells:
+        if cell.policy != "full":
+            window = make_policy(cell.policy, cell.budget, workload.block_size).query_window
+            if window:
+                windows[(cell.policy, cell.budget)] = window
+    if not windows:
+        return []
+    model_dir = resolve_model_path(workload.model)
+    shape, parameters = model_shape(model_dir, workload.dtype), parameter_count(model_dir)
+    if shape is None or not parameters:
+        return []
+    lines = []
+    for (policy, budget), window in windows.items():
+        cached = budget + workload.block_size
+        here = recompute_share(shape, parameters, window, cached, workload.block_size)
+        paper = recompute_share(*LLAMA_31_8B, window, cached, workload.block_size)
+        lines.append(f"{policy} b{budget}: recomputing {window} queries' attention over {cached} cached tokens "
+                     f"once per {workload.block_size} decode steps is {100 * here:.1f}% of those steps' FLOPs on "
+                     f"{Path(workload.model).name} ({parameters / 1e6:.0f}M parameters), {100 * paper:.2f}% on "
+                     "Llama-3.1-8B's shape: a floor for any exact recomputation, before capture and selection")
+    return lines
+
+
 def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
     """The targets of the performance issue, stated with the measured figures."""
     lines = []
@@ -329,6 +392,7 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
     lines += overhead_lines(table)
     lines += tensor_parallel_lines(table)
     lines += trial_lines(setting, table)
+    lines += recompute_lines(setting)
     for cell in setting.cells:
         twin = Cell(cell.policy, cell.budget, cell.pool, cell.stock, cell.repeats, cell.trial,
                     tensor_parallel_size=cell.tensor_parallel_size)

@@ -153,3 +153,14 @@ def test_freed_blocks_let_more_requests_run_at_once(tmp_path):
     lines.clear()
     run_setting(s, tmp_path, progress=lines.append)
     assert all("already measured" in line for line in lines), lines
+
+
+def test_the_recomputation_floor_is_the_window_attention_over_the_steps_flops():
+    from harness.models import ModelShape
+    from harness.throughput_benchmark import LLAMA_31_8B, recompute_share
+
+    # One layer, one head of dim 1, 10 parameters: a window of 2 queries over 4 cached keys costs
+    # 2 x (2 x 4) = 16 FLOPs; each of the 4 steps between evictions 2 x 10 + 2 x (2 x 4) = 36.
+    assert recompute_share(ModelShape(1, 1, 1, 1, 4), 10, window=2, cached=4, block=4) == pytest.approx(16 / (4 * 36))
+    # The paper's model spends under 1% of its decode FLOPs on SnapKV's window at budget 512.
+    assert recompute_share(*LLAMA_31_8B, window=32, cached=544, block=32) < 0.01

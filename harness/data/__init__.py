@@ -1,19 +1,22 @@
-"""Datasets as Samples: the embedded suite, LongBench / LongBench-E, or any LongBench-format JSONL."""
+"""Datasets as Samples: the embedded suite, RULER (generated at lengths in the model's tokens),
+LongBench / LongBench-E, or any LongBench-format JSONL."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from harness.data import synthetic
+from harness.data import ruler, synthetic
 from harness.data.longbench import load_hub, load_local, read_jsonl, select
 from harness.data.sample import DataError, Sample
 from harness.data.tasks import LONGBENCH_E_TASKS, TaskSpec, longbench_task, longbench_templates
 
-SOURCES = ("embedded", "longbench", "longbench_e", "jsonl")  # data.source (harness.config.DataSettings)
+SOURCES = ("embedded", "ruler", "longbench", "longbench_e", "jsonl")  # data.source (harness.config.DataSettings)
 
 
 def valid_tasks(source: str) -> tuple[str, ...]:
     if source == "embedded":
         return tuple(synthetic.TASKS)
+    if source == "ruler":
+        return ruler.TASKS
     if source == "longbench_e":
         return LONGBENCH_E_TASKS
     return tuple(longbench_templates())
@@ -32,6 +35,10 @@ def check_data_config(data: "DataSettings") -> None:
     words = data.context_words
     if words is not None and (data.source != "embedded" or not words or not all(isinstance(w, int) and w > 0 for w in words)):
         raise DataError(f"data.context_words is a list of positive word counts for the embedded suite, got {words!r}")
+    lengths = data.lengths
+    if lengths is not None and (data.source != "ruler" or not lengths
+                                or not all(isinstance(n, int) and n >= 256 for n in lengths)):
+        raise DataError(f"data.lengths is a list of RULER sample lengths in tokens (each at least 256), got {lengths!r}")
     if data.tasks and data.source != "jsonl":
         allowed = valid_tasks(data.source)
         unknown = [t for t in data.tasks if t not in allowed]
@@ -39,9 +46,16 @@ def check_data_config(data: "DataSettings") -> None:
             raise DataError(f"unknown task(s) {', '.join(unknown)} for {data.source}; valid: {', '.join(allowed)}")
 
 
-def load_samples(data: "DataSettings") -> list[Sample]:
+def load_samples(data: "DataSettings", tokenizer=None) -> list[Sample]:
+    """The samples of a data config; RULER sizes its samples with the model's ``tokenizer``."""
     check_data_config(data)
     tasks = list(data.tasks) if data.tasks else None
+    if data.source == "ruler":
+        if tokenizer is None:
+            raise DataError("RULER samples are sized in the model's tokens: load_samples needs its tokenizer")
+        samples = ruler.generate(tokenizer, seed=data.seed, tasks=tasks, lengths=tuple(data.lengths or ruler.LENGTHS),
+                                 samples_per_length=data.limit or ruler.SAMPLES_PER_LENGTH)
+        return samples
     if data.source == "embedded":
         words = tuple(data.context_words) if data.context_words else synthetic.CONTEXT_WORDS
         return select(synthetic.generate(seed=data.seed, tasks=tasks, context_words=words), data.limit)
@@ -58,6 +72,8 @@ def task_spec(task: str) -> TaskSpec:
     """The generation and scoring rules of a task, embedded or LongBench (``*_e`` included)."""
     if task in synthetic.TASKS:
         return synthetic.TASKS[task][1]
+    if task in ruler.TASK_FAMILIES:
+        return ruler.task_spec(task)
     try:
         return longbench_task(task)
     except KeyError:

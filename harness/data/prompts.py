@@ -34,12 +34,15 @@ def build_prompt(sample: Sample, spec: TaskSpec, tokenizer, max_prompt_tokens: i
     template wrote all it wants); a plain prompt gets the tokenizer's own, as LongBench's
     ``tokenizer(prompt)`` and vLLM's text path give it.
     """
-    text = spec.template.format(context=sample.context, input=sample.input)
+    text = sample.meta.get("preamble", "") + spec.template.format(context=sample.context, input=sample.input)
     text = middle_truncate(text, tokenizer, max_prompt_tokens)
     chat = bool(spec.chat and getattr(tokenizer, "chat_template", None))
     if chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
         )
+    # A generated task may start the answer for the model (RULER's answer prefix), after the
+    # assistant's header, as its authors append it to the prompt.
+    text += sample.meta.get("answer_prefix", "")
     token_ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
     return Prompt(text, list(token_ids))

@@ -112,11 +112,28 @@ def _first_line_rule(task: str) -> bool:
     return base in FIRST_LINE_TASKS
 
 
+def string_match_all(prediction: str, answers: Sequence[str]) -> float:
+    """RULER: the share of the references that occur in the prediction (case-insensitive)."""
+    found = [answer.lower() in prediction.lower() for answer in answers]
+    return sum(found) / len(found) if found else 0.0
+
+
+def string_match_part(prediction: str, answers: Sequence[str]) -> float:
+    """RULER's QA: 1 if any reference occurs in the prediction (case-insensitive)."""
+    return float(any(answer.lower() in prediction.lower() for answer in answers))
+
+
+SET_METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+
+
 def score_sample(task: str, prediction: str, answers: Sequence[str], all_classes=None) -> float:
-    """One sample's score in [0, 1] under LongBench's rules."""
+    """One sample's score in [0, 1] under its benchmark's rules (LongBench's, RULER's)."""
+    metric_name = LONGBENCH_METRICS.get(task.removesuffix("_e"), None) or metric_for(task)
+    if metric_name in SET_METRICS:
+        return SET_METRICS[metric_name](prediction, answers)
     if _first_line_rule(task):
         prediction = prediction.lstrip("\n").split("\n")[0]
-    metric = METRICS[LONGBENCH_METRICS.get(task.removesuffix("_e"), None) or metric_for(task)]
+    metric = METRICS[metric_name]
     return max((metric(prediction, answer, all_classes) for answer in answers), default=0.0)
 
 

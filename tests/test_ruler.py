@@ -1,0 +1,127 @@
+"""RULER generated here: sizes in the model's tokens, needles where the depth says, stratified
+depths, the authors' string-match scoring, and refusals before any model loads (no engine)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.data import DataError, load_samples, ruler, task_spec
+from harness.data.prompts import build_prompt
+from harness.metrics.longbench import score_sample
+from harness.models import resolve_model_path
+
+LENGTHS = (1024, 2048)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("embedded:smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
+    return ruler.generate(tokenizer, seed=0, lengths=LENGTHS, samples_per_length=3)
+
+
+def test_every_task_at_every_length_fits_its_length_with_the_answer(samples, tokenizer):
+    assert {s.task for s in samples} == set(ruler.TASKS) and len(samples) == len(ruler.TASKS) * len(LENGTHS) * 3
+    for sample in samples:
+        spec = task_spec(sample.task)
+        prompt = build_prompt(sample, spec, tokenizer, max_prompt_tokens=10**6)
+        total = len(prompt.token_ids) + spec.max_new_tokens
+        assert sample.length - 160 <= total <= sample.length, (sample.id, total)
+        assert prompt.text.endswith(sample.meta["answer_prefix"]), "the answer prefix ends the prompt"
+        context = sample.meta.get("preamble", "") + sample.context
+        for answer in sample.answers:
+            assert answer in context, (sample.id, answer)
+
+
+def test_a_sample_is_the_same_for_the_same_seed_and_differs_for_another(tokenizer, samples):
+    again = ruler.generate(tokenizer, seed=0, tasks=["niah_single_1", "cwe"], lengths=(1024,), samples_per_length=2)
+    first = {s.id: s for s in samples}
+    assert all(s == first[s.id] for s in again)
+    other = ruler.generate(tokenizer, seed=1, tasks=["niah_single_1"], lengths=(1024,), samples_per_length=1)
+    assert other[0].answers != first["niah_single_1-1024-0"].answers
+
+
+def test_single_needles_sit_at_their_recorded_depth_and_depths_are_stratified(samples, tokenizer):
+    singles = [s for s in samples if s.task in ("niah_single_1", "niah_single_2_generated", "qa_generated")]
+    for sample in singles:
+        needle = sample.answers[0] if sample.task != "qa_generated" else sample.input.split(" was ")[1].removesuffix(" born?")
+        where = sample.context.find(needle) / len(sample.context)
+        assert abs(100 * where - sample.meta["depth"]) < 12, (sample.id, where, sample.meta["depth"])
+    # Ten samples at one length cover at least eight of ten depth bands (any prefix spreads).
+    ten = ruler.generate(tokenizer, seed=3, tasks=["niah_single_1"], lengths=(1024,), samples_per_length=10)
+    assert len({int(s.meta["depth"] // 10.01) for s in ten}) >= 8
+    assert "depth" not in next(s for s in samples if s.task == "niah_multivalue_generated").meta
+
+
+def test_texts_follow_the_authors_templates(samples):
+    one = next(s for s in samples if s.task == "niah_single_1")
+    assert task_spec("niah_single_1").template.startswith("A special magic number is hidden within the following text.")
+    assert one.meta["answer_prefix"] == f" The special magic number for {one.input} mentioned in the provided text is"
+    assert "One of the special magic numbers for " + one.input + " is: " + one.answers[0] + "." in one.context
+    many = next(s for s in samples if s.task == "niah_multiquery_generated")
+    assert many.input.count(", ") == 3 and ", and " in many.input and len(many.answers) == 4
+    chain = next(s for s in samples if s.task == "vt")
+    assert f"VAR {chain.answers[0]} = {chain.input}" in chain.context
+    assert chain.meta["answer_prefix"].startswith(" Answer: According to the chain(s) of variable assignment in the "
+                                                  f"text above, 5 variables are assigned the value {chain.input}")
+    words = next(s for s in samples if s.task == "cwe")
+    assert words.meta["preamble"].count("Question: What are the 10 most common words") == 1 and len(words.answers) == 10
+    assert ruler.templates()["_source"].startswith("Task texts of RULER (NVIDIA/RULER")
+
+
+def test_scoring_is_string_match():
+    assert task_spec("vt").metric == "string_match_all" and task_spec("qa_generated").metric == "string_match_part"
+    assert score_sample("vt", "they are: ABCDE, fghij and KLM", ["abcde", "FGHIJ", "XYZ", "QQQ"]) == 0.5
+    assert score_sample("niah_single_1", "is 1234567.", ["1234567"]) == 1.0
+    assert score_sample("qa_generated", "Arlen or Brisk", ["Brisk", "Calder"]) == 1.0
+    assert score_sample("qa_generated", "Dunmore", ["Brisk", "Calder"]) == 0.0
+
+
+def test_bad_ruler_configs_are_refused_before_any_model_loads(tmp_path):
+    from harness.config import ConfigError, DataSettings, run_settings
+
+    from tests.test_config import compose_cfg
+
+    def check(*overrides):
+        run_settings(compose_cfg("data=ruler", f"output_dir={tmp_path}", *overrides))
+
+    check("data.lengths=[1024,8192]")  # SmolLM2's context: accepted
+    with pytest.raises((ConfigError, DataError), match=r"data.lengths \[16384\] exceed model .*max_model_len=8192"):
+        check("data.lengths=[1024,16384]")
+    with pytest.raises((ConfigError, DataError), match="data.lengths is a list of RULER sample lengths"):
+        check("data.lengths=[100]")
+    with pytest.raises((ConfigError, DataError), match="unknown task.*niah_single_2 for ruler; valid: niah_single_1"):
+        check("data.tasks=[niah_single_2]")
+
+    with pytest.raises(DataError, match="needs its tokenizer"):
+        load_samples(DataSettings("ruler", "ruler", limit=1, lengths=(1024,)))
+
+
+def test_needle_heatmaps_place_scores_by_depth_and_length(tmp_path):
+    import pandas as pd
+
+    from harness.plots import depth_samples, needle_heatmaps
+
+    runs = []
+    for variant, budget, hit in (("full", float("nan"), 1.0), ("paged", 256.0, 0.0)):
+        run_dir = tmp_path / variant
+        run_dir.mkdir()
+        rows = [{"task": "niah_single_1", "id": f"x{i}", "score": hit, "length": length, "depth": depth}
+                for i, (length, depth) in enumerate([(1024, 5.0), (2048, 95.0)])]
+        rows.append({"task": "cwe", "id": "y", "score": 0.5, "length": 1024, "depth": None})
+        (run_dir / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append({"run_dir": str(run_dir), "variant": variant, "budget": budget})
+    table = depth_samples(pd.DataFrame(runs))
+    assert sorted(table["band"]) == [0, 0, 9, 9] and set(table["score"]) == {0.0, 100.0}
+    figures = needle_heatmaps(pd.DataFrame(runs), "test")
+    assert [budget for budget, _ in figures] == ["256"]
+    axes = figures[0][1].axes
+    assert [ax.get_title() for ax in axes[:2]] == ["full", "paged b256"]
+    full_grid = axes[0].images[0].get_array()
+    assert full_grid[0, 0] == 100 and full_grid[9, 1] == 100 and full_grid.mask[5, 0]
