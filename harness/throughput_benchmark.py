@@ -358,11 +358,12 @@ def recompute_lines(setting: Setting) -> list[str]:
     if shape is None or not parameters:
         return []
     lines = []
-    for (policy, budget), window in windows.items():
+    for window, budget in sorted(set((w, b) for (_, b), w in windows.items())):
+        policies = ", ".join(p for (p, b), w in windows.items() if (w, b) == (window, budget))
         cached = budget + workload.block_size
         here = recompute_share(shape, parameters, window, cached, workload.block_size)
         paper = recompute_share(*LLAMA_31_8B, window, cached, workload.block_size)
-        lines.append(f"{policy} b{budget}: recomputing {window} queries' attention over {cached} cached tokens "
+        lines.append(f"{policies} at b{budget}: recomputing {window} queries' attention over {cached} cached tokens "
                      f"once per {workload.block_size} decode steps is {100 * here:.1f}% of those steps' FLOPs on "
                      f"{Path(workload.model).name} ({parameters / 1e6:.0f}M parameters), {100 * paper:.2f}% on "
                      "Llama-3.1-8B's shape: a floor for any exact recomputation, before capture and selection")
