@@ -41,6 +41,8 @@ def variant_label(config: dict) -> str:
     missing = object()
     changed = [f"{key}={value}" for key, value in sorted((policy.get("options") or {}).items())
                if defaults.get(key, missing) != value]
+    if config.get("decode_eviction") is False and name != "full":
+        changed.append("decode_eviction=False")  # the prompt compressed only
     engine_block = (config.get("engine") or {}).get("block_size")
     if engine_block is not None and config.get("block_size") not in (None, engine_block):
         changed.append(f"block_size={config['block_size']}")
@@ -75,6 +77,7 @@ def run_rows(run_dir: Path) -> list[dict]:
     base["variant"] = variant_label(config)
     if base.get("policy.name") == "full":
         base["budget"] = None  # full cache keeps everything, whatever the configured budget
+        base["budget_ratio"] = None
     fidelity = scores.get("fidelity") or {}
     kv = perf.get("kv") or {}
     base.update({
@@ -145,7 +148,7 @@ def add_intervals(frame: pd.DataFrame) -> pd.DataFrame:
         put(run, "", "average", average)
         for other, other_info in runs.iterrows():
             same_setting = (other_info["model.name"], other_info["data.name"]) == (info["model.name"], info["data.name"])
-            comparable = other_info["policy.name"] == "full" or other_info["budget"] == info["budget"]
+            comparable = other_info["policy.name"] == "full" or budget_label(other_info) == budget_label(info)
             if other == run or not same_setting or not comparable or info["variant"] == other_info["variant"]:
                 continue
             differences = paired(samples[run], samples[other])
@@ -184,10 +187,20 @@ def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
 ROW = ["variant", "budget"]  # how tables key their rows: the policy variant and the budget label
 
 
+def budget_label(row) -> str:
+    """A run's budget as a label: the token count, ``r0.5`` for a compression ratio (share of each
+    prompt removed), or "all" for full cache (it keeps every token)."""
+    ratio = row.get("budget_ratio")
+    if ratio is not None and ratio == ratio:
+        return f"r{ratio:g}"
+    budget = row.get("budget")
+    return "all" if budget is None or budget != budget else str(int(budget))
+
+
 def with_budget_label(frame: pd.DataFrame) -> pd.DataFrame:
-    """``budget`` as a label: the token count, or "all" for full cache (it keeps every token)."""
+    """``budget`` as a label (``budget_label``)."""
     labelled = frame.copy()
-    labelled["budget"] = [("all" if b != b else str(int(b))) for b in frame["budget"]]
+    labelled["budget"] = [budget_label(row) for _, row in frame.iterrows()]
     return labelled
 
 
@@ -195,7 +208,8 @@ def in_reading_order(table: pd.DataFrame) -> pd.DataFrame:
     """Rows (variant, budget label): full cache first, then each variant by name, budgets ascending."""
     def key(row):
         policy, budget = row
-        return (policy != "full", policy, int(budget) if budget.isdigit() else -1)
+        order = int(budget) if budget.isdigit() else float(budget[1:]) if budget.startswith("r") else -1
+        return (policy != "full", policy, budget.startswith("r"), order)
 
     return table.loc[sorted(table.index, key=key)]
 

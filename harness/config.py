@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.data import DataError, check_data_config
 from harness.engine.compatibility import check_policy_runs
-from harness.eviction.settings import EvictionSettings
+from harness.eviction.settings import EvictionSettings, budget_for_ratio, check_ratio
 from harness.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
@@ -71,7 +71,7 @@ class RunSettings:
 
     policy: str
     options: dict
-    budget: int
+    budget: int | None   # None with a budget_ratio
     block_size: int
     model: ModelSettings
     engine: EngineSettings
@@ -80,6 +80,22 @@ class RunSettings:
     output_dir: str
     force: bool
     resolved: dict = field(repr=False, compare=False)
+    budget_ratio: float | None = None  # instead of budget: each request keeps (1 - r) x its prompt
+    decode_eviction: bool = True       # False: compress the prompt only
+
+    @property
+    def policy_budget(self) -> int:
+        """The budget the policy is checked and its memory predicted at: the token budget, or the
+        largest a ratio gives (a prompt of ``max_model_len``)."""
+        if self.budget_ratio is None:
+            return self.budget
+        return budget_for_ratio(self.budget_ratio, self.model.max_model_len, self.block_size)
+
+    @property
+    def budget_text(self) -> str:
+        """``budget=512``, ``budget_ratio=0.5``, with `` prompt only`` when decode does not evict."""
+        size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
+        return size + ("" if self.decode_eviction else " prompt only")
 
     @property
     def evicts(self) -> bool:
@@ -88,11 +104,13 @@ class RunSettings:
     @property
     def eviction(self) -> EvictionSettings | None:
         """The engine-wide eviction settings this cell runs (None: full cache)."""
-        return EvictionSettings(self.policy, self.budget, self.options) if self.evicts else None
+        if not self.evicts:
+            return None
+        return EvictionSettings(self.policy, self.budget, self.options, self.budget_ratio, self.decode_eviction)
 
     @property
     def label(self) -> str:
-        return f"{self.policy} budget={self.budget}" if self.evicts else "full cache"
+        return f"{self.policy} {self.budget_text}" if self.evicts else "full cache"
 
     def identity(self) -> dict:
         """What makes two runs the same cell. Full cache ignores the budget: it runs once per model and data."""
@@ -103,7 +121,7 @@ class RunSettings:
             policy["options"] = {k: v for k, v in options.items() if k != "granularity"}
         engine = {key: value for key, value in self.resolved["engine"].items()
                   if not (key in LATER_ENGINE_KEYS and value == LATER_ENGINE_KEYS[key])}
-        return {
+        identity = {
             "policy": policy,
             "budget": self.budget if self.evicts else None,
             "block_size": self.block_size,
@@ -111,11 +129,22 @@ class RunSettings:
             "data": self.resolved["data"],
             "engine": engine,
         }
+        # Added after cells were committed: named only away from their defaults, so earlier cells
+        # keep their names.
+        if self.evicts and self.budget_ratio is not None:
+            identity["budget_ratio"] = self.budget_ratio
+        if self.evicts and not self.decode_eviction:
+            identity["decode_eviction"] = False
+        return identity
 
     @property
     def cell_name(self) -> str:
         digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
-        label = f"{self.policy}_b{self.budget}" if self.evicts else "full"
+        if not self.evicts:
+            label = "full"
+        else:
+            label = f"{self.policy}_r{self.budget_ratio:g}" if self.budget_ratio is not None else f"{self.policy}_b{self.budget}"
+            label += "" if self.decode_eviction else "_prompt"
         return f"{label}_bs{self.block_size}_{digest}"
 
     @property
@@ -175,6 +204,8 @@ def typed(cfg: DictConfig) -> RunSettings:
             output_dir=str(resolved["output_dir"]),
             force=bool(resolved.get("force", False)),
             resolved=resolved,
+            budget_ratio=resolved.get("budget_ratio"),
+            decode_eviction=resolved.get("decode_eviction", True),
         )
     except TypeError as error:  # a required key missing from a config group
         raise ConfigError(f"incomplete config: {error}") from None
@@ -192,20 +223,33 @@ def check(run: RunSettings) -> None:
         )
     if run.policy not in REGISTRY:
         raise ConfigError(f"unknown policy {run.policy!r}; valid: {', '.join(REGISTRY)}")
-    # Full cache ignores the budget, but a budget no policy could use is a typo: refuse it too.
-    check_budget(run.budget, run.block_size)
+    if run.budget_ratio is not None:
+        try:
+            check_ratio(run.budget_ratio)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if run.budget is not None:
+            raise ConfigError(f"budget_ratio={run.budget_ratio} sets each request's budget from its prompt: pass "
+                              f"budget=null with it (budget={run.budget} was also given)")
+    else:
+        # Full cache ignores the budget, but a budget no policy could use is a typo: refuse it too.
+        if run.budget is None:
+            raise ConfigError("budget=null needs a budget_ratio (share of each prompt removed, in [0, 1))")
+        check_budget(run.budget, run.block_size)
+    if not isinstance(run.decode_eviction, bool):
+        raise ConfigError(f"decode_eviction must be true or false, got {run.decode_eviction!r}")
     if run.evicts:
         try:
-            policy = make_policy(run.policy, run.budget, run.block_size, **run.options)
+            policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"policy {run.policy}: {error}") from None
         try:
             check_policy_runs(policy, run.engine.enforce_eager)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    if run.budget > run.model.max_model_len:
+    if run.policy_budget > run.model.max_model_len:
         raise ConfigError(
-            f"budget={run.budget} is above model {run.model.name}'s context of "
+            f"budget={run.policy_budget} is above model {run.model.name}'s context of "
             f"{run.model.max_model_len} tokens"
         )
     if device == "cuda" and run.model.dtype not in ("bfloat16", "float16"):
@@ -288,13 +332,13 @@ def check_memory(run: RunSettings) -> None:
         pool = int(run.engine.kv_cache_gib * 2**30) * ranks
     else:
         return
-    policy = make_policy(run.policy, run.budget, run.block_size, **run.options)
+    policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)
     memory = predict(policy, shape, run.engine.max_num_seqs, run.model.max_model_len, CpuAttnView.joint_read_bytes)
     available, need = available_memory(), weights + pool + memory.total * ranks
     if available is not None and need > available:
         per_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
         raise ConfigError(
-            f"policy {run.policy} at budget={run.budget} needs {memory.describe()}{per_rank} beside the KV pool "
+            f"policy {run.policy} at {run.budget_text} needs {memory.describe()}{per_rank} beside the KV pool "
             f"({pool / 2**30:.2f} GiB) and the weights ({weights / 2**30:.2f} GiB): {need / 2**30:.2f} GiB, but "
             f"{available / 2**30:.2f} GiB are available: lower engine.max_num_seqs, the budget or engine.kv_cache_gib"
         )

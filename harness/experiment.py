@@ -160,11 +160,13 @@ def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | 
     """An evicting run whose long prompts were never pruned ran stock vLLM: it is not a result."""
     if not run.evicts:
         return
-    over = [row for row in rows if row["prompt_tokens"] >= run.budget + run.block_size]
+    settings = run.eviction
+    over = [row for row in rows
+            if row["prompt_tokens"] >= settings.for_prompt(row["prompt_tokens"], run.block_size).budget + run.block_size]
     recorded = ledger["evictions"]["prefill"] if ledger else None
     if over and not recorded:
         raise EvictionNotActiveError(
-            f"{len(over)} prompt(s) are longer than budget={run.budget} + one block, yet the engine recorded "
+            f"{len(over)} prompt(s) are longer than {run.budget_text} + one block, yet the engine recorded "
             f"{'no ledger' if ledger is None else 'no prefill eviction'}: policy={run.policy} was not "
             "running; nothing was written"
         )

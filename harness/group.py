@@ -126,6 +126,8 @@ def cell_kv(ledger: dict | None, run: RunSettings, requests: list[dict | None]) 
     cell.update({
         "policy": run.policy if run.evicts else None,
         "budget": run.budget if run.evicts else None,
+        "budget_ratio": run.budget_ratio if run.evicts else None,
+        "decode_eviction": run.decode_eviction,
         "shared_figures": ["kv_pool_blocks", "steps", "kv_blocks_used_peak", "kv_blocks_used_mean",
                            "running_requests_peak", "decode_blocks_peak", "model_s", "evict_share_of_step"],
     })

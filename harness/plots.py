@@ -37,48 +37,53 @@ def _save(fig, out: Path, name: str) -> list[Path]:
     return paths
 
 
-def _against_budget(ax, frame: pd.DataFrame, column: str, ylabel: str) -> None:
+def _against_budget(ax, frame: pd.DataFrame, column: str, ylabel: str, x: str = "budget") -> None:
     """One line per policy over the budget, full cache as a dashed reference, on a log-2 budget
-    axis labelled in plain tokens (budgets double from one setting to the next). Where the frame
-    has ``<column>_low``/``_high`` (95% intervals), they are drawn as error bars and a band."""
+    axis labelled in plain tokens (budgets double from one setting to the next), or over the
+    compression ratio (``x="budget_ratio"``, linear). Where the frame has ``<column>_low``/``_high``
+    (95% intervals), they are drawn as error bars and a band."""
     from matplotlib.ticker import ScalarFormatter
 
     bounds = [f"{column}_low", f"{column}_high"]
     has_bounds = all(b in frame for b in bounds)
-    policies = list(_policies(frame))
+    policies = list(_policies(frame, x))
     for index, (policy, group) in enumerate(policies):
         errors = [group[column] - group[bounds[0]], group[bounds[1]] - group[column]] if has_bounds else None
-        dodge = 2 ** (0.04 * (index - (len(policies) - 1) / 2)) if has_bounds else 1  # bars side by side
-        ax.errorbar(group["budget"] * dodge, group[column], yerr=errors, marker="o", capsize=3, label=policy,
-                    color=color(policy))
+        offset = (index - (len(policies) - 1) / 2) if has_bounds else 0  # bars side by side
+        where = group[x] * 2 ** (0.04 * offset) if x == "budget" else group[x] + 0.01 * offset
+        ax.errorbar(where, group[column], yerr=errors, marker="o", capsize=3, label=policy, color=color(policy))
     full = frame[frame["policy.name"] == "full"]
     if len(full):
         ax.axhline(full[column].iloc[0], linestyle="--", color="black", label="full cache")
         if has_bounds:
             ax.axhspan(full[bounds[0]].iloc[0], full[bounds[1]].iloc[0], color="grey", alpha=0.15, lw=0)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(frame["budget"].dropna().unique()))
-    ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
-    ax.set_xlabel("KV budget (tokens)")
+    if x == "budget":
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(frame["budget"].dropna().unique()))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.set_xlabel("KV budget (tokens)")
+    else:
+        ax.set_xticks(sorted(frame[x].dropna().unique()))
+        ax.set_xlabel("compression ratio (share of the prompt removed)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
 
 
-def _policies(frame: pd.DataFrame):
+def _policies(frame: pd.DataFrame, x: str = "budget"):
     # Runs aggregated by harness.aggregate carry a variant label; the throughput table only names policies.
     key = "variant" if "variant" in frame else "policy.name"
-    for policy, group in frame[frame["policy.name"] != "full"].groupby(key):
-        yield policy, group.sort_values("budget")
+    for policy, group in frame[(frame["policy.name"] != "full") & frame[x].notna()].groupby(key):
+        yield policy, group.sort_values(x)
 
 
-def score_vs_budget(frame: pd.DataFrame, title: str):
+def score_vs_budget(frame: pd.DataFrame, title: str, x: str = "budget"):
     tasks = sorted(frame["task"].unique())
     columns = min(3, len(tasks))
     rows = -(-len(tasks) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
-        _against_budget(ax, frame[frame["task"] == task], "score", "score (0-100)")
+        _against_budget(ax, frame[frame["task"] == task], "score", "score (0-100)", x)
         ax.set_title(task)
     for ax in list(axes.flat)[len(tasks):]:
         ax.set_visible(False)
@@ -106,8 +111,10 @@ def accuracy_vs_throughput(runs: pd.DataFrame, title: str):
         ax.scatter(group["output_tokens_per_s"], group["average"], label=policy, color=color(policy),
                    marker="*" if policy == "full" else "o", s=90 if policy == "full" else 40)
         for _, row in group.iterrows():
-            if pd.notna(row["budget"]):
-                ax.annotate(str(int(row["budget"])), (row["output_tokens_per_s"], row["average"]), fontsize=7,
+            if row["policy.name"] != "full":
+                from harness.aggregate import budget_label
+
+                ax.annotate(budget_label(row), (row["output_tokens_per_s"], row["average"]), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("output tokens / s")
     ax.set_ylabel("average score (0-100, 95% interval)")
@@ -153,7 +160,8 @@ def needle_heatmaps(runs: pd.DataFrame, title: str) -> list[tuple[str, "plt.Figu
             grid = (shown[shown["variant"] == variant].pivot_table(index="band", columns="length", values="score")
                     .reindex(index=range(DEPTH_BANDS), columns=lengths))
             image = ax.imshow(grid.to_numpy(), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-            ax.set_title(variant if variant == "full" else f"{variant} b{budget}", fontsize=8)
+            ax.set_title(variant if variant == "full" else f"{variant} {budget if budget.startswith('r') else 'b' + budget}",
+                         fontsize=8)
             ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths], fontsize=7)
             ax.set_xlabel("length (tokens)", fontsize=7)
         axes[0][0].set_yticks(range(DEPTH_BANDS), [f"{b * 100 // DEPTH_BANDS}%" for b in range(DEPTH_BANDS)], fontsize=7)
@@ -168,11 +176,22 @@ def plot_all(frame: pd.DataFrame, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for (model, data), group in frame.groupby(["model.name", "data.name"]):
-        runs = group.drop_duplicates("run_dir")
         stem = f"{model}_{data}"
-        written += _save(score_vs_budget(group, f"Score vs KV budget: {model} on {data}"), out, f"{stem}_score_vs_budget")
-        written += _save(throughput_vs_budget(runs, f"Throughput vs KV budget: {model} on {data}"), out, f"{stem}_throughput")
-        written += _save(accuracy_vs_throughput(runs, f"Accuracy vs throughput: {model} on {data}"), out, f"{stem}_tradeoff")
-        for budget, figure in needle_heatmaps(runs, f"Needle score by depth and length: {model} on {data}"):
-            written += _save(figure, out, f"{stem}_needles_b{budget}")
+        every_run = group.drop_duplicates("run_dir")
+        by_ratio = group["budget_ratio"].notna() if "budget_ratio" in group else pd.Series(False, index=group.index)
+        if by_ratio.any():  # runs that set their budget as a compression ratio, beside full cache
+            with_full = pd.concat([group[group["policy.name"] == "full"], group[by_ratio]])
+            written += _save(score_vs_budget(with_full, f"Score vs compression ratio: {model} on {data}", "budget_ratio"),
+                             out, f"{stem}_score_vs_ratio")
+        by_tokens = group[~by_ratio]
+        if (by_tokens["policy.name"] != "full").any() or not by_ratio.any():
+            runs = by_tokens.drop_duplicates("run_dir")
+            written += _save(score_vs_budget(by_tokens, f"Score vs KV budget: {model} on {data}"), out,
+                             f"{stem}_score_vs_budget")
+            written += _save(throughput_vs_budget(runs, f"Throughput vs KV budget: {model} on {data}"), out,
+                             f"{stem}_throughput")
+        written += _save(accuracy_vs_throughput(every_run, f"Accuracy vs throughput: {model} on {data}"), out,
+                         f"{stem}_tradeoff")
+        for budget, figure in needle_heatmaps(every_run, f"Needle score by depth and length: {model} on {data}"):
+            written += _save(figure, out, f"{stem}_needles_{budget if budget.startswith('r') else 'b' + budget}")
     return written

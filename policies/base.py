@@ -18,7 +18,7 @@ to keep per request (``policies.score``). Scored policies, one score at either g
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
@@ -53,6 +53,8 @@ class Policy:
 
     budget: int
     block_size: int
+    # False: evict the prompt only (after prefill), never while generating (kvpress's presses).
+    decode_eviction: bool = field(default=True, kw_only=True)
 
     name: ClassVar[str] = ""
     granularity: ClassVar[Granularity] = "none"
@@ -81,7 +83,7 @@ class Policy:
 
     def needs_decode_eviction(self, cached_tokens: int) -> bool:
         """Called after every step with the request's physical cache length."""
-        return self.evicts and cached_tokens >= self.budget + self.block_size and (
+        return self.evicts and self.decode_eviction and cached_tokens >= self.budget + self.block_size and (
             cached_tokens % self.block_size == 0
         )
 

@@ -20,7 +20,7 @@ from policies.score import Score, function_score
 from policies.selection import ScoredBlockPolicy, ScoredTokenPolicy
 
 SELECTIONS = {"token": ScoredTokenPolicy, "block": ScoredBlockPolicy}
-NOT_OPTIONS = {"budget", "block_size", "score"}
+NOT_OPTIONS = {"budget", "block_size", "score", "decode_eviction"}  # decode_eviction: a run setting
 
 
 class UnknownPolicyError(ValueError):

@@ -131,8 +131,9 @@ class PlainPolicy:
     """
 
     def __init__(self, score: str, granularity: str, budget: int, block: int, per_head: bool | None = None,
-                 protect_edges: bool = True, weights: dict | None = None):
+                 protect_edges: bool = True, weights: dict | None = None, decode_eviction: bool = True):
         self.score, self.granularity, self.budget, self.block = score, granularity, budget, block
+        self.decode_eviction = decode_eviction  # False: the prompt is compressed, the answer never
         self.per_head = (granularity == "token") if per_head is None else per_head
         self.protect_edges = protect_edges
         self.weights = weights or {}  # hybrid: score name -> weight
@@ -308,7 +309,8 @@ class PlainReference:
             if prefill and physical > policy.budget:
                 physical = self._apply(cache, policy, "prefill")
                 counts["prefill"] += 1
-            elif not prefill and physical >= policy.budget + policy.block and physical % policy.block == 0:
+            elif (policy.decode_eviction and not prefill and physical >= policy.budget + policy.block
+                  and physical % policy.block == 0):
                 physical = self._apply(cache, policy, "decode")
                 counts["decode"] += 1
             step = torch.tensor([[out[-1]]])

@@ -62,6 +62,12 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
         (["model=tiny", f"engine.tensor_parallel_size={len(os.sched_getaffinity(0)) + 2}"], "needs a core per rank"),
         (["engine.distributed_executor_backend=dask"], "engine.distributed_executor_backend='dask'; valid: null"),
         (["engine.distributed_executor_backend=ray"], "vLLM's Ray executor does not support the CPU platform"),
+        (["policy=snapkv", "budget_ratio=0.5"], "budget_ratio=0.5 sets each request's budget from its prompt: pass "
+                                                "budget=null with it (budget=1024 was also given)"),
+        (["policy=snapkv", "budget=null", "budget_ratio=1.0"], "budget_ratio is the share of the prompt removed, "
+                                                               "a number in [0, 1); got 1.0"),
+        (["policy=snapkv", "budget=null"], "budget=null needs a budget_ratio"),
+        (["policy=snapkv", "decode_eviction=maybe"], "decode_eviction must be true or false, got 'maybe'"),
     ],
 )
 def test_bad_config_is_a_clear_error(overrides, message):
@@ -77,6 +83,17 @@ def test_tensor_parallelism_names_its_own_cells_and_one_worker_keeps_the_old_nam
     assert "tensor_parallel_size" not in one.identity()["engine"] and one.engine.tensor_parallel_size == 1
     two = run_settings(compose_cfg("model=tiny", "policy=paged", "budget=256", "engine.tensor_parallel_size=2"))
     assert two.engine.tensor_parallel_size == 2 and two.cell_name != one.cell_name
+
+
+def test_a_compression_ratio_and_prompt_only_name_their_own_cells():
+    ratio = run_settings(compose_cfg("policy=snapkv", "budget=null", "budget_ratio=0.5"))
+    assert ratio.run_dir.name.startswith("snapkv_r0.5_bs32_") and ratio.label == "snapkv budget_ratio=0.5"
+    assert ratio.eviction.as_dict() == {"policy": "snapkv", "budget": None, "options": ratio.options, "budget_ratio": 0.5}
+    assert ratio.policy_budget == 4096, "checked at the largest budget a ratio gives (an 8192-token prompt)"
+    prompt = run_settings(compose_cfg("policy=snapkv", "budget=256", "decode_eviction=false"))
+    assert prompt.run_dir.name.startswith("snapkv_b256_prompt_bs32_") and prompt.label == "snapkv budget=256 prompt only"
+    plain = run_settings(compose_cfg("policy=snapkv", "budget=256"))
+    assert "budget_ratio" not in plain.identity() and "decode_eviction" not in plain.identity()
 
 
 def test_full_cache_is_one_cell_whatever_the_budget():

@@ -37,13 +37,27 @@ def vllm_config(**changes):
 def test_settings_round_trip_through_additional_config():
     settings = EvictionSettings("knorm", 256, {"per_head": False})
     assert settings_from(SimpleNamespace(additional_config=settings.as_additional_config())) == settings
+    assert settings.as_dict() == {"policy": "knorm", "budget": 256, "options": {"per_head": False}}, "as before ratios"
+    ratio = EvictionSettings("snapkv", None, {}, budget_ratio=0.5, decode_eviction=False)
+    assert settings_from(SimpleNamespace(additional_config=ratio.as_additional_config())) == ratio
+    resolved = ratio.for_prompt(1000, 32)
+    assert (resolved.budget, resolved.budget_ratio, resolved.key != ratio.key) == (512, 0.5, True)
+    from harness.eviction.settings import build_policy
+
+    policy = build_policy(resolved, 32)
+    assert (policy.budget, policy.decode_eviction) == (512, False)
+    assert policy.needs_prefill_eviction(1000) and not policy.needs_decode_eviction(544)
+    assert ratio.describe() == "policy=snapkv budget_ratio=0.5 prompt only"
     assert settings_from(SimpleNamespace(additional_config=None)) is None
     assert settings_from(SimpleNamespace(additional_config={"kv_eviction": {"policy": "full"}})) is None
 
 
 @pytest.mark.parametrize(
     "raw, message",
-    [({"policy": "paged"}, "needs a 'budget'"), ({"policy": "paged", "budget": 64, "bugdet": 1}, "unknown key")],
+    [({"policy": "paged"}, "needs a 'budget'"), ({"policy": "paged", "budget": 64, "bugdet": 1}, "unknown key"),
+     ({"policy": "paged", "budget": 64, "budget_ratio": 0.5}, "exactly one of them"),
+     ({"policy": "paged", "budget_ratio": 1.0}, r"budget_ratio is the share of the prompt removed, a number in \[0, 1\)"),
+     ({"policy": "paged", "budget_ratio": 0.5, "decode_eviction": "no"}, "decode_eviction must be true or false")],
 )
 def test_bad_settings_are_refused(raw, message):
     with pytest.raises(ValueError, match=message):

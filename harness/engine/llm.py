@@ -245,7 +245,7 @@ class Engine:
 
     def verify_eviction(self, wanted: EvictionSettings) -> None:
         """Stop, with one line, unless the scheduler and every worker run exactly ``wanted``."""
-        expected = {"policy": wanted.policy, "budget": wanted.budget, "options": dict(wanted.options)}
+        expected = wanted.as_dict()
         problems = []
         state = self._core_state()
         if state is None:
@@ -265,7 +265,7 @@ class Engine:
                 problems.append(f"a worker runs {status['settings']}")
         if problems:
             raise EvictionNotActiveError(
-                f"eviction policy={wanted.policy} budget={wanted.budget} was asked for but is not active in "
+                f"eviction {wanted.describe()} was asked for but is not active in "
                 f"the engine: {'; '.join(problems)}"
             )
 

@@ -207,6 +207,8 @@ class EvictionScheduler(Scheduler):
         params = request.sampling_params
         settings = request_settings(params.extra_args if params else None, self.kv_settings, self.kv_block_size)
         if settings is not None:
+            # A budget_ratio becomes this request's token budget; the worker gets it in the plan.
+            settings = settings.for_prompt(request.num_prompt_tokens, self.kv_block_size)
             if self.kv_unsupported is not None:
                 raise ValueError(f"request {request.request_id} asks for KV eviction: {self.kv_unsupported}")
             self.policy_for(settings)

@@ -13,8 +13,7 @@ class EvictionWorkerExtension:
         state = runner.__dict__.get("_kv_eviction")
         return {
             "runner_patched": bool(getattr(GPUModelRunner, "_kv_eviction_installed", False)),
-            "settings": {"policy": state.settings.policy, "budget": state.settings.budget,
-                         "options": dict(state.settings.options)} if state is not None else None,
+            "settings": state.settings.as_dict() if state is not None and state.settings is not None else None,
             "backend": state.backend if state is not None else None,
         }
 

@@ -9,11 +9,18 @@ Per request: the same dict under ``SamplingParams.extra_args["kv_eviction"]`` (o
 JSON string under ``vllm_xargs`` in an OpenAI request (vLLM copies ``vllm_xargs`` into
 ``extra_args``; its values may only be strings and numbers: ``entrypoints/openai/completion/
 protocol.py:250,379``). ``{"policy": "full"}`` turns eviction off for that request.
+
+A budget is a token count (``budget``) or a compression ratio (``budget_ratio`` r, as kvpress and
+its leaderboard give it): each request then keeps (1 - r) x its prompt length, rounded to whole
+blocks (at least two), resolved when the request arrives (``for_prompt``). ``decode_eviction:
+false`` compresses the prompt only (prefill eviction), as kvpress's presses do; the cache then
+grows while the answer is generated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import json
+import math
 
 from policies import BudgetError, Policy, UnknownPolicyError, make_policy
 
@@ -23,11 +30,23 @@ CONFIG_KEY = "kv_eviction"
 @dataclass(frozen=True)
 class EvictionSettings:
     policy: str
-    budget: int
+    budget: int | None       # tokens kept per request; None with a budget_ratio until resolved
     options: dict = field(default_factory=dict)
+    budget_ratio: float | None = None  # share of the prompt removed (kvpress's compression ratio)
+    decode_eviction: bool = True       # False: compress the prompt only
 
     def as_dict(self) -> dict:
-        return {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
+        raw = {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
+        if self.budget_ratio is not None:
+            raw["budget_ratio"] = self.budget_ratio
+        if not self.decode_eviction:
+            raw["decode_eviction"] = False
+        return raw
+
+    def describe(self) -> str:
+        """``policy=paged budget=256``, ``policy=snapkv budget_ratio=0.5 prompt only``."""
+        size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
+        return f"policy={self.policy} {size}" + ("" if self.decode_eviction else " prompt only")
 
     def as_additional_config(self) -> dict:
         return {CONFIG_KEY: self.as_dict()}
@@ -39,7 +58,27 @@ class EvictionSettings:
     @property
     def key(self) -> tuple:
         """Hashable identity (policies are built once per distinct settings)."""
-        return self.policy, self.budget, json.dumps(self.options, sort_keys=True)  # options may nest (hybrid's weights)
+        return (self.policy, self.budget, json.dumps(self.options, sort_keys=True),  # options may nest (hybrid's weights)
+                self.budget_ratio, self.decode_eviction)
+
+    def for_prompt(self, prompt_tokens: int, block_size: int) -> "EvictionSettings":
+        """These settings for a request of ``prompt_tokens``: a ratio becomes its token budget."""
+        if self.budget_ratio is None:
+            return self
+        return replace(self, budget=budget_for_ratio(self.budget_ratio, prompt_tokens, block_size))
+
+
+def budget_for_ratio(ratio: float, prompt_tokens: int, block_size: int) -> int:
+    """(1 - ratio) x the prompt, rounded to the nearest whole block, at least two blocks (a
+    budget's minimum: a first block and a recent one)."""
+    blocks = math.floor((1 - ratio) * prompt_tokens / block_size + 0.5)
+    return max(2, blocks) * block_size
+
+
+def check_ratio(ratio) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+        raise ValueError(f"budget_ratio is the share of the prompt removed, a number in [0, 1); got {ratio!r}")
+    return float(ratio)
 
 
 # The settings of a request that keeps its whole cache, whatever the engine's default.
@@ -55,20 +94,31 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
             raise ValueError(f"{where} is not valid JSON ({error.msg}): {raw!r}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a mapping with policy, budget and options; got {raw!r}")
-    unknown = set(raw) - {"policy", "budget", "options"}
+    allowed = ("policy", "budget", "options", "budget_ratio", "decode_eviction")
+    unknown = set(raw) - set(allowed)
     if unknown:
-        raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; valid: policy, budget, options")
+        raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; valid: {', '.join(allowed)}")
     if raw.get("policy", "full") == "full":
         return None
-    budget = raw.get("budget")
-    if budget is None:
-        raise ValueError(f"{where} needs a 'budget' (KV tokens kept per request)")
-    if isinstance(budget, bool) or not isinstance(budget, int) and not (isinstance(budget, str) and budget.isdigit()):
+    budget, ratio = raw.get("budget"), raw.get("budget_ratio")
+    if (budget is None) == (ratio is None):
+        raise ValueError(f"{where} needs a 'budget' (KV tokens kept per request) or a 'budget_ratio' (share of "
+                         "the prompt removed), exactly one of them")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               and not (isinstance(budget, str) and budget.isdigit())):
         raise ValueError(f"{where}: budget must be an integer number of tokens, got {budget!r}")
+    if ratio is not None:
+        try:
+            ratio = check_ratio(ratio)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+    decode = raw.get("decode_eviction", True)
+    if not isinstance(decode, bool):
+        raise ValueError(f"{where}: decode_eviction must be true or false, got {decode!r}")
     options = raw.get("options") or {}
     if not isinstance(options, dict):
         raise ValueError(f"{where}: options must be a mapping, got {options!r}")
-    return EvictionSettings(str(raw["policy"]), int(budget), dict(options))
+    return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode)
 
 
 def settings_from(vllm_config) -> EvictionSettings | None:
@@ -96,5 +146,14 @@ def request_settings(extra_args: dict | None, default: EvictionSettings | None, 
     return settings
 
 
+# The budget a ratio's settings are checked at before any prompt is seen (names and options).
+PROBE_BLOCKS = 64
+
+
 def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
-    return make_policy(settings.policy, settings.budget, block_size, **settings.options)
+    """The policy these settings run. Settings with a ``budget_ratio`` not yet resolved against a
+    prompt (``for_prompt``) are built at a probe budget: enough to check the name and options."""
+    budget = settings.budget if settings.budget is not None else PROBE_BLOCKS * block_size
+    policy = make_policy(settings.policy, budget, block_size, **settings.options)
+    policy.decode_eviction = settings.decode_eviction
+    return policy
