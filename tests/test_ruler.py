@@ -37,6 +37,9 @@ def test_every_task_at_every_length_fits_its_length_with_the_answer(samples, tok
         context = sample.meta.get("preamble", "") + sample.context
         for answer in sample.answers:
             assert answer in context, (sample.id, answer)
+        if sample.task.startswith("niah"):  # each asked key's needles, and no other needle, name it
+            for key in sample.input.replace(", and ", ", ").split(", "):
+                assert context.count(f" for {key} is: ") == len(sample.answers) // (sample.input.count(",") + 1), sample.id
 
 
 def test_a_sample_is_the_same_for_the_same_seed_and_differs_for_another(tokenizer, samples):

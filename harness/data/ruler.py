@@ -165,9 +165,12 @@ def niah(rng: random.Random, config: Niah, size: int, depths: list[float]) -> di
         haystack = [templates()["noise"]] * size
     elif config.haystack == "prose":
         haystack = [prose_sentence(rng) for _ in range(size)]
-    else:
-        haystack = [needle.format(type_needle_v=kind, key=random_item(rng, config.key), value=random_item(rng, kind))
-                    for _ in range(size)]
+    else:  # other needles, none with a key the sample asks about (the answer stays unique)
+        haystack = []
+        while len(haystack) < size:
+            key = random_item(rng, config.key)
+            if key not in keys:
+                haystack.append(needle.format(type_needle_v=kind, key=key, value=random_item(rng, kind)))
     asked = rng.sample(range(len(keys)), config.queries)
     queried = [keys[i] for i in asked]
     query = queried[0] if len(queried) == 1 else ", ".join(queried[:-1]) + ", and " + queried[-1]
