@@ -82,6 +82,7 @@ class RunSettings:
     resolved: dict = field(repr=False, compare=False)
     budget_ratio: float | None = None  # instead of budget: each request keeps (1 - r) x its prompt
     decode_eviction: bool = True       # False: compress the prompt only
+    likelihood: bool = True            # also the teacher-forced measures (harness.answer_likelihood)
 
     @property
     def policy_budget(self) -> int:
@@ -206,6 +207,7 @@ def typed(cfg: DictConfig) -> RunSettings:
             resolved=resolved,
             budget_ratio=resolved.get("budget_ratio"),
             decode_eviction=resolved.get("decode_eviction", True),
+            likelihood=resolved.get("likelihood", True),
         )
     except TypeError as error:  # a required key missing from a config group
         raise ConfigError(f"incomplete config: {error}") from None
@@ -238,6 +240,8 @@ def check(run: RunSettings) -> None:
         check_budget(run.budget, run.block_size)
     if not isinstance(run.decode_eviction, bool):
         raise ConfigError(f"decode_eviction must be true or false, got {run.decode_eviction!r}")
+    if not isinstance(run.likelihood, bool):
+        raise ConfigError(f"likelihood must be true or false, got {run.likelihood!r}")
     if run.evicts:
         try:
             policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -14,7 +14,9 @@ from harness.data import load_samples, task_spec
 from harness.data.prompts import build_prompt
 from harness import interrupts
 from harness.eviction.messages import EvictionNotActiveError
+from harness.answer_likelihood import answer_tokens, cells_likelihood
 from harness.metrics.fidelity import fidelity
+from harness.metrics.likelihood import reference_answer, summarize_likelihood
 from harness.metrics.report import score_run
 from harness.models import resolve_model_path
 from harness.perf import summarize_perf
@@ -36,6 +38,7 @@ class CellWork:
     prompts: list        # harness.data.prompts.Prompt, one per sample
     skipped: list[dict]  # samples left out, with the reason
     specs: dict          # task -> TaskSpec
+    answer_ids: list = field(default_factory=list)  # per sample, its reference answer's token ids
 
     @property
     def token_ids(self) -> list[list[int]]:
@@ -76,7 +79,8 @@ def prepare_cell(run: RunSettings, tokenizer=None) -> CellWork | None:
         kept.append(sample)
     if not kept:
         raise RuntimeError(f"every sample was skipped: {skipped[:3]}")
-    return CellWork(run, target, kept, prompts, skipped, specs)
+    answers = [answer_tokens(tokenizer, reference_answer(s.answers, specs[s.task].metric)) for s in kept]
+    return CellWork(run, target, kept, prompts, skipped, specs, answers)
 
 
 def run_cell(run: RunSettings) -> tuple[str, Path]:
@@ -98,9 +102,12 @@ def run_cell(run: RunSettings) -> tuple[str, Path]:
                 results = engine.generate(work.token_ids, work.max_new_tokens, work.stops, progress=terminal)
                 wall = time.perf_counter() - started
                 ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
+                counts = request_evictions(engine, [r.request_id for r in results]) if run.evicts else None
+                likelihood = cells_likelihood(engine, [work], terminal)[0] if run.likelihood else None
             finally:
                 engine.close()
-        final = publish_cell(work, writer, results, wall, facts, ledger, vllm_version)
+        final = publish_cell(work, writer, results, wall, facts, ledger, vllm_version, evictions=counts,
+                             likelihood=likelihood)
     except BaseException:
         keep_engine_log(log, work.target)
         writer.abandon()
@@ -116,10 +123,19 @@ def keep_engine_log(log: Path, target: Path) -> None:
         print(f"[engine] the last lines of vLLM's log ({kept_log}):\n{tail(kept_log)}", file=sys.stderr)
 
 
+def request_evictions(engine, request_ids: list[str]) -> list[dict | None]:
+    """Per request, its evictions by phase (prefill, decode) from the scheduler's counters."""
+    counters = engine.request_counters(request_ids)
+    return [dict(counters[rid]["evictions"]) if rid in counters else None for rid in request_ids]
+
+
 def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, facts: dict,
-                 ledger: dict | None, vllm_version: str, shared: dict | None = None) -> Path:
+                 ledger: dict | None, vllm_version: str, shared: dict | None = None, *,
+                 evictions: list[dict | None] | None = None, likelihood: list[dict] | None = None) -> Path:
     """Score a cell's generations and publish its complete run directory (atomically).
-    ``shared``: how the cell shared its engine with others (timings are then not isolated)."""
+    ``shared``: how the cell shared its engine with others (timings are then not isolated).
+    ``evictions``: per sample, its request's evictions by phase; ``likelihood``: per sample, the
+    teacher-forced measures (``harness.answer_likelihood``)."""
     run = work.run
     rows = [
         {
@@ -139,7 +155,14 @@ def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, 
         }
         for sample, prompt, result in zip(work.samples, work.prompts, results)
     ]
+    for index, row in enumerate(rows):
+        if evictions is not None:
+            row["evictions"] = evictions[index]  # this sample's {prefill, decode} eviction count
+        if likelihood is not None:
+            row.update(likelihood[index])
     scores = score_run(rows, work.skipped)
+    if likelihood is not None:
+        scores["likelihood"] = summarize_likelihood(rows)
     scores["fidelity"] = fidelity_to_full_cache(run, rows)
     check_evictions_happened(run, rows, ledger)
     perf = summarize_perf(results, wall, facts, ledger, shared)

@@ -15,11 +15,12 @@ from collections import defaultdict
 from harness.config import RunSettings
 from harness.console import engine_output_to
 from harness.eviction.counters import EvictionCounters
+from harness.answer_likelihood import cells_likelihood
 from harness.experiment import ENGINE_LOG, CellWork, keep_engine_log, prepare_cell, publish_cell
 from harness.models import resolve_model_path
 from harness.results import RunWriter
 
-SHARED_KEYS = ("model", "data", "engine", "block_size", "seed", "output_dir")
+SHARED_KEYS = ("model", "data", "engine", "block_size", "seed", "output_dir", "likelihood")
 
 
 def group_key(run: RunSettings) -> str:
@@ -88,6 +89,7 @@ def run_group(runs: list[RunSettings], name: str) -> dict[str, str]:
                 wall = time.perf_counter() - started
                 ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
                 per_request = engine.request_counters([rid for row in engine_ids for rid in row])
+                likelihood = cells_likelihood(engine, works, terminal) if run.likelihood else [None] * len(works)
             finally:
                 engine.close()
         shared = {"cells": len(works), "prompts": len(prompts), "prefix_caching": True, "group_wall_s": wall,
@@ -95,10 +97,13 @@ def run_group(runs: list[RunSettings], name: str) -> dict[str, str]:
         outcome = {}
         for slot, (work, writer) in enumerate(zip(works, writers)):
             cell_results = [row[slot] for row in results]
-            cell_ledger = cell_kv(ledger, work.run, [per_request.get(row[slot]) for row in engine_ids])
+            requests = [per_request.get(row[slot]) for row in engine_ids]
+            cell_ledger = cell_kv(ledger, work.run, requests)
             if slot:  # the engine log went into the first cell's directory
                 writer.write_text(ENGINE_LOG, f"shared engine: see {works[0].target / ENGINE_LOG}\n")
-            publish_cell(work, writer, cell_results, wall, facts, cell_ledger, vllm_version, shared)
+            evictions = [dict(r["evictions"]) if r else None for r in requests] if work.run.evicts else None
+            publish_cell(work, writer, cell_results, wall, facts, cell_ledger, vllm_version, shared,
+                         evictions=evictions, likelihood=likelihood[slot])
             outcome[str(work.target)] = "done"
         return outcome
     except BaseException:

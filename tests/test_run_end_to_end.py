@@ -46,7 +46,12 @@ def test_run_writes_the_four_files(full_run):
     assert rows[0]["prompt_tokens"] == len(chat_ids), "the engine saw the template's tokens, nothing added"
     assert not rows[1]["prompt"].startswith("<|im_start|>"), "code completion does not (LongBench rule)"
 
+    for row in rows:  # the reference answer forced through the cache: the model's own log-likelihood
+        assert row["answer_logprob"] < 0 and row["answer_tokens"] > 0
+        assert (row["top1_agreement"], row["kl_to_full"]) == (1.0, 0.0), "full cache agrees with itself"
+        assert "evictions" not in row, "full cache has no eviction counts to report"
     scores = json.loads((run_dir / "scores.json").read_text())
+    assert set(scores["likelihood"]["tasks"]) == {"single_doc_qa", "code_completion"}
     assert set(scores["tasks"]) == {"single_doc_qa", "code_completion"}
     assert scores["tasks"]["code_completion"]["metric"] == "code_sim"
     perf = json.loads((run_dir / "perf.json").read_text())

@@ -47,3 +47,9 @@ def test_engine_core_in_its_own_process_still_writes_the_ledger(tmp_path):
     assert perf["kv"]["evictions"]["prefill"] == 1 and perf["kv"]["freed_blocks"] > 0
     (row,) = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     assert row["prompt_tokens"] > 256
+    assert row["evictions"]["prefill"] == 1, "the sample's own request counters crossed it too"
+    # The teacher-forced passes ran on that engine as well, under the cell's eviction.
+    assert row["answer_logprob"] < 0 and row["answer_tokens"] > 0
+    assert 0 <= row["top1_agreement"] <= 1 and row["kl_to_full"] >= 0 and row["agreement_steps"] > 0
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert set(scores["likelihood"]) >= {"answer_logprob", "top1_agreement", "kl_to_full", "tasks"}

@@ -14,8 +14,10 @@ prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that requ
 prompt with a one-token full-cache request, snapshot every block the prefix cache then holds,
 and after the run report how many of those still registered under the same hash changed),
 enforce_eager (default true; false: vLLM's compiled mode), tensor_parallel_size (default 1),
-distributed_executor_backend (default: vLLM's choice).
-OUT holds each request's output ids and preemptions, the free blocks before and after, and the
+distributed_executor_backend (default: vLLM's choice), forced (per prompt, the tokens that request
+must emit, or null: teacher forcing, ``harness.engine.forced_decoding``).
+OUT holds each request's output ids, the model's log-probability and rank of each emitted token
+(when logprobs were asked for or forced) and preemptions, the free blocks before and after, and the
 scheduler's ledger (null for stock vLLM).
 """
 from __future__ import annotations
@@ -72,6 +74,7 @@ def run(spec: dict) -> dict:
             for result in engine.generate([spec["prompts"][i] for i in batch], spec["max_new_tokens"],
                                           settings=[extra[i] for i in batch] if extra else None,
                                           ignore_eos=spec.get("ignore_eos", True), top_logprobs=top_logprobs,
+                                          forced=[spec["forced"][i] for i in batch] if spec.get("forced") else None,
                                           progress=False)
         ]
         wall = time.perf_counter() - started
@@ -82,6 +85,8 @@ def run(spec: dict) -> dict:
         "outputs": [r.token_ids for r in results],
         "preemptions": [r.preemptions for r in results],
         "top_logprobs": [r.top_logprobs if top_logprobs else None for r in results],
+        "token_logprobs": [r.token_logprobs for r in results],
+        "token_ranks": [r.token_ranks for r in results],
         "free_blocks_before": free_before,
         "free_blocks_after": engine.free_blocks(),
         "ledger": ledger,

@@ -23,6 +23,9 @@ USER_THREADS_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 
 VLLM_VERSION = "0.32.0"
 TOP_LOGPROBS = 2
+# Teacher forcing (harness.engine.forced_decoding), named so that vLLM loads it in the engine core
+# process; not imported here, as this module must set the environment before vLLM is imported.
+FORCED_TOKENS_PROCESSOR = "harness.engine.forced_decoding:ForcedTokens"
 
 
 @dataclass
@@ -35,6 +38,11 @@ class GenerationResult:
     # Per generated position, the TOP_LOGPROBS best [token, logprob] pairs: what tells a rounding
     # near-tie from a real change when two runs' outputs part (harness.regression).
     top_logprobs: list[list[list]] = field(default_factory=list)
+    # Per generated position, the model's own log-probability of the token emitted there and its
+    # rank among all tokens (1: the model's first choice); empty unless logprobs were asked for.
+    token_logprobs: list[float] = field(default_factory=list)
+    token_ranks: list[int] = field(default_factory=list)
+    request_id: str = ""  # the engine's id (per-request eviction counters are kept under it)
     # Seconds; None where vLLM did not report them.
     ttft_s: float | None = None
     tpot_s: float | None = None
@@ -125,6 +133,10 @@ class Engine:
         if not stock:
             kwargs["scheduler_cls"] = SCHEDULER_CLS
             kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
+            # Forced decoding reports the model's log-probabilities computed before logits
+            # processors run (vLLM's default mode, vllm/v1/sample/sampler.py:86-89).
+            kwargs["logits_processors"] = [FORCED_TOKENS_PROCESSOR]
+            kwargs["logprobs_mode"] = "raw_logprobs"
         if eviction is not None:
             kwargs["additional_config"] = eviction.as_additional_config()
         if engine.device == "cuda" and not stock:
@@ -295,7 +307,8 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                  stops: list[tuple[str, ...]] | None = None, *, settings: list[dict | None] | None = None,
-                 ignore_eos: bool = False, top_logprobs: int = TOP_LOGPROBS, progress=None) -> list[GenerationResult]:
+                 ignore_eos: bool = False, top_logprobs: int = TOP_LOGPROBS, forced: list[list[int] | None] | None = None,
+                 progress=None) -> list[GenerationResult]:
         """Greedy generation of every prompt (token ids) in one batch (vLLM schedules them
         concurrently), results in prompt order. ``prompt_tokens`` of each result is the count the
         engine itself saw.
@@ -305,26 +318,36 @@ class Engine:
         ``harness.eviction.settings``) or None for the engine's default. ``ignore_eos``: generate
         exactly ``max_new_tokens`` (benchmarks). ``top_logprobs``: per generated position, the best
         ``[token, logprob]`` pairs, what tells a numerical near-tie from a real disagreement (0:
-        none). ``progress``: a stream for the progress bar (None: stderr; False: no bar)."""
+        none). ``forced``: per request, tokens it must emit instead of its greedy choice (teacher
+        forcing, ``harness.engine.forced_decoding``; its ``max_new_tokens`` and stops are ignored)
+        or None. ``progress``: a stream for the progress bar (None: stderr; False: no bar)."""
         import functools
 
         from tqdm import tqdm
 
         count = len(prompts)
         lengths = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * count
-        params = [sampling_params(n, stop, extra, ignore_eos=ignore_eos, top_logprobs=top_logprobs)
-                  for n, stop, extra in zip(lengths, stops or [()] * count, settings or [None] * count)]
+        params = [sampling_params(n, stop, extra, ignore_eos=ignore_eos, top_logprobs=top_logprobs, forced=tokens)
+                  for n, stop, extra, tokens in zip(lengths, stops or [()] * count, settings or [None] * count,
+                                                    forced or [None] * count)]
         bar = False if progress is False else functools.partial(tqdm, file=progress) if progress is not None else True
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=bar)
         return [result_of(output, top_logprobs) for output in outputs]
 
 
 def sampling_params(max_new_tokens: int, stop: tuple[str, ...], extra_args: dict | None = None, *,
-                    ignore_eos: bool = False, top_logprobs: int = TOP_LOGPROBS):
+                    ignore_eos: bool = False, top_logprobs: int = TOP_LOGPROBS, forced: list[int] | None = None):
     """The harness's decoding: greedy, LongBench's stop strings, the top logprobs the near-tie
-    rule needs, and optionally a request's own eviction settings (``extra_args``)."""
+    rule needs, and optionally a request's own eviction settings (``extra_args``). ``forced``:
+    the request emits exactly these tokens and reports, per position, the model's log-probability
+    of each and its rank (plus the ``top_logprobs`` best, at least one)."""
     from vllm import SamplingParams
 
+    if forced is not None:
+        from harness.engine.forced_decoding import FORCED_KEY
+
+        return SamplingParams(temperature=0.0, max_tokens=len(forced), ignore_eos=True, logprobs=max(1, top_logprobs),
+                              extra_args={**(extra_args or {}), FORCED_KEY: [int(t) for t in forced]})
     return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop=list(stop) or None, ignore_eos=ignore_eos,
                           logprobs=top_logprobs or None, extra_args=extra_args)
 
@@ -332,6 +355,7 @@ def sampling_params(max_new_tokens: int, stop: tuple[str, ...], extra_args: dict
 def result_of(output, top_logprobs: int = TOP_LOGPROBS) -> GenerationResult:
     """One finished vLLM ``RequestOutput`` as the harness records it."""
     completion = output.outputs[0]
+    emitted = [position[token] for token, position in zip(completion.token_ids, completion.logprobs or [])]
     return GenerationResult(
         text=completion.text,
         prompt_tokens=len(output.prompt_token_ids or []),
@@ -339,6 +363,9 @@ def result_of(output, top_logprobs: int = TOP_LOGPROBS) -> GenerationResult:
         finish_reason=completion.finish_reason,
         token_ids=list(completion.token_ids),
         top_logprobs=best_tokens(completion.logprobs, top_logprobs),
+        token_logprobs=[entry.logprob for entry in emitted],
+        token_ranks=[entry.rank for entry in emitted],
+        request_id=output.request_id,
         **request_timings(output.metrics, len(completion.token_ids)),
     )
 

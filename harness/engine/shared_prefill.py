@@ -10,7 +10,8 @@ its own instead of writing cached ones (``harness.engine.scheduler``).
 The KV pool stays bounded: a prompt's requests start only when the estimated blocks of every
 prompt in flight fit in the pool (``admission``), so the cached prompts stay cached until their
 requests have used them; when an estimate is wrong vLLM preempts and recomputes, which changes
-timings, never outputs.
+timings, never outputs. On an engine without prefix caching there is nothing to warm: each request
+prefills its own prompt.
 """
 from __future__ import annotations
 
@@ -18,17 +19,25 @@ from collections import deque
 from dataclasses import dataclass
 
 from harness.eviction.evictor import cdiv
-from harness.engine.llm import Engine, GenerationResult, result_of, sampling_params
+from harness.engine.llm import TOP_LOGPROBS, Engine, GenerationResult, result_of, sampling_params
 from harness.eviction.settings import NO_EVICTION, CONFIG_KEY, EvictionSettings
 
 
 @dataclass(frozen=True)
 class CellRequest:
-    """One cell's request for a prompt: its eviction settings (None: full cache) and decoding."""
+    """One cell's request for a prompt: its eviction settings (None: full cache) and decoding
+    (``forced``: the tokens it must emit, teacher forcing; ``top_logprobs``: best tokens kept per step)."""
 
     settings: EvictionSettings | None
     max_new_tokens: int
     stop: tuple[str, ...] = ()
+    forced: tuple[int, ...] | None = None
+    top_logprobs: int = TOP_LOGPROBS
+
+    def params(self):
+        forced = list(self.forced) if self.forced is not None else None
+        return sampling_params(self.max_new_tokens, self.stop, self.extra_args(), top_logprobs=self.top_logprobs,
+                               forced=forced)
 
     def extra_args(self) -> dict:
         return self.settings.as_extra_args() if self.settings is not None else {CONFIG_KEY: dict(NO_EVICTION)}
@@ -89,24 +98,30 @@ def generate_shared(engine: Engine, prompts: list[list[int]], cells: list[list[C
         params.output_kind = RequestOutputKind.FINAL_ONLY
         return core.add_request(request_id, {"prompt_token_ids": prompt}, params)
 
+    warm = engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+
+    def add_cells(index: int) -> None:
+        for slot, cell in enumerate(cells[index]):
+            engine_ids[index][slot] = add(f"cell-{index}-{slot}", prompts[index], cell.params())
+
     try:
         while waiting or core.has_unfinished_requests():
             while waiting and admits(waiting[0], list(remaining)):
                 index = waiting.popleft()
                 remaining[index] = len(cells[index])
-                add(f"warm-{index}", prompts[index], sampling_params(1, (), {CONFIG_KEY: dict(NO_EVICTION)}))
+                if warm:
+                    add(f"warm-{index}", prompts[index], sampling_params(1, (), {CONFIG_KEY: dict(NO_EVICTION)}))
+                else:
+                    add_cells(index)
             for output in core.step():
                 if not output.finished:
                     continue
                 kind, _, rest = output.request_id.partition("-")
                 if kind == "warm":
-                    index = int(rest)
-                    for slot, cell in enumerate(cells[index]):
-                        engine_ids[index][slot] = add(f"cell-{index}-{slot}", prompts[index],
-                                                      sampling_params(cell.max_new_tokens, cell.stop, cell.extra_args()))
+                    add_cells(int(rest))
                     continue
                 index, slot = map(int, rest.split("-"))
-                results[index][slot] = result_of(output)
+                results[index][slot] = result_of(output, cells[index][slot].top_logprobs)
                 bar.update(1)
                 remaining[index] -= 1
                 if not remaining[index]:

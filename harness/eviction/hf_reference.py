@@ -120,11 +120,21 @@ class HFReferenceEngine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
         return self.generate_with_top_logprobs(prompt_ids, max_new_tokens, eos_token_id)[0]
 
-    @torch.no_grad()
     def generate_with_top_logprobs(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
                                    top: int = 3) -> tuple[list[int], list[list[list]]]:
         """Output ids and, per position, the ``top`` best ``[token, logprob]`` pairs (the engine
         runs' format, for the near-tie rule)."""
+        output, best, _ = self._decode(prompt_ids, max_new_tokens, eos_token_id, top, forced=None)
+        return output, best
+
+    def forced_logprobs(self, prompt_ids: list[int], forced: list[int]) -> list[float]:
+        """Teacher forcing: the model's log-probability of each of ``forced`` in turn, the cache
+        evicted exactly as if the model had generated them (the engine's forced decoding)."""
+        return self._decode(prompt_ids, len(forced), None, 1, forced=forced)[2]
+
+    @torch.no_grad()
+    def _decode(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None, top: int,
+                forced: list[int] | None) -> tuple[list[int], list[list[list]], list[float]]:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
@@ -133,7 +143,7 @@ class HFReferenceEngine:
         prompt_len = len(prompt_ids)
         inputs = torch.tensor([prompt_ids], device=self.device)
         positions = torch.arange(prompt_len, device=self.device).unsqueeze(0)
-        computed, evicted, output, best = 0, 0, [], []
+        computed, evicted, output, best, chosen = 0, 0, [], [], []
         while len(output) < max_new_tokens:
             logits = self.model(
                 input_ids=inputs,
@@ -145,9 +155,11 @@ class HFReferenceEngine:
             ).logits
             before, computed = computed, computed + inputs.shape[1]
             self._observe("request")
-            token = int(logits[0, -1].argmax())
+            token = int(logits[0, -1].argmax()) if forced is None else forced[len(output)]
             output.append(token)
-            logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1).topk(top)
+            all_logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
+            chosen.append(float(all_logprobs[token]))
+            logprobs = all_logprobs.topk(top)
             best.append([[int(i), float(v)] for v, i in zip(logprobs.values, logprobs.indices)])
             if eos_token_id is not None and token == eos_token_id:
                 break
@@ -162,7 +174,7 @@ class HFReferenceEngine:
                                   self.policy_state, "request")
             inputs = torch.tensor([[token]], device=self.device)
             positions = torch.tensor([[computed]], device=self.device)
-        return output, best
+        return output, best, chosen
 
     def _evict(self, cache, physical: int, phase) -> int:
         view = DynamicCacheView(cache, self.policy.block_size)
