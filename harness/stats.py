@@ -1,23 +1,37 @@
-"""How sure a score is: seeded bootstrap intervals over samples, for scores and paired differences.
+"""How sure a number is: seeded bootstrap intervals, paired sign-flip tests and their adjustment.
 
-One resampling scheme serves everything. For each task (in sorted order) the bootstrap draws
-``RESAMPLES`` resamples of its samples with replacement from one ``numpy`` generator seeded with
-``SEED``; a task's interval is the 2.5th and 97.5th percentiles of its resampled means, and the
-average's interval those of the mean over tasks of the resampled means (tasks are resampled
-within themselves, as the average weighs them equally). A paired difference (policy A minus
-policy B, or minus full cache) resamples the per-sample differences of the same samples, so the
-noise shared by both runs (an easy or hard sample) cancels. A difference is significant when its
-95% interval excludes zero. All on LongBench's 0-100 scale.
+Everything works on per-sample values grouped by task (``{task: array}``) and on one statistic:
+the unweighted mean over tasks of the task means (a task's own mean when there is one task),
+times ``scale`` (100 puts scores in [0, 1] on LongBench's 0-100 scale; 1 leaves a quantity such as
+a log-likelihood in its own units). A paired difference is the same statistic of the per-sample
+differences of two runs on the same samples, so the noise both runs share (an easy or a hard
+sample) cancels.
+
+* Resampling: for each task in sorted order, ``RESAMPLES`` resamples of its samples with
+  replacement from one ``numpy`` generator seeded ``SEED``; the statistic of each resample
+  (tasks are resampled within themselves, as the average weighs them equally).
+* Intervals: ``bca_interval`` (bias-corrected and accelerated, Efron 1987) is what the summaries
+  print. The plain percentile interval (``intervals``) is too narrow for skewed 0/1 scores at 20
+  samples per task; BCa corrects its coverage to second order.
+* Tests: ``sign_flip_p`` is the two-sided paired permutation test (each sample's difference is
+  as likely negated under the null); exact by enumeration when few differences are non-zero.
+* A table's comparisons form one family: ``holm`` (family-wise error) and ``benjamini_hochberg``
+  (false discovery rate) adjust its p-values; ``detectable_difference`` is the smallest true
+  difference a comparison finds with 80% power at a given level.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
 RESAMPLES = 2000
 SEED = 0
 LEVEL = 0.95
+SCALE = 100  # scores in [0, 1] are reported on LongBench's 0-100 scale
+
+_NORMAL = NormalDist()
 
 
 @dataclass(frozen=True)
@@ -32,32 +46,88 @@ class Interval:
         """For a difference: the interval excludes zero."""
         return self.low > 0 or self.high < 0
 
+    def negated(self) -> "Interval":
+        """The same interval for the difference taken the other way round (B minus A). Exact for
+        both interval methods here: negating every sample negates every resampled statistic, the
+        median bias and the skew, so the bounds swap and change sign."""
+        return Interval(0.0 - self.estimate, 0.0 - self.high, 0.0 - self.low, self.samples)
 
-def bootstrap(per_task: dict[str, np.ndarray], resamples: int = RESAMPLES, seed: int = SEED) -> dict[str, np.ndarray]:
-    """Per task (values in [0, 1], or differences of such), ``resamples`` resampled means x 100."""
+
+def _arrays(per_task: dict[str, np.ndarray], scale: float) -> tuple[list[str], list[np.ndarray]]:
+    tasks = sorted(per_task)
+    return tasks, [scale * np.asarray(per_task[t], dtype=float) for t in tasks]
+
+
+def bootstrap(per_task: dict[str, np.ndarray], resamples: int = RESAMPLES, seed: int = SEED,
+              scale: float = SCALE) -> dict[str, np.ndarray]:
+    """Per task, ``resamples`` resampled means x ``scale``."""
     rng = np.random.default_rng(seed)
     means = {}
-    for task in sorted(per_task):
-        values = np.asarray(per_task[task], dtype=float)
+    for task, values in zip(*_arrays(per_task, scale)):
         draws = rng.integers(0, len(values), size=(resamples, len(values)))
-        means[task] = 100 * values[draws].mean(axis=1)
+        means[task] = values[draws].mean(axis=1)
     return means
+
+
+def _rounded(value: float, digits: int = 2) -> float:
+    return round(float(value), digits) + 0.0  # + 0.0: a bound that rounds to -0.0 prints as 0.00, not "-0.00"
 
 
 def _interval(estimate: float, draws: np.ndarray, samples: int) -> Interval:
     tail = 100 * (1 - LEVEL) / 2
     low, high = np.percentile(draws, [tail, 100 - tail])
-    return Interval(round(float(estimate), 2), round(float(low), 2), round(float(high), 2), samples)
+    return Interval(_rounded(estimate), _rounded(low), _rounded(high), samples)
 
 
-def intervals(per_task: dict[str, np.ndarray]) -> tuple[dict[str, Interval], Interval]:
-    """Each task's interval and the average's (mean of the task scores)."""
-    draws = bootstrap(per_task)
-    tasks = {task: _interval(100 * np.mean(per_task[task]), draws[task], len(per_task[task])) for task in draws}
+def intervals(per_task: dict[str, np.ndarray], scale: float = SCALE) -> tuple[dict[str, Interval], Interval]:
+    """Percentile intervals: each task's and the average's (mean of the task means). Kept for
+    callers that want the plain bootstrap; the summaries use ``bca_interval``."""
+    draws = bootstrap(per_task, scale=scale)
+    tasks = {task: _interval(scale * np.mean(per_task[task]), draws[task], len(per_task[task])) for task in draws}
     average_draws = np.mean([draws[task] for task in draws], axis=0)
-    average = _interval(np.mean([100 * np.mean(per_task[t]) for t in draws]), average_draws,
+    average = _interval(np.mean([scale * np.mean(per_task[t]) for t in draws]), average_draws,
                         sum(len(v) for v in per_task.values()))
     return tasks, average
+
+
+def bca_interval(per_task: dict[str, np.ndarray], resamples: int = RESAMPLES, seed: int = SEED,
+                 scale: float = SCALE, digits: int = 2) -> Interval:
+    """A bias-corrected and accelerated (BCa) 95% interval for the mean over tasks of the task
+    means (x ``scale``, rounded to ``digits`` decimals), from the same stratified bootstrap draws as ``intervals``: the percentile
+    interval shifted by the draws' median bias (z0) and widened by the skew the jackknife
+    measures (acceleration a; Efron 1987). With 20 samples the percentile interval is too
+    narrow for skewed 0/1 scores; BCa corrects that to second order."""
+    tasks, values = _arrays(per_task, scale)
+    estimate = float(np.mean([v.mean() for v in values]))
+    draws = np.mean(list(bootstrap(per_task, resamples, seed, scale).values()), axis=0)
+    samples = sum(len(v) for v in values)
+    if np.all(draws == draws[0]):
+        return Interval(*[_rounded(estimate, digits)] * 3, samples)
+    below = (np.sum(draws < estimate) + 0.5 * np.sum(draws == estimate)) / len(draws)
+    below = min(max(below, 1 / (len(draws) + 1)), len(draws) / (len(draws) + 1))
+    z0 = _NORMAL.inv_cdf(below)
+    # Jackknife: leave one sample out of its task, recompute the statistic.
+    means = [v.mean() for v in values]
+    leave_one_out = []
+    for index, v in enumerate(values):
+        if len(v) < 2:
+            continue
+        others = sum(means) - means[index]
+        leave_one_out.extend((others + (v.sum() - v) / (len(v) - 1)) / len(values))
+    leave_one_out = np.asarray(leave_one_out)
+    spread = leave_one_out.mean() - leave_one_out if len(leave_one_out) else leave_one_out
+    denominator = 6 * np.sum(spread ** 2) ** 1.5
+    acceleration = float(np.sum(spread ** 3) / denominator) if denominator > 0 else 0.0
+    tail = (1 - LEVEL) / 2
+    bounds = []
+    for z in (_NORMAL.inv_cdf(tail), _NORMAL.inv_cdf(1 - tail)):
+        stretch = 1 - acceleration * (z0 + z)
+        if stretch <= 0:  # extreme skew (a >= 1/(z0 + z)): the bound runs to the end of the draws
+            bounds.append(100.0 if z > 0 else 0.0)
+            continue
+        bounds.append(100 * _NORMAL.cdf(z0 + (z0 + z) / stretch))
+    low, high = np.percentile(draws, bounds)
+    return Interval(_rounded(estimate, digits), _rounded(low, digits), _rounded(high, digits), samples)
 
 
 # Two-sided 95% quantiles of Student's t with 1..10 degrees of freedom (any table of t).
@@ -80,26 +150,50 @@ def ratio_interval(ratios: list[float]) -> Interval:
 
 
 # ---------------------------------------------------------------- tests over a table's comparisons
-FLIPS = 10_000  # sign flips of a paired permutation test (smallest p-value 1/10001)
+FLIPS = 10_000  # random sign flips of a paired permutation test, at least (see flips_for)
+EXACT_UP_TO = 16  # non-zero differences up to which every one of the 2^k sign patterns is enumerated
+_CHUNK = 4096  # sign patterns evaluated at once (bounds memory on large suites)
+
+
+def flips_for(family_size: int) -> int:
+    """Random flips for a family of ``family_size`` comparisons: enough that the smallest p-value
+    a Monte Carlo test can give, 1/(flips + 1), stays below 0.01 after Holm multiplies it by the
+    family size. With fewer, a difference no flip matches could still fail the adjustment
+    for want of resolution, not of evidence."""
+    return max(FLIPS, 100 * family_size)
 
 
 def sign_flip_p(per_task: dict[str, np.ndarray], flips: int = FLIPS, seed: int = SEED) -> float:
     """Two-sided p-value of a paired difference (the mean over tasks of the per-task mean
-    differences) under the null that each sample's difference is as likely negated: every sample's
-    sign is flipped at random ``flips`` times (one seeded generator, tasks in sorted order);
-    p = (1 + flips at least as extreme) / (1 + flips). All-zero differences give p = 1."""
+    differences) under the null that each sample's difference is as likely negated.
+
+    Only non-zero differences can change sign, so the statistic is sum_i s_i w_i d_i over the k
+    non-zero differences d_i (weight w_i = 1 / (tasks x samples of d_i's task), s_i = +-1). When
+    k <= ``EXACT_UP_TO`` all 2^k sign patterns are enumerated: p = (patterns at least as extreme)
+    / 2^k, the exact permutation p-value. Otherwise ``flips`` random patterns from one generator
+    seeded ``seed``: p = (1 + flips at least as extreme) / (1 + flips), valid at any ``flips``.
+    All-zero differences give p = 1."""
     tasks = sorted(per_task)
-    values = [np.asarray(per_task[t], dtype=float) for t in tasks]
-    observed = abs(np.mean([v.mean() for v in values]))
+    weighted = []
+    for task in tasks:
+        values = np.asarray(per_task[task], dtype=float)
+        weighted.append(values[values != 0] / (len(values) * len(tasks)))
+    weighted = np.concatenate(weighted) if weighted else np.zeros(0)
+    observed = abs(weighted.sum())
     if observed == 0:
         return 1.0
+    threshold = observed * (1 - 1e-9)  # the observed pattern itself counts despite float rounding
+    k = len(weighted)
+    if k <= EXACT_UP_TO:
+        patterns = np.arange(2 ** k)[:, None] >> np.arange(k) & 1
+        extreme = np.sum(np.abs((2 * patterns - 1) @ weighted) >= threshold)
+        return float(extreme / 2 ** k)
     rng = np.random.default_rng(seed)
-    statistic = np.zeros(flips)
-    for v in values:
-        signs = rng.integers(0, 2, size=(flips, len(v))) * 2 - 1
-        statistic += (signs * v).mean(axis=1)
-    statistic = np.abs(statistic / len(values))
-    return float((1 + np.sum(statistic >= observed - 1e-12)) / (1 + flips))
+    extreme = 0
+    for start in range(0, flips, _CHUNK):
+        signs = rng.integers(0, 2, size=(min(_CHUNK, flips - start), k)) * 2 - 1
+        extreme += int(np.sum(np.abs(signs @ weighted) >= threshold))
+    return float((1 + extreme) / (1 + flips))
 
 
 def holm(p_values: list[float]) -> list[float]:
@@ -126,54 +220,17 @@ def benjamini_hochberg(p_values: list[float]) -> list[float]:
     return adjusted.tolist()
 
 
-def bca_interval(per_task: dict[str, np.ndarray], resamples: int = RESAMPLES, seed: int = SEED) -> Interval:
-    """A bias-corrected and accelerated (BCa) 95% interval for the mean over tasks of the task
-    means (x 100), from the same stratified bootstrap draws as ``intervals``: the percentile
-    interval shifted by the draws' median bias (z0) and widened by the skew the jackknife
-    measures (acceleration a; Efron 1987). With 20 samples the percentile interval is too
-    narrow for skewed 0/1 scores; BCa corrects that to second order."""
-    from statistics import NormalDist
-
-    normal = NormalDist()
-    tasks = sorted(per_task)
-    values = [100 * np.asarray(per_task[t], dtype=float) for t in tasks]
-    estimate = float(np.mean([v.mean() for v in values]))
-    draws = np.mean(list(bootstrap(per_task, resamples, seed).values()), axis=0)
-    samples = sum(len(v) for v in values)
-    below = (np.sum(draws < estimate) + 0.5 * np.sum(draws == estimate)) / len(draws)
-    if np.all(draws == draws[0]):
-        return Interval(round(estimate, 2), round(estimate, 2), round(estimate, 2), samples)
-    below = min(max(below, 1 / (len(draws) + 1)), len(draws) / (len(draws) + 1))
-    z0 = normal.inv_cdf(below)
-    # Jackknife: leave one sample out of its task, recompute the statistic.
-    means = [v.mean() for v in values]
-    leave_one_out = []
-    for index, v in enumerate(values):
-        if len(v) < 2:
-            continue
-        others = sum(means) - means[index]
-        leave_one_out.extend((others + (v.sum() - v) / (len(v) - 1)) / len(values))
-    leave_one_out = np.asarray(leave_one_out)
-    spread = leave_one_out.mean() - leave_one_out
-    denominator = 6 * np.sum(spread ** 2) ** 1.5
-    acceleration = float(np.sum(spread ** 3) / denominator) if denominator > 0 else 0.0
-    tail = (1 - LEVEL) / 2
-    bounds = []
-    for z in (normal.inv_cdf(tail), normal.inv_cdf(1 - tail)):
-        shifted = z0 + (z0 + z) / (1 - acceleration * (z0 + z))
-        bounds.append(100 * normal.cdf(shifted))
-    low, high = np.percentile(draws, bounds)
-    return Interval(round(estimate, 2), round(float(low), 2), round(float(high), 2), samples)
+def standard_error(per_task: dict[str, np.ndarray], scale: float = SCALE) -> float:
+    """Standard error of the mean over tasks of the task means (x ``scale``), from the observed
+    per-task variances (tasks independent, each mean's variance s^2 / n)."""
+    tasks, values = _arrays(per_task, scale)
+    variance = sum(np.var(v, ddof=1) / len(v) for v in values if len(v) > 1) / len(tasks) ** 2
+    return float(np.sqrt(variance))
 
 
-def detectable_difference(per_task: dict[str, np.ndarray], alpha: float = 1 - LEVEL, power: float = 0.8) -> float:
-    """The smallest paired difference of the average (0-100) that a two-sided test at ``alpha``
-    detects with probability ``power``, from the observed per-task variances of the differences
-    (normal approximation: (z_{1-alpha/2} + z_power) x its standard error)."""
-    from statistics import NormalDist
-
-    normal = NormalDist()
-    tasks = sorted(per_task)
-    variance = sum(np.var(100 * np.asarray(per_task[t], dtype=float), ddof=1) / len(per_task[t])
-                   for t in tasks if len(per_task[t]) > 1) / len(tasks) ** 2
-    return float((normal.inv_cdf(1 - alpha / 2) + normal.inv_cdf(power)) * np.sqrt(variance))
+def detectable_difference(per_task: dict[str, np.ndarray], alpha: float = 1 - LEVEL, power: float = 0.8,
+                          scale: float = SCALE) -> float:
+    """The smallest paired difference of the average (x ``scale``) that a two-sided test at
+    ``alpha`` detects with probability ``power``, from the observed per-task variances of the
+    differences (normal approximation: (z_{1-alpha/2} + z_power) x its standard error)."""
+    return float((_NORMAL.inv_cdf(1 - alpha / 2) + _NORMAL.inv_cdf(power)) * standard_error(per_task, scale))

@@ -6,8 +6,8 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from harness.stats import (RESAMPLES, benjamini_hochberg, bca_interval, detectable_difference, holm, intervals,
-                           sign_flip_p)
+from harness.stats import (EXACT_UP_TO, RESAMPLES, benjamini_hochberg, bca_interval, detectable_difference,
+                           flips_for, holm, intervals, sign_flip_p)
 
 
 def test_sign_flips_give_the_exact_permutation_p_value():
@@ -52,3 +52,42 @@ def test_the_detectable_difference_follows_the_standard_error():
     expected = (NormalDist().inv_cdf(0.975) + NormalDist().inv_cdf(0.8)) * np.sqrt(np.var(100 * differences, ddof=1) / 20)
     assert detectable_difference({"t": differences}) == pytest.approx(expected)
     assert detectable_difference({"a": differences, "b": differences}) == pytest.approx(expected / np.sqrt(2))
+
+
+def test_few_non_zero_differences_give_the_exact_permutation_p_value():
+    # Differences 3, 1, 1 (and zeros, which cannot change sign): of the 8 sign patterns the sums
+    # are +-5, +-3 (twice each side), +-1 (twice): |sum| >= 5 for 2 patterns.
+    assert sign_flip_p({"t": np.array([3.0, 1.0, 1.0, 0.0, 0.0])}) == 2 / 8
+    # Against the observed 3 (differences 3, 1, -1): |sum| >= 3 for the 2 patterns at +-5 and 4 at +-3.
+    assert sign_flip_p({"t": np.array([3.0, 1.0, -1.0])}) == 6 / 8
+    # Tasks weigh their samples by 1 / (tasks x samples): 2 in a task of 2 samples outweighs 1 in a task of 1.
+    assert sign_flip_p({"a": np.array([2.0, 0.0]), "b": np.array([-1.0])}) == 1.0
+    assert sign_flip_p({"a": np.array([2.0, 0.0]), "b": np.array([0.5])}) == 2 / 4
+    # Negating every difference (B minus A instead of A minus B) changes nothing.
+    rng = np.random.default_rng(3)
+    d = {"a": rng.normal(0.2, 1, 30), "b": rng.normal(0, 1, 25)}
+    assert sign_flip_p(d) == sign_flip_p({t: -v for t, v in d.items()})
+
+
+def test_random_flips_agree_with_the_full_enumeration():
+    rng = np.random.default_rng(11)
+    values = rng.normal(0.3, 1, EXACT_UP_TO + 2)  # just past exact enumeration: random flips
+    patterns = np.arange(2 ** len(values))[:, None] >> np.arange(len(values)) & 1
+    exact = np.mean(np.abs((2 * patterns - 1) @ values) >= abs(values.sum()) * (1 - 1e-9))
+    p = sign_flip_p({"t": values}, flips=20_000)
+    assert p == pytest.approx(exact, abs=4 * np.sqrt(exact * (1 - exact) / 20_000))
+    assert p != exact  # it did sample
+    assert flips_for(10) == 10_000 and flips_for(234) == 23_400 and 234 / (flips_for(234) + 1) < 0.01
+
+
+def test_bca_works_on_any_scale_and_negates_exactly():
+    rng = np.random.default_rng(5)
+    d = {"a": rng.normal(-0.4, 0.3, 20) ** 3, "b": rng.normal(0.1, 0.5, 20)}  # skewed
+    points, natural = bca_interval(d), bca_interval(d, scale=1)
+    assert (natural.low, natural.high) == pytest.approx((points.low / 100, points.high / 100), abs=0.006)
+    flipped = bca_interval({t: -v for t, v in d.items()})
+    assert (flipped.low, flipped.high) == (points.negated().low, points.negated().high)
+    assert flipped.estimate == points.negated().estimate
+    # Skewed data: BCa moves the interval away from the percentile one.
+    assert (points.low, points.high) != (intervals(d)[1].low, intervals(d)[1].high)
+    assert detectable_difference(d, scale=1) == pytest.approx(detectable_difference(d) / 100)
