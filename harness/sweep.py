@@ -3,7 +3,8 @@
 Before the first cell runs, every cell's config is composed and validated, so a bad budget in
 the fifth cell stops the sweep before any engine starts. Each finished cell prints how many are
 done, how many were already complete (skipped, e.g. full cache once per model and data, or an
-interrupted sweep resuming) and an estimate of the time left.
+interrupted sweep resuming) and an estimate of the time left. When the sweep ends, its cells are
+compared: the score table with intervals and the paired differences (``harness.aggregate``).
 """
 from __future__ import annotations
 
@@ -86,3 +87,16 @@ class SweepProgress(Callback):
             f"elapsed {_duration(time.perf_counter() - self.started)} {eta}",
             flush=True,
         )
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from pathlib import Path
+
+        from harness.results import is_complete
+
+        complete = [Path(cell) for cell in sorted(self.cells) if is_complete(Path(cell))]
+        if len(complete) < 2:
+            return  # nothing to compare
+        from harness.aggregate import load_runs, to_markdown
+
+        command = "python -m harness.aggregate " + " ".join(str(cell) for cell in complete)
+        print(to_markdown(load_runs(complete), command), flush=True)
