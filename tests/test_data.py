@@ -20,7 +20,7 @@ def data_cfg(**values):
 def test_embedded_suite_is_deterministic_and_in_longbench_format():
     first, again = synthetic.generate(seed=0), synthetic.generate(seed=0)
     assert first == again and synthetic.generate(seed=1) != first
-    assert {s.task for s in first} == set(synthetic.TASKS)
+    assert {s.task for s in first} == set(synthetic.DEFAULT_TASKS) == set(synthetic.TASKS) - {"record_listing"}
     for sample in first:
         assert sample.answers and sample.context and sample.length == len(sample.context.split())
         if sample.task in ("single_doc_qa", "multi_doc_qa", "key_retrieval"):
@@ -167,3 +167,47 @@ def test_answers_sit_early_middle_and_late_in_turn():
     asked = [s.input.removeprefix("In which city was ").removesuffix(" born?") for s in passages]
     order = [s.context.index(f"\n{name}\n") / len(s.context) for s, name in zip(passages, asked)]
     assert order[0] < order[1] < order[2]
+
+
+def listing_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_PREFIX + SMOLLM2))
+
+
+def test_record_listing_is_a_long_copy_of_one_register():
+    """The long-output task: the reference is the context's register, entry by entry, after the
+    heading the answer prefix repeats; 256-512 tokens of answer (decode eviction mid-answer), every
+    code distinct, the register early / middle / late in turn, four context sizes."""
+    tokenizer = listing_tokenizer()
+    samples = synthetic.generate(tasks=["record_listing"], samples_per_task=6)
+    assert samples == synthetic.generate(tasks=["record_listing"], samples_per_task=6)
+    spec = task_spec("record_listing")
+    assert spec.metric == "rouge" and spec.max_new_tokens == 512 and spec.stop == ("Entry 17:",)
+    for index, sample in enumerate(samples):
+        reference = sample.answers[0]
+        lines = reference.split("\n")
+        assert [line.split(":")[0] for line in lines] == [f"Entry {k}" for k in range(1, 17)]
+        assert len({line.rsplit(" ", 1)[1] for line in lines}) == 16, "every entry has its own code"
+        assert sample.meta["answer_prefix"] + reference in sample.context, "copied verbatim from the context"
+        assert sample.context.count("Entry 1:") == 1
+        assert 256 <= len(tokenizer(reference, add_special_tokens=False)["input_ids"]) <= 512
+        low, high = synthetic.DEPTHS[index % 3]
+        depth = sample.context.index("Entry 1:") / len(sample.context)
+        assert low - 0.05 <= depth <= high + 0.05 and low * 100 - 5 <= sample.meta["depth"] <= high * 100 + 5
+        words = synthetic.CONTEXT_WORDS[index % 4]
+        assert abs(sample.length - words) < 0.05 * words
+        prompt = build_prompt(sample, spec, tokenizer, 7500)
+        assert prompt.text.endswith("<|im_start|>assistant\nRegister:\n"), "the answer starts where the copy starts"
+
+
+def test_record_listing_is_opt_in():
+    """Not in the default suite (``tasks: null``); ``data=synthetic_long`` and ``data.tasks`` run it."""
+    from pathlib import Path
+
+    import yaml
+
+    assert "record_listing" not in {s.task for s in load_samples(data_cfg(limit=1))}
+    config = yaml.safe_load((Path(__file__).parents[1] / "conf" / "data" / "synthetic_long.yaml").read_text())
+    samples = load_samples(data_cfg(**config))
+    assert [s.id for s in samples] == [f"record_listing-0-{i}" for i in range(4)]

@@ -1,6 +1,7 @@
 """LongBench scoring against its rules and against the official scorers' own packages."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -125,3 +126,89 @@ def test_longbench_e_buckets():
     assert [length_bucket(n) for n in (0, 3999, 4000, 7999, 8000, 20000)] == ["0-4k", "0-4k", "4-8k", "4-8k", "8k+", "8k+"]
     buckets = score_task_by_length("hotpotqa_e", ["Paris", "Rome"], [["Paris"], ["Paris"]], [100, 5000])
     assert buckets == {"0-4k": 100.0, "4-8k": 0.0}
+
+
+def test_key_retrieval_scores_whether_the_code_is_in_the_answer():
+    """The task asks for the code: a sentence stating it answers, as RULER scores a needle. The
+    same sentence under LongBench's multifieldqa_en keeps LongBench's token F1 (0.25)."""
+    from harness.data import task_spec
+
+    sentence = "The access code of Greta Grell is 23205."
+    assert task_spec("key_retrieval").metric == "string_match_all"
+    assert score_sample("key_retrieval", sentence, ["23205"]) == 1.0
+    assert score_sample("key_retrieval", "23205", ["23205"]) == 1.0
+    assert score_sample("key_retrieval", "The access code of Greta Grell is 23250.", ["23205"]) == 0.0
+    assert score_sample("key_retrieval", "Nils Wilde is the access code of Nils Wilde.", ["68228"]) == 0.0
+    assert score_sample("multifieldqa_en", sentence, ["23205"]) == pytest.approx(0.25)
+    assert score_task("key_retrieval", [sentence, "no idea"], [["23205"], ["11111"]]) == 50.0
+
+
+def test_record_listing_rouge_falls_with_each_entry_lost():
+    """The long-output task's ROUGE-L: the register copied whole scores 1; each entry dropped or
+    replaced by a copy of another costs, since every entry has a code no other shares. Bare
+    "Entry k:" lines keep the numbering's words (ROUGE-L counts distinct words): a floor of ~0.35."""
+    from harness.data import synthetic
+
+    sample = synthetic.generate(tasks=["record_listing"], samples_per_task=1)[0]
+    reference = sample.answers[0]
+    lines = reference.split("\n")
+    scores = [score_sample("record_listing", "\n".join(lines[:keep]), [reference]) for keep in (16, 12, 8, 4)]
+    assert scores[0] == pytest.approx(1.0) and scores == sorted(scores, reverse=True) and scores[-1] < 0.5
+    repeated = "\n".join(lines[:4] + [lines[3].replace("Entry 4:", f"Entry {k}:") for k in range(5, 17)])
+    assert score_sample("record_listing", repeated, [reference]) < scores[1]
+    bare = "\n".join(f"Entry {k}:" for k in range(1, 17))
+    assert 0.25 < score_sample("record_listing", bare, [reference]) < 0.45
+    assert score_sample("record_listing", reference, [reference]) == pytest.approx(official_rouge(reference, reference))
+
+
+def write_run(directory, rows, scores):
+    directory.mkdir(parents=True)
+    (directory / "config.yaml").write_text("policy: {name: full}\n")
+    (directory / "perf.json").write_text("{}\n")
+    (directory / "predictions.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    (directory / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
+
+
+def test_rescore_rewrites_stale_scores_in_both_files_and_keeps_the_rest(tmp_path, capsys):
+    """A run scored when key_retrieval used token F1: the rescore command finds it under a root,
+    rewrites each row's score and scores.json to agree with the current metric, keeps what does not
+    depend on the metric, leaves unchanged rows byte for byte, and --check then passes."""
+    from harness.metrics.rescore import main
+
+    rows = [
+        {"task": "key_retrieval", "id": "k0", "prediction": "The access code of Ada Pike is 12345.",
+         "answers": ["12345"], "all_classes": None, "length": 10, "score": 0.25},
+        {"task": "key_retrieval", "id": "k1", "prediction": "54321", "answers": ["54321"], "all_classes": None,
+         "length": 10, "score": 1.0},
+        {"task": "single_doc_qa", "id": "s0", "prediction": "Ada Pike", "answers": ["Ada Pike"], "all_classes": None,
+         "length": 10, "score": 1.0},
+    ]
+    old = {"tasks": {"key_retrieval": {"metric": "qa_f1", "samples": 2, "score": 62.5},
+                     "single_doc_qa": {"metric": "qa_f1", "samples": 1, "score": 100.0}},
+           "average": 81.25, "average_definition": "x", "samples": 3, "skipped": 0, "skipped_by_task": {},
+           "skipped_samples": [], "likelihood": {"answer_logprob": -1.5}, "fidelity": {"exact_match": 0.5}}
+    run = tmp_path / "results" / "m" / "synthetic" / "full_bs32_abc"
+    write_run(run, rows, old)
+    before = (run / "predictions.jsonl").read_text().splitlines()
+
+    assert main(["--check", str(tmp_path / "results")]) == 1
+    assert json.loads((run / "scores.json").read_text()) == old, "--check changes nothing"
+    assert main([str(tmp_path / "results")]) == 0
+    assert "key_retrieval qa_f1->string_match_all 62.5->100.0" in capsys.readouterr().out
+
+    scores = json.loads((run / "scores.json").read_text())
+    assert scores["tasks"]["key_retrieval"] == {"metric": "string_match_all", "samples": 2, "score": 100.0}
+    assert scores["tasks"]["single_doc_qa"]["score"] == 100.0 and scores["average"] == 100.0
+    assert scores["likelihood"] == old["likelihood"] and scores["fidelity"] == old["fidelity"]
+    assert scores["rescored"]["changed"] == {"key_retrieval": {"metric": ["qa_f1", "string_match_all"], "score": [62.5, 100.0]}}
+    after = (run / "predictions.jsonl").read_text().splitlines()
+    assert [json.loads(line)["score"] for line in after] == [1.0, 1.0, 1.0]
+    assert after[1:] == before[1:], "rows whose score did not change stay byte for byte"
+    assert main(["--check", str(run)]) == 0
+
+
+def test_rescore_refuses_a_path_without_runs(tmp_path, capsys):
+    from harness.metrics.rescore import main
+
+    assert main([str(tmp_path)]) == 2
+    assert "no complete run directory" in capsys.readouterr().err

@@ -4,6 +4,11 @@ Per sample: the max over reference answers of the task's metric, in [0, 1]; few-
 only the first line of the prediction. Per task: ``round(100 * mean, 2)``, as LongBench prints it.
 ROUGE-L is the summary-level union-LCS of the ``rouge`` package (pltrdy 1.0.1) that LongBench
 calls, not ``rouge-score``'s sentence-level rougeL; ``harness.metrics.rouge`` implements it.
+
+RULER's set metrics (``string_match_all``, ``string_match_part``) live here too, so that one
+``score_sample`` scores every task by the metric its spec names: RULER's tasks, and embedded tasks
+whose question LongBench's metric would not score (key retrieval asks for a code, and a sentence
+stating the code answers it; token F1 gives that sentence 0.25).
 """
 from __future__ import annotations
 

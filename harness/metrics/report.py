@@ -1,4 +1,9 @@
-"""A run's ``scores.json``: per-task LongBench scores, LongBench-E buckets, a labelled average."""
+"""A run's ``scores.json``: per-task scores, LongBench-E buckets, a labelled average.
+
+Each task is scored by the metric its task spec names (``harness.data.task_spec``): LongBench's
+for LongBench tasks, RULER's string match for RULER tasks and the embedded key retrieval. The same
+function rescores a stored run from its ``predictions.jsonl`` (``python -m harness.metrics.rescore``).
+"""
 from __future__ import annotations
 
 from collections import defaultdict
