@@ -560,7 +560,7 @@ def to_markdown(frame: pd.DataFrame, command: str) -> str:
         parts += [
             f"## {model} on {data}",
             "",
-            f"Task scores (LongBench metrics, 0-100) with {INTERVAL_METHOD}; `average` is the unweighted mean of the "
+            f"Task scores (0-100, each task by its own metric: `metric` in scores.json) with {INTERVAL_METHOD}; `average` is the unweighted mean of the "
             f"task scores. Samples per task: {counts}.",
             "",
             markdown_table(interval_table(group)),
