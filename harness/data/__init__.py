@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.data import ruler, synthetic
-from harness.data.longbench import load_hub, load_local, read_jsonl, select
+from harness.data.longbench import load_hub, load_local, read_jsonl
 from harness.data.sample import DataError, Sample
 from harness.data.tasks import LONGBENCH_E_TASKS, TaskSpec, longbench_task, longbench_templates
 
@@ -58,7 +58,10 @@ def load_samples(data: "DataSettings", tokenizer=None) -> list[Sample]:
         return samples
     if data.source == "embedded":
         words = tuple(data.context_words) if data.context_words else synthetic.CONTEXT_WORDS
-        return select(synthetic.generate(seed=data.seed, tasks=tasks, context_words=words), data.limit)
+        # The suite is generated to size: a limit above the default count gets that many samples
+        # (each seeded by its index, so the first ones are the same whatever the limit).
+        return synthetic.generate(seed=data.seed, tasks=tasks, context_words=words,
+                                  samples_per_task=data.limit or synthetic.SAMPLES_PER_TASK)
     if data.source == "jsonl":
         samples = read_jsonl(Path(str(data.path)), limit=data.limit)
         return [s for s in samples if tasks is None or s.task in tasks]
