@@ -264,7 +264,10 @@ def check(run: RunSettings) -> None:
             "the harness reads, needs bfloat16 or float16"
         )
     check_data_config(run.data)
-    too_long = [n for n in run.data.lengths or () if n > run.model.max_model_len]
+    lengths = run.data.lengths
+    if lengths is None and run.data.source == "ruler":
+        from harness.data.ruler import LENGTHS as lengths  # what data.lengths=null generates
+    too_long = [n for n in lengths or () if n > run.model.max_model_len]
     if too_long:
         raise ConfigError(f"data.lengths {list(too_long)} exceed model {run.model.name}'s max_model_len="
                           f"{run.model.max_model_len}: RULER lengths must be at most that")

@@ -103,7 +103,10 @@ def bca_interval(per_task: dict[str, np.ndarray], resamples: int = RESAMPLES, se
     samples = sum(len(v) for v in values)
     if np.all(draws == draws[0]):
         return Interval(*[_rounded(estimate, digits)] * 3, samples)
-    below = (np.sum(draws < estimate) + 0.5 * np.sum(draws == estimate)) / len(draws)
+    # Draws equal to the estimate up to summation order are ties (F1 scores, 1/3, 0.1 are not
+    # exact binary fractions; exact equality would misclassify them and shift z0).
+    tie = np.abs(draws - estimate) <= 1e-9 * max(1.0, abs(estimate))
+    below = (np.sum((draws < estimate) & ~tie) + 0.5 * np.sum(tie)) / len(draws)
     below = min(max(below, 1 / (len(draws) + 1)), len(draws) / (len(draws) + 1))
     z0 = _NORMAL.inv_cdf(below)
     # Jackknife: leave one sample out of its task, recompute the statistic.

@@ -301,6 +301,8 @@ def trial_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
                   for _, row in cells.iterrows() if pd.notna(row["evict_share"])]
         if len(shares) >= 2:
             mean = statistics.mean(shares)
+            if len(shares) - 1 > len(T_975):
+                raise ValueError(f"at most {len(T_975) + 1} trials")
             half = T_975[len(shares) - 2] * statistics.stdev(shares) / math.sqrt(len(shares))
             parts.append(f"eviction + capture {mean:.2f}% of model step time ({max(mean - half, 0):.2f}-{mean + half:.2f})")
         lines.append(f"{policy} b{int(budget)} over {len(trials)} trials: " + "; ".join(parts))

@@ -48,6 +48,20 @@ def test_settings_round_trip_through_additional_config():
     assert (policy.budget, policy.decode_eviction) == (512, False)
     assert policy.needs_prefill_eviction(1000) and not policy.needs_decode_eviction(544)
     assert ratio.describe() == "policy=snapkv budget_ratio=0.5 prompt only"
+
+
+def test_a_short_prompts_ratio_budget_rises_to_what_the_policy_accepts():
+    """SnapKV's window (32 tokens) must fit inside its budget: a 150-token prompt at r=0.75 gives
+    two 16-token blocks, which SnapKV refuses, so the request gets the next budget it accepts."""
+    from harness.eviction.settings import budget_for_ratio, build_policy
+
+    snapkv = EvictionSettings("snapkv", None, {}, budget_ratio=0.75)
+    assert budget_for_ratio(0.75, 150, 16) == 32
+    resolved = snapkv.for_prompt(150, 16)
+    assert resolved.budget == 48 and build_policy(resolved, 16).budget == 48
+    knorm = EvictionSettings("knorm", None, {}, budget_ratio=0.75)
+    assert knorm.for_prompt(150, 16).budget == 32, "a policy that accepts the ratio's budget keeps it"
+    assert budget_for_ratio(0.0, 1010, 16) == 1024, "ratio 0 removes nothing: the prompt rounded up"
     assert settings_from(SimpleNamespace(additional_config=None)) is None
     assert settings_from(SimpleNamespace(additional_config={"kv_eviction": {"policy": "full"}})) is None
 

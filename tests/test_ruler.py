@@ -128,3 +128,23 @@ def test_needle_heatmaps_place_scores_by_depth_and_length(tmp_path):
     assert [ax.get_title() for ax in axes[:2]] == ["full", "paged b256"]
     full_grid = axes[0].images[0].get_array()
     assert full_grid[0, 0] == 100 and full_grid[9, 1] == 100 and full_grid.mask[5, 0]
+
+
+def test_variable_tracking_is_the_same_in_every_process():
+    """A chain drawn through a set would follow the process's string hash seed."""
+    import subprocess
+    import sys
+
+    code = ("import random; from harness.data.ruler import variable_tracking; "
+            "print(variable_tracking(random.Random('s'), 5, [10, 30, 50, 70, 90])['answers'])")
+    chains = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout for seed in (1, 2, 3)}
+    assert len(chains) == 1, chains
+
+
+def test_common_words_keep_ten_common_and_an_uncommon_word_at_4096(tokenizer):
+    samples = ruler.generate(tokenizer, seed=0, lengths=(4096,), samples_per_length=4, tasks=["cwe"])
+    for sample in samples:
+        assert len(sample.answers) == 10, (sample.id, len(sample.answers))
+        words = set(sample.context.split()) - {w for w in sample.context.split() if w.endswith(".")}
+        assert len(words) > 10, (sample.id, "no uncommon word listed")

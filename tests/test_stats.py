@@ -91,3 +91,14 @@ def test_bca_works_on_any_scale_and_negates_exactly():
     # Skewed data: BCa moves the interval away from the percentile one.
     assert (points.low, points.high) != (intervals(d)[1].low, intervals(d)[1].high)
     assert detectable_difference(d, scale=1) == pytest.approx(detectable_difference(d) / 100)
+
+
+def test_bca_counts_draws_equal_to_the_estimate_up_to_rounding_as_ties():
+    """0.1 is no binary fraction: resampled means equal to the estimate differ from it in the
+    last bits, and counting them as below or above would shift the bias correction."""
+    from harness.stats import bca_interval
+
+    values = np.array([0.1, 0.0, 0.1, 0.1, 1.0])
+    exact = bca_interval({"t": values})
+    scaled = bca_interval({"t": values * 10}, scale=10)  # the same data in exact binary fractions
+    assert (exact.low, exact.high) == pytest.approx((scaled.low, scaled.high), abs=0.05)

@@ -183,7 +183,7 @@ def variable_tracking(rng: random.Random, size: int, depths: list[float]) -> dic
     names = set()
     while len(names) < 5:
         names.add("".join(rng.choices(string.ascii_uppercase, k=5)))
-    chain = list(names)
+    chain = sorted(names)  # a set's order depends on the process's hash seed; the shuffle must not
     rng.shuffle(chain)
     value = str(rng.randint(10000, 99999))
     statements = [f"VAR {chain[0]} = {value}"] + [f"VAR {b} = VAR {a} " for a, b in zip(chain, chain[1:])]
@@ -249,7 +249,10 @@ def make(task: str, rng: random.Random, size: int, depths: list[float], length: 
     elif family == "variable_tracking":
         record = variable_tracking(rng, size, depths)
     elif family == "common_words_extraction":
-        record = common_words(rng, size, short=length < 4096)
+        # RULER switches to its long setting (30 / 3 repeats, a 40-word example) at 4096 tokens of
+        # real words; a numbered pseudo-word takes about twice the tokens, and at 4096 the long
+        # setting cannot list even 10 common words: it starts at 8192 here.
+        record = common_words(rng, size, short=length < 8192)
     elif family == "freq_words_extraction":
         record = frequent_words(rng, size, vocabulary_size=max(length // 50, 10))
     else:
@@ -284,7 +287,9 @@ def fitted(task: str, seed: tuple, depths: list[float], length: int, tokenizer, 
 
     # Sizes are counted in the task's units (sentences, list words, coded words, passages): none
     # takes fewer than two tokens, and QA's people are as many as the embedded suite can name.
-    low, high, best = 1, min(length // 2, 500) if task == "qa_generated" else length // 2, None
+    # cwe lists its 10 common words and at least one uncommon one, or the question has no answer.
+    smallest = 11 if task == "cwe" else 1
+    low, high, best = smallest, min(length // 2, 500) if task == "qa_generated" else length // 2, None
     while low <= high:
         middle = (low + high) // 2
         count, record = tokens(middle)
@@ -293,7 +298,8 @@ def fitted(task: str, seed: tuple, depths: list[float], length: int, tokenizer, 
         else:
             high = middle - 1
     if best is None:
-        raise DataError(f"RULER {task} cannot fit a sample in {length} tokens")
+        raise DataError(f"RULER {task} cannot fit a sample in {length} tokens (it needs at least {smallest} "
+                        "units of its haystack)")
     return best
 
 

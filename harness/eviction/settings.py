@@ -65,12 +65,26 @@ class EvictionSettings:
         """These settings for a request of ``prompt_tokens``: a ratio becomes its token budget."""
         if self.budget_ratio is None:
             return self
-        return replace(self, budget=budget_for_ratio(self.budget_ratio, prompt_tokens, block_size))
+        budget = budget_for_ratio(self.budget_ratio, prompt_tokens, block_size)
+        # A short prompt's ratio budget can be below what the policy needs (SnapKV's window must
+        # fit inside its budget): then the smallest budget above it that the policy accepts.
+        while True:
+            resolved = replace(self, budget=budget)
+            try:
+                build_policy(resolved, block_size)
+                return resolved
+            except (BudgetError, ValueError):
+                if budget >= PROBE_BLOCKS * block_size:
+                    raise
+                budget += block_size
 
 
 def budget_for_ratio(ratio: float, prompt_tokens: int, block_size: int) -> int:
     """(1 - ratio) x the prompt, rounded to the nearest whole block, at least two blocks (a
-    budget's minimum: a first block and a recent one)."""
+    budget's minimum: a first block and a recent one); ratio 0 keeps the whole prompt (rounded up,
+    so nothing of it is evicted)."""
+    if ratio == 0:
+        return max(2, math.ceil(prompt_tokens / block_size)) * block_size
     blocks = math.floor((1 - ratio) * prompt_tokens / block_size + 0.5)
     return max(2, blocks) * block_size
 
