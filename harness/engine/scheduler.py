@@ -303,9 +303,17 @@ class EvictionScheduler(Scheduler):
             "ledger": self.kv_ledger.snapshot(),
             "free_blocks": self.kv_cache_manager.block_pool.get_num_free_blocks(),
             "prefix_caching": bool(self.cache_config.enable_prefix_caching),
-            "requests": {rid: self.kv_request_counters.pop(rid).as_dict() for rid in requests or ()
-                         if rid in self.kv_request_counters},
+            "requests": self._hand_over_counters(requests or ()),
         }
+
+    def _hand_over_counters(self, requests) -> dict[str, dict]:
+        """Finished requests' counters, under the ids asked for: the engine's own ids, or the ids
+        the caller gave vLLM (``LLM.generate`` numbers them), which vLLM suffixes with "-" and 8
+        random characters to make the engine's (vllm/v1/engine/input_processor.py:371)."""
+        asked = set(requests)
+        owner = {key: key if key in asked else key[:-9] for key in self.kv_request_counters
+                 if key in asked or (key[-9:-8] == "-" and key[:-9] in asked)}
+        return {owner[key]: self.kv_request_counters.pop(key).as_dict() for key in owner}
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
