@@ -1,6 +1,13 @@
-"""Where a number came from: git commit, package versions, machine."""
+"""Where a number came from: git commit, code version, package versions, machine.
+
+The commit names the whole tree; the code version (``code_version``) names only what runs while a
+result is produced, so results made at two commits that differ in documents or committed results
+alone are of one code version: what "every table at one code version" asks of a regeneration that
+spans several sessions.
+"""
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -25,6 +32,26 @@ def git_commit() -> str | None:
         return None
 
 
+# What runs while a result is produced: a change anywhere else (README, results/, tests/, notes)
+# leaves the code version as it was.
+CODE_PATHS = ("run.py", "setup.sh", "policies", "harness", "hydra_plugins", "conf", "experiments")
+
+
+def code_version(root: Path = Path(__file__).resolve().parent.parent) -> str | None:
+    """12 hex digits naming the committed contents of ``CODE_PATHS`` in the checkout at ``root``
+    (a hash of their git blob ids), ``+dirty`` when any of them has uncommitted changes; None
+    outside a git checkout."""
+    try:
+        listing = subprocess.run(["git", "ls-tree", "-r", "HEAD", "--", *CODE_PATHS], capture_output=True, text=True,
+                                 check=True, cwd=root).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+                               capture_output=True, text=True, check=True, cwd=root).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    digest = hashlib.sha256(listing.encode()).hexdigest()[:12]
+    return digest + ("+dirty" if dirty else "")
+
+
 def package_versions() -> dict[str, str]:
     found = {}
     for name in PACKAGES:
@@ -38,6 +65,7 @@ def package_versions() -> dict[str, str]:
 def provenance(vllm_version: str | None = None) -> dict:
     return {
         "git_commit": git_commit(),
+        "code_version": code_version(),
         "packages": package_versions(),
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -16,8 +16,9 @@ mean over trials with a 95% t-interval (``harness.stats.ratio_interval``) where 
 two trials, the single ratio otherwise (said so), and the eviction and query-capture shares of step
 time.
 
-Every section names the commits its cells ran at: a table is comparable with another only at one
-code version, and the last section says how many there are. ``tests/test_claims.py`` checks that
+Every section names the code versions its cells ran at (``harness.provenance.code_version``; the
+commit for results older than it): a table is comparable with another only at one code version,
+and the last section says how many there are. ``tests/test_claims.py`` checks that
 the committed RESULTS.md is this module's output and that every number the README and
 ``results/FINDINGS.md`` quote appears here.
 """
@@ -68,9 +69,18 @@ def short(commit: str | None) -> str:
     return commit[:8] + ("+dirty" if commit.endswith("+dirty") else "")
 
 
+def version_of(provenance: dict | None) -> str:
+    """The code version a result ran at (``harness.provenance.code_version``); results made before
+    code versions were recorded are named by their commit."""
+    provenance = provenance or {}
+    if provenance.get("code_version"):
+        return "code " + provenance["code_version"]
+    return "commit " + short(provenance.get("git_commit"))
+
+
 def commits_text(commits: list[str]) -> str:
     counts = pd.Series(commits).value_counts()
-    return ", ".join(f"`{commit}` ({n} cell{'s' if n > 1 else ''})" for commit, n in sorted(counts.items()))
+    return ", ".join(f"{commit} ({n} cell{'s' if n > 1 else ''})" for commit, n in sorted(counts.items()))
 
 
 def interval_text(value: float, low: float, high: float, decimals: int, signed: bool = True) -> str:
@@ -83,9 +93,9 @@ def mark(p_holm: float) -> str:
 
 
 # ---------------------------------------------------------------- accuracy
-def run_commit(run_dir: str, root: Path) -> str:
+def run_version(run_dir: str, root: Path) -> str:
     config = yaml.safe_load((root / run_dir / "config.yaml").read_text())
-    return short((config.get("provenance") or {}).get("git_commit"))
+    return version_of(config.get("provenance"))
 
 
 def budget_key(label: str) -> tuple:
@@ -136,8 +146,8 @@ def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
         others = ["full"] + sorted(v for v in runs["variant"].unique() if v not in ("full", study.focus))
         parts += [f"**{model} on {data}**: {len(tasks)} tasks, {int(samples.min())}"
                   + (f"-{int(samples.max())}" if samples.max() != samples.min() else "")
-                  + f" samples per task, {len(runs)} cells; commits: "
-                  + commits_text([run_commit(r, root) for r in runs["run_dir"]]) + ".", ""]
+                  + f" samples per task, {len(runs)} cells; ran at: "
+                  + commits_text([run_version(r, root) for r in runs["run_dir"]]) + ".", ""]
         full = runs[runs["variant"] == "full"]
         for quantity in QUANTITIES:
             average = quantity.average_column
@@ -183,12 +193,11 @@ def throughput_section(setting: str, root: Path) -> list[str]:
         frame["trial"] = 1
     frame["base"] = frame["cell"].str.replace(r" #\d+$", "", regex=True)
     baseline = frame.loc[frame["x_baseline"] == 1.0, "base"].iloc[0]
-    commits = [short(read_json(path).get("provenance", {}).get("git_commit"))
-               for path in sorted((folder / "cells").glob("*.json"))]
+    commits = [version_of(read_json(path).get("provenance")) for path in sorted((folder / "cells").glob("*.json"))]
     trials = int(frame["trial"].max())
     parts = [f"### `{setting}`", "",
              f"`results/throughput/{setting}/summary.md` (workload and command there); {len(frame)} cells, "
-             f"up to {trials} trial{'s' if trials > 1 else ''}; commits: {commits_text(commits)}.", "",
+             f"up to {trials} trial{'s' if trials > 1 else ''}; ran at: {commits_text(commits)}.", "",
              f"| cell | trials | x {baseline} (95% t-interval) | evict % of step | capture % of step |",
              "|---|---|---|---|---|"]
     for base, cells in frame.groupby("base", sort=False):
@@ -219,16 +228,17 @@ def code_versions(root: Path) -> list[str]:
     for study in ACCURACY:
         frame = pd.read_csv(root / RESULTS / study.folder / "summary.csv")
         for run_dir in frame["run_dir"].unique():
-            found.setdefault(run_commit(run_dir, root), set()).add(study.folder)
+            found.setdefault(run_version(run_dir, root), set()).add(study.folder)
     for setting in THROUGHPUT:
         for path in (root / RESULTS / "throughput" / setting / "cells").glob("*.json"):
-            commit = short(read_json(path).get("provenance", {}).get("git_commit"))
-            found.setdefault(commit, set()).add(f"throughput/{setting}")
-    lines = [f"## Code versions", "",
-             f"The cells above ran at {len(found)} commit{'s' if len(found) != 1 else ''}: a comparison "
-             "across studies at different commits compares code as well as policies.", ""]
+            found.setdefault(version_of(read_json(path).get("provenance")), set()).add(f"throughput/{setting}")
+    lines = ["## Code versions", "",
+             f"The cells above ran at {len(found)} code version{'s' if len(found) != 1 else ''} (a hash of what "
+             "runs while a result is made, `harness.provenance.code_version`; results older than it are named "
+             "by their commit): a comparison across studies at different versions compares code as well as "
+             "policies.", ""]
     for commit in sorted(found):
-        lines.append(f"- `{commit}`: {', '.join(sorted(found[commit]))}")
+        lines.append(f"- {commit}: {', '.join(sorted(found[commit]))}")
     return lines + [""]
 
 

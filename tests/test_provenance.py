@@ -1,0 +1,40 @@
+"""The code version names what runs, not the whole tree (``harness.provenance.code_version``)."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from harness.provenance import code_version
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root, check=True,
+                   capture_output=True)
+
+
+def test_documents_and_results_leave_the_code_version_as_it_was(tmp_path):
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "harness" / "engine.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("one\n")
+    (tmp_path / "results" / "summary.md").write_text("1.0\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "a")
+    first = code_version(tmp_path)
+    assert first and len(first) == 12
+
+    (tmp_path / "README.md").write_text("two\n")
+    (tmp_path / "results" / "summary.md").write_text("2.0\n")
+    assert code_version(tmp_path) == first  # uncommitted documents: not dirty either
+    git(tmp_path, "commit", "-qam", "docs")
+    assert code_version(tmp_path) == first
+
+    (tmp_path / "harness" / "engine.py").write_text("x = 2\n")
+    assert code_version(tmp_path) == first + "+dirty"
+    git(tmp_path, "commit", "-qam", "code")
+    assert code_version(tmp_path) not in (first, first + "+dirty")
+
+
+def test_outside_a_checkout_there_is_no_code_version(tmp_path):
+    assert code_version(tmp_path) is None
