@@ -20,6 +20,7 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from harness.throughput_benchmark import Cell, Setting, Workload, run_setting, write_report
@@ -163,14 +164,33 @@ SETTINGS = {
 }
 
 
+def with_trials(setting: Setting, trials: int) -> Setting:
+    """The setting with each of its configurations run in ``trials`` trials, interleaved: trial k
+    runs every configuration once, in the setting's order, so each ratio compares engines that ran
+    close in time. The configurations are those of the setting's first trial (its own later
+    trials are copies of them)."""
+    first = tuple(cell for cell in setting.cells if cell.trial == 1)
+    cells = tuple(replace(cell, trial=trial) for trial in range(1, trials + 1) for cell in first)
+    baseline = replace(setting.baseline, trial=1) if setting.baseline is not None else None
+    ceiling = replace(setting.ceiling, trial=1) if setting.ceiling is not None else None
+    return replace(setting, cells=cells, baseline=baseline, ceiling=ceiling)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("setting", choices=sorted(SETTINGS), help="which workload and cells to run")
     parser.add_argument("--out", type=Path, help="output directory (default results/throughput/<setting>)")
     parser.add_argument("--force", action="store_true", help="rerun cells already measured")
+    parser.add_argument("--trials", type=int, metavar="N",
+                        help="run every configuration in N interleaved trials (a process each; at least 2 "
+                             "for an interval on each ratio), instead of the setting's own trials")
     args = parser.parse_args(argv)
     setting = SETTINGS[args.setting]
+    if args.trials is not None:
+        if not 1 <= args.trials <= 10:
+            parser.error(f"--trials is the number of trials per configuration, 1 to 10; got {args.trials}")
+        setting = with_trials(setting, args.trials)
     if setting.workload.device == "cuda":
         import torch
 
