@@ -73,7 +73,9 @@ def throughput(setting: str, minutes: float, trials: int = 3) -> Step:
 # take: more than these sessions hold); RULER at kvpress's four compression ratios, 12 samples per
 # task (6 per length), prompt-only compression. Throughput: three interleaved trials of every
 # configuration. `quick` is a subset of `cpu`, `cpu_tight` repeats `cpu` on a smaller pool: not
-# committed (they stay runnable).
+# committed (they stay runnable); results/ruler replaces the RULER pilot. The proxy study and the
+# eviction-cost benchmark are analyses of the method, not of its accuracy or throughput in the
+# engine, and record no provenance yet: outside the plan.
 STEPS = (
     accuracy("cpu_accuracy", "cpu_accuracy", 65),
     accuracy("ablation", "ablation", 40),
@@ -106,6 +108,15 @@ def status(step: Step, version: str) -> tuple[str, list[Path]]:
     return ("partial" if current else "to run"), stale
 
 
+def retired(steps: list[Step]) -> list[str]:
+    """Result folders with a summary that no step of the full plan writes."""
+    planned = {step.folder for step in STEPS}
+    found = [path.parent.relative_to(ROOT / "results").as_posix()
+             for path in sorted((ROOT / "results").glob("**/summary.csv"))]
+    return [f"results/{folder}" for folder in found
+            if folder not in planned and not folder.startswith(("proxy_quality", "eviction_cost"))]
+
+
 def run(command: tuple[str, ...]) -> None:
     print("$ " + " ".join(command[1:] if command[0] == PYTHON else command), flush=True)
     subprocess.run(command, cwd=ROOT, check=True)
@@ -133,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         state, stale = states[step.name]
         note = f", {len(stale)} made at another version (deleted before it runs)" if stale else ""
         print(f"  {step.name:28s} {state:8s} {step.minutes:5.0f} min{'' if step.measured else ' (planned)'}{note}")
+    outside = retired(steps)
+    if outside:
+        print("committed results no step regenerates (remove them, git rm, once the plan is done): "
+              + ", ".join(outside))
     if args.plan:
         return 0
     if version.endswith("+dirty"):

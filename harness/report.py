@@ -55,6 +55,8 @@ class AccuracyStudy:
 ACCURACY = (
     AccuracyStudy("cpu_accuracy", "The policies on the embedded suite",
                   "python run.py -m +experiment=cpu_accuracy", "paged"),
+    AccuracyStudy("ruler", "RULER at kvpress's compression ratios (prompt only)",
+                  "python experiments/regenerate.py --only ruler", "paged[decode_eviction=False]"),
     AccuracyStudy("ruler_pilot", "RULER at kvpress's compression ratios (prompt only; pilot)",
                   "python run.py -m +experiment=ruler_ratios", "paged[decode_eviction=False]"),
     AccuracyStudy("ablation", "PagedEviction's score and granularity apart",
@@ -223,13 +225,23 @@ def percent(cells: pd.DataFrame, column: str) -> str:
 
 
 # ---------------------------------------------------------------- the document
+def present(studies: tuple[AccuracyStudy, ...], root: Path) -> list[AccuracyStudy]:
+    """The studies with a committed summary (a study not run yet, or retired, is left out)."""
+    return [study for study in studies if (root / RESULTS / study.folder / "summary.csv").exists()]
+
+
+def present_settings(root: Path) -> list[str]:
+    return [s for s in THROUGHPUT if (root / RESULTS / "throughput" / s / "summary.csv").exists()]
+
+
+
 def code_versions(root: Path) -> list[str]:
     found: dict[str, set[str]] = {}
-    for study in ACCURACY:
+    for study in present(ACCURACY, root):
         frame = pd.read_csv(root / RESULTS / study.folder / "summary.csv")
         for run_dir in frame["run_dir"].unique():
             found.setdefault(run_version(run_dir, root), set()).add(study.folder)
-    for setting in THROUGHPUT:
+    for setting in present_settings(root):
         for path in (root / RESULTS / "throughput" / setting / "cells").glob("*.json"):
             found.setdefault(version_of(read_json(path).get("provenance")), set()).add(f"throughput/{setting}")
     lines = ["## Code versions", "",
@@ -251,12 +263,12 @@ def render(root: Path = ROOT) -> str:
              f"of comparisons (`*`: adjusted p < {SIGNIFICANCE:g}); an unmarked difference is undecided, "
              "not absent. In words: [FINDINGS.md](FINDINGS.md).", "",
              "## Accuracy", ""]
-    for study in ACCURACY:
+    for study in present(ACCURACY, root):
         parts += accuracy_section(study, root)
     parts += ["## Throughput", "",
               "Output tok/s of each cell over the setting's baseline cell of the same trial (trials: an "
               "engine process per cell, the trial's cells back to back).", ""]
-    for setting in THROUGHPUT:
+    for setting in present_settings(root):
         parts += throughput_section(setting, root)
     parts += code_versions(root)
     return "\n".join(parts).rstrip() + "\n"
