@@ -52,6 +52,10 @@ class Hybrid(Score):
     def query_window(self) -> int:
         return max(component.query_window for component in self.components.values())
 
+    @property
+    def reads_values(self) -> bool:
+        return any(component.reads_values for component in self.components.values())
+
     def __call__(self, keys, values, window=None):
         total = torch.zeros(keys.shape[1], keys.shape[0], device=keys.device)
         for name, component in self.components.items():

@@ -42,7 +42,14 @@ class Score:
         """How many of a request's newest queries the engine must keep for this score (0: none)."""
         return 0
 
-    def __call__(self, keys: torch.Tensor, values: torch.Tensor, window=None) -> torch.Tensor:
+    @property
+    def reads_values(self) -> bool:
+        """Whether ``__call__`` reads the values: an attention score (``query_window`` > 0) reads
+        keys and queries only, and is then called with ``values=None`` (the engine skips gathering
+        them: half of an attention-aware eviction's reads). A score that needs both says so."""
+        return self.query_window == 0
+
+    def __call__(self, keys: torch.Tensor, values: torch.Tensor | None, window=None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} computes no score")
 
     def token_edges(self, budget: int, block_size: int) -> tuple[int, int] | None:

@@ -24,16 +24,18 @@ class RecordingView(FlashAttnView):
         super().__init__(layers)
         self.reads: list[tuple[int, int, int]] = []
         self.read_calls = 0
+        self.keys_only_reads = 0
 
     def locate(self, runs):
         slots = super().locate(runs)
         slots.runs = [(start, end) for _, start, end in runs]
         return slots
 
-    def read(self, layer, slots):
+    def read(self, layer, slots, values=True):
         self.reads.extend((layer, start, end) for start, end in slots.runs)
         self.read_calls += 1
-        return super().read(layer, slots)
+        self.keys_only_reads += not values
+        return super().read(layer, slots, values)
 
 
 def request(seed: int = 0):
@@ -63,6 +65,20 @@ def test_every_read_is_one_layer_of_one_request(policy_name):
     evict(make_policy(policy_name, BUDGET, B), view, block_ids, 30, "prefill", PolicyState(), "r")
     assert view.reads, "the evictor read through the view"
     assert all(0 <= layer < LAYERS and 0 <= start < end <= 30 for layer, start, end in view.reads)
+
+
+@pytest.mark.parametrize("policy_name, reads_values", [("snapkv", False), ("tova", False), ("paged", True),
+                                                      ("knorm", True)])
+def test_attention_scores_read_keys_alone(policy_name, reads_values):
+    """An attention score's eviction gathers no values for scoring: every layer's scoring read is
+    of keys alone (compaction still moves both)."""
+    policy = make_policy(policy_name, BUDGET, B, **({"window": 4} if policy_name == "snapkv" else {}))
+    view, block_ids = request()
+    state = PolicyState(scales=[DIM ** -0.5] * LAYERS)
+    if policy.query_window:
+        state.observe("r", torch.randn(LAYERS, policy.query_window, HEADS, DIM), policy.query_window)
+    evict(policy, view, block_ids, 30, "prefill", state, "r")
+    assert view.read_calls and view.keys_only_reads == (0 if reads_values else LAYERS)
 
 
 def test_a_block_policys_decode_eviction_scores_only_the_newest_tokens():

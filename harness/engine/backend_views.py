@@ -64,12 +64,12 @@ class PagedView(KVView):
             base += (last - first) * self.block_size
         return Slots(parts, whole=torch.tensor(whole, dtype=torch.long, device=self.device))
 
-    def read(self, layer, slots):
-        keys, values = self._block_major(layer)
+    def read(self, layer, slots, values=True):
+        keys, cached_values = self._block_major(layer)
         _, block_size, heads, dim = keys.shape
         shape = (-1, heads, dim)
         return (torch.index_select(keys, 0, slots.whole).reshape(shape),
-                torch.index_select(values, 0, slots.whole).reshape(shape))
+                torch.index_select(cached_values, 0, slots.whole).reshape(shape) if values else None)
 
 
 class CpuAttnView(PagedView):

@@ -161,13 +161,15 @@ def score_together(view: KVView, jobs: list[ScoreJob]) -> list[torch.Tensor]:
         users = [index for index, layers in enumerate(scored) if layer in layers]
         if not users:
             continue
-        keys, values = view.read(layer, slots)
+        # Values only when a job's score reads them (attention scores read keys alone).
+        keys, values = view.read(layer, slots, values=any(jobs[index].policy.score.reads_values for index in users))
         for index in users:
             job, part = jobs[index], slots.parts[index]
+            job_values = values[part] if job.policy.score.reads_values else None
             if job.windows is None:
-                rows[index].append(job.policy.layer_scores(keys[part], values[part]))
+                rows[index].append(job.policy.layer_scores(keys[part], job_values))
             else:
-                rows[index].append(job.policy.layer_scores(keys[part], values[part], job.windows[layer]))
+                rows[index].append(job.policy.layer_scores(keys[part], job_values, job.windows[layer]))
     return [torch.stack(row) for row in rows]
 
 

@@ -58,10 +58,12 @@ class KVView:
             base += end - start
         return Slots(parts, blocks=blocks, offsets=offsets)
 
-    def read(self, layer: int, slots: "Slots") -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[rows, kv_heads, head_dim]`` of located slots in one layer; run i is
-        rows ``slots.parts[i]`` (a view may read more rows than the runs hold)."""
-        return self._gather(layer, slots.blocks, slots.offsets)
+    def read(self, layer: int, slots: "Slots", values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys and values ``[rows, kv_heads, head_dim]`` of located slots in one layer (values
+        None when not asked for); run i is rows ``slots.parts[i]`` (a view may read more rows than
+        the runs hold)."""
+        keys, read_values = self._gather(layer, slots.blocks, slots.offsets)
+        return keys, read_values if values else None
 
     def read_layer(self, layer: int, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``[start, end)`` of a request whose blocks are ``block_ids``."""
