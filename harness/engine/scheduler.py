@@ -16,6 +16,13 @@ ledger of each request's *evicted token count* (logical length minus physical le
   request must come back with the worker's ``EvictionReport``: the request's block list takes its
   new shape and the released blocks go back to vLLM's pool at once; a missing report stops the
   engine (the worker is not evicting);
+* how many tokens and blocks an eviction leaves is fixed by the policy and the request's length
+  (only *which* ones depends on scores), so the plan that schedules an eviction already counts its
+  tokens as evicted (``Expected``), and the report is checked against that. The next plan is then
+  right whether the report came first (synchronous scheduling) or comes one step late
+  (``AsyncEvictionScheduler``: vLLM plans step N+1 before step N's output is back): until the
+  report names the blocks to release, they count as held, and blocks allocated meanwhile follow
+  the kept ones;
 * freeing a request (finish, abort, preemption) forgets its count; a preempted request is then
   replayed one token per step after its prompt, so it meets the same evictions at the same steps.
 
@@ -40,6 +47,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
@@ -110,19 +118,53 @@ class Ledger:
 KEPT_REQUEST_COUNTERS = 100_000  # finished requests' stats kept for the harness (oldest dropped)
 
 
+@dataclass(frozen=True)
+class Expected:
+    """An eviction a plan scheduled, as the policy fixes it before any score is read: the tokens
+    it evicts, the blocks it starts from (the request's own, then ``copies`` copy targets) and
+    how many it keeps. Until its report arrives the request's block list still holds the
+    ``surplus`` blocks it will release."""
+
+    step: int
+    evicted_tokens: int
+    source_blocks: int
+    copies: int
+    kept_blocks: int
+
+    @property
+    def surplus(self) -> int:
+        return self.source_blocks - self.kept_blocks
+
+
+def expected_eviction(policy: Policy, phase: str, tokens: int, copies: int, step: int) -> Expected:
+    """What an eviction of ``tokens`` physical tokens will leave (``harness.eviction.evictor``:
+    a block policy's decode eviction drops one block; otherwise the policy keeps
+    ``prefill_keep_count`` after prefill and its budget in decode)."""
+    blocks = cdiv(tokens, policy.block_size)
+    if phase == "decode" and isinstance(policy, BlockPolicy):
+        return Expected(step, policy.block_size, blocks, copies, blocks - 1)
+    kept = policy.prefill_keep_count(tokens) if phase == "prefill" else policy.budget
+    return Expected(step, tokens - kept, blocks, copies, cdiv(kept, policy.block_size))
+
+
 class PhysicalLengthManager(FullAttentionManager):
     """A full-attention KV manager that sizes a request by its physical length.
 
     vLLM computes the blocks a request needs from its logical token count
     (``single_type_kv_cache_manager.py:175`` ``get_num_blocks_to_allocate`` and ``:369``
-    ``allocate_new_blocks``); after an eviction that would re-allocate what was given back.
+    ``allocate_new_blocks``); after an eviction that would re-allocate what was given back. A
+    request whose eviction report is still to come holds its ``surplus`` blocks until then, so
+    they count as filled: vLLM's arithmetic (needed minus held) then asks for what the request
+    needs after the eviction.
     """
 
     kv_evicted: dict[str, int]
     kv_scheduler: "EvictionScheduler"
 
     def _physical(self, request_id: str, num_tokens: int) -> int:
-        return num_tokens - self.kv_evicted.get(request_id, 0)
+        expected = self.kv_scheduler.kv_expected.get(request_id)
+        surplus = expected.surplus * self.block_size if expected is not None else 0
+        return num_tokens - self.kv_evicted.get(request_id, 0) + surplus
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
         blocks = super().get_num_blocks_to_allocate(request_id, self._physical(request_id, num_tokens), *args, **kwargs)
@@ -151,8 +193,17 @@ class PhysicalLengthManager(FullAttentionManager):
 class EvictionScheduler(Scheduler):
     """vLLM's scheduler plus per-request eviction; decides exactly as vLLM's when no request evicts.
 
-    Synchronous by design: a step's evictions must reach the next ``schedule()`` (vLLM warns
-    that a ``Scheduler`` subclass disables asynchronous scheduling; eviction requires that)."""
+    One name serves both of vLLM's scheduling modes: vLLM keeps a user's ``scheduler_cls`` as given
+    and decides asynchronous scheduling by itself (``vllm/config/scheduler.py:228-253``,
+    ``vllm/config/vllm.py:1585-1644``; on by default on GPUs, forced off on CPU by
+    ``vllm/platforms/cpu.py:329-331``), so an engine that ends up asynchronous gets
+    ``AsyncEvictionScheduler``, the same on vLLM's ``AsyncScheduler``."""
+
+    def __new__(cls, *args, **kwargs):
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is EvictionScheduler and config is not None and config.scheduler_config.async_scheduling:
+            cls = AsyncEvictionScheduler
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -166,7 +217,11 @@ class EvictionScheduler(Scheduler):
         self.kv_policies: dict[tuple, Policy] = {}
         # Copy targets allocated by this schedule() (positions, blocks), then held for its step.
         self.kv_planned_targets: dict[str, tuple[tuple[int, ...], list]] = {}
-        self.kv_copy_blocks: dict[str, list] = {}
+        # Per plan step still to be reported: the copy-target blocks its evictions write.
+        self.kv_copy_blocks: dict[int, dict[str, list]] = {}
+        self.kv_expected: dict[str, Expected] = {}  # scheduled evictions not reported yet
+        self.kv_abandoned: set[tuple[str, int]] = set()  # (request, step): freed before its report came
+        self.kv_step = 0
         # Evicting requests kept out of the prefix cache: their copies could not fit in the pool.
         self.kv_uncached: set[str] = set()
         self.kv_released: set[str] = set()  # freed since the last plan
@@ -332,8 +387,10 @@ class EvictionScheduler(Scheduler):
         scheduled = output.num_scheduled_tokens
         settings = {rid: self.kv_request_settings[rid] for rid in scheduled if rid in self.kv_request_settings}
         planned, self.kv_planned_targets = self.kv_planned_targets, {}
-        self.kv_copy_blocks = {rid: blocks for rid, (_, blocks) in planned.items()}
         released, self.kv_released = tuple(sorted(self.kv_released)), set()
+        self.kv_step += 1
+        if planned:
+            self.kv_copy_blocks[self.kv_step] = {rid: blocks for rid, (_, blocks) in planned.items()}
         attach(output, PLAN_ATTRIBUTE, EvictionPlan(
             default=self.kv_settings,
             settings=settings,
@@ -341,7 +398,9 @@ class EvictionScheduler(Scheduler):
             copy_targets={rid: tuple(zip(positions, (b.block_id for b in blocks)))
                           for rid, (positions, blocks) in planned.items()},
             released=released,
+            step=self.kv_step,
         ))
+        self._expect_evictions(settings, scheduled, planned)
         if output.total_num_scheduled_tokens:
             used = ledger.pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
             ledger.steps += 1
@@ -354,8 +413,29 @@ class EvictionScheduler(Scheduler):
                     ledger.decode_blocks_peak = max(ledger.decode_blocks_peak, len(held.get(request.request_id, ())))
         return output
 
+    def _expect_evictions(self, settings: dict[str, EvictionSettings], scheduled: dict[str, int], planned) -> None:
+        """Count the evictions this plan schedules as done (the plan itself carries the counts
+        from before them: the worker evicts after the step's model pass)."""
+        for request_id, request_settings in settings.items():
+            request = self.requests[request_id]
+            policy = self.policy_for(request_settings)
+            evicted = self.kv_ledger.evicted.get(request_id, 0)
+            after = request.num_computed_tokens  # vLLM advanced it by this step's tokens (_update_after_schedule)
+            phase = phase_due(policy, request.num_prompt_tokens, after - scheduled[request_id], after, evicted)
+            if phase is None:
+                continue
+            if request_id in self.kv_expected:
+                raise RuntimeError(f"request {request_id} is due to evict before its last eviction was reported")
+            copies = len(planned.get(request_id, ((), ()))[1])
+            expected = expected_eviction(policy, phase, after - evicted, copies, self.kv_step)
+            if expected.evicted_tokens == 0 and not copies and expected.surplus == 0:
+                continue  # nothing changes: the worker reports nothing
+            self.kv_expected[request_id] = expected
+            self.kv_ledger.evicted[request_id] = evicted + expected.evicted_tokens
+
     def update_from_output(self, scheduler_output, model_runner_output):
         plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+        copies = self.kv_copy_blocks.pop(plan.step, {}) if plan is not None else {}
         if plan is not None and plan.settings and model_runner_output.req_ids:
             report = required(
                 model_runner_output, REPORT_ATTRIBUTE, "worker",
@@ -367,15 +447,25 @@ class EvictionScheduler(Scheduler):
             ledger.evict_s += report.evict_s
             ledger.capture_s += report.capture_s
             ledger.state_bytes_peak = max(ledger.state_bytes_peak, report.state_bytes)
-            copies, self.kv_copy_blocks = self.kv_copy_blocks, {}
             for request_id, eviction in report.evictions.items():
-                self._release(request_id, eviction, copies.pop(request_id, []))
+                self._release(request_id, eviction, copies.pop(request_id, []), plan.step)
             for request_id, unused in copies.items():
                 self.kv_cache_manager.block_pool.free_blocks(unused)
                 if request_id in self.requests and not self.requests[request_id].is_finished():
                     raise EvictionNotActiveError(
                         f"the worker did not evict request {request_id}, for which copy targets were allocated")
+            for request_id, expected in list(self.kv_expected.items()):
+                if expected.step == plan.step and self._live(request_id):
+                    raise EvictionNotActiveError(
+                        f"the worker did not evict request {request_id}, whose eviction step {plan.step} scheduled")
+        else:
+            for unused in copies.values():
+                self.kv_cache_manager.block_pool.free_blocks(unused)
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _live(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        return request is not None and not request.is_finished()
 
     def _free_request_blocks(self, request):
         # Every way a request lets go of its blocks (finish, abort, preemption) passes here
@@ -387,6 +477,9 @@ class EvictionScheduler(Scheduler):
             ledger.totals.preempted_after_eviction += 1
             if request_id in self.kv_request_counters:
                 self.kv_request_counters[request_id].preempted_after_eviction += 1
+        expected = self.kv_expected.pop(request_id, None)
+        if expected is not None:  # its blocks go whole: the late report of that eviction changes nothing
+            self.kv_abandoned.add((request_id, expected.step))
         planned = self.kv_planned_targets.pop(request_id, None)  # preempted by the same schedule()
         if planned is not None:
             self.kv_cache_manager.block_pool.free_blocks(planned[1])
@@ -397,22 +490,39 @@ class EvictionScheduler(Scheduler):
                 self.kv_uncached.discard(request_id)
         super()._free_request_blocks(request)
 
-    def _release(self, request_id: str, eviction, copies: list) -> None:
+    def _release(self, request_id: str, eviction, copies: list, step: int) -> None:
         """Give the request's block list its new shape (its blocks, then this step's copy targets,
-        as the worker reshaped them) and return the other blocks to the pool."""
-        request = self.requests.get(request_id)
-        if request is None or request.is_finished():
+        as the worker reshaped them; then any allocated since the plan) and return the other
+        blocks to the pool."""
+        if (request_id, step) in self.kv_abandoned:  # finished or preempted since: its blocks were freed whole
+            self.kv_abandoned.discard((request_id, step))
             self.kv_cache_manager.block_pool.free_blocks(copies)
-            return  # its own blocks are being freed whole anyway
+            return
+        expected = self.kv_expected.pop(request_id, None)
+        if expected is None or expected.step != step:
+            raise RuntimeError(f"request {request_id} evicted at step {step}, which scheduled no eviction for it")
+        if not self._live(request_id):  # finishing in this very update: its blocks go whole next
+            self.kv_cache_manager.block_pool.free_blocks(copies)
+            return
+        if (eviction.evicted_tokens, eviction.held_blocks, len(eviction.kept_blocks)) != \
+                (expected.evicted_tokens, expected.source_blocks + expected.copies, expected.kept_blocks):
+            raise RuntimeError(f"request {request_id}: the worker evicted {eviction.evicted_tokens} tokens keeping "
+                               f"{len(eviction.kept_blocks)} of {eviction.held_blocks} blocks; the plan expected {expected}")
         blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[request_id]
-        held = blocks + copies
+        held, later = blocks[:expected.source_blocks] + copies, blocks[expected.source_blocks:]
         if len(held) != eviction.held_blocks:
             raise RuntimeError(f"request {request_id} holds {len(held)} blocks, the worker evicted from {eviction.held_blocks}")
         kept = set(eviction.kept_blocks)
         victims = [block for position, block in enumerate(held) if position not in kept]
-        blocks[:] = [held[position] for position in eviction.kept_blocks]
+        blocks[:] = [held[position] for position in eviction.kept_blocks] + later
         self.kv_cache_manager.block_pool.free_blocks(victims)
         ledger = self.kv_ledger
-        ledger.evicted[request_id] = ledger.evicted.get(request_id, 0) + eviction.evicted_tokens
         for counters in (ledger.totals, self._counters(request_id, self.kv_request_settings[request_id])):
             counters.record(eviction, released_blocks=len(victims), copy_target_blocks=len(copies))
+
+
+class AsyncEvictionScheduler(EvictionScheduler, AsyncScheduler):
+    """``EvictionScheduler`` on vLLM's asynchronous scheduler (``vllm/v1/core/sched/async_scheduler.py``),
+    where step N+1 is planned before step N's output, and so its eviction report, is back: the
+    plans already count scheduled evictions (``Expected``), and a late report reshapes the block
+    list under the blocks allocated since."""

