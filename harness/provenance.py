@@ -62,10 +62,14 @@ def package_versions() -> dict[str, str]:
     return found
 
 
+# The commit and code version as this process loaded its code: a cell that finishes after the tree
+# changed under it (a commit or an edit while it ran) records what it ran, not what is there now.
+LOADED = {"git_commit": git_commit(), "code_version": code_version()}
+
+
 def provenance(vllm_version: str | None = None) -> dict:
     return {
-        "git_commit": git_commit(),
-        "code_version": code_version(),
+        **LOADED,
         "packages": package_versions(),
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -38,3 +38,14 @@ def test_documents_and_results_leave_the_code_version_as_it_was(tmp_path):
 
 def test_outside_a_checkout_there_is_no_code_version(tmp_path):
     assert code_version(tmp_path) is None
+
+
+def test_a_result_records_the_code_its_process_loaded(monkeypatch):
+    """A cell that finishes after a commit or an edit under it names the code it ran."""
+    from harness import provenance as module
+
+    monkeypatch.setattr(module, "code_version", lambda *args: "changed-after-loading")
+    monkeypatch.setattr(module, "git_commit", lambda: "changed-after-loading")
+    recorded = module.provenance()
+    assert recorded["code_version"] == module.LOADED["code_version"] != "changed-after-loading"
+    assert recorded["git_commit"] == module.LOADED["git_commit"] != "changed-after-loading"
