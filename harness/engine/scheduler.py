@@ -53,7 +53,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from harness.eviction.counters import EvictionCounters, RequestCounters
-from harness.eviction.evictor import cdiv, phase_due
+from harness.eviction.evictor import cdiv, compaction_positions, kept_tokens, phase_due
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
@@ -153,10 +153,8 @@ def expected_eviction(policy: Policy, phase: str, tokens: int, copy_positions: t
     blocks = cdiv(tokens, policy.block_size)
     if phase == "decode" and isinstance(policy, BlockPolicy):
         return Expected(step, policy.block_size, blocks, 0, None)
-    kept = policy.prefill_keep_count(tokens) if phase == "prefill" else policy.budget
-    positions = list(range(blocks))
-    for extra, target in enumerate(copy_positions):
-        positions[target] = blocks + extra
+    kept = kept_tokens(policy, phase, tokens)
+    positions = compaction_positions(blocks, copy_positions)
     return Expected(step, tokens - kept, blocks, len(copy_positions), tuple(positions[: cdiv(kept, policy.block_size)]))
 
 
@@ -369,7 +367,7 @@ class EvictionScheduler(Scheduler):
         phase = phase_due(policy, request.num_prompt_tokens, request.num_computed_tokens, num_tokens, evicted)
         if phase is None or (phase == "decode" and isinstance(policy, BlockPolicy)):
             return ()  # nothing written (a block eviction only drops a block)
-        kept = policy.prefill_keep_count(num_tokens) if phase == "prefill" else policy.budget
+        kept = kept_tokens(policy, phase, num_tokens)
         if phase == "prefill" and kept == num_tokens:
             return ()
         registering = num_tokens // self.kv_block_size if not evicted else 0
@@ -470,17 +468,16 @@ class EvictionScheduler(Scheduler):
             if expected.kept is not None:
                 self._reshape(request_id, expected.source_blocks, list(copies), expected.kept)
 
-    def _reshape(self, request_id: str, source_blocks: int, copies: list, kept: tuple[int, ...]) -> list:
+    def _reshape(self, request_id: str, source_blocks: int, copies: list, kept: tuple[int, ...]) -> None:
         """The request's block list becomes its kept positions among its first ``source_blocks``
         blocks and then ``copies`` (as the worker reshapes its own), followed by any blocks
-        allocated since; the others go back to the pool. Returns those released."""
+        allocated since; the others go back to the pool."""
         blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[request_id]
         held, later = blocks[:source_blocks] + copies, blocks[source_blocks:]
         keep = set(kept)
         victims = [block for position, block in enumerate(held) if position not in keep]
         blocks[:] = [held[position] for position in kept] + later
         self.kv_cache_manager.block_pool.free_blocks(victims)
-        return victims
 
     def update_from_output(self, scheduler_output, model_runner_output):
         plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)

@@ -267,6 +267,22 @@ class Due:
         return len(self.source) + len(self.copy_targets)
 
 
+def compaction_positions(source_blocks: int, copy_targets: tuple[int, ...]) -> list[int]:
+    """Where each block a compaction writes sits in the request's held list (its ``source_blocks``
+    own blocks, then one block per copy target, which stands in for the block at that position):
+    the kept tokens fill them in this order, so the first ``cdiv(kept, block_size)`` are kept."""
+    positions = list(range(source_blocks))
+    for extra, target in enumerate(copy_targets):
+        positions[target] = source_blocks + extra
+    return positions
+
+
+def kept_tokens(policy: Policy, phase: Phase, tokens: int) -> int:
+    """How many tokens a compaction of ``tokens`` keeps: ``prefill_keep_count`` after prefill, the
+    budget in decode (what ``select_prefill`` / ``select_decode`` return for a token policy)."""
+    return policy.prefill_keep_count(tokens) if phase == "prefill" else policy.budget
+
+
 def evict_all(view: KVView, dues: list[Due], state: PolicyState | None = None,
               shards: HeadShards = SINGLE) -> dict[str, Eviction]:
     """Carry out every eviction due in a step, together: in groups whose K/V of one layer fit the
@@ -327,9 +343,7 @@ def evict_group(view: KVView, dues: list[Due], state: PolicyState | None, shards
         else:
             raise TypeError(f"{type(policy).__name__} cannot evict in {due.phase}")
         source = due.source
-        positions = list(range(len(source)))  # where each target block sits in block_ids
-        for extra, target in enumerate(due.copy_targets):
-            positions[target] = len(source) + extra
+        positions = compaction_positions(len(source), due.copy_targets)
         if kept_sets is not None and shards.size > 1:
             kept_sets.append(kept)
         # Where compaction starts is decided on every head, so that all ranks rewrite the same slots.
