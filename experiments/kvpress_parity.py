@@ -5,7 +5,7 @@ sample by sample under the near-tie rule (issue 25, item 4).
 
 1. The harness's cells (full cache, and knorm, streaming, snapkv, tova, keydiff, h2o at each ratio,
    prompt-only, each with the options that give kvpress's definition: ``PAIRS``) run on one
-   shared-prefill engine (``harness.group.run_grouped``, what ``run.py -m`` runs; composed from
+   shared-prefill engine (``harness.run.group.run_grouped``, what ``run.py -m`` runs; composed from
    ``conf/experiment/kvpress_parity.yaml``), in a subprocess under ``flock /tmp/engine.lock``;
    their run directories go to ``results/kvpress_parity/harness``. A complete cell is kept.
 2. The exact prompts (token ids) those cells ran, and per sample the number of prompt tokens each
@@ -16,7 +16,7 @@ sample by sample under the near-tie rule (issue 25, item 4).
    ``experiments/kvpress_env.sh``), under the same lock; then, with ``--ranking``, a diagnostic
    that decodes nothing: per layer and KV head, the tokens each press keeps against those the
    harness's ranking rule keeps from the same scores (``ranking.jsonl``).
-4. Each (policy, sample) pair of outputs is compared with ``harness.regression.parting``:
+4. Each (policy, sample) pair of outputs is compared with ``harness.analysis.regression.parting``:
    identical, parting after a near tie (either is a correct greedy choice), or different; full
    cache against kvpress without a press is the control (the two runtimes' own agreement).
    ``summary.md``, ``counts.csv`` and ``comparison.jsonl`` go to ``results/kvpress_parity``.
@@ -153,7 +153,7 @@ def ranking_expected(jobs: dict) -> set[tuple[str, str]]:
 
 
 def ranking_complete(jobs: dict, ranking_file: Path) -> bool:
-    from harness.results import read_jsonl
+    from harness.records.results import read_jsonl
 
     have = {(r["cell"], r["id"]) for r in read_jsonl(ranking_file)} if ranking_file.exists() else set()
     return ranking_expected(jobs) <= have
@@ -165,8 +165,8 @@ def jobs_digest(jobs: dict) -> str:
 
 def verdict(harness_row: dict, kvpress_row: dict) -> tuple[str, str | None]:
     """``identical``, ``near_tie`` (the outputs part where each side's two best tokens were within
-    ``harness.regression.TIE_NATS``) or ``differ``, and why they differ."""
-    from harness.regression import parting
+    ``harness.analysis.regression.TIE_NATS``) or ``differ``, and why they differ."""
+    from harness.analysis.regression import parting
 
     a, b = harness_row["output_token_ids"], kvpress_row["output_token_ids"]
     if a == b:
@@ -237,8 +237,8 @@ def compose_runs(cells: list[list[str]]):
 
 def run_harness_cells(cells_file: Path) -> int:
     """The child process of stage 1 (under the engine lock): the cells on one shared-prefill engine."""
-    from harness import interrupts
-    from harness.group import run_grouped
+    from harness.records import interrupts
+    from harness.run.group import run_grouped
 
     interrupts.install()
     runs = compose_runs(json.loads(cells_file.read_text()))
@@ -295,7 +295,7 @@ def main(argv: list[str]) -> int:
                                         args.tasks, args.force))
             labels.append((pair.policy, ratio))
     runs = compose_runs(cells)  # checks every cell before any engine starts
-    from harness.results import is_complete, read_jsonl
+    from harness.records.results import is_complete, read_jsonl
 
     if args.force or not all(is_complete(run.run_dir) for run in runs):
         cells_file = OUT / "harness_cells.json"
@@ -308,8 +308,8 @@ def main(argv: list[str]) -> int:
 
     # Stage 2: the runner's jobs from the exact prompts and kept counts.
     from transformers import AutoTokenizer
-    from harness.experiment import prepare_cell
-    from harness.models import resolve_model_path
+    from harness.run.cell import prepare_cell
+    from harness.config.models import resolve_model_path
 
     model_path = resolve_model_path(runs[0].model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -398,7 +398,7 @@ def generation_eos(model_path: str) -> list[int]:
 
 
 def first_difference(a, b):
-    from harness.regression import first_difference as first
+    from harness.analysis.regression import first_difference as first
 
     return first(a, b)
 
@@ -447,7 +447,7 @@ prompt-only compression, greedy decoding, ratios {', '.join(f'{r:g}' for r in ar
 press keeps per sample exactly the number of prompt tokens the harness cell kept (the harness resolves
 a ratio to whole {runs[0].block_size}-token blocks per prompt; kvpress is given the ratio that rounds to the same count).
 
-Verdicts (`harness.regression.parting`, tie = {tie_nats()} nats): *identical* output token ids;
+Verdicts (`harness.analysis.regression.parting`, tie = {tie_nats()} nats): *identical* output token ids;
 *near tie*: the outputs part at a position where each side's two best tokens were within the tie
 (either is a correct greedy choice); *differ*: anything else. The first row is the control: full cache
 in vLLM against kvpress's pipeline without a press (Hugging Face transformers).
@@ -486,7 +486,7 @@ for it is set above every other, so the rule on kvpress's scores keeps it too).
 
 
 def tie_nats() -> float:
-    from harness.regression import TIE_NATS
+    from harness.analysis.regression import TIE_NATS
 
     return TIE_NATS
 

@@ -30,7 +30,7 @@ result is recorded in ``versions.json`` beside the output).
 Decoding stops as the harness's vLLM requests do (``harness.engine.llm.sampling_params``): at the
 model's EOS (kept in the output, as vLLM keeps it), at a stop string (the token completing it
 kept), or at ``max_new_tokens``. Each position records its two best ``[token, logprob]`` pairs from
-``log_softmax`` of the float32 logits: what the near-tie rule (``harness.regression.parting``) reads.
+``log_softmax`` of the float32 logits: what the near-tie rule (``harness.analysis.regression.parting``) reads.
 """
 from __future__ import annotations
 

@@ -36,11 +36,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.data import load_samples, task_spec  # noqa: E402
-from harness.data.prompts import build_prompt  # noqa: E402
+from harness.tasks import load_samples, task_spec  # noqa: E402
+from harness.tasks.prompts import build_prompt  # noqa: E402
 from harness.eviction.hf_reference import window_attention_implementation  # noqa: E402
-from harness.models import resolve_model_path  # noqa: E402
-from harness.stats import bootstrap  # noqa: E402
+from harness.config.models import resolve_model_path  # noqa: E402
+from harness.analysis.stats import bootstrap  # noqa: E402
 from policies.attention import Window, received_attention  # noqa: E402
 from policies.keydiff import key_diff  # noqa: E402
 from policies.knorm import inverse_key_norm  # noqa: E402
@@ -106,7 +106,7 @@ def measure(model, capture: Capture, prompt: list[int]) -> list[dict]:
 
 
 def interval(values: np.ndarray) -> tuple[float, float, float]:
-    """Mean and 95% bootstrap interval (the harness's seeded scheme, ``harness.stats``)."""
+    """Mean and 95% bootstrap interval (the harness's seeded scheme, ``harness.analysis.stats``)."""
     draws = bootstrap({"all": values})["all"] / 100
     low, high = np.percentile(draws, [2.5, 97.5])
     return float(np.mean(values)), float(low), float(high)

@@ -6,13 +6,13 @@ sessions as it takes.
     python experiments/regenerate.py --only cpu_accuracy,throughput/cpu
 
 A regeneration is only worth its hours if every table comes from the same code: it refuses to
-start on a checkout whose code (``harness.provenance.code_version``: run.py, setup.sh, policies,
+start on a checkout whose code (``harness.records.provenance.code_version``: run.py, setup.sh, policies,
 harness, hydra_plugins, conf, experiments) has uncommitted changes. Results already made at this
 code version are kept, so a run interrupted at a session's end resumes where it stopped, and
 commits that change only documents or results in between do not invalidate them; results made at
 another code version are deleted before their step reruns (they are in git history). Each step
 ends by rewriting its folder's summary; the last rewrites ``results/RESULTS.md``
-(``python -m harness.report``).
+(``python -m harness.analysis.report``).
 
 The steps and their sample counts are the plan of record (``STEPS``); ``minutes`` is what a step
 took on the 2-core CPU machine, or the estimate it is planned with where it has not run yet.
@@ -33,7 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.provenance import code_version  # noqa: E402
+from harness.records.provenance import code_version  # noqa: E402
 
 PYTHON = sys.executable
 
@@ -59,7 +59,7 @@ def accuracy(name: str, experiment: str, minutes: float, *overrides: str, measur
     folder = f"results/{name}"
     return Step(name, name, (
         (PYTHON, "run.py", "-m", f"+experiment={experiment}", f"output_dir={folder}", *overrides),
-        (PYTHON, "-m", "harness.aggregate", folder, "--out", folder),
+        (PYTHON, "-m", "harness.analysis.aggregate", folder, "--out", folder),
     ), minutes, measured)
 
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         for command in step.commands:
             run(command)
         print(f"[regenerate] {step.name}: {(time.perf_counter() - started) / 60:.1f} min", flush=True)
-    run((PYTHON, "-m", "harness.report"))
+    run((PYTHON, "-m", "harness.analysis.report"))
     return 0
 
 

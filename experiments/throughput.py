@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from harness.throughput_benchmark import Cell, Setting, Workload, run_setting, write_report
+from harness.bench.throughput import Cell, Setting, Workload, run_setting, write_report
 
 POLICIES = ("paged", "streaming", "knorm")
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from harness.data import load_samples, task_spec  # noqa: E402
-from harness.data.prompts import build_prompt  # noqa: E402
+from harness.tasks import load_samples, task_spec  # noqa: E402
+from harness.tasks.prompts import build_prompt  # noqa: E402
 from harness.eviction.hf_reference import window_attention_implementation  # noqa: E402
-from harness.models import resolve_model_path  # noqa: E402
-from harness.stats import bootstrap  # noqa: E402
+from harness.config.models import resolve_model_path  # noqa: E402
+from harness.analysis.stats import bootstrap  # noqa: E402
 from policies.attention import Window, received_attention  # noqa: E402
 from policies.learned import FEATURES, WEIGHTS, features  # noqa: E402
 from policies.paged import value_key_ratio  # noqa: E402

@@ -6,10 +6,10 @@ import random
 from functools import cache
 from pathlib import Path
 
-from harness.data.token_prompts import token_prompts
+from harness.tasks.embedded.token_prompts import token_prompts
 from harness.engine.batch_run import run_in_subprocess
-from harness.models import EMBEDDED_PREFIX, resolve_model_path
-from harness.regression import TIE_NATS, first_difference, parting
+from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
+from harness.analysis.regression import TIE_NATS, first_difference, parting
 
 BLOCK = 32
 MODELS = {"tiny": "tiny-llama", "smollm2": "smollm2-135m-instruct"}
@@ -75,7 +75,7 @@ def assert_mostly_equal(engine: list[list[int]], reference: list[list[int]]) -> 
 def assert_same_outputs(expected: dict, actual: dict, tie_nats: float = TIE_NATS) -> None:
     """Two engine runs generated the same tokens: each request's output is identical, or the two
     part at a position where both runs saw a near-tie (the two tokens within ``tie_nats`` of each
-    other in each run's own log-probabilities; ``harness.regression.parting``). A real
+    other in each run's own log-probabilities; ``harness.analysis.regression.parting``). A real
     disagreement, even by one token, fails and names the request."""
     assert len(expected["outputs"]) == len(actual["outputs"])
     for index, (want, got) in enumerate(zip(expected["outputs"], actual["outputs"])):

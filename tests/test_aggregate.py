@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from harness.aggregate import load_runs, main as aggregate_main, score_table, system_table
+from harness.analysis.aggregate import load_runs, main as aggregate_main, score_table, system_table
 from policies import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_cli_writes_summary_and_plots(tmp_path, capsys):
     assert aggregate_main([str(CI_BASELINE), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "summary.csv").read_text().count("\n") == CELLS * 3 + 1
     markdown = (tmp_path / "summary.md").read_text()
-    assert "Produced by `python -m harness.aggregate" in markdown and re.search(r"\| paged +\| 256 +\|", markdown)
+    assert "Produced by `python -m harness.analysis.aggregate" in markdown and re.search(r"\| paged +\| 256 +\|", markdown)
     for kind in ("score_vs_budget", "throughput", "tradeoff"):
         for ext in ("png", "pdf"):
             assert (tmp_path / f"smollm2-135m_synthetic_{kind}.{ext}").stat().st_size > 5000
@@ -146,8 +146,8 @@ def test_every_score_and_paired_difference_has_its_interval_and_p_values(frame):
 
 
 def test_a_table_is_one_family_adjusted_by_holm_and_bh(frame):
-    from harness.aggregate import table_comparisons
-    from harness.stats import benjamini_hochberg, holm
+    from harness.analysis.aggregate import table_comparisons
+    from harness.analysis.stats import benjamini_hochberg, holm
 
     family = table_comparisons(frame)
     evicting = len(SWEPT) - 1
@@ -169,7 +169,7 @@ def test_a_table_is_one_family_adjusted_by_holm_and_bh(frame):
 
 
 def test_summary_marks_only_adjusted_significance_and_says_how(frame, tmp_path):
-    from harness.aggregate import differences_table, to_markdown
+    from harness.analysis.aggregate import differences_table, to_markdown
 
     table = differences_table(frame)
     runs = frame.drop_duplicates("run_dir").set_index(["variant", "budget"])
@@ -186,14 +186,14 @@ def test_summary_marks_only_adjusted_significance_and_says_how(frame, tmp_path):
             assert mark == expected, (variant, budget, column, cell)
             assert f"p={run[f'{stem}_p']:.3f}" in cell or (run[f"{stem}_p"] < 0.001 and "p<0.001" in cell)
     assert marks["*"] and marks[""], "some differences pass Holm, some nothing"
-    markdown = to_markdown(frame, "python -m harness.aggregate results/ci_baseline")
+    markdown = to_markdown(frame, "python -m harness.analysis.aggregate results/ci_baseline")
     assert "95% BCa bootstrap intervals" in markdown and "`*` Holm-adjusted p < 0.05" in markdown
     assert re.search(r"The family is the table's \d+ distinct comparisons", markdown)
     assert re.search(r"Smallest true difference of the average found with 80% power .*median \d+\.\d+ points", markdown)
 
 
 def test_variants_are_named_by_what_differs_from_their_defaults():
-    from harness.aggregate import variant_label
+    from harness.analysis.labels import variant_label
 
     defaults = {"per_head": False, "candidates": "global", "local_blocks": 3, "score_layers": "all"}
     engine = {"block_size": 32}
@@ -224,7 +224,7 @@ def test_another_per_sample_field_gets_its_own_compared_table_only_where_every_r
     """Synthetic runs whose prediction rows carry ``answer_logprob`` (not on a 0-100 scale): in
     data "with", every run has it and it is compared like the score, in its own units; in data
     "without", one run lacks it and nothing about it appears."""
-    from harness.aggregate import QUANTITIES, table_comparisons, to_markdown
+    from harness.analysis.aggregate import QUANTITIES, table_comparisons, to_markdown
 
     rng = np.random.default_rng(0)
     tasks = {"qa": 12, "code": 10}
@@ -264,7 +264,7 @@ def test_another_per_sample_field_gets_its_own_compared_table_only_where_every_r
     # Where a run lacks the field, no column of the group has a value.
     assert without_it.filter(like="answer_logprob").isna().all().all()
 
-    markdown = to_markdown(frame, "python -m harness.aggregate synthetic")
+    markdown = to_markdown(frame, "python -m harness.analysis.aggregate synthetic")
     with_part, without_part = markdown.split("## m on without")  # groups in name order: "with" first
     assert "### Reference-answer log-likelihood per token" in with_part
     assert "log-likelihood" not in without_part
@@ -280,8 +280,8 @@ def test_another_per_sample_field_gets_its_own_compared_table_only_where_every_r
 
 
 def test_full_cache_alone_summarises_without_a_differences_table(tmp_path):
-    from harness.aggregate import to_markdown
+    from harness.analysis.aggregate import to_markdown
 
     write_run(tmp_path, "d", "full", None, {"qa": [{"score": s} for s in (0.0, 1.0, 1.0, 0.5)]})
-    markdown = to_markdown(load_runs([tmp_path]), "python -m harness.aggregate d")
+    markdown = to_markdown(load_runs([tmp_path]), "python -m harness.analysis.aggregate d")
     assert "| full     | all      | 62.5 (" in markdown and "No paired differences" in markdown

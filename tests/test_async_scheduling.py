@@ -38,7 +38,7 @@ def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = Tru
 
     from harness.engine.compatibility import SCHEDULER_CLS
     from harness.engine.scheduler import AsyncEvictionScheduler, EvictionScheduler
-    from harness.models import EMBEDDED_PREFIX, resolve_model_path
+    from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
 
     model = ModelConfig(model=resolve_model_path(EMBEDDED_PREFIX + "tiny-llama"), max_model_len=256, dtype="float32")
     config = VllmConfig(

@@ -1,20 +1,20 @@
 """The documents' numbers come from the committed summaries: RESULTS.md is generated from them, and
 every number the README's Results section and FINDINGS.md quote appears in RESULTS.md or in the
-summary its paragraph names (``harness.report``)."""
+summary its paragraph names (``harness.analysis.report``)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from harness import report
+from harness.analysis import report
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_results_md_is_what_the_summaries_give():
     committed = (ROOT / report.OUT).read_text()
-    assert committed == report.render(ROOT), "results/RESULTS.md is stale: run `python -m harness.report`"
+    assert committed == report.render(ROOT), "results/RESULTS.md is stale: run `python -m harness.analysis.report`"
 
 
 def test_every_quoted_number_is_in_a_summary():

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.results import is_complete
+from harness.records.results import is_complete
 
 pytestmark = pytest.mark.engine
 

@@ -136,7 +136,7 @@ def test_sweep_time_left_counts_only_runs_still_to_compute(capsys):
     so the estimate covers the distinct runs left, not the cells left."""
     import time
 
-    from harness.sweep import SweepProgress
+    from harness.run.sweep import SweepProgress
 
     cells = [compose_cfg(f"policy={p}", f"budget={b}", "output_dir=/nonexistent")
              for p, b in (("full", 256), ("full", 512), ("paged", 256))]
@@ -150,7 +150,7 @@ def test_sweep_time_left_counts_only_runs_still_to_compute(capsys):
 
 
 def test_a_single_run_prints_no_sweep_progress(capsys):
-    from harness.sweep import SweepProgress
+    from harness.run.sweep import SweepProgress
 
     progress = SweepProgress()
     progress.on_job_start(compose_cfg())
@@ -161,7 +161,7 @@ def test_a_single_run_prints_no_sweep_progress(capsys):
 def test_every_ablation_cell_composes_and_validates():
     """+experiment=ablation: ten variants x two budgets, each a distinct run directory, and full
     cache once (its reference)."""
-    from harness.sweep import expand_sweep
+    from harness.run.sweep import expand_sweep
 
     variants = sorted(p.stem for p in (ROOT / "conf" / "ablation").glob("*.yaml"))
     assert len(variants) == 11 and "full" in variants

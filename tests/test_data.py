@@ -6,10 +6,10 @@ import json
 import pytest
 from harness.config import DataSettings
 
-from harness.data import DataError, load_samples, task_spec
-from harness.data import synthetic
-from harness.data.prompts import build_prompt, middle_truncate
-from harness.models import EMBEDDED_PREFIX, SMOLLM2, resolve_model_path
+from harness.tasks import DataError, load_samples, task_spec
+from harness.tasks.embedded import dataset as synthetic
+from harness.tasks.prompts import build_prompt, middle_truncate
+from harness.config.models import EMBEDDED_PREFIX, SMOLLM2, resolve_model_path
 
 
 def data_cfg(**values):

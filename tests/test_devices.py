@@ -1,10 +1,10 @@
-"""Each job of ``hydra/launcher=local_parallel`` gets its own share of the machine (``harness.devices``)."""
+"""Each job of ``hydra/launcher=local_parallel`` gets its own share of the machine (``harness.run.devices``)."""
 from __future__ import annotations
 
 import pytest
 
 from harness.config import ConfigError
-from harness.devices import job_share
+from harness.run.devices import job_share
 
 
 def test_cpu_jobs_split_the_cores_between_them():
@@ -23,7 +23,7 @@ def test_worker_processes_claim_distinct_slots_and_keep_them(tmp_path):
     held elsewhere (here another open file description) is skipped."""
     import fcntl
 
-    from harness.devices import claim_slot
+    from harness.run.devices import claim_slot
 
     held = open(tmp_path / "slot-0.lock", "w")
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another worker holds slot 0

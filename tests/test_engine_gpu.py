@@ -46,7 +46,7 @@ def checkpoint(model: str) -> str:
 
 
 def prompts_for(model: str) -> list[list[int]]:
-    from harness.data.token_prompts import token_prompts
+    from harness.tasks.embedded.token_prompts import token_prompts
 
     return token_prompts(checkpoint(model), [1700, 2100], seed=4)  # 4 and 5 chunks of 512
 
@@ -58,7 +58,7 @@ def prompts_for(model: str) -> list[list[int]]:
 def test_every_policy_on_the_gpu_equals_the_bf16_reference(tmp_path, model, prefix_caching, eager, asynchronous):
     from harness.eviction.hf_reference import HFReferenceEngine
     from harness.eviction.memory import predict
-    from harness.models import model_shape
+    from harness.config.models import model_shape
 
     cases = [(name, options) for name, options in MATRIX if eager or not REGISTRY[name].reads_attention]
     prompts = prompts_for(model)

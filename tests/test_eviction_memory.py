@@ -8,7 +8,7 @@ from harness.engine.backend_views import FlashAttnView
 from harness.eviction.evictor import evict
 from harness.eviction.memory import predict
 from harness.eviction.state import PolicyState
-from harness.models import ModelShape
+from harness.config.models import ModelShape
 from policies import make_policy
 from policy_matrix import MATRIX, MATRIX_IDS
 

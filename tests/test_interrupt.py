@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.aggregate import load_runs, score_table
-from harness.experiment import ENGINE_LOG
-from harness.results import RUN_FILES
+from harness.analysis.aggregate import load_runs, score_table
+from harness.run.cell import ENGINE_LOG
+from harness.records.results import RUN_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.engine
@@ -104,7 +104,7 @@ def test_a_killed_group_sweep_resumes_to_the_same_outputs(tmp_path, uninterrupte
     """The shared-prefill launcher killed while its engine runs: no cell of the group looks
     complete; the rerun computes all of them, and every sample equals the one-engine-per-cell
     sweep's (near-tie rule)."""
-    from harness.regression import compare
+    from harness.analysis.regression import compare
 
     def engine_started(complete, partial):
         return any((p / ENGINE_LOG).exists() for p in partial)

@@ -1,4 +1,4 @@
-"""The recorded SIGINT (harness.interrupts), without an engine."""
+"""The recorded SIGINT (harness.records.interrupts), without an engine."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from harness import interrupts
+from harness.records import interrupts
 
 
 def test_a_sigint_swallowed_by_a_finalizer_is_still_raised_before_publishing(monkeypatch):

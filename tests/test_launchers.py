@@ -34,7 +34,7 @@ def test_the_local_cluster_launcher_is_the_slurm_one_on_this_machine():
 def test_a_cluster_launcher_refuses_an_unknown_cluster_before_submitting():
     import pytest
 
-    from harness.cluster import ClusterSettings, executor_for
+    from harness.run.cluster import ClusterSettings, executor_for
 
     with pytest.raises(ValueError, match="cluster='kubernetes'; valid: slurm, local"):
         executor_for(ClusterSettings(cluster="kubernetes"))

@@ -1,11 +1,11 @@
-"""The teacher-forced measures computed from log-probabilities (``harness.metrics.likelihood``)."""
+"""The teacher-forced measures computed from log-probabilities (``harness.scoring.likelihood``)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from harness.metrics.likelihood import agreement, reference_answer, step_kl, summarize_likelihood
+from harness.scoring.likelihood import agreement, reference_answer, step_kl, summarize_likelihood
 
 
 def top(*pairs):

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from harness.metrics.longbench import (
+from harness.tasks.metrics import (
     classification, code_sim, count, fuzz_ratio, length_bucket, normalize_answer, qa_f1, retrieval,
     score_sample, score_task, score_task_by_length,
 )
-from harness.metrics.rouge import rouge_l_summary
+from harness.tasks.longbench.rouge import rouge_l_summary
 
 rouge_package = pytest.importorskip("rouge")
 fuzz = pytest.importorskip("fuzzywuzzy.fuzz")
@@ -131,7 +131,7 @@ def test_longbench_e_buckets():
 def test_key_retrieval_scores_whether_the_code_is_in_the_answer():
     """The task asks for the code: a sentence stating it answers, as RULER scores a needle. The
     same sentence under LongBench's multifieldqa_en keeps LongBench's token F1 (0.25)."""
-    from harness.data import task_spec
+    from harness.tasks import task_spec
 
     sentence = "The access code of Greta Grell is 23205."
     assert task_spec("key_retrieval").metric == "string_match_all"
@@ -147,7 +147,7 @@ def test_record_listing_rouge_falls_with_each_entry_lost():
     """The long-output task's ROUGE-L: the register copied whole scores 1; each entry dropped or
     replaced by a copy of another costs, since every entry has a code no other shares. Bare
     "Entry k:" lines keep the numbering's words (ROUGE-L counts distinct words): a floor of ~0.35."""
-    from harness.data import synthetic
+    from harness.tasks.embedded import dataset as synthetic
 
     sample = synthetic.generate(tasks=["record_listing"], samples_per_task=1)[0]
     reference = sample.answers[0]
@@ -173,7 +173,7 @@ def test_rescore_rewrites_stale_scores_in_both_files_and_keeps_the_rest(tmp_path
     """A run scored when key_retrieval used token F1: the rescore command finds it under a root,
     rewrites each row's score and scores.json to agree with the current metric, keeps what does not
     depend on the metric, leaves unchanged rows byte for byte, and --check then passes."""
-    from harness.metrics.rescore import main
+    from harness.scoring.rescore import main
 
     rows = [
         {"task": "key_retrieval", "id": "k0", "prediction": "The access code of Ada Pike is 12345.",
@@ -208,7 +208,7 @@ def test_rescore_rewrites_stale_scores_in_both_files_and_keeps_the_rest(tmp_path
 
 
 def test_rescore_refuses_a_path_without_runs(tmp_path, capsys):
-    from harness.metrics.rescore import main
+    from harness.scoring.rescore import main
 
     assert main([str(tmp_path)]) == 2
     assert "no complete run directory" in capsys.readouterr().err

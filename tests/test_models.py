@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.models import (
+from harness.config.models import (
     EMBEDDED_PREFIX, SMOLLM2, TINY, ModelNotFoundError, cache_dir, is_complete, prepare_tiny,
     resolve_model_path,
 )

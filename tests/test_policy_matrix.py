@@ -96,7 +96,7 @@ def test_the_policy_state_the_worker_held_stays_within_its_prediction(matrix_run
     sum of each request's predicted state (``harness.eviction.memory``), and the prediction is not
     vacuous: within 4x of what was held."""
     from harness.eviction.memory import predict
-    from harness.models import model_shape
+    from harness.config.models import model_shape
     from policies import make_policy
 
     shape = model_shape(model_path("smollm2"), "float32")

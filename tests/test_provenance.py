@@ -1,10 +1,10 @@
-"""The code version names what runs, not the whole tree (``harness.provenance.code_version``)."""
+"""The code version names what runs, not the whole tree (``harness.records.provenance.code_version``)."""
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from harness.provenance import code_version
+from harness.records.provenance import code_version
 
 
 def git(root: Path, *args: str) -> None:
@@ -42,7 +42,7 @@ def test_outside_a_checkout_there_is_no_code_version(tmp_path):
 
 def test_a_result_records_the_code_its_process_loaded(monkeypatch):
     """A cell that finishes after a commit or an edit under it names the code it ran."""
-    from harness import provenance as module
+    from harness.records import provenance as module
 
     monkeypatch.setattr(module, "code_version", lambda *args: "changed-after-loading")
     monkeypatch.setattr(module, "git_commit", lambda: "changed-after-loading")

@@ -1,5 +1,5 @@
 """CI regression, sample by sample: rerun the fixed configuration and compare every sample's output
-tokens with results/ci_baseline under the near-tie rule (harness.regression).
+tokens with results/ci_baseline under the near-tie rule (harness.analysis.regression).
 
 Regenerate the baseline on purpose (and commit it) with:
     rm -rf results/ci_baseline && python run.py -m +experiment=ci_regression hydra/launcher=basic output_dir=results/ci_baseline
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.regression import compare
-from harness.results import read_jsonl
+from harness.analysis.regression import compare
+from harness.records.results import read_jsonl
 from policies import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from harness.data import DataError, load_samples, ruler, task_spec
-from harness.data.prompts import build_prompt
-from harness.metrics.longbench import score_sample
-from harness.models import resolve_model_path
+from harness.tasks import DataError, load_samples, task_spec
+from harness.tasks.ruler import dataset as ruler
+from harness.tasks.prompts import build_prompt
+from harness.tasks.metrics import score_sample
+from harness.config.models import resolve_model_path
 
 LENGTHS = (1024, 2048)
 
@@ -109,7 +110,7 @@ def test_bad_ruler_configs_are_refused_before_any_model_loads(tmp_path):
 def test_needle_heatmaps_place_scores_by_depth_and_length(tmp_path):
     import pandas as pd
 
-    from harness.plots import depth_samples, needle_heatmaps
+    from harness.analysis.plots import depth_samples, needle_heatmaps
 
     runs = []
     for variant, budget, hit in (("full", float("nan"), 1.0), ("paged", 256.0, 0.0)):
@@ -135,7 +136,7 @@ def test_variable_tracking_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = ("import random; from harness.data.ruler import variable_tracking; "
+    code = ("import random; from harness.tasks.ruler.dataset import variable_tracking; "
             "print(variable_tracking(random.Random('s'), 5, [10, 30, 50, 70, 90])['answers'])")
     chains = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout for seed in (1, 2, 3)}

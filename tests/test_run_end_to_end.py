@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.results import RUN_FILES
+from harness.records.results import RUN_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.engine
@@ -39,7 +39,7 @@ def test_run_writes_the_four_files(full_run):
     assert rows[0]["prompt"].startswith("<|im_start|>system"), "QA tasks get the chat template"
     from transformers import AutoTokenizer
 
-    from harness.models import EMBEDDED_PREFIX, resolve_model_path
+    from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_PREFIX + "smollm2-135m-instruct"))
     chat_ids = tokenizer(rows[0]["prompt"], add_special_tokens=False)["input_ids"]

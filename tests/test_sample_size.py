@@ -1,4 +1,4 @@
-"""Sample-size planning for the headline comparisons (harness.sample_size), checked by hand (no engine)."""
+"""Sample-size planning for the headline comparisons (harness.analysis.sample_size), checked by hand (no engine)."""
 from __future__ import annotations
 
 import json
@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from harness.aggregate import load_runs
-from harness.sample_size import (equivalence_samples, exact_floor, fewest_differing, headline, headline_pairs,
+from harness.analysis.aggregate import load_runs
+from harness.analysis.sample_size import (equivalence_samples, exact_floor, fewest_differing, headline, headline_pairs,
                                  main, power_at, runs_frame, samples_needed, unit_sd)
-from harness.stats import sign_flip_p, standard_error
+from harness.analysis.stats import sign_flip_p, standard_error
 
 
 # Two tasks of three samples whose differences (x 100) are 0, 10, 20 (variance 100) and 0, 30, 30
@@ -123,7 +123,7 @@ def test_headline_statistics_agree_with_the_summary_tables(sweep):
     assert [(c.budget, c.other) for c in comparisons] == [("256", "full"), ("256", "streaming"),
                                                           ("512", "full"), ("512", "streaming")]
     # The table's family (every evicting cell against full cache, and pairs at one budget) is what
-    # harness.aggregate adjusts over: the same differences and the same table-wide Holm p-values.
+    # harness.analysis.aggregate adjusts over: the same differences and the same table-wide Holm p-values.
     frame = load_runs([sweep]).drop_duplicates("run_dir")
     for c in comparisons:
         row = frame[(frame["policy.name"] == "paged") & (frame["budget"] == int(c.budget))].iloc[0]
@@ -137,7 +137,7 @@ def test_headline_statistics_agree_with_the_summary_tables(sweep):
 def test_the_command_writes_its_table_with_the_command_line(sweep, capsys):
     assert main([str(sweep), "--focus", "paged", "--effect", "5"]) == 0
     text = (sweep / "sample_size.md").read_text()
-    assert text.splitlines()[2] == f"Produced by `python -m harness.sample_size {sweep} --focus paged --effect 5`"
+    assert text.splitlines()[2] == f"Produced by `python -m harness.analysis.sample_size {sweep} --focus paged --effect 5`"
     assert "**m = 4 comparisons** (of the table's 6" in text
     # 600 s for 12 samples per task of one shared engine: 50 s per sample per task; 4 h = 288.
     assert "50.0 s per sample per task" in text and "runs **288 samples per task**" in text

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from harness.eviction.settings import EvictionSettings
 from harness.engine.shared_prefill import CellRequest, admission, blocks_per_prompt
 from harness.config import run_settings
-from harness.group import group_key
+from harness.run.group import group_key
 from policies import default_options
 
 
@@ -58,7 +58,7 @@ def test_prompts_are_admitted_while_their_blocks_and_requests_fit():
 def test_a_cells_counters_are_the_sum_of_its_requests_beside_the_engines_shared_figures():
     from harness.eviction.counters import EvictionCounters, RequestCounters
     from harness.eviction.evictor import Eviction
-    from harness.group import cell_kv
+    from harness.run.group import cell_kv
 
     first, second = RequestCounters(policy="paged", budget=256), RequestCounters(policy="paged", budget=256)
     first.record(Eviction("prefill", (0, 1, 2), 6, evicted_tokens=96, copied_tokens=40, seconds=0.5),

@@ -6,7 +6,7 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from harness.stats import (EXACT_UP_TO, RESAMPLES, benjamini_hochberg, bca_interval, detectable_difference,
+from harness.analysis.stats import (EXACT_UP_TO, RESAMPLES, benjamini_hochberg, bca_interval, detectable_difference,
                            flips_for, holm, intervals, sign_flip_p)
 
 
@@ -96,7 +96,7 @@ def test_bca_works_on_any_scale_and_negates_exactly():
 def test_bca_counts_draws_equal_to_the_estimate_up_to_rounding_as_ties():
     """0.1 is no binary fraction: resampled means equal to the estimate differ from it in the
     last bits, and counting them as below or above would shift the bias correction."""
-    from harness.stats import bca_interval
+    from harness.analysis.stats import bca_interval
 
     values = np.array([0.1, 0.0, 0.1, 0.1, 1.0])
     exact = bca_interval({"t": values})

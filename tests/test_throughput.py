@@ -10,8 +10,8 @@ import pytest
 
 import pandas as pd
 
-from harness.stats import ratio_interval
-from harness.throughput_benchmark import (Cell, Setting, Workload, check_setting, engine_spec, overhead_lines, run_setting,
+from harness.analysis.stats import ratio_interval
+from harness.bench.throughput import (Cell, Setting, Workload, check_setting, engine_spec, overhead_lines, run_setting,
                                 trial_lines, write_report)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,8 +156,8 @@ def test_freed_blocks_let_more_requests_run_at_once(tmp_path):
 
 
 def test_the_recomputation_floor_is_the_window_attention_over_the_steps_flops():
-    from harness.models import ModelShape
-    from harness.throughput_benchmark import LLAMA_31_8B, recompute_share
+    from harness.config.models import ModelShape
+    from harness.bench.throughput import LLAMA_31_8B, recompute_share
 
     # One layer, one head of dim 1, 10 parameters: a window of 2 queries over 4 cached keys costs
     # 2 x (2 x 4) = 16 FLOPs; each of the 4 steps between evictions 2 x 10 + 2 x (2 x 4) = 36.

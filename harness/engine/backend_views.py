@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from harness.eviction.kv_view import KVView, Slots
+from harness.eviction.memory import JOINT_READ_BYTES
 
 
 class UnsupportedLayoutError(RuntimeError):
@@ -73,11 +74,7 @@ class PagedView(KVView):
 
 
 class CpuAttnView(PagedView):
-    # Joint reads of several requests stop paying once they outgrow the caches: measured on a
-    # 2-core AVX-512 machine at SmolLM2's shape, 4 MiB groups (about 5 requests of 544 tokens) were
-    # as fast as one request at a time for compaction and faster for scoring
-    # (experiments/eviction_cost.py, "together" cases).
-    joint_read_bytes = 4 << 20
+    joint_read_bytes = JOINT_READ_BYTES["cpu"]
 
     def _block_major(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.layers[layer]
@@ -90,9 +87,7 @@ class CpuAttnView(PagedView):
 
 
 class FlashAttnView(PagedView):
-    # A GPU is bound by kernel launches, so requests are read together; the limit bounds the
-    # eviction's scratch memory (one layer's K/V of the group, plus its gathered copy).
-    joint_read_bytes = 256 << 20
+    joint_read_bytes = JOINT_READ_BYTES["cuda"]
 
     def _block_major(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.layers[layer]

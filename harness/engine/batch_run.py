@@ -35,7 +35,7 @@ def run(spec: dict) -> dict:
         os.environ["VLLM_PLUGINS"] = "stock-vllm-without-plugins"  # no plugin has this name
     from harness.config import EngineSettings, ModelSettings
     from harness.engine.llm import Engine
-    from harness.perf import summarize_perf
+    from harness.records.perf import summarize_perf
     from harness.eviction.settings import CONFIG_KEY, NO_EVICTION, EvictionSettings
 
     eviction = EvictionSettings(**spec["eviction"]) if spec.get("eviction") else None

@@ -1,8 +1,7 @@
 """What eviction needs of a vLLM engine, checked before it serves: its scheduler, a KV cache dtype the
-harness reads exactly, no parallelism but tensor parallelism, no speculative decoding, the V1 model runner; and of a policy: eager mode when it captures attention queries."""
+harness reads exactly, no parallelism but tensor parallelism, no speculative decoding, the V1 model runner. (What a policy needs of the engine, eager mode when it
+captures attention queries, is ``harness.eviction.settings.check_policy_runs``: the config checks it too.)"""
 from __future__ import annotations
-
-from policies import Policy
 
 # vLLM's scheduler hook (--scheduler-cls / scheduler_cls) must name this class when eviction is on.
 SCHEDULER_CLS = "harness.engine.scheduler.EvictionScheduler"
@@ -64,11 +63,3 @@ def check_parallel(parallel) -> None:
         raise ValueError(f"KV eviction runs under tensor parallelism only: vLLM's world size is {parallel.world_size} "
                          f"for tensor_parallel_size={parallel.tensor_parallel_size}")
 
-
-def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:
-    """What a policy needs of the engine beyond eviction itself: an attention-aware policy's query
-    window is copied by Python hooks on the attention layers, which compiled graphs skip."""
-    if policy.query_window and not enforce_eager:
-        raise ValueError(
-            f"{policy.name} reads attention queries through hooks that compiled graphs skip: "
-            "run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")

@@ -36,7 +36,7 @@ class GenerationResult:
     finish_reason: str | None
     token_ids: list[int] = field(default_factory=list)
     # Per generated position, the TOP_LOGPROBS best [token, logprob] pairs: what tells a rounding
-    # near-tie from a real change when two runs' outputs part (harness.regression).
+    # near-tie from a real change when two runs' outputs part (harness.analysis.regression).
     top_logprobs: list[list[list]] = field(default_factory=list)
     # Per generated position, the model's own log-probability of the token emitted there and its
     # rank among all tokens (1: the model's first choice); empty unless logprobs were asked for.
@@ -176,7 +176,7 @@ class Engine:
         from harness.engine.backend_views import FlashAttnView
         from harness.eviction.memory import predict
         from harness.eviction.settings import build_policy
-        from harness.models import model_shape
+        from harness.config.models import model_shape
 
         shape = model_shape(model_path, model.dtype)
         if shape is None:
@@ -238,7 +238,7 @@ class Engine:
     def _pool_bytes(self, cache) -> int | None:
         """The pool's bytes when vLLM sized it from free memory (a GPU at gpu_memory_utilization:
         ``kv_cache_memory_bytes`` stays None), from its blocks and the model's K/V bytes per token."""
-        from harness.models import kv_bytes_per_token
+        from harness.config.models import kv_bytes_per_token
 
         per_token = kv_bytes_per_token(self.model_path, str(self.dtype))
         return cache.num_gpu_blocks * cache.block_size * per_token if per_token and cache.num_gpu_blocks else None

@@ -22,8 +22,8 @@ Everything is inert for requests that do not evict.
 from __future__ import annotations
 
 from harness.engine.llm import check_vllm_version
-from harness.engine.compatibility import check_compatible, check_policy_runs
-from harness.eviction.settings import CONFIG_KEY, build_policy, request_settings, settings_from
+from harness.engine.compatibility import check_compatible
+from harness.eviction.settings import CONFIG_KEY, build_policy, check_policy_runs, request_settings, settings_from
 
 
 def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = None) -> dict | None:

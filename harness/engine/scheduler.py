@@ -57,8 +57,9 @@ from harness.eviction.evictor import cdiv, compaction_positions, kept_tokens, ph
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
-from harness.engine.compatibility import check_compatible, check_policy_runs
-from harness.eviction.settings import EvictionSettings, build_policy, request_settings, settings_from
+from harness.engine.compatibility import check_compatible
+from harness.eviction.settings import (EvictionSettings, build_policy, check_policy_runs, request_settings,
+                                       settings_from)
 from policies import BlockPolicy, Policy
 
 

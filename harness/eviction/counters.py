@@ -1,6 +1,6 @@
 """What evictions did, counted once: the record the scheduler keeps per request, and the sums over
 an engine's requests (its ledger, ``harness.engine.scheduler.Ledger``) and over one cell's requests
-when cells share an engine (``harness.group.cell_kv``)."""
+when cells share an engine (``harness.run.group.cell_kv``)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields

