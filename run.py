@@ -13,7 +13,7 @@ from harness.records import interrupts
 from harness.config import ConfigError, run_settings
 from harness.run.devices import take_job_share
 from harness.eviction.messages import EvictionNotActiveError
-from harness.run.cell import run_cell
+from harness.run.group import run_cell
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -4,6 +4,17 @@ sessions as it takes.
     python experiments/regenerate.py --plan          # each step: done at this version, partial, or to run
     python experiments/regenerate.py                 # run what is not done yet, in order; resumable
     python experiments/regenerate.py --only cpu_accuracy,throughput/cpu
+    python experiments/regenerate.py --verify        # replay a fixed subset of every study at this code
+
+A regeneration costs hours; a change that moves no output should not. ``--verify`` replays, for
+each study, a fixed and stratified subset of its committed cells at the current code (accuracy:
+full cache and one cell per budget, the policies taken in turn, four samples per task evenly spaced
+through it, ``harness.run.replay``; throughput: one cell per setting, an evicting one where there
+is one, ``harness.bench.replay``) and compares them with the committed outputs: every prompt and
+output token (near-tie rule) and score, every count of the engine's work. A study that replays
+equal is recorded as verified at this code version (``results/<study>/verified.json``: where its
+cells ran, where they were verified, what was compared); RESULTS.md shows both, and the plan counts
+it done. A study whose outputs moved is named with the command that regenerates it, only it.
 
 A regeneration is only worth its hours if every table comes from the same code: it refuses to
 start on a checkout whose code (``harness.records.provenance.code_version``: run.py, setup.sh, policies,
@@ -96,15 +107,25 @@ def version_of(path: Path) -> str | None:
     return (config.get("provenance") or {}).get("code_version")
 
 
+def verification(step: Step) -> dict | None:
+    path = ROOT / "results" / step.folder / VERIFIED
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def status(step: Step, version: str) -> tuple[str, list[Path]]:
-    """``done`` (cells exist, all at this version and its summary newer than them), ``partial``
-    (some at this version), ``to run``; and the cells made at another version."""
+    """``done`` (cells exist, all at this version and its summary newer than them), ``verified``
+    (its cells, all of one other version, replayed equal at this one), ``partial`` (some at this
+    version), ``to run``; and the cells made at another version."""
     cells = step.cells()
     stale = [cell for cell in cells if version_of(cell) != version]
     current = len(cells) - len(stale)
     summary = ROOT / "results" / step.folder / "summary.csv"
     if cells and not stale and summary.exists() and summary.stat().st_mtime >= max(c.stat().st_mtime for c in cells):
         return "done", stale
+    record = verification(step)
+    if (cells and not current and record and record["verdict"] == "verified" and record["code_version"] == version
+            and sorted({version_of(cell) for cell in cells}) == record["ran_at"]):
+        return "verified", stale
     return ("partial" if current else "to run"), stale
 
 
@@ -117,6 +138,83 @@ def retired(steps: list[Step]) -> list[str]:
             if folder not in planned and not folder.startswith(("proxy_quality", "eviction_cost"))]
 
 
+VERIFIED = "verified.json"  # in a study's folder: its last replay at a later code version
+PER_TASK = 4                # samples per task an accuracy replay runs
+PAPER_POLICY = "paged"      # a verification replays PagedEviction first
+
+
+def replay_subset(step: Step) -> list[Path]:
+    """The cells a verification replays, fixed by what is committed: for an accuracy study, full
+    cache and, per budget label in reading order, one evicting cell, each budget taking the next
+    policy variant not yet taken (PagedEviction's first); for a throughput setting, its first
+    PagedEviction cell of trial 1 at its smallest budget, else its first evicting one, else its first on
+    the patched engine."""
+    cells = step.cells()
+    if step.folder.startswith("throughput/"):
+        stored = [(cell, json.loads(cell.read_text())["cell"]) for cell in cells]
+        # trial 1, the smallest budgets first: the cells whose engine work evicts the most
+        first = sorted(((cell, c) for cell, c in stored if c.get("trial", 1) == 1), key=lambda pair: pair[1]["budget"] or 0)
+        pick = (next((cell for cell, c in first if c["policy"] == "paged"), None)
+                or next((cell for cell, c in first if c["policy"] != "full"), None)
+                or next((cell for cell, c in first if not c.get("stock")), first[0][0]))
+        return [pick]
+    from harness.analysis.labels import budget_label, in_reading_order, variant_label
+    import pandas as pd
+
+    configs = {cell: yaml.safe_load((cell / "config.yaml").read_text()) for cell in cells}
+    rows = pd.DataFrame([{"variant": variant_label(c), "budget": budget_label(c), "cell": cell}
+                         for cell, c in configs.items()]).set_index(["variant", "budget"])
+    rows = in_reading_order(rows)
+    chosen = [cell for (variant, _), cell in rows["cell"].items() if variant == "full"][:1]
+    taken: set[str] = set()
+    evicting = rows[[variant != "full" for variant, _ in rows.index]]
+    for budget in dict.fromkeys(label for _, label in evicting.index):
+        here = sorted(((variant, cell) for (variant, label), cell in evicting["cell"].items() if label == budget),
+                      key=lambda pair: (not pair[0].startswith(PAPER_POLICY), pair[0]))
+        variant, cell = next(((v, c) for v, c in here if v not in taken), here[0])
+        taken.add(variant)
+        chosen.append(cell)
+    return chosen
+
+
+def verify(step: Step, version: str, commit: str) -> dict:
+    """Replay ``replay_subset(step)`` at this code, write the study's verification, return it."""
+    cells = step.cells()
+    ran_at = sorted({version_of(cell) for cell in cells})
+    subset = replay_subset(step)
+    print(f"[verify] {step.name}: {len(subset)} of {len(cells)} cells (made at {', '.join(ran_at)})", flush=True)
+    if step.folder.startswith("throughput/"):
+        import tempfile
+
+        from harness.bench.replay import replay_cell
+
+        sys.path.insert(0, str(ROOT / "experiments"))
+        from throughput import SETTINGS
+
+        setting = SETTINGS[step.folder.split("/", 1)[1]]
+        with tempfile.TemporaryDirectory() as scratch:
+            compared = [replay_cell(setting, json.loads(cell.read_text()), Path(scratch)) for cell in subset]
+        what = "every count of the engine's work (tokens, steps, preemptions, peak blocks, evictions, freed blocks, evicted and copied tokens); timings are not compared"
+    else:
+        from harness.run.replay import replay
+
+        compared = [result.as_dict() for result in replay(subset, PER_TASK, root=ROOT / "results" / step.folder)]
+        what = (f"{PER_TASK} samples per task evenly spaced: prompt text, output tokens (near-tie rule), score; "
+                "the likelihood passes are not replayed")
+    moved = [f"{entry['cell']}: {why}" for entry in compared for why in entry["moved"]]
+    record = {"study": step.name, "verdict": "moved" if moved else "verified", "code_version": version,
+              "git_commit": commit, "ran_at": ran_at, "cells": len(cells), "replayed": compared, "compared": what,
+              "command": f"python experiments/regenerate.py --verify --only {step.name}",
+              "date": time.strftime("%Y-%m-%d")}
+    (ROOT / "results" / step.folder / VERIFIED).write_text(json.dumps(record, indent=1) + "\n")
+    for line in moved[:20]:
+        print(f"[verify]   moved: {line}")
+    samples = sum(entry.get("samples", 0) for entry in compared)
+    print(f"[verify] {step.name}: {record['verdict']}" + (f" ({samples} samples)" if samples else "")
+          + ("" if not moved else f"; regenerate it: python experiments/regenerate.py --only {step.name}"), flush=True)
+    return record
+
+
 def run(command: tuple[str, ...]) -> None:
     print("$ " + " ".join(command[1:] if command[0] == PYTHON else command), flush=True)
     subprocess.run(command, cwd=ROOT, check=True)
@@ -127,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print each step's state and time, run nothing")
     parser.add_argument("--only", help="comma-separated step names (default: every step)")
+    parser.add_argument("--verify", action="store_true",
+                        help="replay a fixed subset of each study at this code and record it as verified if nothing moved")
     args = parser.parse_args(argv)
     names = [step.name for step in STEPS]
     wanted = args.only.split(",") if args.only else names
@@ -138,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("not a git checkout: a regeneration records the code version it ran at")
     steps = [step for step in STEPS if step.name in wanted]
     states = {step.name: status(step, version) for step in steps}
-    left = sum(step.minutes for step in steps if states[step.name][0] != "done")
+    left = sum(step.minutes for step in steps if states[step.name][0] not in ("done", "verified"))
     print(f"code version {version}; {len(steps)} steps, about {left / 60:.1f} h left on the 2-core CPU machine")
     for step in steps:
         state, stale = states[step.name]
@@ -154,9 +254,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the code has uncommitted changes (git status -- run.py setup.sh policies harness hydra_plugins "
               "conf experiments): commit them first, so that every result names code that exists", file=sys.stderr)
         return 2
+    if args.verify:
+        from harness.records.provenance import git_commit
+
+        records = [verify(step, version, git_commit()) for step in steps if states[step.name][0] not in ("done", "verified")]
+        run((PYTHON, "-m", "harness.analysis.report"))
+        return 1 if any(record["verdict"] == "moved" for record in records) else 0
     for step in steps:
         state, stale = states[step.name]
-        if state == "done":
+        if state in ("done", "verified"):
             continue
         started = time.perf_counter()
         print(f"[regenerate] {step.name}: {state}, about {step.minutes:.0f} min", flush=True)

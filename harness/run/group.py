@@ -1,26 +1,39 @@
-"""A sweep's cells that share model, data and engine settings, run on one engine.
+"""The one engine lifecycle: cells that share model, data and engine settings run on one engine.
 
-Every prompt is prefilled once (``harness.engine.shared_prefill``) and each cell's request for it
-carries the cell's own eviction settings. Each cell still gets its own complete run directory,
-the same files and layout as a cell run alone, published atomically (full cache first: the other
-cells' fidelity is measured against it); complete cells are skipped, so a killed group sweep
-resumes where it stopped. Timings are labelled as shared (``perf.json`` ``isolated: false``).
+A single cell (``run_cell``, what ``python run.py ...`` runs) is a group of one; a sweep
+(``run_grouped``, what ``run.py -m`` runs through the shared-prefill launcher) is its groups one
+after the other. For every group: its cells' prompts (``harness.run.cell.prepare_cell``), one
+engine, one generation (``harness.engine.shared_prefill.generate_shared``: each cell's request for a
+prompt carries the cell's own eviction settings; with several cells each prompt is prefilled once
+through vLLM's prefix cache), the teacher-forced likelihood passes, then every cell's record
+(scores, fidelity to the full-cache cell beside it, the check that eviction ran) and only then the
+run directories, each published atomically. Complete cells are skipped, so a killed sweep resumes
+where it stopped. Timings of cells that shared an engine are labelled as shared (``perf.json``
+``isolated: false``).
 """
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from harness.config import RunSettings
-from harness.records.console import engine_output_to
-from harness.eviction.counters import EvictionCounters
-from harness.run.likelihood import cells_likelihood
-from harness.run.cell import ENGINE_LOG, CellWork, keep_engine_log, prepare_cell, publish_cell
 from harness.config.models import resolve_model_path
+from harness.eviction.counters import EvictionCounters
+from harness.records.console import engine_output_to, tail
 from harness.records.results import RunWriter
+from harness.run.cell import CellRecord, CellWork, prepare_cell, publish, record_cell
+from harness.run.likelihood import cells_likelihood
 
+ENGINE_LOG = "vllm.log"  # everything vLLM printed while a group ran, kept in its first cell's run directory
 SHARED_KEYS = ("model", "data", "engine", "block_size", "seed", "output_dir", "likelihood")
+
+
+def run_cell(run: RunSettings) -> tuple[str, Path]:
+    """One cell, as a group of one; returns ("skipped" | "done", its run directory)."""
+    return run_group([run], run.label).get(str(run.run_dir), "skipped"), run.run_dir
 
 
 def group_key(run: RunSettings) -> str:
@@ -67,50 +80,73 @@ def run_group(runs: list[RunSettings], name: str) -> dict[str, str]:
     works = [work for work in (prepare_cell(run, tokenizer) for run in runs) if work is not None]
     if not works:
         return {}
-    works.sort(key=lambda work: work.run.evicts)  # full cache publishes first
     check_same_prompts(works)
-    from harness.engine.llm import Engine
-    from harness.engine.shared_prefill import CellRequest, generate_shared
-
-    prompts = works[0].token_ids
-    cells = [[CellRequest(work.run.eviction, work.max_new_tokens[i], work.stops[i]) for work in works]
-             for i in range(len(prompts))]
     writers = [RunWriter(work.target) for work in works]
     log = writers[0].partial / ENGINE_LOG
-    run = works[0].run
-    print(f"[engine] starting vLLM for {name}: {len(works)} cells ({', '.join(w.run.label for w in works)}) x "
-          f"{len(prompts)} prompts, each prompt prefilled once (its log: {works[0].target / ENGINE_LOG})", flush=True)
     try:
-        with engine_output_to(log) as terminal:
-            engine = Engine(model_path, run.model, run.engine, run.block_size, seed=run.seed, prefix_caching=True)
-            try:
-                started = time.perf_counter()
-                results, engine_ids = generate_shared(engine, prompts, cells, progress=terminal)
-                wall = time.perf_counter() - started
-                ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
-                per_request = engine.request_counters([rid for row in engine_ids for rid in row])
-                likelihood = cells_likelihood(engine, works, terminal) if run.likelihood else [None] * len(works)
-            finally:
-                engine.close()
-        shared = {"cells": len(works), "prompts": len(prompts), "prefix_caching": True, "group_wall_s": wall,
-                  "group_kv": ledger}
-        outcome = {}
-        for slot, (work, writer) in enumerate(zip(works, writers)):
-            cell_results = [row[slot] for row in results]
-            requests = [per_request.get(row[slot]) for row in engine_ids]
-            cell_ledger = cell_kv(ledger, work.run, requests)
+        records = generate_and_record(works, model_path, name, log)
+        for slot, (record, writer) in enumerate(zip(records, writers)):
             if slot:  # the engine log went into the first cell's directory
                 writer.write_text(ENGINE_LOG, f"shared engine: see {works[0].target / ENGINE_LOG}\n")
-            evictions = [dict(r["evictions"]) if r else None for r in requests] if work.run.evicts else None
-            publish_cell(work, writer, cell_results, wall, facts, cell_ledger, vllm_version, shared,
-                         evictions=evictions, likelihood=likelihood[slot])
-            outcome[str(work.target)] = "done"
-        return outcome
+            publish(record, writer)
     except BaseException:
         keep_engine_log(log, works[0].target)
         for writer in writers:
             writer.abandon()
         raise
+    return {str(work.target): "done" for work in works}
+
+
+def generate_and_record(works: list[CellWork], model_path: str, name: str, log: Path) -> list[CellRecord]:
+    """Every cell's generations on one engine, recorded (scored, compared, checked) before any is
+    published. One cell gets the engine to itself: its eviction settings are the engine's own
+    (checked when it starts), no prefix cache, its timings isolated."""
+    from harness.engine.llm import Engine
+    from harness.engine.shared_prefill import CellRequest, generate_shared
+
+    run, alone = works[0].run, len(works) == 1
+    prompts = works[0].token_ids
+    cells = [[CellRequest(work.run.eviction, work.max_new_tokens[i], work.stops[i]) for work in works]
+             for i in range(len(prompts))]
+    print(f"[engine] starting vLLM for {name}: {len(works)} cell(s) ({', '.join(w.run.label for w in works)}) x "
+          f"{len(prompts)} prompts{'' if alone else ', each prompt prefilled once'} "
+          f"(its log: {works[0].target / ENGINE_LOG})", flush=True)
+    with engine_output_to(log) as terminal:
+        engine = Engine(model_path, run.model, run.engine, run.block_size, seed=run.seed,
+                        eviction=run.eviction if alone else None, prefix_caching=not alone)
+        try:
+            started = time.perf_counter()
+            results, engine_ids = generate_shared(engine, prompts, cells, progress=terminal)
+            wall = time.perf_counter() - started
+            ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
+            per_request = engine.request_counters([rid for row in engine_ids for rid in row])
+            likelihood = cells_likelihood(engine, works, terminal) if run.likelihood else [None] * len(works)
+        finally:
+            engine.close()
+    shared = None if alone else {"cells": len(works), "prompts": len(prompts), "prefix_caching": True,
+                                 "group_wall_s": wall, "group_kv": ledger}
+    full = next((slot for slot, work in enumerate(works) if not work.run.evicts), None)
+    full_rows = None
+    records: list[CellRecord | None] = [None] * len(works)
+    for slot in ([full] if full is not None else []) + [s for s in range(len(works)) if s != full]:
+        work = works[slot]
+        requests = [per_request.get(row[slot]) for row in engine_ids]
+        records[slot] = record_cell(
+            work, [row[slot] for row in results], wall, facts,
+            ledger if alone else cell_kv(ledger, work.run, requests), vllm_version, shared,
+            evictions=[dict(r["evictions"]) if r else None for r in requests] if work.run.evicts else None,
+            likelihood=likelihood[slot], full_rows=full_rows)
+        if slot == full:
+            full_rows = records[slot].rows
+    return records  # type: ignore[return-value]
+
+
+def keep_engine_log(log: Path, target: Path) -> None:
+    """A failed run leaves vLLM's log beside where the run would have gone, its tail on the terminal."""
+    if log.exists():
+        kept_log = target.with_name(target.name + ".failed.log")
+        log.replace(kept_log)
+        print(f"[engine] the last lines of vLLM's log ({kept_log}):\n{tail(kept_log)}", file=sys.stderr)
 
 
 def check_same_prompts(works: list[CellWork]) -> None:

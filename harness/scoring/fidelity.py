@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import fmean
 
-from harness.tasks.metrics import normalize_answer, token_f1
+from harness.tasks.longbench.metrics import normalize_answer, token_f1
 
 
 def _scorer():

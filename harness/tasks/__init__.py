@@ -1,46 +1,55 @@
-"""Datasets as Samples: the embedded suite, RULER (generated at lengths in the model's tokens),
-LongBench / LongBench-E, or any LongBench-format JSONL."""
+"""Benchmark families, a folder each: ``embedded/`` (the suite generated here), ``ruler/`` (RULER,
+generated at lengths in the model's tokens), ``longbench/`` (LongBench, LongBench-E and any
+LongBench-format JSONL). A folder's ``__init__.py`` defines its ``FAMILY``
+(``harness.tasks.spec.Family``): the ``data.source`` values it loads, its tasks, its metrics;
+with its Hydra file ``conf/data/<name>.yaml`` that is all a new family takes. This module finds the
+families by their folders and answers for all of them: which sources and tasks exist, a data
+config's samples, a task's rules, a metric by name."""
 from __future__ import annotations
 
-from pathlib import Path
+import importlib
+import pkgutil
+from functools import cache
 
-from harness.tasks.ruler import dataset as ruler
-from harness.tasks.embedded import dataset as synthetic
-from harness.tasks.longbench.dataset import load_hub, load_local, read_jsonl
 from harness.tasks.sample import DataError, Sample
-from harness.tasks.spec import LONGBENCH_E_TASKS, TaskSpec, longbench_task, longbench_templates
+from harness.tasks.spec import Family, Metric, TaskSpec
 
-SOURCES = ("embedded", "ruler", "longbench", "longbench_e", "jsonl")  # data.source (harness.config.DataSettings)
+
+@cache
+def families() -> tuple[Family, ...]:
+    """Every family, by folder name (a package under harness/tasks/ with a ``FAMILY``)."""
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        if info.ispkg:
+            found.append(importlib.import_module(f"{__name__}.{info.name}").FAMILY)
+    return tuple(found)
+
+
+def sources() -> tuple[str, ...]:
+    """Every ``data.source`` value (``harness.config.DataSettings``)."""
+    return tuple(source for family in families() for source in family.sources)
+
+
+def family_of(source: str) -> Family:
+    for family in families():
+        if source in family.sources:
+            return family
+    raise DataError(f"unknown data source {source!r}; valid: {', '.join(sources())}")
 
 
 def valid_tasks(source: str) -> tuple[str, ...]:
-    if source == "embedded":
-        return tuple(synthetic.TASKS)
-    if source == "ruler":
-        return ruler.TASKS
-    if source == "longbench_e":
-        return LONGBENCH_E_TASKS
-    return tuple(longbench_templates())
+    return family_of(source).tasks(source)
 
 
 def check_data_config(data: "DataSettings") -> None:
     """Everything that can be wrong with a data config, found before any model loads."""
-    if data.source not in SOURCES:
-        raise DataError(f"unknown data source {data.source!r}; valid: {', '.join(SOURCES)}")
+    family = family_of(data.source)
     if data.limit is not None and (not isinstance(data.limit, int) or data.limit < 1):
         raise DataError(f"data.limit must be a positive integer or null, got {data.limit!r}")
-    if data.source == "jsonl" or (data.source.startswith("longbench") and data.path):
-        path = Path(str(data.path))
-        if not path.exists():
-            raise DataError(f"data.path {path} does not exist")
-    words = data.context_words
-    if words is not None and (data.source != "embedded" or not words or not all(isinstance(w, int) and w > 0 for w in words)):
-        raise DataError(f"data.context_words is a list of positive word counts for the embedded suite, got {words!r}")
-    lengths = data.lengths
-    if lengths is not None and (data.source != "ruler" or not lengths
-                                or not all(isinstance(n, int) and n >= 256 for n in lengths)):
-        raise DataError(f"data.lengths is a list of RULER sample lengths in tokens (each at least 256), got {lengths!r}")
-    if data.tasks and data.source != "jsonl":
+    for each in families():  # each family's own options: set only for its sources, and valid
+        if each.check is not None:
+            each.check(data)
+    if data.tasks and data.source not in family.any_task:
         allowed = valid_tasks(data.source)
         unknown = [t for t in data.tasks if t not in allowed]
         if unknown:
@@ -48,43 +57,31 @@ def check_data_config(data: "DataSettings") -> None:
 
 
 def load_samples(data: "DataSettings", tokenizer=None) -> list[Sample]:
-    """The samples of a data config; RULER sizes its samples with the model's ``tokenizer``."""
+    """The samples of a data config; a family that sizes its samples in tokens (RULER) needs the
+    model's ``tokenizer``."""
     check_data_config(data)
-    tasks = list(data.tasks) if data.tasks else None
-    if data.source == "ruler":
-        if tokenizer is None:
-            raise DataError("RULER samples are sized in the model's tokens: load_samples needs its tokenizer")
-        samples = ruler.generate(tokenizer, seed=data.seed, tasks=tasks, lengths=tuple(data.lengths or ruler.LENGTHS),
-                                 samples_per_length=data.limit or ruler.SAMPLES_PER_LENGTH)
-        return samples
-    if data.source == "embedded":
-        words = tuple(data.context_words) if data.context_words else synthetic.CONTEXT_WORDS
-        # The suite is generated to size: a limit above the default count gets that many samples
-        # (each seeded by its index, so the first ones are the same whatever the limit).
-        return synthetic.generate(seed=data.seed, tasks=tasks, context_words=words,
-                                  samples_per_task=data.limit or synthetic.SAMPLES_PER_TASK)
-    if data.source == "jsonl":
-        samples = read_jsonl(Path(str(data.path)), limit=data.limit)
-        return [s for s in samples if tasks is None or s.task in tasks]
-    tasks = tasks or list(valid_tasks(data.source))
-    if data.path:
-        return load_local(Path(str(data.path)), tasks, data.source, data.limit)
-    return load_hub(data.hub_id, tasks, data.source, data.limit)
+    return family_of(data.source).load(data, tokenizer, list(data.tasks) if data.tasks else None)
 
 
 def task_spec(task: str) -> TaskSpec:
-    """The generation and scoring rules of a task, embedded or LongBench (``*_e`` included)."""
-    if task in synthetic.TASKS:
-        return synthetic.TASKS[task][1]
-    if task in ruler.TASK_FAMILIES:
-        return ruler.task_spec(task)
-    try:
-        return longbench_task(task)
-    except KeyError:
-        raise DataError(
-            f"no rules for task {task!r}: a JSONL record's 'dataset' must name a LongBench task "
-            f"({', '.join(longbench_templates())}) or an embedded one ({', '.join(synthetic.TASKS)})"
-        ) from None
+    """The generation and scoring rules of a task, whichever family it belongs to."""
+    for family in families():
+        spec = family.spec(task)
+        if spec is not None:
+            return spec
+    raise DataError(
+        f"no rules for task {task!r}: a JSONL record's 'dataset' must name a task of "
+        + "; ".join(f"{family.name} ({', '.join(family.tasks(family.sources[0]))})" for family in families())
+    )
 
 
-__all__ = ["DataError", "Sample", "TaskSpec", "check_data_config", "load_samples", "task_spec", "valid_tasks"]
+def metric(name: str) -> Metric:
+    """A metric by the name a task spec gives, from whichever family registers it."""
+    for family in families():
+        if name in family.metrics:
+            return family.metrics[name]
+    raise KeyError(f"no family registers the metric {name!r}")
+
+
+__all__ = ["DataError", "Family", "Sample", "TaskSpec", "check_data_config", "families", "load_samples", "metric",
+           "sources", "task_spec", "valid_tasks"]

@@ -1,32 +1,10 @@
-"""Task specifications: how a record becomes a prompt and how its prediction is scored.
-
-LongBench's 16 English tasks come from ``longbench_prompts.json`` (data from THUDM/LongBench, MIT);
-the embedded suite's tasks reuse LongBench templates for the skill they test.
-"""
+"""What every benchmark family gives the harness: each task's rules (``TaskSpec``) and the family
+itself (``Family``: the data sources it loads, its tasks, its metrics), registered by its folder
+under ``harness/tasks/`` (see ``harness.tasks``)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
-
-# LongBench scores each task with one metric (its eval.py's dataset2metric).
-LONGBENCH_METRICS = {
-    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1",
-    "hotpotqa": "qa_f1", "2wikimqa": "qa_f1", "musique": "qa_f1",
-    "gov_report": "rouge", "qmsum": "rouge", "multi_news": "rouge",
-    "trec": "classification", "triviaqa": "qa_f1", "samsum": "rouge",
-    "passage_count": "count", "passage_retrieval_en": "retrieval",
-    "lcc": "code_sim", "repobench-p": "code_sim",
-}
-# Tasks LongBench feeds raw (no chat template): few-shot and code completion.
-NO_CHAT_TEMPLATE = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}
-# Few-shot tasks: only the first line of the prediction is scored.
-FIRST_LINE_TASKS = {"trec", "triviaqa", "samsum", "lsht"}
-LONGBENCH_E_TASKS = (
-    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec",
-    "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
-)
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -40,24 +18,22 @@ class TaskSpec:
     stop: tuple[str, ...] = field(default=())
 
 
-@cache
-def longbench_templates() -> dict[str, dict]:
-    raw = json.loads((Path(__file__).parent / "longbench" / "prompts.json").read_text())
-    return {name: spec for name, spec in raw.items() if not name.startswith("_")}
+# A metric scores one prediction against all of a sample's reference answers, in [0, 1].
+Metric = Callable[..., float]  # (prediction, answers, all_classes) -> float
 
 
-def longbench_task(name: str) -> TaskSpec:
-    base = name[:-2] if name.endswith("_e") else name
-    templates = longbench_templates()
-    if base not in templates:
-        raise KeyError(f"unknown LongBench task {name!r}; valid: {', '.join(templates)}")
-    spec = templates[base]
-    return TaskSpec(
-        name=base,
-        template=spec["prompt"],
-        max_new_tokens=spec["max_new_tokens"],
-        metric=LONGBENCH_METRICS[base],
-        chat=base not in NO_CHAT_TEMPLATE,
-        first_line=base in FIRST_LINE_TASKS,
-        stop=("\n",) if base == "samsum" else (),
-    )
+@dataclass(frozen=True)
+class Family:
+    """A benchmark family: the ``data.source`` values it answers to, its tasks, how it loads a data
+    config's samples and which metrics its task specs name. A family lives in its own folder under
+    ``harness/tasks/`` whose ``__init__.py`` defines ``FAMILY``, beside its Hydra file
+    ``conf/data/<name>.yaml``."""
+
+    name: str
+    sources: tuple[str, ...]
+    tasks: Callable[[str], tuple[str, ...]]     # a source's task names (for data.tasks)
+    load: Callable[..., list]                   # (data settings, tokenizer, tasks or None) -> samples
+    spec: Callable[[str], TaskSpec | None]      # a task's rules, None when it is not this family's
+    metrics: dict[str, Metric] = field(default_factory=dict)
+    check: Callable[[Any], None] | None = None  # this family's own data options, for any data config
+    any_task: tuple[str, ...] = ()              # sources whose records name their own tasks (jsonl)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import random
 
 from harness.tasks.sample import Sample
-from harness.tasks.spec import TaskSpec, longbench_templates
+from harness.tasks.longbench.tasks import longbench_templates
+from harness.tasks.spec import TaskSpec
 
 SAMPLES_PER_TASK = 24
 # Context sizes in words (~1.3 tokens per word with SmolLM2's tokenizer): about 1k to 7k tokens.

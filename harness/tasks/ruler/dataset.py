@@ -2,7 +2,7 @@
 in tokens of the evaluated model's tokenizer, scored by string match.
 
 RULER is a generator, not a dataset. Its task texts (templates, answer prefixes, needle sentence,
-noise sentence) are the authors' data, kept in ``ruler_templates.json`` with their attribution;
+noise sentence) are the authors' data, kept in ``templates.json`` with their attribution;
 the generator is written here from the rules in ``design/RULER.md``:
 
 * NIAH: needle sentences "One of the special magic {numbers} for {key} is: {value}." in a haystack
