@@ -74,29 +74,30 @@ def accuracy(name: str, experiment: str, minutes: float, *overrides: str, measur
     ), minutes, measured)
 
 
-def throughput(setting: str, minutes: float, trials: int = 3) -> Step:
+def throughput(setting: str, minutes: float, trials: int = 3, measured: bool = False) -> Step:
     return Step(f"throughput/{setting}", f"throughput/{setting}",
-                ((PYTHON, "experiments/throughput.py", setting, "--trials", str(trials)),), minutes)
+                ((PYTHON, "experiments/throughput.py", setting, "--trials", str(trials)),), minutes, measured)
 
 
 # Sample counts: the embedded suite and the ablation at 20 per task, as committed (the
 # sample-size plans in results/*/sample_size.md say what deciding every headline comparison would
 # take: more than these sessions hold); RULER at kvpress's four compression ratios, 12 samples per
-# task (6 per length), prompt-only compression. Throughput: three interleaved trials of every
-# configuration. `quick` is a subset of `cpu`, `cpu_tight` repeats `cpu` on a smaller pool: not
-# committed (they stay runnable); results/ruler replaces the RULER pilot. The proxy study and the
+# task (6 per length), prompt-only compression (conf/experiment/ruler_ratios.yaml's own defaults).
+# Throughput: three interleaved trials of every configuration. `quick` is a subset of `cpu`,
+# `cpu_tight` repeats `cpu` on a smaller pool: not committed (they stay runnable). Minutes marked
+# measured are the regeneration's at code version 114c4ea051a4. The proxy study and the
 # eviction-cost benchmark are analyses of the method, not of its accuracy or throughput in the
 # engine, and record no provenance yet: outside the plan.
 STEPS = (
-    accuracy("cpu_accuracy", "cpu_accuracy", 65),
-    accuracy("ablation", "ablation", 40),
-    accuracy("ruler", "ruler_ratios", 120, "data.limit=6", "budget_ratio=0.25,0.5,0.75,0.875"),
-    throughput("cpu", 75),
-    throughput("attention", 25),
+    accuracy("cpu_accuracy", "cpu_accuracy", 68.3, measured=True),
+    accuracy("ablation", "ablation", 69.1, measured=True),
+    accuracy("ruler", "ruler_ratios", 73.8, measured=True),
+    throughput("cpu", 42.4, measured=True),
+    throughput("attention", 33.1, measured=True),
     throughput("overhead", 13),
     throughput("latency", 10),
     throughput("shared_prefix", 10),
-    throughput("tensor_parallel", 30),
+    throughput("tensor_parallel", 8.8, measured=True),
 )
 
 

@@ -12,7 +12,13 @@
 
 Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
 throughput.png/pdf); cells already measured are reused unless --force. Each setting's purpose and
-measured running time on the 2-core CPU machine are in its description below.
+measured running time on the 2-core CPU machine are in its description below; how many trials each
+configuration ran in, summary.md reads off the cells.
+
+    python experiments/throughput.py attention --trials 3 --summary-only
+
+rewrites summary.md, summary.csv and the plot from the cells that command measured, starting no
+engine (after a change to the report code); it refuses when any of its cells is missing.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from harness.bench.throughput import Cell, Setting, Workload, run_setting, write_report
+from harness.bench.throughput import Cell, Setting, Workload, run_setting, summarize_setting, write_report
 
 POLICIES = ("paged", "streaming", "knorm")
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +62,8 @@ SHARED_OFF = Cell("paged", 512, pool="unlimited")
 # The attention-aware policies' cost, decided over three trials (each trial runs its cells back to
 # back, so every ratio compares engines that ran close in time); the policies the issue's target
 # names (SnapKV at token and block granularity, H2O) with full cache and PagedEviction in every
-# trial, the other families once.
+# trial, the other families once. `--trials N` (what results/throughput/attention was made with,
+# N = 3) runs every one of them in N trials instead.
 ATTENTION_REPEATED = (("full", None), ("paged", 512), ("snapkv", 512), ("snapkv_block", 512), ("h2o", 512))
 ATTENTION_ONCE = (("knorm", 512), ("learned", 512), ("lru", 512), ("hybrid", 512))
 ATTENTION_TRIALS = tuple(
@@ -106,9 +113,8 @@ SETTINGS = {
             "SnapKV, recency and KeyDiff) beside PagedEviction, Knorm (token compaction without attention) "
             "and the learned K/V scorer at budget 512, on the cpu setting's fixed pool: what capturing "
             "each request's newest 32 queries per layer and recomputing their attention at every "
-            "eviction cost, as a share of the model's step time. Full cache, PagedEviction, SnapKV and "
-            "H2O run in three trials (a process each, trials one after the other), the rest once. "
-            "About 16 minutes on the 2-core CPU machine (947 s).",
+            "eviction cost, as a share of the model's step time. About 11 minutes per trial of all nine "
+            "configurations on the 2-core CPU machine (three trials: 33.1 min).",
             CPU, ATTENTION_TRIALS, baseline=FULL_FIXED, fixed_pool_budget=512,
         ),
         Setting(
@@ -182,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("setting", choices=sorted(SETTINGS), help="which workload and cells to run")
     parser.add_argument("--out", type=Path, help="output directory (default results/throughput/<setting>)")
     parser.add_argument("--force", action="store_true", help="rerun cells already measured")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="start no engine: rewrite summary.md, summary.csv and the plot from the cells this "
+                             "command measured (every one must be on disk)")
     parser.add_argument("--trials", type=int, metavar="N",
                         help="run every configuration in N interleaved trials (a process each; at least 2 "
                              "for an interval on each ratio), instead of the setting's own trials")
@@ -191,16 +200,23 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.trials <= 10:
             parser.error(f"--trials is the number of trials per configuration, 1 to 10; got {args.trials}")
         setting = with_trials(setting, args.trials)
-    if setting.workload.device == "cuda":
+    if setting.workload.device == "cuda" and not args.summary_only:
         import torch
 
         if not torch.cuda.is_available():
             parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, cpu_tight, attention, overhead, latency, shared_prefix")
+    if args.summary_only and args.force:
+        parser.error("--summary-only reads the cells on disk; --force would rerun them")
     out = args.out or ROOT / "results" / "throughput" / setting.name
-    command = "python experiments/throughput.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    # The command that measures these cells, also when --summary-only rewrites their summary.
+    measuring = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--summary-only"]
+    command = "python experiments/throughput.py " + " ".join(shlex.quote(a) for a in measuring)
     started = time.perf_counter()
     try:
-        table = run_setting(setting, out, force=args.force, progress=lambda line: print(line, flush=True))
+        if args.summary_only:
+            table = summarize_setting(setting, out)
+        else:
+            table = run_setting(setting, out, force=args.force, progress=lambda line: print(line, flush=True))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -145,9 +145,42 @@ def depth_samples(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def split_variant(variant: str) -> tuple[str, list[str]]:
+    """A variant label's policy name and options: ``h2o[decode_eviction=False]`` -> ("h2o",
+    ["decode_eviction=False"])."""
+    name, _, options = variant.partition("[")
+    return name, [o for o in options.rstrip("]").split(", ") if o]
+
+
+def panel_titles(variants: list[str], budget: str, width: int = 24) -> tuple[list[str], list[str]]:
+    """Short panel titles for one figure's variants, and the options every evicting one shares.
+
+    A title is the policy and the budget (``h2o r0.5``) with the options that set this panel apart
+    from the others, wrapped at ``width`` characters under it; options shared by every panel but
+    full cache (``decode_eviction=False`` on RULER) are said once, for the figure's title: spelled
+    out in each title, ``h2o[decode_eviction=False] r0.5`` ran into its neighbours."""
+    import textwrap
+
+    evicting = [split_variant(v)[1] for v in variants if v != "full"]
+    common = [o for o in evicting[0] if all(o in options for options in evicting)] if evicting else []
+    shown = budget if budget.startswith("r") else f"b{budget}"
+    titles = []
+    for variant in variants:
+        if variant == "full":
+            titles.append("full")
+            continue
+        name, options = split_variant(variant)
+        rest = [o for o in options if o not in common]
+        extra = textwrap.wrap("[" + ", ".join(rest) + "]", width) if rest else []
+        titles.append("\n".join([f"{name} {shown}", *extra]))
+    return titles, common
+
+
 def needle_heatmaps(runs: pd.DataFrame, title: str) -> list[tuple[str, "plt.Figure"]]:
     """Per budget, one panel per policy (full cache first): mean score by depth band (rows, 0% =
-    the context's start) and length (columns), the classic needle-in-a-haystack picture."""
+    the context's start) and length (columns), the classic needle-in-a-haystack picture. Panel
+    titles name the policy and budget (``panel_titles``); options every evicting panel shares are
+    in the figure's title."""
     samples = depth_samples(runs)
     figures = []
     if samples.empty:
@@ -157,19 +190,21 @@ def needle_heatmaps(runs: pd.DataFrame, title: str) -> list[tuple[str, "plt.Figu
     for budget in sorted(b for b in samples["budget"].unique() if b != "all"):
         shown = pd.concat([full, samples[samples["budget"] == budget]])
         variants = ["full"] * (not full.empty) + sorted(v for v in shown["variant"].unique() if v != "full")
-        fig, axes = plt.subplots(1, len(variants), figsize=(2.2 * len(variants) + 1, 3.4), squeeze=False, sharey=True)
-        for ax, variant in zip(axes[0], variants):
+        titles, common = panel_titles(variants, budget)
+        fig, axes = plt.subplots(1, len(variants), figsize=(2.2 * len(variants) + 1, 3.6), squeeze=False, sharey=True,
+                                 layout="constrained")
+        for ax, variant, panel in zip(axes[0], variants, titles):
             grid = (shown[shown["variant"] == variant].pivot_table(index="band", columns="length", values="score")
                     .reindex(index=range(DEPTH_BANDS), columns=lengths))
             image = ax.imshow(grid.to_numpy(), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-            ax.set_title(variant if variant == "full" else f"{variant} {budget if budget.startswith('r') else 'b' + budget}",
-                         fontsize=8)
+            ax.set_title(panel, fontsize=8)
             ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths], fontsize=7)
             ax.set_xlabel("length (tokens)", fontsize=7)
         axes[0][0].set_yticks(range(DEPTH_BANDS), [f"{b * 100 // DEPTH_BANDS}%" for b in range(DEPTH_BANDS)], fontsize=7)
         axes[0][0].set_ylabel("needle depth", fontsize=8)
         fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="score (0-100)")
-        fig.suptitle(f"{title}, budget {budget} (blank: no sample)", fontsize=9)
+        shared = f"; every policy but full cache with {', '.join(common)}" if common else ""
+        fig.suptitle(f"{title}, budget {budget}{shared} (blank: no sample)", fontsize=9)
         figures.append((budget, fig))
     return figures
 

@@ -58,8 +58,6 @@ ACCURACY = (
                   "python run.py -m +experiment=cpu_accuracy", "paged"),
     AccuracyStudy("ruler", "RULER at kvpress's compression ratios (prompt only)",
                   "python experiments/regenerate.py --only ruler", "paged[decode_eviction=False]"),
-    AccuracyStudy("ruler_pilot", "RULER at kvpress's compression ratios (prompt only; pilot)",
-                  "python run.py -m +experiment=ruler_ratios", "paged[decode_eviction=False]"),
     AccuracyStudy("ablation", "PagedEviction's score and granularity apart",
                   "python run.py -m +experiment=ablation", "paged"),
 )
@@ -252,6 +250,27 @@ def code_versions(root: Path) -> list[str]:
              "policies.", ""]
     for commit in sorted(found):
         lines.append(f"- {commit}: {', '.join(sorted(found[commit]))}")
+    return lines + [""] + verified_lines(sorted({folder for folders in found.values() for folder in folders}), root)
+
+
+def verified_lines(folders: list[str], root: Path) -> list[str]:
+    """Where each study was verified by replay at a later code version (``experiments/regenerate.py
+    --verify``, its ``verified.json``): what ran where, and what the replay compared."""
+    records = [(folder, read_json(path)) for folder in folders
+               if (path := root / RESULTS / folder / "verified.json").exists()]
+    if not records:
+        return []
+    lines = ["Verified by replay at a later code version (`python experiments/regenerate.py --verify`: a fixed, "
+             "stratified subset of each study's cells rerun at that code and compared with the committed outputs):", ""]
+    for folder, record in records:
+        replayed = record["replayed"]
+        samples = sum(entry.get("samples", 0) for entry in replayed)
+        subset = f"{len(replayed)} of {record['cells']} cells" + (f", {samples} samples" if samples else "")
+        moved = sum(len(entry["moved"]) for entry in replayed)
+        verdict = "equal" if record["verdict"] == "verified" else f"{moved} outputs moved"
+        lines.append(f"- {folder}: ran at {', '.join(record['ran_at'])}; replayed at {record['code_version']} "
+                     f"(commit {short(record['git_commit'])}, {record['date']}): {subset}, {verdict}; compared: "
+                     f"{record['compared']}")
     return lines + [""]
 
 
@@ -278,11 +297,17 @@ def render(root: Path = ROOT) -> str:
 # ---------------------------------------------------------------- quoted numbers
 # What the documents may quote only from a summary: every decimal number outside code spans and
 # link targets (identifiers such as `Llama-3.1-8B` or `vllm 0.32` go in code spans), and every
-# "N of M" count. Integers elsewhere are budgets, sample sizes and names, not findings.
+# "N of M" count. Integers elsewhere are budgets, sample sizes and names, not findings. A ratio
+# may carry its "x" (1.65x, and the range 0.89x-0.95x): the number is read without it, and found
+# in a summary that writes it either way (``appears``).
 CHECKED_DOCUMENTS = {"README.md": "## Results", "results/FINDINGS.md": None}  # None: the whole file
 _CODE = re.compile(r"`[^`]*`")
 _LINK_TARGET = re.compile(r"\]\([^)]*\)")
-_DECIMAL = re.compile(r"(?<![\w.])(?<![A-Za-z]-)[-+]?\d+\.\d+(?![\w.]*\d)")
+# Not after a letter and a hyphen (Llama-3.1), unless that letter is a ratio's x (0.89x-0.95x).
+_DECIMAL = re.compile(r"(?<![\w.])(?<!(?<![\d.])[A-Za-z]-)[-+]?\d+\.\d+(?![\w.]*\d)")
+# After a number, what makes it part of a longer token: a letter or digit (other than a ratio's
+# closing x), or a further decimal part.
+_NOT_ITS_END = r"(?!(?!x\b)\w|\.\d)"
 _COUNT = re.compile(r"\b\d+ of \d+\b")
 _NAMED = re.compile(r"results/[\w./-]+")
 
@@ -316,10 +341,10 @@ def quoted(paragraph: str) -> list[str]:
 
 def appears(number: str, source: str) -> bool:
     """``number`` is in ``source`` as a number of its own: with its sign if it has one, with any
-    sign (or none) if it has none."""
+    sign (or none) if it has none; a ratio's trailing x (``0.92x``) ends it like a space would."""
     body = re.escape(number.lstrip("+-"))
     sign = re.escape(number[0]) if number[0] in "+-" else "[-+]?"
-    return re.search(rf"(?<![\w.]){sign}{body}(?![\w]|\.\d)", source) is not None
+    return re.search(rf"(?<![\w.]){sign}{body}{_NOT_ITS_END}", source) is not None
 
 
 def unsupported(text: str, root: Path = ROOT) -> list[str]:

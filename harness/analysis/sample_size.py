@@ -30,15 +30,24 @@ The normal approximation ignores that only differing samples carry evidence: an 
 cannot reach alpha/m with fewer than log2(2m/alpha) of them, so no count is below the n that brings
 that many at the committed share of differing samples (``exact_floor``).
 
-Cost comes from the cells' ``perf.json``: a sweep that shares prefill runs one engine for all its
-cells (``shared_engine.group_wall_s`` for ``prompts`` prompts), so a sample per task costs the
-group's wall time over its samples per task, for every cell at once; isolated cells add their own
-``wall_s``. The extrapolation assumes time grows linearly in samples (the suite draws the same
-length distribution at any ``data.limit``).
+Cost starts from the cells' ``perf.json``: a sweep that shares prefill runs one engine for all its
+cells (``shared_engine.group_wall_s`` for ``prompts`` prompts), isolated cells their own
+(``wall_s``). That is the generation alone: the model under ``ENGINE_SECONDS`` adds each engine's
+start-up and, where the cells record answer likelihood, the forced passes that follow the
+generation on the same engine (``LIKELIHOOD_FACTOR``, calibrated on the committed sweeps). A sample
+per task then costs the sweep's time over its samples per task, for every cell at once; the
+extrapolation assumes time grows linearly in samples (the suite draws the same length distribution
+at any ``data.limit``).
 
-RULER has no committed run yet: ``--ruler-plan`` (on by default) transfers the per-task variance
-seen here to RULER's task count (``conf/data/ruler.yaml``) at kvpress's four compression ratios,
-says that this is an assumption, and sizes the pilot that would replace it.
+The recommendation is a ``data.limit`` in the data family's own unit (``LimitRule``): samples per
+task for the embedded suite (a multiple of its context sizes x depths), LongBench and JSONL;
+samples per task *and length* for RULER, so a need of n samples per task is ``data.limit``
+ceil(n / lengths) there.
+
+For a suite whose RULER counterpart has not run, ``--ruler-plan`` (on by default; the committed
+plans pass ``--no-ruler-plan``, RULER having its own run in ``results/ruler``) transfers the per-task
+variance seen here to RULER's task count (``conf/data/ruler.yaml``) at kvpress's four compression
+ratios, says that this is an assumption, and sizes the pilot that would replace it.
 """
 from __future__ import annotations
 
@@ -223,45 +232,95 @@ def budget_order(label: str) -> tuple:
 
 
 # ---------------------------------------------------------------- cost
+# What a sweep costs, per engine (a shared-prefill group, or an isolated cell):
+#
+#     ENGINE_SECONDS + generation x (LIKELIHOOD_FACTOR if the cells record likelihood else 1)
+#
+# ``generation`` is the one time ``perf.json`` records: the wall time of the cells' own requests
+# (``shared_engine.group_wall_s``, or an isolated cell's ``wall_s``). A cell costs more than that.
+# With ``likelihood: true`` (the default, conf/config.yaml) the same engine then runs two more
+# rounds of requests for every prompt (``harness.run.likelihood.likelihood_passes``: every cell
+# forcing the reference answer while full cache generates again with its top logprobs, then every
+# evicting cell forced along full cache's output), untimed; and every engine starts, loads the
+# model, prepares its prompts and scores and writes its cells. Calibrated on the 2-core CPU
+# machine at code version 114c4ea051a4 against what the committed cells show:
+#
+# * likelihood off, ``results/ci_baseline`` (24 isolated cells run one after another): each
+#   cell's engine log starts 2.9-5.4 s (median 4.0) later than the previous cell's start plus its
+#   generation wall time: ENGINE_SECONDS = 4;
+# * likelihood on, ``results/ablation``: the second engine's log starts 2,406 s after the first
+#   engine's, whose generation took 844 s: (2406 - 4) / 844 = 2.85 = LIKELIHOOD_FACTOR. The
+#   regeneration's step times (experiments/regenerate.py: the sweep and its aggregate; commits
+#   1e10133 and 918c1d0) agree: cpu_accuracy 68.3 min over 1,441 s of generation (2.84x),
+#   ablation 69.1 min over 844 + 541 s (2.99x), RULER 73.8 min over 1,664 s (2.66x).
+#
+# The factor is a ratio of times on one machine and code: what it carries to another is the
+# shape (about three rounds of requests where perf.json times one), not the seconds.
+ENGINE_SECONDS = 4.0
+LIKELIHOOD_FACTOR = 2.85
+
+
 @dataclass
 class Cost:
-    seconds: float  # wall time of every cell of the sweep, as measured
+    seconds: float  # the whole sweep, every cell: generation as measured, the rest by the model above
     samples_per_task: int
     groups: list[str]  # how the time was measured, one line per engine
     commits: list[str]  # the code the cells ran
+    fixed: float = 0.0  # of ``seconds``, what does not grow with samples (engine start-ups)
+    generation: float = 0.0  # of ``seconds``, what perf.json measured
 
     @property
     def per_sample(self) -> float:
         """Seconds per added sample per task, all cells of the sweep together."""
-        return self.seconds / self.samples_per_task
+        return (self.seconds - self.fixed) / self.samples_per_task
+
+    def hours(self, samples_per_task: float) -> float:
+        """The sweep's hours at ``samples_per_task``: start-ups once, the rest linear in samples."""
+        return (self.fixed + samples_per_task * self.per_sample) / 3600
+
+    def within(self, hours: float) -> int:
+        """The most samples per task the sweep runs in ``hours``."""
+        return max(int((hours * 3600 - self.fixed) // self.per_sample), 0)
 
 
 def sweep_cost(group: pd.DataFrame) -> Cost:
     """Wall time of the group's sweep: each shared engine counted once (its cells share one
-    ``group_wall_s``), each isolated cell by its own ``wall_s``."""
+    ``group_wall_s``), each isolated cell by its own ``wall_s``, each with what perf.json does not
+    time (``ENGINE_SECONDS``, ``LIKELIHOOD_FACTOR``)."""
     engines: dict[tuple, list[str]] = {}
-    seconds = 0.0
+    likelihood: dict[tuple, bool] = {}
     for run in group.index:
         perf = read_json(Path(run) / "perf.json")
+        config = yaml.safe_load((Path(run) / "config.yaml").read_text())
         shared = perf.get("shared_engine")
         if shared:
             key = ("shared", shared["cells"], shared["prompts"], round(shared["group_wall_s"], 3))
         else:
             key = ("isolated", run, perf["requests"], round(perf["wall_s"], 3))
         engines.setdefault(key, []).append(run)
+        # Configs older than the forced passes have no key: they ran none.
+        likelihood[key] = likelihood.get(key, False) or bool(config.get("likelihood", False))
     samples = int(group["samples"].max())  # per task, as configured (data.limit)
     commits = sorted({(yaml.safe_load((Path(run) / "config.yaml").read_text()).get("provenance") or {})
                       .get("git_commit", "unknown")[:8] for run in group.index})
     lines = []
+    seconds = generation = 0.0
     for key, runs in sorted(engines.items(), key=lambda item: -item[0][3]):
         kind, cells_or_run, prompts, wall = key
-        seconds += wall
+        factor = LIKELIHOOD_FACTOR if likelihood[key] else 1.0
+        total = ENGINE_SECONDS + factor * wall
+        seconds += total
+        generation += wall
+        what = (f"with the forced likelihood passes (x{LIKELIHOOD_FACTOR:g}) and start-up" if likelihood[key]
+                else "with start-up")
         if kind == "shared":
             lines.append(f"one shared-prefill engine: {len(runs)} of its {cells_or_run} cells here, {prompts} prompts, "
-                         f"{wall:,.0f} s ({wall / prompts:.1f} s per prompt for all its cells)")
+                         f"generation {wall:,.0f} s ({wall / prompts:.1f} s per prompt for all its cells); {what} "
+                         f"about {total:,.0f} s")
         else:
-            lines.append(f"isolated cell {Path(cells_or_run).name}: {prompts} prompts, {wall:,.0f} s")
-    return Cost(seconds, samples, lines, commits)
+            lines.append(f"isolated cell {Path(cells_or_run).name}: {prompts} prompts, generation {wall:,.0f} s; "
+                         f"{what} about {total:,.0f} s")
+    return Cost(seconds, samples, lines, commits, fixed=ENGINE_SECONDS * len(engines), generation=generation)
 
 
 # ---------------------------------------------------------------- the report
@@ -313,7 +372,8 @@ def group_report(group: pd.DataFrame, model: str, data: str, focus: str, effect:
     tasks = sorted(read_json(Path(group.index[0]) / "scores.json")["tasks"])
     n_now = min(c.samples for c in comparisons)
     cost = sweep_cost(group)
-    afternoon = int(hours * 3600 // cost.per_sample)
+    afternoon = cost.within(hours)
+    rule = limit_rule(group)
     lines = [
         f"## {model} on {data}: {focus} against each other variant",
         "",
@@ -365,7 +425,7 @@ def group_report(group: pd.DataFrame, model: str, data: str, focus: str, effect:
     lines += [
         f"What n samples per task buys (the {len(spread)} comparisons with spread; assuming each true difference "
         f"equals the observed one for the first two columns; time is the whole sweep's, every cell, extrapolated "
-        f"from the measured {cost.per_sample:.1f} s per sample per task):",
+        f"from {cost.per_sample:.1f} s per sample per task, forced passes and start-ups included: see Cost):",
         "",
         f"| n/task | {power:.0%} power at observed D | expected share decided | median detectable D (points) | "
         f"{power:.0%} power at D = {effect:g} | sweep wall time (h) |",
@@ -379,37 +439,92 @@ def group_report(group: pd.DataFrame, model: str, data: str, focus: str, effect:
         at_effect = sum(c.power(effect, n, level) >= power for c in spread)
         mark = " (now)" if n == n_now else " (one afternoon)" if n == afternoon else ""
         lines.append(f"| {n}{mark} | {powered}/{m} | {expected:.0%} | {detectable:.2f} | {at_effect}/{m} | "
-                     f"{n * cost.per_sample / 3600:.1f} |")
+                     f"{cost.hours(n):.1f} |")
     targets = {share: share_deciding(comparisons, share, level, power) for share in shares}
     lines += [
         "",
         "Samples per task at which the given share of the headline comparisons each have "
         f"{power:.0%} power against their observed difference (identical cells count as never decided): "
-        + "; ".join(f"{share}%: {fmt_n(n)}" + (f" ({n * cost.per_sample / 3600:.1f} h)" if math.isfinite(n) else "")
+        + "; ".join(f"{share}%: {fmt_n(n)}" + (f" ({cost.hours(n):.1f} h)" if math.isfinite(n) else "")
                     for share, n in targets.items()) + ".",
         "",
         "### Cost",
         "",
-        f"Measured from the cells' `perf.json` ({cost.seconds:,.0f} s for {cost.samples_per_task} samples per task "
-        f"= {cost.per_sample:.1f} s per sample per task for the whole sweep):",
+        f"The cells' `perf.json` times their generation only ({cost.generation:,.0f} s). A sweep also starts "
+        f"each engine (about {ENGINE_SECONDS:g} s) and, where the cells record answer likelihood, runs two more "
+        f"rounds of forced requests on it: such an engine takes about {LIKELIHOOD_FACTOR:g} times its generation "
+        f"time (`LIKELIHOOD_FACTOR` in `harness.analysis.sample_size`, calibrated on this machine's committed "
+        f"sweeps). The sweep: about {cost.seconds:,.0f} s for {cost.samples_per_task} samples per task = "
+        f"{cost.per_sample:.1f} s per sample per task, every cell:",
         "",
         *[f"- {line}" for line in cost.groups],
         "",
-        f"One CPU afternoon ({hours:g} h) runs **{afternoon} samples per task** of this sweep (every cell; the "
+        f"One CPU afternoon ({hours:g} h) runs **{afternoon} samples per task**{rule.afternoon_text(afternoon)} "
+        f"of this sweep (every cell; the "
         f"headline family needs all {group['variant'].nunique()} variants' cells, so running fewer cells saves "
         f"little). "
         f"Times are this machine's (2 cores, possibly shared with other work when measured) at the cells' commit "
         f"({', '.join(cost.commits)}; later eviction code may be faster or slower), linear in samples.",
         "",
     ]
-    lines += recommendation(comparisons, group, n_now, afternoon, cost, effect, level, power)
+    lines += recommendation(comparisons, group, n_now, afternoon, cost, effect, level, power, rule)
     if ruler:
         lines += ruler_plan(comparisons, tasks, cost, group, effect, alpha, power, hours, *ruler)
     return lines
 
 
-def round_up(n: float, step: int) -> int:
-    return int(step * math.ceil(n / step))
+@dataclass(frozen=True)
+class LimitRule:
+    """How ``data.limit`` turns into samples per task for a data family: RULER generates
+    ``data.limit`` samples per task *and length* (``harness.tasks.ruler.dataset.generate``,
+    ``samples_per_length``), so a limit gives one sample per task for each of the run's lengths;
+    the embedded suite, LongBench and JSONL take ``data.limit`` samples per task."""
+    source: str
+    per_limit: int = 1  # samples per task per unit of data.limit (RULER: its number of lengths)
+    multiple: int = 1  # data.limit a multiple of this
+    lengths: tuple[int, ...] = ()
+
+    def limit_for(self, samples_per_task: float) -> int:
+        """The smallest allowed ``data.limit`` giving at least ``samples_per_task``."""
+        return max(self.multiple * math.ceil(samples_per_task / (self.per_limit * self.multiple) - 1e-9), self.multiple)
+
+    def limit_within(self, samples_per_task: float) -> int:
+        """The largest allowed ``data.limit`` giving at most ``samples_per_task`` (at least one step)."""
+        return max(self.multiple * int(samples_per_task // (self.per_limit * self.multiple)), self.multiple)
+
+    def samples(self, limit: int) -> int:
+        return limit * self.per_limit
+
+    def counts(self) -> str:
+        """What ``data.limit`` counts, in words."""
+        if self.per_limit > 1:
+            return (f"RULER's `data.limit` counts samples per task *and length*: at this sweep's {self.per_limit} "
+                    f"lengths ({', '.join(map(str, self.lengths))} tokens) a limit of k gives {self.per_limit}k "
+                    f"samples per task")
+        family = "the embedded suite's" if self.source == "embedded" else f"`{self.source}`'s"
+        text = f"{family} `data.limit` counts samples per task"
+        if self.multiple > 1:
+            text += f", in multiples of {self.multiple} so that every context size meets every depth"
+        return text
+
+    def afternoon_text(self, samples_per_task: int) -> str:
+        """`` (data.limit: k per length)`` where the limit is not the per-task count itself."""
+        if self.per_limit == 1:
+            return ""
+        return f" (`data.limit: {samples_per_task // self.per_limit}` per length)"
+
+
+def limit_rule(group: pd.DataFrame) -> LimitRule:
+    """The ``LimitRule`` of the group's data, from its first cell's config."""
+    config = yaml.safe_load((Path(group.index[0]) / "config.yaml").read_text())
+    data = config.get("data") or {}
+    source = data.get("source") or "embedded"
+    if source == "ruler":
+        from harness.tasks.ruler.dataset import LENGTHS
+
+        lengths = tuple(int(n) for n in (data.get("lengths") or LENGTHS))
+        return LimitRule(source, per_limit=len(lengths), lengths=lengths)
+    return LimitRule(source, multiple=limit_step(group))
 
 
 def limit_step(group: pd.DataFrame) -> int:
@@ -443,36 +558,45 @@ def samples_available(group: pd.DataFrame, limit: int) -> int | None:
 
 
 def recommendation(comparisons: list[Comparison], group: pd.DataFrame, n_now: int, afternoon: int, cost: Cost,
-                   effect: float, level: float, power: float) -> list[str]:
+                   effect: float, level: float, power: float, rule: LimitRule | None = None) -> list[str]:
     """A ``data.limit``: the median comparison's count for the minimal effect, capped at one
-    afternoon, in whole multiples of ``limit_step``; checked against what the loader gives."""
+    afternoon, turned into the data family's ``data.limit`` (``LimitRule``: per task, or per task
+    and length for RULER, in whole steps); checked against what the loader gives."""
     spread = [c for c in comparisons if c.sd > 0]
     if not spread:
         return ["### Recommendation", "", "Every headline comparison is between identical cells: nothing to plan.", ""]
-    step = limit_step(group)
+    rule = rule or limit_rule(group)
     at_effect = sorted(c.needed(effect, level, power) for c in spread)
     median_effect = float(np.median(at_effect))
-    wanted = round_up(median_effect, step)
-    chosen = max(min(wanted, afternoon - afternoon % step), step)
+    wanted_limit = rule.limit_for(median_effect)
+    wanted = rule.samples(wanted_limit)
+    fits = wanted <= afternoon
+    limit = wanted_limit if fits else rule.limit_within(afternoon)
+    chosen = rule.samples(limit)
     detectable_then = np.median([z_sum(level, power) * c.sd / math.sqrt(chosen) for c in spread])
     share_then = np.mean([c.power(c.diff, chosen, level) for c in spread] + [0.0] * (len(comparisons) - len(spread)))
-    multiple = f", a multiple of {step} so that every context size meets every depth" if step > 1 else ""
+    per_task = f"{chosen} samples per task, " if rule.per_limit > 1 else ""
+    per_task_wanted = f"{wanted} samples per task, " if rule.per_limit > 1 else ""
     text = (f"For the median headline comparison to find a true {effect:g}-point difference with {power:.0%} power "
             f"after Holm needs {fmt_n(median_effect)} samples per task (range {fmt_n(at_effect[0])} to "
             f"{fmt_n(at_effect[-1])}); one afternoon allows {afternoon}. ")
-    if wanted <= afternoon:
-        text += (f"Recommended `data.limit: {chosen}` ({chosen * cost.per_sample / 3600:.1f} h{multiple}): the "
-                 f"comparison of median spread then detects {effect:g} points.")
+    if fits:
+        text += (f"Recommended `data.limit: {limit}` ({per_task}{cost.hours(chosen):.1f} h): the comparison of "
+                 f"median spread then detects {effect:g} points.")
     else:
-        text += (f"That does not fit: recommended `data.limit: {chosen}` (the afternoon, "
-                 f"{chosen * cost.per_sample / 3600:.1f} h{multiple}), at which the median comparison detects "
-                 f"{detectable_then:.2f} points and an expected {share_then:.0%} of the headline comparisons are "
-                 f"decided if the observed differences are the true ones; a {effect:g}-point claim for the median "
-                 f"comparison needs {fmt_n(wanted)} samples per task ({wanted * cost.per_sample / 3600:.0f} h).")
-    lines = ["### Recommendation", "", text, "", f"(Now: {n_now} per task.)", ""]
-    available = samples_available(group, chosen)
-    if available is not None and available < chosen:
-        lines += [f"**The data loader gives only {available} samples per task at `data.limit: {chosen}`** (asked of "
+        text += (f"That does not fit: recommended `data.limit: {limit}` (the afternoon: {per_task}"
+                 f"{cost.hours(chosen):.1f} h), at which the median comparison detects {detectable_then:.2f} points "
+                 f"and an expected {share_then:.0%} of the headline comparisons are decided if the observed "
+                 f"differences are the true ones; a {effect:g}-point claim for the median comparison needs "
+                 f"`data.limit: {wanted_limit}` ({per_task_wanted}{cost.hours(wanted):.0f} h).")
+    counts = rule.counts()
+    text += f" ({counts[0].upper()}{counts[1:]}.)"
+    now = (yaml.safe_load((Path(group.index[0]) / "config.yaml").read_text()).get("data") or {}).get("limit")
+    lines = ["### Recommendation", "", text, "",
+             f"(Now: {n_now} per task" + (f", `data.limit: {now}`" if now is not None else "") + ".)", ""]
+    available = samples_available(group, limit)
+    if available is not None and available < rule.samples(limit):
+        lines += [f"**The data loader gives only {available} samples per task at `data.limit: {limit}`** (asked of "
                   f"`harness.tasks.load_samples` now): the limit above takes effect only once the loader generates "
                   f"as many as the limit asks.", ""]
     return lines
@@ -503,7 +627,7 @@ def ruler_plan(comparisons: list[Comparison], tasks: list[str], cost: Cost, grou
         prompt_tokens.append(perf["prompt_tokens"] / perf["requests"])
     suite_tokens = float(np.median(prompt_tokens))
     ruler_tokens = float(np.mean(ruler_lengths))  # a sample fills its length, answer included
-    per_prompt = cost.seconds / (cost.samples_per_task * len(tasks))  # one prompt, every cell of the sweep
+    per_prompt = cost.per_sample / len(tasks)  # one prompt, every cell of the sweep, forced passes included
     per_sample = per_prompt * (cells / len(group)) * (ruler_tokens / suite_tokens) * ruler_tasks
     afternoon = int(hours * 3600 // per_sample)
     limit_effect = math.ceil(n_effect / len(ruler_lengths))

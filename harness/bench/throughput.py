@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -158,9 +159,21 @@ def check_setting(setting: Setting) -> None:
                              f"{workload.blocks_per_request} blocks")
 
 
+def setting_prompts(setting: Setting, model_path: str) -> list[list[int]]:
+    """The token ids of the setting's requests: ``prompt_tokens`` each (seeded), after a shared
+    prefix of ``shared_prefix_tokens`` where the workload has one."""
+    from harness.tasks.embedded.token_prompts import token_prompts
+
+    workload = setting.workload
+    prompts = token_prompts(model_path, [workload.prompt_tokens] * workload.requests, seed=workload.seed)
+    if workload.shared_prefix_tokens:
+        (prefix,) = token_prompts(model_path, [workload.shared_prefix_tokens], seed=workload.seed + 1)
+        prompts = [prefix + own for own in prompts]
+    return prompts
+
+
 def run_setting(setting: Setting, out: Path, force: bool = False, progress=print) -> pd.DataFrame:
     """Run every cell not already on disk; returns the table of all cells."""
-    from harness.tasks.embedded.token_prompts import token_prompts
     from harness.engine.batch_run import run_in_subprocess
     from harness.config.models import resolve_model_path
     from harness.records.provenance import provenance
@@ -168,21 +181,17 @@ def run_setting(setting: Setting, out: Path, force: bool = False, progress=print
     check_setting(setting)
     workload = setting.workload
     model_path = resolve_model_path(workload.model)
-    prompts = token_prompts(model_path, [workload.prompt_tokens] * workload.requests, seed=workload.seed)
-    if workload.shared_prefix_tokens:
-        (prefix,) = token_prompts(model_path, [workload.shared_prefix_tokens], seed=workload.seed + 1)
-        prompts = [prefix + own for own in prompts]
+    prompts = setting_prompts(setting, model_path)
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for index, cell in enumerate(setting.cells, 1):
         path = cells_dir / f"{cell.slug}.json"
-        if path.exists() and not force:
-            stored = json.loads(path.read_text())
-            if stored["workload"] == asdict(workload):
-                progress(f"[{index}/{len(setting.cells)}] {cell.name}: already measured ({path})")
-                results[cell] = stored
-                continue
+        stored = None if force else stored_cell(path, workload)
+        if stored is not None:
+            progress(f"[{index}/{len(setting.cells)}] {cell.name}: already measured ({path})")
+            results[cell] = stored
+            continue
         progress(f"[{index}/{len(setting.cells)}] {cell.name}: running {workload.requests} requests "
                  f"x {workload.prompt_tokens} in x {workload.output_tokens} out ...")
         run = run_in_subprocess(engine_spec(setting, cell, prompts, model_path), out / "scratch")
@@ -192,6 +201,42 @@ def run_setting(setting: Setting, out: Path, force: bool = False, progress=print
         results[cell] = stored
         progress(f"    {median_of(run['perf'], 'output_tokens_per_s'):.1f} output tok/s, "
                  f"{median_of(run['perf'], 'wall_s'):.0f} s")
+    return cell_table(setting, results)
+
+
+def stored_cell(path: Path, workload: Workload) -> dict | None:
+    """A cell's stored result, or None when it is not on disk or was measured on another workload."""
+    if not path.exists():
+        return None
+    stored = json.loads(path.read_text())
+    return stored if stored["workload"] == asdict(workload) else None
+
+
+def summarize_setting(setting: Setting, out: Path) -> pd.DataFrame:
+    """The table of every cell of ``setting`` from ``<out>/cells/*.json`` alone, no engine started:
+    what rewrites ``summary.md`` after a change to the report code. Refuses when a cell of the
+    setting is missing (or was measured on another workload) and when the folder holds cells the
+    setting does not name (they ran with other trials: give the same ``--trials``), so that the
+    summary is always of exactly the cells on disk."""
+    check_setting(setting)
+    cells_dir = out / "cells"
+    results, missing = {}, []
+    for cell in setting.cells:
+        stored = stored_cell(cells_dir / f"{cell.slug}.json", setting.workload)
+        if stored is None:
+            missing.append(cell.name)
+        else:
+            results[cell] = stored
+    slugs = {cell.slug for cell in setting.cells}
+    extra = sorted(path.stem for path in cells_dir.glob("*.json") if path.stem not in slugs)
+    problems = []
+    if missing:
+        problems.append(f"not measured on this workload in {cells_dir}: {', '.join(missing)}")
+    if extra:
+        problems.append(f"{cells_dir} holds cells this setting does not name (run with other --trials?): "
+                        f"{', '.join(extra)}")
+    if problems:
+        raise ValueError(f"{setting.name}: " + "; ".join(problems))
     return cell_table(setting, results)
 
 
@@ -378,8 +423,11 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
     by_cell = table.set_index("cell")
     base = setting.baseline.name if setting.baseline else None
     ceiling = setting.ceiling.name if setting.ceiling else None
+    # A configuration run in several trials is stated once, over its trials (``trial_lines``): a
+    # line per trial would repeat the table's tok/s and ratio columns.
+    repeated = Counter(replace(cell, trial=1) for cell in setting.cells)
     for cell in setting.cells:
-        if cell.policy == "full" or cell.pool != "fixed" or base not in by_cell.index:
+        if cell.policy == "full" or cell.pool != "fixed" or base not in by_cell.index or repeated[replace(cell, trial=1)] > 1:
             continue
         row = by_cell.loc[cell.name]
         text = f"{cell.name}: {row['output_tok_s']:.1f} tok/s = {row['x_baseline']:.2f}x {base}"
@@ -495,6 +543,32 @@ def throughput_plot(setting: Setting, table: pd.DataFrame, out: Path) -> list[Pa
     return _save(fig, out, "throughput")
 
 
+def trials_text(table: pd.DataFrame) -> str:
+    """How many trials (an engine process per cell) each configuration of the table ran in, and how
+    many times each process generated the batch, read off the cells themselves (never the
+    setting's description, which can say otherwise)."""
+    configurations = table["cell"].str.replace(r" #\d+$", "", regex=True)
+    trials = table.groupby(configurations, sort=False)["trial"].nunique()
+
+    def ran(n: int) -> str:
+        return "once" if n == 1 else f"in {n} trials"
+
+    counts = sorted(set(trials), reverse=True)
+    if len(counts) == 1:
+        every = "the configuration" if len(trials) == 1 else f"each of the {len(trials)} configurations"
+        text = f"Trials: {every} ran {ran(counts[0])}"
+    else:
+        text = "Trials: " + "; ".join(", ".join(trials.index[trials == n]) + f" ran {ran(n)}" for n in counts)
+    text += f" ({len(table)} cells, an engine process each"
+    if counts[0] > 1:
+        text += "; trial k ran its configurations once each, in the table's order, after trial k - 1"
+    repeats = sorted(set(table["repeats"])) if "repeats" in table else [1]
+    if repeats != [1]:
+        times = " or ".join("once" if r == 1 else "twice" if r == 2 else f"{r} times" for r in repeats)
+        text += f"; each process generated the batch {times}, medians reported"
+    return text + ")."
+
+
 def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str) -> str:
     lines = [f"# Throughput: {setting.name}", "", setting.purpose, "", f"Command: `{command}`", ""]
     workload = setting.workload
@@ -505,6 +579,7 @@ def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str)
     if setting.fixed_pool_text():
         lines.append(f"Fixed pool: {setting.fixed_pool_text()}; unlimited pool: "
                      f"{setting.pool_blocks(Cell(pool='unlimited'))} blocks (every request at full length).")
+    lines.append(trials_text(table))
     ratios = f"Ratios of output tok/s: x baseline = against {setting.baseline.name}" if setting.baseline else ""
     if setting.ceiling:
         ratios += f"; x ceiling = against {setting.ceiling.name}"
