@@ -6,12 +6,18 @@ queries of the request's newest W tokens as the attention layer received them (p
 at eviction time the attention those queries pay to the cached keys is recomputed in PyTorch:
 scaled dot products, causal within the window, softmax over the request's physical cache (the
 tokens still cached, as the kernel saw them).
+
+A score with a ``window`` option (SnapKV, H2O, LRU) is a ``WindowScore``: the option, its check and
+the ``query_window`` it declares live there, once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+
+from policies.score import Score
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,31 @@ def window_attention(window: Window, keys: torch.Tensor) -> torch.Tensor:
     logits[..., tokens - n :].masked_fill_(offsets[None, :] > offsets[:, None], float("-inf"))
     return torch.softmax(logits, dim=-1)
 
+
 def received_attention(window: Window, keys: torch.Tensor) -> torch.Tensor:
     """``[kv_heads, tokens]``: the attention each cached token received from the window's queries,
     summed over the queries and averaged over the query heads that share its KV head."""
     return window_attention(window, keys).sum(dim=2).mean(dim=1)
+
+
+@dataclass
+class WindowScore(Score):
+    """A score read from the attention that an observation window, the request's newest ``window``
+    queries in each layer (its option), pays the cached keys: the engine keeps those queries for it
+    and passes them as a ``Window``."""
+
+    # The score's rule keeps the window's own tokens (SnapKV): the window must leave budget to choose.
+    keeps_window: ClassVar[bool] = False
+
+    window: int = 32  # queries kept per request and layer
+
+    @property
+    def query_window(self) -> int:
+        return self.window
+
+    def check(self, budget, block_size, granularity):
+        if self.keeps_window:
+            if not 0 < self.window < budget:
+                raise ValueError(f"window must be in [1, budget={budget}), got {self.window}")
+        elif self.window < 1:
+            raise ValueError(f"window must be a positive number of queries, got {self.window}")

@@ -15,25 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from policies.attention import received_attention
+from policies.attention import WindowScore, received_attention
 from policies.registry import register_score
-from policies.score import Score
 
 
 @register_score("h2o", granularity="token")
 @dataclass
-class H2O(Score):
+class H2O(WindowScore):
     """H2O: attention totals over every query (heavy hitters) plus the recent tokens, per KV head."""
 
     accumulates: ClassVar[bool] = True
     share: ClassVar[str] = "head"  # totals and choices per layer and KV head
 
-    window: int = 32           # queries kept per request and layer (every query is counted)
+    # window (WindowScore): queries kept per request and layer (every query is counted)
     recent: int | None = None  # newest tokens always kept; None: half the budget (H2O's even split)
-
-    @property
-    def query_window(self) -> int:
-        return self.window
 
     def __call__(self, keys, values, window=None):
         return received_attention(window, keys)
@@ -47,5 +42,4 @@ class H2O(Score):
     def check(self, budget, block_size, granularity):
         if not 0 <= self.recent_tokens(budget) < budget:
             raise ValueError(f"recent must be in [0, budget={budget}), got {self.recent}")
-        if self.window < 1:
-            raise ValueError(f"window must be a positive number of queries, got {self.window}")
+        super().check(budget, block_size, granularity)

@@ -13,25 +13,20 @@ from typing import ClassVar
 
 import torch
 
-from policies.attention import window_attention
+from policies.attention import WindowScore, window_attention
 from policies.base import top_tokens
 from policies.registry import register_score
-from policies.score import Score
 
 
 @register_score("lru", granularity="token")
 @dataclass
-class LeastRecentlyUsed(Score):
+class LeastRecentlyUsed(WindowScore):
     """LRU: keep the tokens most recently among a query's most attended (or written)."""
 
     accumulates: ClassVar[bool] = True
 
-    window: int = 32  # queries kept per request and layer (every query is counted)
-    top_k: int = 16   # a query uses the top_k tokens it attends to most
-
-    @property
-    def query_window(self) -> int:
-        return self.window
+    # window (WindowScore): queries kept per request and layer (every query is counted)
+    top_k: int = 16  # a query uses the top_k tokens it attends to most
 
     def __call__(self, keys, values, window=None):
         """``[kv_heads, tokens]``: for each token, 1 + the index of the newest window query that used
@@ -54,7 +49,6 @@ class LeastRecentlyUsed(Score):
         return torch.where(counted > 0, counted - queries, before - queries)
 
     def check(self, budget, block_size, granularity):
-        if self.window < 1:
-            raise ValueError(f"window must be a positive number of queries, got {self.window}")
+        super().check(budget, block_size, granularity)
         if self.top_k < 1:
             raise ValueError(f"top_k must be a positive number of tokens, got {self.top_k}")

@@ -9,7 +9,8 @@ declares what the engine must give it and may keep for it:
 * ``static``: a token's score is fixed once its K/V is written (||V||/||K||, ||K||): the engine
   keeps scores per request and scores only the tokens written since the last eviction;
 * ``query_window`` W > 0: it also gets a ``Window``, the queries of the request's newest W tokens
-  in that layer (``policies.attention``), and reads attention;
+  in that layer (``policies.attention``), and reads attention; a score whose W is its ``window``
+  option derives from ``policies.attention.WindowScore``, which owns the option and its check;
 * ``accumulates``: its scores add up over the request's queries (H2O): the engine counts every
   query once and keeps the totals, which follow their tokens through compaction and block drops.
 

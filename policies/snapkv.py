@@ -17,9 +17,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from policies.attention import Window, received_attention
+from policies.attention import Window, WindowScore, received_attention
 from policies.registry import register_score
-from policies.score import Score
 
 
 def pooled_votes(window: Window, keys: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -33,17 +32,14 @@ def pooled_votes(window: Window, keys: torch.Tensor, kernel: int) -> torch.Tenso
 
 @register_score("snapkv", granularity="token", aliases={"snapkv_block": "block"})
 @dataclass
-class SnapKV(Score):
+class SnapKV(WindowScore):
     """SnapKV: the observation window's pooled attention votes, per KV head."""
 
     share: ClassVar[str] = "head"  # SnapKV selects per layer and KV head
+    keeps_window: ClassVar[bool] = True  # the window's own tokens stay: window < budget
 
-    window: int = 32  # observation window: the newest queries kept per request and layer
-    kernel: int = 5   # average-pooling kernel over the votes
-
-    @property
-    def query_window(self) -> int:
-        return self.window
+    # window (WindowScore): the observation window, the newest queries kept per request and layer
+    kernel: int = 5  # average-pooling kernel over the votes
 
     def __call__(self, keys, values, window=None):
         return pooled_votes(window, keys, self.kernel)
@@ -55,8 +51,7 @@ class SnapKV(Score):
         return self.window  # at block granularity: the blocks holding the window
 
     def check(self, budget, block_size, granularity):
-        if not 0 < self.window < budget:
-            raise ValueError(f"window must be in [1, budget={budget}), got {self.window}")
+        super().check(budget, block_size, granularity)
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
         window_blocks = -(-self.window // block_size)

@@ -91,8 +91,18 @@ class Ledger:
         fresh = Ledger(self.policy_name, self.budget, evicted=self.evicted, pool_blocks=self.pool_blocks)
         self.__dict__.update(fresh.__dict__)
 
+    def add_step(self, report) -> None:
+        """The worker's time and policy state of one step that ran an evicting request (its
+        ``EvictionReport``)."""
+        self.model_s += report.model_s
+        self.evict_s += report.evict_s
+        self.capture_s += report.capture_s
+        self.state_bytes_peak = max(self.state_bytes_peak, report.state_bytes)
+
     def snapshot(self) -> dict:
-        counts = self.totals.counts()
+        """The ledger as ``perf.json``'s ``kv`` record holds it (``harness.records.perf.kv_memory``
+        adds bytes): the engine's figures, its requests' counters (``EvictionCounters.counts``),
+        the worker's time."""
         return {
             "policy": self.policy_name,
             "budget": self.budget,
@@ -102,12 +112,9 @@ class Ledger:
             "kv_blocks_used_mean": self.used_blocks_sum / self.steps if self.steps else 0.0,
             "running_requests_peak": self.running_peak,
             "decode_blocks_peak": self.decode_blocks_peak,
-            "preempted_after_eviction": counts["preempted_after_eviction"],
-            "evictions": counts["evictions"],
-            "freed_blocks": counts["freed_blocks"],
-            "evicted_tokens": counts["evicted_tokens"],
-            "copied_tokens": counts["copied_tokens"],
-            "copy_target_blocks": counts["copy_target_blocks"],
+            **self.totals.counts(),
+            # In the counters' place: the worker's eviction time per step, which includes counting
+            # queries outside any eviction (the counters sum the evictions' own times).
             "evict_s": self.evict_s,
             "model_s": self.model_s,
             "evict_share_of_step": self.evict_s / self.model_s if self.model_s else 0.0,
@@ -488,11 +495,7 @@ class EvictionScheduler(Scheduler):
                 "its model runner is not patched (the kv_eviction vLLM plugin did not load in the worker "
                 "process; check VLLM_PLUGINS and that the harness is installed in this environment)",
             )
-            ledger = self.kv_ledger
-            ledger.model_s += report.model_s
-            ledger.evict_s += report.evict_s
-            ledger.capture_s += report.capture_s
-            ledger.state_bytes_peak = max(ledger.state_bytes_peak, report.state_bytes)
+            self.kv_ledger.add_step(report)
             for request_id, eviction in report.evictions.items():
                 self._settle(request_id, eviction, plan.step)
             for request_id, expected in list(self.kv_expected.items()):

@@ -328,13 +328,11 @@ def install() -> None:
         evictions = evict_after_step(self, state, scheduler_output)
         state.synchronize()
         finished = time.perf_counter()
-        for key, seconds in (("model_s", evict_started - started), ("evict_s", finished - evict_started),
-                             ("capture_s", capture_s)):
-            state.seconds[key] += seconds
-        attach(carrier, REPORT_ATTRIBUTE, EvictionReport(
-            evictions, model_s=evict_started - started, evict_s=finished - evict_started,
-            capture_s=capture_s, state_bytes=state.policy_state.nbytes(),
-        ))
+        report = EvictionReport(evictions, model_s=evict_started - started, evict_s=finished - evict_started,
+                                capture_s=capture_s, state_bytes=state.policy_state.nbytes())
+        for key in state.seconds:  # this rank's own sums of the report's seconds
+            state.seconds[key] += getattr(report, key)
+        attach(carrier, REPORT_ATTRIBUTE, report)
         return output
 
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache

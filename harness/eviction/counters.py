@@ -1,6 +1,11 @@
-"""What evictions did, counted once: the record the scheduler keeps per request, and the sums over
-an engine's requests (its ledger, ``harness.engine.scheduler.Ledger``) and over one cell's requests
-when cells share an engine (``harness.run.group.cell_kv``)."""
+"""What evictions did, counted once: ``EvictionCounters``, the one record of it.
+
+The scheduler keeps one per request (``RequestCounters``, under the settings the request evicted
+with) and their sum over the engine's requests (its ledger's ``totals``,
+``harness.engine.scheduler.Ledger``); a cell sharing an engine with other cells sums its own
+requests' (``harness.run.group.cell_kv``). A record knows its fields, how two of them add up
+(``+``, ``total``, ``over``) and how ``perf.json``'s ``kv`` record writes it (``counts``, in field
+order) and reads it back (``of``); nothing else names the fields."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
@@ -17,13 +22,19 @@ def by_phase() -> dict[str, int]:
 
 @dataclass(kw_only=True)
 class EvictionCounters:
+    # In the order perf.json's ``kv`` record writes them (``harness.engine.scheduler.Ledger.snapshot``).
+    preempted_after_eviction: int = 0  # preemptions that dropped a request's eviction state
     evictions: dict[str, int] = field(default_factory=by_phase)  # evictions that freed tokens, per phase
     freed_blocks: int = 0            # blocks returned to vLLM's pool (net of copy targets)
     evicted_tokens: int = 0
     copied_tokens: dict[str, int] = field(default_factory=by_phase)  # token slots compaction rewrote
     copy_target_blocks: int = 0      # blocks allocated so that compaction did not write cached ones
     evict_s: float = 0.0             # wall time of the evictions themselves
-    preempted_after_eviction: int = 0  # preemptions that dropped a request's eviction state
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        """The counters' names, in the order ``counts`` writes them."""
+        return tuple(f.name for f in fields(EvictionCounters))
 
     def record(self, eviction: Eviction, released_blocks: int, copy_target_blocks: int) -> None:
         """One eviction the scheduler applied: ``released_blocks`` went back to the pool, of which
@@ -37,27 +48,40 @@ class EvictionCounters:
         self.evicted_tokens += eviction.evicted_tokens
         self.copied_tokens[eviction.phase] += eviction.copied_tokens
 
+    def __add__(self, other: "EvictionCounters") -> "EvictionCounters":
+        """Counter by counter (a per-phase count phase by phase); a ``RequestCounters`` adds as its
+        counters alone."""
+        if not isinstance(other, EvictionCounters):
+            return NotImplemented
+        return EvictionCounters(**{name: _add(getattr(self, name), getattr(other, name)) for name in self.names()})
+
     def counts(self) -> dict:
-        """The counters alone, as plain data."""
-        return {f.name: getattr(self, f.name) for f in fields(EvictionCounters)} | {
-            "evictions": dict(self.evictions), "copied_tokens": dict(self.copied_tokens)}
+        """The counters alone, as plain data: how ``perf.json``'s ``kv`` record writes them."""
+        return {name: _plain(getattr(self, name)) for name in self.names()}
 
     @classmethod
     def of(cls, record: dict) -> "EvictionCounters":
         """The counters of a record read back as plain data (other keys ignored)."""
-        names = {f.name for f in fields(EvictionCounters)}
-        return EvictionCounters(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in record.items() if k in names})
+        names = EvictionCounters.names()
+        return EvictionCounters(**{key: _plain(value) for key, value in record.items() if key in names})
 
     @classmethod
     def total(cls, records: Iterable["EvictionCounters"]) -> "EvictionCounters":
-        total = EvictionCounters()
-        for record in records:
-            for name in ("freed_blocks", "evicted_tokens", "copy_target_blocks", "evict_s", "preempted_after_eviction"):
-                setattr(total, name, getattr(total, name) + getattr(record, name))
-            for phase in PHASES:
-                total.evictions[phase] += record.evictions[phase]
-                total.copied_tokens[phase] += record.copied_tokens[phase]
-        return total
+        return sum(records, EvictionCounters())
+
+    @classmethod
+    def over(cls, records: Iterable[dict | None]) -> "EvictionCounters":
+        """The sum of requests' records as the scheduler hands them over (plain data; None, a
+        request with no record, counts nothing)."""
+        return cls.total(cls.of(record) for record in records if record is not None)
+
+
+def _add(a, b):
+    return {phase: a[phase] + b[phase] for phase in PHASES} if isinstance(a, dict) else a + b
+
+
+def _plain(value):
+    return dict(value) if isinstance(value, dict) else value
 
 
 @dataclass(kw_only=True)

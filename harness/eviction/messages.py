@@ -52,7 +52,9 @@ class EvictionPlan:
 class EvictionReport:
     """Worker to scheduler: the evictions this step carried out (request id -> how its block list
     changed), how long the model and the evictions took (the model's time includes copying the
-    query window, ``capture_s`` of it), and the bytes of per-request policy state the worker holds."""
+    query window, ``capture_s`` of it), and the bytes of per-request policy state the worker holds.
+    The scheduler counts what each eviction did (``harness.eviction.counters``) and adds the step's
+    time to its ledger (``harness.engine.scheduler.Ledger.add_step``)."""
 
     evictions: dict[str, Eviction] = field(default_factory=dict)
     model_s: float = 0.0

@@ -157,19 +157,18 @@ def check_same_prompts(works: list[CellWork]) -> None:
 
 
 def cell_kv(ledger: dict | None, run: RunSettings, requests: list[dict | None]) -> dict | None:
-    """One cell's eviction ledger from its requests' counters, beside the shared engine's memory
-    figures (pool, peaks: those are the whole group's)."""
+    """One cell's eviction ledger: the shared engine's ledger with its counters replaced by the sum
+    of this cell's requests' (``EvictionCounters.over``); the memory figures (pool, peaks) stay the
+    whole group's."""
     if ledger is None:
         return None
-    totals = EvictionCounters.total(EvictionCounters.of(r) for r in requests if r is not None).counts()
-    cell = dict(ledger)
-    cell.update(totals)
-    cell.update({
+    return {
+        **ledger,
+        **EvictionCounters.over(requests).counts(),
         "policy": run.policy if run.evicts else None,
         "budget": run.budget if run.evicts else None,
         "budget_ratio": run.budget_ratio if run.evicts else None,
         "decode_eviction": run.decode_eviction,
         "shared_figures": ["kv_pool_blocks", "steps", "kv_blocks_used_peak", "kv_blocks_used_mean",
                            "running_requests_peak", "decode_blocks_peak", "model_s", "evict_share_of_step"],
-    })
-    return cell
+    }
