@@ -94,7 +94,7 @@ PAIRS = (
 CONTROL = Pair("full", {}, "no_press", {}, "control: no compression on either side (vLLM vs Hugging Face)")
 
 
-# --- pure logic (tested in tests/test_kvpress_parity.py) -----------------------------------------
+# --- pure logic (tested in tests/experiments/test_kvpress_parity.py) ---------------------------------
 
 def press_ratio(kept: int, prompt_tokens: int) -> float:
     """The compression ratio under which kvpress keeps exactly ``kept`` of ``prompt_tokens`` tokens:

@@ -18,7 +18,7 @@ time.
 
 Every section names the code versions its cells ran at (``harness.records.provenance.code_version``; the
 commit for results older than it): a table is comparable with another only at one code version,
-and the last section says how many there are. ``tests/test_claims.py`` checks that
+and the last section says how many there are. ``tests/experiments/test_claims.py`` checks that
 the committed RESULTS.md is this module's output and that every number the README and
 ``results/FINDINGS.md`` quote appears here.
 """
@@ -277,7 +277,7 @@ def verified_lines(folders: list[str], root: Path) -> list[str]:
 def render(root: Path = ROOT) -> str:
     parts = ["# Results", "",
              f"Written by `{COMMAND}` from the committed summaries; edit those (by rerunning their "
-             "commands), never this file: `tests/test_claims.py` fails when it differs from what they give. "
+             "commands), never this file: `tests/experiments/test_claims.py` fails when it differs from what they give. "
              "Intervals are 95%: BCa bootstrap over samples for accuracy, t over trials for throughput "
              "ratios. Significance is marked only after Holm's adjustment over each table's whole family "
              f"of comparisons (`*`: adjusted p < {SIGNIFICANCE:g}); an unmarked difference is undecided, "

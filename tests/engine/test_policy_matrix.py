@@ -1,0 +1,106 @@
+"""Every registered policy at every granularity (``tests/support/policy_matrix.py``, derived from the
+registry) in the real engine: one SmolLM2 engine runs them all in one batch through per-request
+settings, and each equals the plain reference that shares no code with policies/ or
+harness/engine/. The plain reference equals the harness's Hugging Face reference for the same
+matrix (``tests/unit/test_plain_reference.py``, on the tiny model), so the engine equals both. A newly
+registered score is checked here with no test edited. The attention-free ones also run in vLLM's
+compiled mode (``enforce_eager=false``) and equal their eager outputs."""
+from __future__ import annotations
+
+import pytest
+
+from policies import REGISTRY
+from tests.support.engine_support import (
+    BLOCK, assert_mostly_equal, assert_same_outputs, mixed_lengths, model_path, plain_policy, run_engine, text_prompts,
+)
+from tests.support.policy_matrix import MATRIX, MATRIX_IDS
+
+pytestmark = pytest.mark.engine
+
+BUDGET, NEW_TOKENS = 256, 64
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Two prompts of 500-900 tokens: both evict in prefill, and 64 new tokens evict in decode again."""
+    return text_prompts("smollm2", mixed_lengths(2, 500, 900, seed=2), seed=2)
+
+
+@pytest.fixture(scope="module")
+def matrix_run(tmp_path_factory, prompts):
+    settings = [{"policy": name, "budget": BUDGET, "options": options} for name, options in MATRIX for _ in prompts]
+    return run_engine(tmp_path_factory.mktemp("matrix"), "smollm2", prompts * len(MATRIX), NEW_TOKENS,
+                      request_eviction=settings)
+
+
+def outputs_of(run, case: int, count: int) -> list:
+    return run["outputs"][case * count : (case + 1) * count]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(prompts):
+    from tests.support.plain_reference import PlainReference
+
+    plain = PlainReference(model_path("smollm2"))
+    return [[plain.generate(prompt, NEW_TOKENS, plain_policy(name, BUDGET, BLOCK, options.get("granularity")))
+             for prompt in prompts] for name, options in MATRIX]
+
+
+@pytest.mark.parametrize("case", range(len(MATRIX)), ids=MATRIX_IDS)
+def test_engine_equals_the_plain_reference(matrix_run, plain_runs, prompts, case):
+    assert_mostly_equal(outputs_of(matrix_run, case, len(prompts)), [ids for ids, _ in plain_runs[case]])
+    assert all(counts["prefill"] == 1 and counts["decode"] >= 1 for _, counts in plain_runs[case])
+
+
+def test_engine_evicts_in_both_phases_returns_every_block_and_measures_the_capture(matrix_run, plain_runs, prompts):
+    ledger = matrix_run["ledger"]
+    assert ledger["evictions"]["prefill"] == len(MATRIX) * len(prompts)
+    assert ledger["evictions"]["decode"] == sum(c["decode"] for runs in plain_runs for _, c in runs)
+    assert matrix_run["free_blocks_after"] == matrix_run["free_blocks_before"] == ledger["kv_pool_blocks"]
+    reading = [name for name, _ in MATRIX if REGISTRY[name].reads_attention]
+    assert reading and 0 < ledger["capture_s"] < ledger["model_s"]
+    # Windows of at most 32 queries x 30 layers x 9 heads x 64 dims in float32 (2.2 MB) per live
+    # request, and per-(layer, head, token) totals or scores.
+    requests = len(MATRIX) * len(prompts)
+    assert 0 < ledger["policy_state_bytes_peak"] <= requests * (32 * 30 * 9 * 64 * 4 + 30 * 3 * 2048 * 4)
+
+
+ATTENTION_FREE = [index for index, (name, _) in enumerate(MATRIX) if not REGISTRY[name].reads_attention]
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory, prompts):
+    """The attention-free cases again, on an engine in vLLM's compiled mode (on CPU: TorchDynamo
+    traced once and compiled by Inductor, vllm/platforms/cpu.py:356-377)."""
+    settings = [{"policy": MATRIX[index][0], "budget": BUDGET, "options": MATRIX[index][1]}
+                for index in ATTENTION_FREE for _ in prompts]
+    return run_engine(tmp_path_factory.mktemp("compiled"), "smollm2", prompts * len(ATTENTION_FREE), NEW_TOKENS,
+                      request_eviction=settings, enforce_eager=False)
+
+
+def test_compiled_mode_gives_the_eager_outputs_for_every_attention_free_policy(matrix_run, compiled_run, prompts):
+    count = len(prompts)
+    eager = {key: [item for index in ATTENTION_FREE for item in matrix_run[key][index * count : (index + 1) * count]]
+             for key in ("outputs", "top_logprobs")}
+    assert len(ATTENTION_FREE) >= 10 and len(eager["outputs"]) == len(compiled_run["outputs"])
+    assert_same_outputs(eager, compiled_run)
+    assert matrix_run["perf"][0]["machine"]["compilation"] == "NONE"
+    assert compiled_run["perf"][0]["machine"]["compilation"] == "DYNAMO_TRACE_ONCE"
+    ledger = compiled_run["ledger"]
+    assert ledger["evictions"]["prefill"] == len(ATTENTION_FREE) * count and ledger["evictions"]["decode"] > 0
+    assert compiled_run["free_blocks_after"] == compiled_run["free_blocks_before"] == ledger["kv_pool_blocks"]
+
+
+def test_the_policy_state_the_worker_held_stays_within_its_prediction(matrix_run, prompts):
+    """The most per-request policy state the worker held at once (the ledger's peak) is at most the
+    sum of each request's predicted state (``harness.eviction.memory``), and the prediction is not
+    vacuous: within 4x of what was held."""
+    from harness.eviction.memory import predict
+    from harness.config.models import model_shape
+    from policies import make_policy
+
+    shape = model_shape(model_path("smollm2"), "float32")
+    predicted = sum(predict(make_policy(name, BUDGET, BLOCK, **options), shape, 1, 4096, None).per_request
+                    for name, options in MATRIX for _ in prompts)
+    held = matrix_run["ledger"]["policy_state_bytes_peak"]
+    assert 0 < held <= predicted < 4 * held

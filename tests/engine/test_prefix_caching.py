@@ -1,0 +1,102 @@
+"""Per-request eviction settings and eviction under prefix caching, in the real engine.
+
+With prefix caching on, every policy's outputs must equal its outputs with prefix caching off
+(near-tie rule), with mixed policies and budgets in one batch, requests sharing a prompt, and
+preemption; no block the prefix cache holds is ever written; the pool's free count returns to
+its start. Each engine runs in its own process (harness.engine.batch_run).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engine_support import assert_same_outputs, mixed_lengths, run_engine, text_prompts
+
+pytestmark = pytest.mark.engine
+
+# Eight requests, four prompts each asked twice, every policy at two budgets plus full cache:
+# prefill evictions (prompts 350-900 tokens over budgets of 128-256) and decode evictions
+# (80 new tokens cross budget + block again).
+MIXED = [
+    {"policy": "paged", "budget": 128}, {"policy": "knorm", "budget": 256}, {"policy": "streaming", "budget": 128},
+    {"policy": "full"}, {"policy": "keydiff", "budget": 192}, {"policy": "snapkv", "budget": 256},
+    {"policy": "h2o", "budget": 128}, {"policy": "paged_token", "budget": 128},
+]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("prefix_caching")
+
+
+@pytest.fixture(scope="module")
+def shared_prompts():
+    prompts = text_prompts("smollm2", mixed_lengths(4, 350, 900, seed=3), seed=5)
+    return prompts + prompts
+
+
+@pytest.fixture(scope="module")
+def without_cache(workdir, shared_prompts):
+    return run_engine(workdir, "smollm2", shared_prompts, 80, request_eviction=MIXED)
+
+
+def test_mixed_policies_in_one_batch_equal_each_policy_alone(workdir, shared_prompts, without_cache):
+    """Per-request settings: a batch mixing five policies and full cache gives each request what
+    an engine running only that request's settings gives it."""
+    for index in (0, 1, 3):
+        settings = MIXED[index]
+        alone = run_engine(workdir, "smollm2", [shared_prompts[index]], 80,
+                           eviction=settings if settings["policy"] != "full" else None)
+        assert_same_outputs({"outputs": [without_cache["outputs"][index]],
+                             "top_logprobs": [without_cache["top_logprobs"][index]]}, alone)
+
+
+def test_prefix_caching_changes_no_output_and_writes_no_cached_block(workdir, shared_prompts, without_cache):
+    with_cache = run_engine(workdir, "smollm2", shared_prompts, 80, request_eviction=MIXED,
+                            prefix_caching=True, warm_cache=True)
+    assert_same_outputs(without_cache, with_cache)
+    assert with_cache["ledger"]["evictions"] == without_cache["ledger"]["evictions"]
+    assert with_cache["ledger"]["evictions"]["decode"] > 0 and with_cache["ledger"]["evictions"]["prefill"] > 0
+    # Compaction wrote into blocks of the request's own instead of the cached prompt ...
+    assert with_cache["ledger"]["copy_target_blocks"] > 0
+    # ... so every block the warm-up registered still holds what its hash describes.
+    cached = with_cache["cached_blocks"]
+    assert cached["registered_before"] >= 4 and cached["still_registered"] == cached["registered_before"]
+    assert cached["changed"] == 0
+    assert with_cache["free_blocks_after"] == with_cache["free_blocks_before"]
+
+
+@pytest.mark.parametrize("policy", ["paged", "knorm"])
+def test_prefix_caching_under_preemption(workdir, policy):
+    """Eight requests on four short prompts (each asked twice) growing to 13 blocks in a 30-block
+    pool: the scheduler preempts requests that had evicted; they replay from the cached prompt
+    (hits stop at the prompt's end) and meet the same evictions again."""
+    prompts = text_prompts("tiny", [100, 130, 100, 130], seed=3)
+    prompts = prompts + prompts
+    settings = [{"policy": policy, "budget": 384}] * 6 + [{"policy": policy, "budget": 256}] * 2
+    roomy = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings)
+    tight = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings, prefix_caching=True,
+                       kv_blocks=30, max_model_len=900)
+    assert sum(tight["preemptions"]) > 0 and tight["ledger"]["preempted_after_eviction"] > 0
+    assert_same_outputs(roomy, tight)
+    assert tight["free_blocks_after"] == tight["free_blocks_before"]
+
+
+def test_requests_whose_copies_cannot_fit_stay_out_of_the_prefix_cache(workdir):
+    """A 600-token prompt at budget 512 needs 19 + 17 blocks to compact into copies, more than a
+    30-block pool: such requests neither take nor leave cached blocks and compact in place."""
+    prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
+    settings = {"policy": "paged", "budget": 512}
+    roomy = run_engine(workdir, "tiny", prompts, 300, eviction=settings)
+    tight = run_engine(workdir, "tiny", prompts, 300, eviction=settings, prefix_caching=True, kv_blocks=30,
+                       max_model_len=900)
+    assert sum(tight["preemptions"]) > 0
+    assert_same_outputs(roomy, tight)
+    assert tight["free_blocks_after"] == tight["free_blocks_before"]
+
+
+def test_a_bad_request_is_refused_with_the_reason(workdir):
+    """Offline, vLLM's validation refuses the whole call (``vllm serve`` refuses just that request:
+    test_serve)."""
+    prompts = text_prompts("tiny", [300, 300], seed=1)
+    with pytest.raises(RuntimeError, match="not a multiple of block_size=32"):
+        run_engine(workdir, "tiny", prompts, 8, request_eviction=[{"policy": "paged", "budget": 100}, None])

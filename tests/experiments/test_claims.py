@@ -1,0 +1,73 @@
+"""The documents' numbers come from the committed summaries: RESULTS.md is generated from them, and
+every number the README's Results section and FINDINGS.md quote appears in RESULTS.md or in the
+summary its paragraph names (``harness.analysis.report``)."""
+from __future__ import annotations
+
+import pytest
+
+from harness.analysis import report
+from tests.support import ROOT
+
+
+def test_results_md_is_what_the_summaries_give():
+    committed = (ROOT / report.OUT).read_text()
+    assert committed == report.render(ROOT), "results/RESULTS.md is stale: run `python -m harness.analysis.report`"
+
+
+def test_every_quoted_number_is_in_a_summary():
+    assert report.check_documents(ROOT) == []
+
+
+def findings() -> str:
+    return (ROOT / "results/FINDINGS.md").read_text()
+
+
+@pytest.mark.parametrize("quoted, changed", [
+    ("+17.89", "+17.98"),   # a typo in a difference
+    ("-0.022", "+0.022"),   # a sign flipped
+    ("29.89", "29.9"),      # a number rounded twice
+    ("9.86%", "9.8%"),
+])
+def test_a_changed_number_is_caught(quoted, changed):
+    """What the check can catch: a number no named summary holds. What it cannot: a sign flipped
+    to one the summary prints for the reverse comparison (its tables show both directions), or a
+    number attached to the wrong comparison; those stay the reader's and the reviewer's."""
+    text = findings()
+    assert quoted in text, f"the test's example {quoted} is no longer quoted in FINDINGS.md: pick another"
+    problems = report.unsupported(text.replace(quoted, changed, 1), ROOT)
+    assert any(problem.startswith(changed.rstrip("%") + ":") for problem in problems), problems
+
+
+def test_a_number_from_an_unnamed_summary_is_caught():
+    """-0.022 is in results/proxy_quality/summary.md: quoted where no paragraph or heading names
+    that summary, it is not backed."""
+    paragraph = "## Elsewhere\n\nThe rank correlation is -0.022 (-0.028, -0.015)."
+    assert report.unsupported(paragraph, ROOT)
+    named = "## Proxy (`results/proxy_quality/summary.md`)\n\nThe rank correlation is -0.022 (-0.028, -0.015)."
+    assert report.unsupported(named, ROOT) == []
+
+
+def test_identifiers_and_code_are_not_claims():
+    text = "Run `vllm 0.32.0` with Llama-3.1-8B (arXiv `2509.04377`); [link](results/x_1.5.md) and 1 of the rest."
+    assert report.quoted(text) == []
+    assert report.quoted("It reached 2.04x, 11.13% and 6 of 36.") == ["2.04", "11.13", "6 of 36"]
+
+
+def test_section_reads_to_the_next_heading_of_its_level():
+    text = "# T\n\n## Results\n\nSee 1.5.\n\n### Sub\n\n2.5\n\n## Next\n\n3.5\n"
+    assert report.quoted(report.section(text, "## Results")) == ["1.5", "2.5"]
+
+
+def test_a_ratio_may_carry_its_x():
+    """A ratio quoted as the summaries write it, "0.92x", is read as 0.92 and found where a summary
+    writes 0.92x; the x ends the number only where a word would begin after it."""
+    assert report.quoted("H2O at 0.92x PagedEviction (0.89x-0.95x), on Llama-3.1-8B") == ["0.92", "0.89", "0.95"]
+    source = "h2o b512 over 3 trials: 1.52x full cache (1.43-1.60); 0.92x PagedEviction (0.89-0.95)"
+    assert report.appears("0.92", source) and report.appears("1.52", source)
+    assert not report.appears("0.9", source) and not report.appears("+0.92", source)
+    assert not report.appears("0.92", "a 0.92xyz token") and not report.appears("0.92", "0.92x3")
+    paragraph = ("## Attention (`results/throughput/attention/summary.md`)\n\n"
+                 "H2O reaches 0.92x PagedEviction's output tok/s (0.89-0.95) and 1.52x full cache.")
+    assert report.unsupported(paragraph, ROOT) == []
+    wrong = report.unsupported(paragraph.replace("0.92x", "0.82x"), ROOT)  # 0.82 is in neither document
+    assert [problem.split(":")[0] for problem in wrong] == ["0.82"]

@@ -1,0 +1,61 @@
+"""The regeneration plan names steps that exist and runs nothing in --plan mode."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.support import ROOT
+
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import regenerate  # noqa: E402
+import throughput  # noqa: E402
+
+
+def test_every_step_runs_something_that_exists():
+    names = [step.name for step in regenerate.STEPS]
+    assert len(names) == len(set(names))
+    for step in regenerate.STEPS:
+        for command in step.commands:
+            if "run.py" in command:
+                experiment = next(a for a in command if a.startswith("+experiment=")).split("=", 1)[1]
+                assert (ROOT / "conf" / "experiment" / f"{experiment}.yaml").exists(), step.name
+            if "experiments/throughput.py" in command:
+                assert command[command.index("experiments/throughput.py") + 1] in throughput.SETTINGS, step.name
+
+
+def test_trials_interleave_every_configuration():
+    setting = throughput.with_trials(throughput.SETTINGS["attention"], 3)
+    first = [cell for cell in setting.cells if cell.trial == 1]
+    assert [cell.trial for cell in setting.cells] == [t for t in (1, 2, 3) for _ in first]
+    assert {cell.policy for cell in first} >= {"full", "paged", "snapkv", "h2o", "lru"}  # the once-only cells too
+    assert setting.baseline.trial == 1
+
+
+def test_plan_prints_every_step_and_runs_nothing():
+    before = {p: p.stat().st_mtime for p in (ROOT / "results").glob("*/summary.csv")}
+    out = subprocess.run([sys.executable, "experiments/regenerate.py", "--plan"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    for step in regenerate.STEPS:
+        assert step.name in out
+    assert "code version" in out
+    assert {p: p.stat().st_mtime for p in (ROOT / "results").glob("*/summary.csv")} == before
+
+
+def test_unknown_step_is_refused_with_the_valid_ones():
+    done = subprocess.run([sys.executable, "experiments/regenerate.py", "--only", "nope"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "unknown step(s) nope" in done.stderr and "cpu_accuracy" in done.stderr
+
+
+def test_the_ruler_experiment_says_how_its_committed_results_ran():
+    """conf/experiment/ruler_ratios.yaml's comments give the command of the regeneration's RULER
+    step, every override in it (its own defaults make a smaller run, not the committed one)."""
+    (step,) = [step for step in regenerate.STEPS if step.name == "ruler"]
+    run = next(command for command in step.commands if "run.py" in command)
+    overrides = run[run.index("+experiment=ruler_ratios") + 1:]
+    comments = "\n".join(line for line in (ROOT / "conf/experiment/ruler_ratios.yaml").read_text().splitlines()
+                         if line.startswith("#"))
+    assert overrides and all(override in comments for override in overrides), overrides
+    assert "As committed (results/ruler_pilot)" not in comments

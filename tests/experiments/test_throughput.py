@@ -1,0 +1,194 @@
+"""The throughput benchmark (harness.bench.throughput, experiments/throughput.py): settings are
+checked before any engine starts, and its report lines say what the trials measured. The small
+real run showing the mechanism the paper's claim rests on: tests/engine/test_throughput.py."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import pandas as pd
+
+from harness.analysis.stats import ratio_interval
+from harness.bench.throughput import Cell, Setting, check_setting, engine_spec, overhead_lines, trial_lines
+from tests.support import ROOT
+from tests.support.throughput import CEILING, FULL, PAGED, TINY, setting
+
+sys.path.insert(0, str(ROOT / "experiments"))
+import throughput as experiment  # noqa: E402
+
+
+def test_pools_are_sized_in_full_length_requests():
+    s = setting(FULL, CEILING)
+    assert TINY.blocks_per_request == 16
+    assert s.pool_blocks(FULL) == 16 and s.pool_blocks(CEILING) == 64
+    spec = engine_spec(s, PAGED, [[1, 2]], "/m")
+    assert spec["kv_blocks"] == 17, "one more for vLLM's null block"
+    assert spec["eviction"] == {"policy": "paged", "budget": 64} and "eviction" not in engine_spec(s, FULL, [[1]], "/m")
+    assert engine_spec(s, Cell("full", stock=True), [[1]], "/m")["stock"] is True
+
+
+def test_a_pool_sized_at_a_budget_holds_every_request_there():
+    s = Setting("tiny", "test", TINY, (FULL, PAGED, CEILING), fixed_pool_budget=64)
+    assert s.pool_blocks(FULL) == 4 * (64 // 32 + 1) == 12, "two budget blocks and the one filling, per request"
+    assert s.fixed_pool_text() == "12 blocks: every request at budget 64 (3 blocks each), 0.8 at full length"
+    assert setting(FULL).fixed_pool_text() == "16 blocks: 1 requests at full length"
+
+
+def test_overhead_is_the_median_of_back_to_back_trials():
+    rows = [("stock", 1, 100.0), ("full", 1, 101.0), ("stock", 2, 90.0), ("full", 2, 89.1), ("stock", 3, 110.0),
+            ("full", 3, 110.0)]
+    table = pd.DataFrame([{"policy.name": p, "trial": t, "output_tok_s": v, "pool": "unlimited"} for p, t, v in rows])
+    assert overhead_lines(table) == [
+        "patched engine, eviction off, vs stock vLLM: +0.00% output tok/s (median of 3 back-to-back trials; "
+        "trials range -1.00% to +1.00%; 95% interval -2.46% to +2.51%; target within 2%)"
+    ]
+    compiled = pd.DataFrame([{"policy.name": p, "trial": t, "output_tok_s": v * 1.5, "pool": "unlimited",
+                              "enforce_eager": False} for p, t, v in rows])
+    both = pd.concat([table.assign(enforce_eager=True), compiled])
+    lines = overhead_lines(both)
+    assert lines[1].startswith("compiled mode: patched engine, eviction off, vs stock vLLM: +0.00% output tok/s")
+    assert lines[2].startswith("patched engine in eager mode (eviction off) vs stock vLLM at the platform's defaults "
+                               "(compiled): -33.33% output tok/s (median of 3")
+    assert overhead_lines(table[table["trial"] == 1])[0].startswith(
+        "patched engine, eviction off, vs stock vLLM: +1.00% output tok/s (median of 1 back-to-back trial;")
+    assert Cell("full", trial=2).slug == "full__fixed-pool__trial-2"
+
+
+def test_a_ratio_over_trials_is_a_geometric_mean_with_a_t_interval():
+    ratio = ratio_interval([2.0, 2.0, 2.0])
+    assert (ratio.estimate, ratio.low, ratio.high, ratio.samples) == (pytest.approx(2.0), pytest.approx(2.0),
+                                                                      pytest.approx(2.0), 3)
+    spread = ratio_interval([1.0, 4.0])  # logs 0 and 2 ln 2: mean ln 2, sd sqrt(2) ln 2, t(1) = 12.706
+    assert spread.estimate == pytest.approx(2.0)
+    assert spread.high == pytest.approx(2.0 * 2.0 ** 12.706) and spread.low == pytest.approx(2.0 / 2.0 ** 12.706)
+    with pytest.raises(ValueError, match="at least two trials"):
+        ratio_interval([1.5])
+
+
+def test_trials_give_each_policy_ratios_against_full_cache_and_paged_of_the_same_trial():
+    rows = [("full", None, 1, 100.0), ("paged", 512, 1, 200.0), ("snapkv", 512, 1, 150.0),
+            ("full", None, 2, 50.0), ("paged", 512, 2, 100.0), ("snapkv", 512, 2, 75.0),
+            ("knorm", 512, 1, 120.0)]  # knorm ran once: no interval
+    table = pd.DataFrame([{"policy.name": p, "budget": b, "trial": t, "output_tok_s": v, "pool": "fixed",
+                           "tensor_parallel_size": 1, "evict_share": 0.1 * t if p == "snapkv" else None,
+                           "capture_share": 0.01 if p == "snapkv" else None} for p, b, t, v in rows])
+    lines = trial_lines(setting(FULL), table)
+    assert lines[0] == "paged b512 over 2 trials: 2.00x full cache (2.00-2.00)"
+    # snapkv: 0.75x paged in both trials although the machine ran at half speed in trial 2;
+    # shares 11% and 21%: mean 16, t(1) x sd/sqrt(2) = 12.706 x 5 = 63.5
+    assert lines[1] == ("snapkv b512 over 2 trials: 1.50x full cache (1.50-1.50); 0.75x PagedEviction (0.75-0.75); "
+                        "eviction + capture 16.00% of model step time (0.00-79.53)")
+    assert len(lines) == 2
+
+
+@pytest.mark.parametrize(
+    "cell, message",
+    [
+        (Cell("paged", 80), "not a multiple of block_size"),
+        (Cell("paged", 512), "never evicts"),
+        (Cell("nosuch", 64), "nosuch"),
+    ],
+)
+def test_a_setting_that_cannot_measure_is_refused(cell, message):
+    with pytest.raises(ValueError, match=message):
+        check_setting(setting(FULL, cell))
+
+
+def test_ambiguous_settings_are_refused():
+    with pytest.raises(ValueError, match="not both"):
+        check_setting(Setting("tiny", "test", TINY, (FULL,), fixed_pool_requests=1, fixed_pool_budget=64))
+    with pytest.raises(ValueError, match="distinct trials"):
+        check_setting(setting(FULL, Cell("full")))
+    check_setting(setting(FULL, Cell("full", trial=2)))
+
+
+def test_every_shipped_setting_is_valid():
+    for s in experiment.SETTINGS.values():
+        check_setting(s)
+        assert s.baseline in s.cells and (s.ceiling is None or s.ceiling in s.cells), s.name
+
+
+def test_the_gpu_setting_is_refused_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        experiment.main(["paper"])
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_the_recomputation_floor_is_the_window_attention_over_the_steps_flops():
+    from harness.config.models import ModelShape
+    from harness.bench.throughput import LLAMA_31_8B, recompute_share
+
+    # One layer, one head of dim 1, 10 parameters: a window of 2 queries over 4 cached keys costs
+    # 2 x (2 x 4) = 16 FLOPs; each of the 4 steps between evictions 2 x 10 + 2 x (2 x 4) = 36.
+    assert recompute_share(ModelShape(1, 1, 1, 1, 4), 10, window=2, cached=4, block=4) == pytest.approx(16 / (4 * 36))
+    # The paper's model spends under 1% of its decode FLOPs on SnapKV's window at budget 512.
+    assert recompute_share(*LLAMA_31_8B, window=32, cached=544, block=32) < 0.01
+
+
+def test_the_trials_line_reads_the_cells_not_the_description():
+    """The attention setting's description once said four policies ran three trials and "the rest
+    once" when every one had run three: the summary now counts trials from the cells."""
+    from harness.bench.throughput import trials_text
+
+    every = pd.DataFrame([{"cell": f"{p} / fixed pool" + (f" #{t}" if t > 1 else ""), "trial": t, "repeats": 1}
+                          for t in (1, 2, 3) for p in ("full", "paged b512", "knorm b512")])
+    assert trials_text(every) == (
+        "Trials: each of the 3 configurations ran in 3 trials (9 cells, an engine process each; trial k ran its "
+        "configurations once each, in the table's order, after trial k - 1).")
+    some = every[(every["trial"] == 1) | ~every["cell"].str.startswith("knorm")].assign(repeats=3)
+    assert trials_text(some) == (
+        "Trials: full / fixed pool, paged b512 / fixed pool ran in 3 trials; knorm b512 / fixed pool ran once "
+        "(7 cells, an engine process each; trial k ran its configurations once each, in the table's order, after "
+        "trial k - 1; each process generated the batch 3 times, medians reported).")
+    assert trials_text(every[every["trial"] == 1]) == (
+        "Trials: each of the 3 configurations ran once (3 cells, an engine process each).")
+    assert "the rest once" not in experiment.SETTINGS["attention"].purpose
+
+
+def fake_cell(setting, cell, tok_s: float) -> dict:
+    """A stored cell as run_setting writes it, with the fields the report reads."""
+    from dataclasses import asdict
+
+    perf = {"output_tokens_per_s": tok_s, "total_tokens_per_s": 2 * tok_s, "wall_s": 10.0,
+            "tpot_s": {"p50": 0.01}, "ttft_s": {"p50": 0.5}, "latency_s": {"p90": 2.0}, "preemptions": 0,
+            "kv": {"evict_share_of_step": 0.01 if cell.policy != "full" else 0.0}, "ranks": []}
+    return {"setting": setting.name, "cell": asdict(cell), "workload": asdict(setting.workload), "provenance": {},
+            "pool_blocks": 10, "perf": [perf] * cell.repeats}
+
+
+def test_a_summary_is_rewritten_from_the_cells_on_disk_alone(tmp_path, capsys):
+    """--summary-only starts no engine: the table comes from cells/*.json, the summary names the
+    command that measured them, and a missing or foreign cell is refused, not skipped."""
+    import json
+
+    from harness.bench.throughput import summarize_setting
+
+    setting = experiment.with_trials(experiment.SETTINGS["latency"], 2)
+    (tmp_path / "cells").mkdir()
+    for cell in setting.cells:
+        stored = fake_cell(setting, cell, 10.0 if cell.policy == "full" else 12.0)
+        (tmp_path / "cells" / f"{cell.slug}.json").write_text(json.dumps(stored))
+    table = summarize_setting(setting, tmp_path)
+    assert list(table["cell"]) == [cell.name for cell in setting.cells]
+    assert list(table["x_baseline"]) == pytest.approx([1.0, 1.2, 1.0, 1.2])
+    assert experiment.main(["latency", "--trials", "2", "--summary-only", "--out", str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Command: `python experiments/throughput.py latency --trials 2 --out " in summary
+    assert "--summary-only" not in summary
+    assert ("Trials: each of the 2 configurations ran in 2 trials (4 cells, an engine process each; trial k ran its "
+            "configurations once each, in the table's order, after trial k - 1; each process generated the batch 3 "
+            "times, medians reported).") in summary
+    # The setting's own trials (one) do not match the cells of two: refused, naming the extra ones.
+    with pytest.raises(ValueError, match="does not name .*trial-2"):
+        summarize_setting(experiment.SETTINGS["latency"], tmp_path)
+    next((tmp_path / "cells").glob("*trial-2.json")).unlink()
+    with pytest.raises(ValueError, match="not measured on this workload"):
+        summarize_setting(setting, tmp_path)
+    capsys.readouterr()
+    assert experiment.main(["latency", "--trials", "2", "--summary-only", "--out", str(tmp_path)]) == 2
+    assert "not measured" in capsys.readouterr().err

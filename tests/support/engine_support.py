@@ -1,0 +1,83 @@
+"""Shared helpers for engine tests: real-text prompts, engines in their own processes, the oracle."""
+from __future__ import annotations
+
+import math
+import random
+from functools import cache
+from pathlib import Path
+
+from harness.tasks.embedded.token_prompts import token_prompts
+from harness.engine.batch_run import run_in_subprocess
+from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
+from harness.analysis.regression import TIE_NATS, first_difference, parting
+
+BLOCK = 32
+MODELS = {"tiny": "tiny-llama", "smollm2": "smollm2-135m-instruct"}
+
+
+@cache
+def model_path(model: str) -> str:
+    return resolve_model_path(EMBEDDED_PREFIX + MODELS[model])
+
+
+def mixed_lengths(count: int, low: int, high: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(low, high) for _ in range(count)]
+
+
+def text_prompts(model: str, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    return token_prompts(model_path(model), lengths, seed)
+
+
+def run_engine(tmp_path: Path, model: str, prompts, max_new_tokens: int, **spec) -> dict:
+    """One engine configuration in a fresh process (python -m harness.engine.batch_run)."""
+    spec = {
+        "model_path": model_path(model), "prompts": prompts, "max_new_tokens": max_new_tokens,
+        "block_size": BLOCK, "max_model_len": 4096, "top_logprobs": 3, **spec,
+    }
+    return run_in_subprocess(spec, tmp_path, timeout_s=1800)
+
+
+def plain_policy(name: str, budget: int, block: int = BLOCK, granularity: str | None = None):
+    """The plain reference's rule for a registered policy at its default options: its score (an
+    alias names its base score), its granularity and the selection options it is configured with."""
+    from tests.support.plain_reference import PlainPolicy
+    from policies import REGISTRY
+
+    entry = REGISTRY[name]
+    if granularity in (None, entry.granularity):
+        options = {key: entry.options[key] for key in ("per_head", "protect_edges", "weights") if key in entry.options}
+        return PlainPolicy(entry.alias_of or name, entry.granularity, budget, block, **options)
+    return PlainPolicy(name, granularity, budget, block, weights=entry.options.get("weights"))
+
+
+def reference_outputs(model: str, policy, prompts, max_new_tokens: int) -> list[list[int]]:
+    from harness.eviction.hf_reference import HFReferenceEngine
+
+    engine = HFReferenceEngine(model_path(model), policy)
+    return [engine.generate(prompt, max_new_tokens) for prompt in prompts]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    at = first_difference(a, b)
+    return len(a) if at is None else at
+
+
+def assert_mostly_equal(engine: list[list[int]], reference: list[list[int]]) -> None:
+    """Engine outputs against a reference engine's (Hugging Face, no top log-probabilities to apply
+    the near-tie rule with): at least 95% identical, and any that differ agree for 16 tokens."""
+    equal = sum(e == r for e, r in zip(engine, reference))
+    prefixes = [common_prefix(e, r) for e, r in zip(engine, reference)]
+    assert equal >= math.ceil(0.95 * len(engine)), f"{equal}/{len(engine)} equal; common prefixes {prefixes}"
+    assert min(prefixes) >= 16, f"a differing output diverged early: {prefixes}"
+
+
+def assert_same_outputs(expected: dict, actual: dict, tie_nats: float = TIE_NATS) -> None:
+    """Two engine runs generated the same tokens: each request's output is identical, or the two
+    part at a position where both runs saw a near-tie (the two tokens within ``tie_nats`` of each
+    other in each run's own log-probabilities; ``harness.analysis.regression.parting``). A real
+    disagreement, even by one token, fails and names the request."""
+    assert len(expected["outputs"]) == len(actual["outputs"])
+    for index, (want, got) in enumerate(zip(expected["outputs"], actual["outputs"])):
+        why = parting(want, got, expected["top_logprobs"][index], actual["top_logprobs"][index], tie_nats)
+        assert why is None, f"request {index} {why}"

@@ -1,0 +1,331 @@
+"""Each policy's published rule applied directly to a Hugging Face ``DynamicCache``.
+
+The oracle for eviction *semantics*: it imports nothing from ``policies/`` or ``harness/engine/``,
+so a wrong decision there cannot hide in shared code. Written from the papers and the project's
+decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, float32:
+
+* RoPE positions stay logical while the cache shrinks (cache positions are physical);
+* prefill eviction follows the forward pass over the whole prompt, when the prompt exceeds the
+  budget C; decode eviction follows a step after which the cache holds C + B tokens or more and
+  a whole number of blocks B;
+* scores are compared at 11 significant bits, ties going to the earlier token (the harness's
+  documented tie rule, so last-bit differences between two engines' K/V cannot flip a choice);
+* attention-aware rules (SnapKV, H2O) read the queries of the newest W tokens: here each layer's
+  query projection is recomputed from the attention module's input and rotated (RoPE) by hand,
+  and attention is recomputed at eviction time over the cache as it is then (causal within the
+  window), the harness's documented semantics.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+EPS = 1e-6
+LEARNED_WEIGHTS = Path(__file__).resolve().parents[2] / "policies" / "learned_scorer.json"
+
+
+def rounded(scores: torch.Tensor) -> torch.Tensor:
+    """Scores with 11 significant bits."""
+    exponent = torch.floor(torch.log2(scores.abs().clamp_min(1e-30))) + 1
+    step = torch.pow(2.0, exponent - 11)
+    return torch.where(scores == 0, scores, torch.round(scores / step) * step)
+
+
+def best_positions(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions (ascending) of the ``count`` highest scores along the last axis, earlier wins ties."""
+    positions = torch.arange(scores.shape[-1]).expand_as(scores)
+    # Sort by score descending, then by position ascending (lexsort by two stable sorts).
+    by_position = torch.argsort(positions, dim=-1, stable=True)
+    order = torch.argsort(-rounded(scores).gather(-1, by_position), dim=-1, stable=True)
+    chosen = by_position.gather(-1, order)[..., :count]
+    return chosen.sort(dim=-1).values
+
+
+def keep_with_edges(scores: torch.Tensor, first: int, last: int, total: int) -> torch.Tensor:
+    """Always the first ``first`` and last ``last`` tokens, the best of the rest up to ``total``."""
+    length = scores.shape[-1]
+    middle = best_positions(scores[..., first : length - last], total - first - last) + first
+    lead = scores.shape[:-1]
+    return torch.cat([torch.arange(first).expand(*lead, first), middle,
+                      torch.arange(length - last, length).expand(*lead, last)], dim=-1)
+
+
+def keydiff(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The keys least aligned with their head's mean key direction score highest."""
+    unit = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    anchor = unit.mean(dim=1, keepdim=True)
+    anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return -(unit * anchor).sum(dim=-1)
+
+
+def learned(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The trained scorer: its committed weights (data, read here) times log-norm features."""
+    fitted = json.loads(LEARNED_WEIGHTS.read_text())
+    a, b = torch.log(k.norm(dim=-1) + 1e-6), torch.log(v.norm(dim=-1) + 1e-6)
+    named = {"log_key_norm": a, "log_value_norm": b, "log_key_norm^2": a * a, "log_value_norm^2": b * b,
+             "log_key_norm*log_value_norm": a * b}
+    return sum(weight * named[name] for name, weight in zip(fitted["features"], fitted["weights"]))
+
+
+# Attention-free scores by name, from one layer's ``[heads, tokens, dim]`` K/V: ``[heads, tokens]``,
+# higher = keep.
+KV_SCORES = {
+    "paged": lambda k, v: v.norm(dim=-1) / k.norm(dim=-1).clamp_min(EPS),  # ||V|| / ||K||
+    "knorm": lambda k, v: -k.norm(dim=-1),                                 # the lowest key norms kept
+    "keydiff": keydiff,
+    "value_norm": lambda k, v: v.norm(dim=-1),                             # the longest values kept
+    "learned": learned,
+    "recency": lambda k, v: torch.arange(k.shape[1], dtype=torch.float32).expand(k.shape[0], -1),
+}
+TOP_K = 16  # LRU: a query uses the tokens it attends to most
+WINDOW = 32  # observation window of the attention-aware rules (queries)
+# Attention-aware scores: which tokens their rule always keeps at token granularity (first, last),
+# given the budget C and block B, and whether they choose per KV head or per layer.
+# "newest": newest tokens kept at any granularity (at block granularity, the blocks holding them).
+ATTENTION_RULES = {
+    "snapkv": {"edges": lambda C, B: (0, WINDOW), "share": "head", "newest": WINDOW},
+    "h2o": {"edges": lambda C, B: (0, C // 2), "share": "head"},
+    "tova": {"edges": lambda C, B: (0, 0), "share": "layer"},
+}
+
+
+def attention_received(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[kv heads, tokens]``: attention each cached token got from ``queries`` ``[n, query heads,
+    dim]`` (the newest n tokens, in the last n slots), summed over queries, averaged over the
+    query heads reading each KV head. ``keys``: ``[kv heads, tokens, dim]``."""
+    n, query_heads, _ = queries.shape
+    kv_heads, length, _ = keys.shape
+    per_query_head = []
+    for h in range(query_heads):
+        k = keys[h * kv_heads // query_heads]
+        logits = queries[:, h] @ k.T * scale  # [n, tokens]
+        for i in range(n):
+            logits[i, length - n + i + 1:] = float("-inf")
+        per_query_head.append(torch.softmax(logits, dim=-1).sum(dim=0))
+    return torch.stack(per_query_head).view(kv_heads, query_heads // kv_heads, length).mean(dim=1)
+
+
+def average_pool(votes: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Mean over a centred window of ``kernel`` positions, positions off either end counting 0."""
+    length = votes.shape[-1]
+    out = torch.zeros_like(votes)
+    for offset in range(-(kernel // 2), kernel // 2 + 1):
+        lo, hi = max(0, -offset), min(length, length - offset)
+        out[..., lo:hi] += votes[..., lo + offset:hi + offset]
+    return out / kernel
+
+
+class PlainPolicy:
+    """A rule, by its score and selection parameters: which cached tokens stay, as
+    ``[layers, heads, kept]`` indices, or in decode at block granularity the block that leaves.
+
+    ``score``: a ``KV_SCORES`` or ``ATTENTION_RULES`` name, or "streaming" (4 sinks + recent).
+    ``granularity``: "token" (the budget's best tokens, first and last block protected unless the
+    rule names its edges, compacted) or "block" (PagedEviction's rule: first block, the last
+    ``B + L mod B`` tokens and the best middle after prefill; the lowest-mean full block in decode;
+    a rule that keeps its newest tokens keeps every block holding them).
+    ``per_head``: one choice per layer and KV head, or one per request from the mean over layers and
+    heads (token default True, block default False; rules that fix it ignore it).
+    """
+
+    def __init__(self, score: str, granularity: str, budget: int, block: int, per_head: bool | None = None,
+                 protect_edges: bool = True, weights: dict | None = None, decode_eviction: bool = True):
+        self.score, self.granularity, self.budget, self.block = score, granularity, budget, block
+        self.decode_eviction = decode_eviction  # False: the prompt is compressed, the answer never
+        self.per_head = (granularity == "token") if per_head is None else per_head
+        self.protect_edges = protect_edges
+        self.weights = weights or {}  # hybrid: score name -> weight
+        self.reset()
+
+    @property
+    def counts_queries(self) -> bool:
+        """Rules whose state sums up every query (H2O's totals, LRU's ages)."""
+        return self.score in ("h2o", "lru")
+
+    def reset(self) -> None:
+        """A new request: the state of H2O (attention totals) and LRU (ages) starts empty."""
+        self.totals: torch.Tensor | None = None
+
+    def count(self, keys: list[torch.Tensor], queries: list[torch.Tensor], scale: float) -> None:
+        """Fold ``queries`` (the step's newest tokens, oldest first) into the state: H2O adds the
+        attention each paid every cached token to its total (new tokens start from zero); LRU takes
+        them one at a time: every token ages by one, and the tokens a query attends to most (and
+        the one it wrote) become zero old."""
+        length = keys[0].shape[1]
+        old = torch.zeros(len(keys), keys[0].shape[0], length)
+        if self.totals is not None:
+            old[..., : self.totals.shape[-1]] = self.totals
+        if self.score == "h2o":
+            self.totals = old + torch.stack([attention_received(q, k, scale) for q, k in zip(queries, keys)])
+            return
+        for layer, (q, k) in enumerate(zip(queries, keys)):
+            for i in range(q.shape[0]):
+                slot = length - q.shape[0] + i
+                old[layer, :, : slot + 1] += 1
+                seen = attention_received(q[i : i + 1], k[:, : slot + 1], scale)  # [kv heads, slot + 1]
+                used = best_positions(seen, min(TOP_K, slot + 1))
+                old[layer].scatter_(-1, used, 0.0)
+                old[layer, :, slot] = 0.0
+        self.totals = old
+
+    def component(self, score: str, keys, values, queries, scale) -> torch.Tensor:
+        """``[layers, heads, tokens]`` scores of one named score."""
+        if score in KV_SCORES:
+            return torch.stack([KV_SCORES[score](k, v) for k, v in zip(keys, values)])
+        if score == "h2o":
+            return self.totals
+        if score == "lru":  # the youngest kept
+            return -self.totals
+        if score == "tova":  # the newest query's attention (per KV head; a layer's choice averages them)
+            return torch.stack([attention_received(q[-1:], k, scale) for q, k in zip(queries, keys)])
+        if score == "hybrid":  # weighted scores, each scaled to [0, 1] per layer and head
+            total = 0
+            for name, weight in self.weights.items():
+                part = self.component(name, keys, values, queries, scale).expand(len(keys), keys[0].shape[0], -1)
+                low, high = part.min(dim=-1, keepdim=True).values, part.max(dim=-1, keepdim=True).values
+                scaled = torch.where(high > low, (part - low) / (high - low), torch.zeros_like(part))
+                total = total + weight * scaled
+            return total
+        votes = []  # snapkv: the window's votes, average-pooled before the window (kernel 5)
+        for q, k in zip(queries, keys):
+            received = attention_received(q, k, scale)
+            before = k.shape[1] - q.shape[0]
+            votes.append(torch.cat([average_pool(received[:, :before], 5), received[:, before:]], dim=-1))
+        return torch.stack(votes)
+
+    def scores(self, keys, values, queries, scale) -> torch.Tensor:
+        return self.component(self.score, keys, values, queries, scale)
+
+    def share(self) -> str:
+        fixed = ATTENTION_RULES.get(self.score, {}).get("share")
+        if self.granularity == "block":  # block keep sets: per KV head, or one per request
+            return "head" if fixed == "head" or (fixed is None and self.per_head) else "request"
+        return fixed or ("head" if self.per_head else "request")
+
+    def keep(self, keys: list[torch.Tensor], values: list[torch.Tensor], phase: str,
+             queries: list[torch.Tensor] | None = None, scale: float = 1.0) -> torch.Tensor | int:
+        """``keys[l]``/``values[l]``: ``[heads, tokens, dim]``; ``queries[l]``: the window,
+        ``[n, query heads, dim]``."""
+        C, B = self.budget, self.block
+        heads, length = keys[0].shape[0], keys[0].shape[1]
+        layers = len(keys)
+        if self.score == "streaming":  # 4 attention sinks + the most recent tokens
+            kept = torch.cat([torch.arange(4), torch.arange(length - (C - 4), length)])
+            return kept.expand(layers, heads, -1)
+        scores = self.scores(keys, values, queries, scale)
+        if self.granularity == "block" and phase == "decode":
+            victim = self._lowest_block(scores.mean(dim=(0, 1)), length)
+            if self.totals is not None:
+                self.totals = torch.cat([self.totals[..., : victim * B], self.totals[..., (victim + 1) * B:]], dim=-1)
+            return victim
+        if self.granularity == "block":
+            first, last, total = B, self._newest_blocks() * B + length % B, C + length % B
+        else:
+            rule = ATTENTION_RULES.get(self.score)
+            first, last = rule["edges"](C, B) if rule else ((B, B) if self.protect_edges else (0, 0))
+            total = C
+        share = self.share()
+        if share == "head":
+            kept = keep_with_edges(scores.expand(layers, heads, -1), first, last, total)
+        elif share == "layer":
+            kept = keep_with_edges(scores.mean(dim=1), first, last, total)[:, None, :].expand(layers, heads, -1)
+        else:
+            kept = keep_with_edges(scores.mean(dim=(0, 1)), first, last, total).expand(layers, heads, -1)
+        if self.totals is not None:
+            self.totals = self.totals.gather(-1, kept)
+        return kept
+
+    def _newest_blocks(self) -> int:
+        """Block granularity: the newest block, or all blocks holding the newest tokens the rule keeps."""
+        newest = ATTENTION_RULES.get(self.score, {}).get("newest", 0)
+        return max(1, -(-newest // self.block))
+
+    def _lowest_block(self, per_token: torch.Tensor, length: int) -> int:
+        B = self.block
+        blocks = length // B
+        block_scores = rounded(per_token[: blocks * B].view(blocks, B).mean(dim=-1))
+        candidates = block_scores[1 : blocks - self._newest_blocks()]  # never the first, never the newest
+        return 1 + int(torch.nonzero(candidates == candidates.min())[0])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as Llama applies it: the two halves of head_dim rotated by each position's angle."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + turned * sin
+
+
+class PlainReference:
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+        config = self.model.config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.queries: list[torch.Tensor] = []  # per layer, the newest queries [n, query heads, dim]
+        for index, layer in enumerate(self.model.model.layers):
+            layer.self_attn.register_forward_pre_hook(self._query_recorder(index), with_kwargs=True)
+
+    def _query_recorder(self, index: int):
+        def record(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cos, sin = kwargs["position_embeddings"]
+            q = module.q_proj(hidden)[0].view(hidden.shape[1], -1, self.head_dim)  # [new, heads, dim]
+            q = rotate(q, cos[0][:, None, :], sin[0][:, None, :])
+            old = self.queries[index] if index < len(self.queries) else q[:0]
+            joined = torch.cat([old, q])[-WINDOW:]
+            if index < len(self.queries):
+                self.queries[index] = joined
+            else:
+                self.queries.append(joined)
+        return record
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], new_tokens: int, policy: PlainPolicy) -> tuple[list[int], dict]:
+        """Greedy output ids, and how many evictions of each phase happened."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        policy.reset()
+        self.queries = []
+        logical, physical, out = 0, 0, []
+        counts = {"prefill": 0, "decode": 0}
+        step = torch.tensor([prompt])
+        while len(out) < new_tokens:
+            width = step.shape[1]
+            logits = self.model(input_ids=step, position_ids=torch.arange(logical, logical + width)[None],
+                                cache_position=torch.arange(physical, physical + width),
+                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logical, physical = logical + width, physical + width
+            out.append(int(logits[0, -1].argmax()))
+            prefill = len(out) == 1
+            if policy.counts_queries:  # the prompt's last WINDOW queries, then every decode query
+                counted = min(width, WINDOW)
+                policy.count([layer.keys[0] for layer in cache.layers],
+                             [q[q.shape[0] - counted:] for q in self.queries], self.head_dim ** -0.5)
+            if prefill and physical > policy.budget:
+                physical = self._apply(cache, policy, "prefill")
+                counts["prefill"] += 1
+            elif (policy.decode_eviction and not prefill and physical >= policy.budget + policy.block
+                  and physical % policy.block == 0):
+                physical = self._apply(cache, policy, "decode")
+                counts["decode"] += 1
+            step = torch.tensor([[out[-1]]])
+        return out, counts
+
+    def _apply(self, cache, policy: PlainPolicy, phase: str) -> int:
+        keys = [layer.keys[0] for layer in cache.layers]
+        values = [layer.values[0] for layer in cache.layers]
+        kept = policy.keep(keys, values, phase, self.queries, self.head_dim ** -0.5)
+        if isinstance(kept, int):  # a whole block leaves
+            length = keys[0].shape[1]
+            index = torch.cat([torch.arange(kept * policy.block), torch.arange((kept + 1) * policy.block, length)])
+            kept = index.expand(len(keys), keys[0].shape[0], -1)
+        for layer, layer_kept in zip(cache.layers, kept):
+            gather = layer_kept[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, gather).contiguous()
+            layer.values = layer.values.gather(2, gather).contiguous()
+        return kept.shape[-1]

@@ -1,0 +1,288 @@
+"""Aggregation, plots and the notebook over the committed CI baseline results (no engine)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from harness.analysis.aggregate import load_runs, main as aggregate_main, score_table, system_table
+from tests.support import ROOT
+from tests.support.ci_baseline import CI_BASELINE, baseline_policies
+
+# The committed baseline's policies, read from its cells (a newly registered policy has none until
+# they are added: tests/engine/test_regression.py says so, and only it).
+SWEPT = baseline_policies()
+CELLS = 1 + 2 * (len(SWEPT) - 1)  # full cache once, every other policy at two budgets
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return load_runs([CI_BASELINE])
+
+
+def test_one_row_per_run_and_task_with_every_config_key(frame):
+    assert frame["run_dir"].nunique() == CELLS
+    assert {"policy.name", "budget", "model.name", "data.name", "block_size", "engine.device", "policy.options.n_sink"} <= set(frame.columns)
+    assert set(frame["task"]) == {"single_doc_qa", "key_retrieval", "code_completion"}
+    full = frame[frame["policy.name"] == "full"]
+    assert full["budget"].isna().all(), "full cache has no budget"
+    assert ((full["retention_pct"] == 100) | full["retention_pct"].isna()).all()
+    assert (full["throughput_vs_full"] == 1).all()
+    evicting = frame[frame["policy.name"] != "full"]
+    assert evicting["fidelity_exact_match"].notna().all(), "fidelity to full cache for every non-full run"
+    assert (evicting["kv_blocks_peak"] <= full["kv_blocks_peak"].max()).all(), "eviction never holds more KV"
+
+
+def test_score_table_is_policy_by_budget(frame):
+    table = score_table(frame)
+    assert list(table.index) == [("full", "all")] + [(name, budget) for name in SWEPT if name != "full"
+                                                     for budget in ("256", "512")]
+    assert list(table.columns) == ["code_completion", "key_retrieval", "single_doc_qa", "average"]
+
+
+def test_tables_read_full_cache_first_and_budgets_in_numeric_order():
+    cpu_sweep = load_runs([ROOT / "results" / "cpu_accuracy"])  # budgets 256, 512, 1024
+    for table in (score_table(cpu_sweep), system_table(cpu_sweep)):
+        rows = list(table.index)
+        assert rows[0] == ("full", "all")
+        assert rows[1:4] == [("h2o", "256"), ("h2o", "512"), ("h2o", "1024")]  # alphabetical, then by budget
+    retention = system_table(cpu_sweep)["retention_avg_pct"]
+    averages = score_table(cpu_sweep)["average"]
+    assert retention[("full", "all")] == 100
+    for row in [("paged", "256"), ("streaming", "1024")]:
+        assert retention[row] == pytest.approx(100 * averages[row] / averages[("full", "all")], abs=0.1)
+
+
+def test_cli_writes_summary_and_plots(tmp_path, capsys):
+    assert aggregate_main([str(CI_BASELINE), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "summary.csv").read_text().count("\n") == CELLS * 3 + 1
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "Produced by `python -m harness.analysis.aggregate" in markdown and re.search(r"\| paged +\| 256 +\|", markdown)
+    for kind in ("score_vs_budget", "throughput", "tradeoff"):
+        for ext in ("png", "pdf"):
+            assert (tmp_path / f"smollm2-135m_synthetic_{kind}.{ext}").stat().st_size > 5000
+    assert "## smollm2-135m on synthetic" in capsys.readouterr().out
+
+
+def test_notebook_runs_top_to_bottom():
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
+    os.environ["KVH_ROOT"] = str(ROOT)
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2, "the plots are drawn"
+
+
+def textbook_bca(by_task: dict[str, np.ndarray], scale: float = 100) -> tuple[float, float]:
+    """Efron's BCa for the mean over tasks of the task means, written out: per task in sorted
+    order 2000 resamples from one generator seeded 0; z0 from the share of resampled statistics
+    below the estimate; acceleration from the jackknife leaving out one sample at a time."""
+    from statistics import NormalDist
+
+    tasks = sorted(by_task)
+    values = [scale * np.asarray(by_task[t], dtype=float) for t in tasks]
+    rng = np.random.default_rng(0)
+    draws = np.mean([v[rng.integers(0, len(v), size=(2000, len(v)))].mean(axis=1) for v in values], axis=0)
+    estimate = np.mean([v.mean() for v in values])
+    normal = NormalDist()
+    z0 = normal.inv_cdf((np.sum(draws < estimate) + 0.5 * np.sum(draws == estimate)) / 2000)
+    jack = np.array([np.mean([np.delete(v, i).mean() if k == j else w.mean() for k, w in enumerate(values)])
+                     for j, v in enumerate(values) for i in range(len(v))])
+    spread = jack.mean() - jack
+    a = np.sum(spread ** 3) / (6 * np.sum(spread ** 2) ** 1.5)
+    levels = [100 * normal.cdf(z0 + (z0 + z) / (1 - a * (z0 + z))) for z in (normal.inv_cdf(0.025), normal.inv_cdf(0.975))]
+    return tuple(np.percentile(draws, levels).round(2))
+
+
+def test_intervals_recomputed_from_the_per_sample_scores_match(frame):
+    """The documented BCa intervals, for one task, the average and one paired difference,
+    recomputed from predictions.jsonl with numpy and the textbook formula."""
+    def scores(run):
+        rows = [json.loads(line) for line in (Path(run["run_dir"].iloc[0]) / "predictions.jsonl").read_text().splitlines()]
+        return {task: pd.Series({r["id"]: r["score"] for r in rows if r["task"] == task})
+                for task in sorted({r["task"] for r in rows})}
+
+    run = frame[(frame["policy.name"] == "paged") & (frame["budget"] == 512)]
+    other = frame[(frame["policy.name"] == "streaming") & (frame["budget"] == 512)]
+    mine, theirs = scores(run), scores(other)
+    task = "single_doc_qa"
+    row = run[run["task"] == task].iloc[0]
+    assert (row["score_low"], row["score_high"]) == textbook_bca({task: mine[task].to_numpy()})
+    assert (row["average_low"], row["average_high"]) == textbook_bca({t: v.to_numpy() for t, v in mine.items()})
+    assert row["score_low"] <= row["score"] <= row["score_high"]
+    differences = {t: (mine[t] - theirs[t][mine[t].index]).to_numpy() for t in mine}
+    assert (row["avg_vs_streaming_low"], row["avg_vs_streaming_high"]) == textbook_bca(differences)
+    assert row["avg_vs_streaming_diff"] == pytest.approx(100 * np.mean([d.mean() for d in differences.values()]), abs=0.006)
+
+
+def test_every_score_and_paired_difference_has_its_interval_and_p_values(frame):
+    assert frame[["score_low", "score_high", "average_low", "average_high"]].notna().all().all()
+    evicting = frame[frame["policy.name"] != "full"]
+    for stem in ("vs_full", "avg_vs_full"):
+        for part in ("diff", "low", "high", "p", "p_holm", "p_bh"):
+            assert evicting[f"{stem}_{part}"].notna().all(), f"{stem}_{part}"
+    assert evicting["avg_vs_full_detectable"].notna().all()
+    paged = evicting[evicting["policy.name"] == "paged"]
+    assert paged[["avg_vs_streaming_diff", "avg_vs_knorm_low", "avg_vs_keydiff_high", "avg_vs_keydiff_p_holm"]].notna().all().all()
+    assert (frame["avg_vs_full_p"].dropna().between(0, 1)).all()
+    assert (frame["avg_vs_full_p_holm"].dropna() >= frame["avg_vs_full_p"].dropna()).all()
+    # A paired difference is the difference of the two runs' scores on the same samples, and the
+    # pair read the other way round is the same comparison: negated, with the same p-values.
+    for _, row in paged.iterrows():
+        streaming = evicting[(evicting["policy.name"] == "streaming") & (evicting["budget"] == row["budget"])
+                             & (evicting["task"] == row["task"])].iloc[0]
+        assert row["vs_streaming_diff"] == pytest.approx(row["score"] - streaming["score"], abs=0.01)
+        assert (streaming["vs_paged_low"], streaming["vs_paged_high"]) == (-row["vs_streaming_high"], -row["vs_streaming_low"])
+        for part in ("avg_vs_{}_p", "avg_vs_{}_p_holm", "vs_{}_p_bh"):
+            assert streaming[part.format("paged")] == row[part.format("streaming")]
+
+
+def test_a_table_is_one_family_adjusted_by_holm_and_bh(frame):
+    from harness.analysis.aggregate import table_comparisons
+    from harness.analysis.stats import benjamini_hochberg, holm
+
+    family = table_comparisons(frame)
+    evicting = len(SWEPT) - 1
+    # Each evicting policy against full cache at both budgets, each pair of them once per budget.
+    assert len(family) == 2 * evicting + 2 * evicting * (evicting - 1) // 2
+    assert family["p_holm"].tolist() == pytest.approx(holm(family["p"].tolist()))
+    assert family["p_bh"].tolist() == pytest.approx(benjamini_hochberg(family["p"].tolist()))
+    # Per task, the family is the same comparisons on that task.
+    rows = frame[(frame["task"] == "key_retrieval") & (frame["policy.name"] != "full")]
+    on_task = {}
+    for _, row in rows.iterrows():
+        for other in ["full"] + list(rows["variant"].unique()):
+            if row.get(f"vs_{other}_p") == row.get(f"vs_{other}_p"):  # not NaN: a comparison
+                key = frozenset([(row["variant"], row["budget"]), (other, None if other == "full" else row["budget"])])
+                on_task[key] = (row[f"vs_{other}_p"], row[f"vs_{other}_p_holm"])
+    assert len(on_task) == len(family)
+    p, adjusted = zip(*on_task.values())
+    assert list(adjusted) == pytest.approx(holm(list(p)))
+
+
+def test_summary_marks_only_adjusted_significance_and_says_how(frame, tmp_path):
+    from harness.analysis.aggregate import differences_table, to_markdown
+
+    table = differences_table(frame)
+    runs = frame.drop_duplicates("run_dir").set_index(["variant", "budget"])
+    marks = {"*": 0, "+": 0, "": 0}
+    for (variant, budget), row in table.iterrows():
+        run = runs.loc[(variant, int(budget))]
+        for column, cell in row.items():
+            if not cell:
+                continue
+            stem = f"avg_vs_{column.removeprefix('minus ')}"
+            mark = cell.split()[-1] if cell.split()[-1] in "*+" else ""
+            marks[mark] += 1
+            expected = "*" if run[f"{stem}_p_holm"] < 0.05 else "+" if run[f"{stem}_p_bh"] < 0.05 else ""
+            assert mark == expected, (variant, budget, column, cell)
+            assert f"p={run[f'{stem}_p']:.3f}" in cell or (run[f"{stem}_p"] < 0.001 and "p<0.001" in cell)
+    assert marks["*"] and marks[""], "some differences pass Holm, some nothing"
+    markdown = to_markdown(frame, "python -m harness.analysis.aggregate results/ci_baseline")
+    assert "95% BCa bootstrap intervals" in markdown and "`*` Holm-adjusted p < 0.05" in markdown
+    assert re.search(r"The family is the table's \d+ distinct comparisons", markdown)
+    assert re.search(r"Smallest true difference of the average found with 80% power .*median \d+\.\d+ points", markdown)
+
+
+def test_variants_are_named_by_what_differs_from_their_defaults():
+    from harness.analysis.labels import variant_label
+
+    defaults = {"per_head": False, "candidates": "global", "local_blocks": 3, "score_layers": "all"}
+    engine = {"block_size": 32}
+    assert variant_label({"policy": {"name": "paged", "options": defaults}, "block_size": 32, "engine": engine}) == "paged"
+    per_head = {"policy": {"name": "paged", "options": dict(defaults, per_head=True)}, "block_size": 64, "engine": engine}
+    assert variant_label(per_head) == "paged[per_head=True, block_size=64]"
+    assert variant_label({"policy": {"name": "knorm", "options": {"per_head": True}}, "engine": engine}) == "knorm"
+    assert variant_label({"policy": {"name": "full", "options": {}}, "block_size": 32, "engine": engine}) == "full"
+
+
+def write_run(root: Path, data: str, policy: str, budget, samples: dict[str, list[dict]]) -> None:
+    """A complete run directory as run.py writes one (the files aggregate reads)."""
+    run = root / "m" / data / f"{policy}_{budget}"
+    run.mkdir(parents=True)
+    config = {"policy": {"name": policy, "options": {}}, "model": {"name": "m"}, "data": {"name": data},
+              "engine": {"block_size": 32}, "budget": budget, "block_size": 32}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = [dict(task=task, id=f"{task}-{i}", **values) for task, per_sample in samples.items()
+            for i, values in enumerate(per_sample)]
+    (run / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tasks = {task: {"metric": "qa_f1", "samples": len(v), "score": round(100 * np.mean([r["score"] for r in v]), 2)}
+             for task, v in samples.items()}
+    (run / "scores.json").write_text(json.dumps({"tasks": tasks, "average": round(np.mean([t["score"] for t in tasks.values()]), 2)}))
+    (run / "perf.json").write_text(json.dumps({"output_tokens_per_s": 1.0}))
+
+
+def test_another_per_sample_field_gets_its_own_compared_table_only_where_every_run_has_it(tmp_path):
+    """Synthetic runs whose prediction rows carry ``answer_logprob`` (not on a 0-100 scale): in
+    data "with", every run has it and it is compared like the score, in its own units; in data
+    "without", one run lacks it and nothing about it appears."""
+    from harness.analysis.aggregate import QUANTITIES, table_comparisons, to_markdown
+
+    rng = np.random.default_rng(0)
+    tasks = {"qa": 12, "code": 10}
+    full = {t: rng.normal(-1.5, 0.4, n) for t, n in tasks.items()}
+    # paged loses 0.6 nats/token on every sample (give or take); snapkv only noise around full.
+    logprob = {"full": full, "paged": {t: v - 0.6 + rng.normal(0, 0.1, len(v)) for t, v in full.items()},
+               "snapkv": {t: v + rng.normal(0, 0.05, len(v)) for t, v in full.items()}}
+    score = {name: {t: (rng.random(n) < 0.4).astype(float) for t, n in tasks.items()} for name in logprob}
+    # KL to full cache: 0 for full cache itself; one paged sample has no value (an empty full-cache output).
+    kl = {"full": {t: np.zeros(n) for t, n in tasks.items()},
+          "paged": {t: rng.gamma(2.0, 0.2, n) for t, n in tasks.items()},
+          "snapkv": {t: rng.gamma(2.0, 0.01, n) for t, n in tasks.items()}}
+    for data in ("with", "without"):
+        for name in logprob:
+            samples = {t: [{"score": s, "answer_logprob": None if (data == "without" and name == "snapkv") else float(lp),
+                            "kl_to_full": None if (name == "paged" and t == "qa" and i == 0) else float(k)}
+                           for i, (s, lp, k) in enumerate(zip(score[name][t], logprob[name][t], kl[name][t]))]
+                       for t in tasks}
+            write_run(tmp_path, data, name, None if name == "full" else 256, samples)
+    frame = load_runs([tmp_path])
+    quantity = next(q for q in QUANTITIES if q.field == "answer_logprob")
+    with_it, without_it = frame[frame["data.name"] == "with"], frame[frame["data.name"] == "without"]
+
+    paged = with_it[with_it["policy.name"] == "paged"].iloc[0]
+    expected = np.mean([(logprob["paged"][t] - full[t]).mean() for t in sorted(tasks)])
+    assert paged["answer_logprob_avg_vs_full_diff"] == pytest.approx(expected, abs=0.005)  # its own units, not x100
+    assert paged["answer_logprob_avg_vs_full_low"] < expected < paged["answer_logprob_avg_vs_full_high"] < 0
+    assert paged["answer_logprob_average"] == pytest.approx(np.mean([logprob["paged"][t].mean() for t in tasks]), abs=0.005)
+    assert paged["answer_logprob_avg_vs_full_p_holm"] < 0.05 and paged["answer_logprob_avg_vs_snapkv_p_holm"] < 0.05
+    snapkv = with_it[with_it["policy.name"] == "snapkv"].iloc[0]
+    assert snapkv["answer_logprob_avg_vs_full_p"] > 0.05  # noise only
+    assert snapkv["answer_logprob_avg_vs_paged_diff"] == -paged["answer_logprob_avg_vs_snapkv_diff"]
+    family = table_comparisons(with_it, quantity)
+    assert len(family) == 3 and (family["p_holm"] >= family["p"]).all()
+    # The score is compared as before, on its own 0-100 scale, in both groups.
+    assert with_it["avg_vs_full_p"].notna().sum() and without_it["avg_vs_full_p"].notna().sum()
+    # Where a run lacks the field, no column of the group has a value.
+    assert without_it.filter(like="answer_logprob").isna().all().all()
+
+    markdown = to_markdown(frame, "python -m harness.analysis.aggregate synthetic")
+    with_part, without_part = markdown.split("## m on without")  # groups in name order: "with" first
+    assert "### Reference-answer log-likelihood per token" in with_part
+    assert "log-likelihood" not in without_part
+    section = with_part.split("### Reference-answer log-likelihood")[1]
+    assert re.search(r"\| paged +\| +256 \| -0\.\d{3} \(-0\.\d{3}, -0\.\d{3}\) p[<=]0\.\d+ \*", section)
+    assert "nats/token" in section and "The family is the table's 3 distinct comparisons" in section
+    # A field some samples lack is compared on the samples that have it, and the table says so.
+    kl_section = with_part.split("### KL divergence to full cache")[1]
+    assert "lower is better" in kl_section and "left out of their run's statistics and its pairs: paged 256 1." in kl_section
+    assert paged["kl_to_full_samples"] == sum(tasks.values()) - 1
+    kept = {t: kl["paged"][t][1:] if t == "qa" else kl["paged"][t] for t in tasks}
+    assert paged["kl_to_full_avg_vs_full_diff"] == pytest.approx(np.mean([v.mean() for v in kept.values()]), abs=5e-5)
+
+
+def test_full_cache_alone_summarises_without_a_differences_table(tmp_path):
+    from harness.analysis.aggregate import to_markdown
+
+    write_run(tmp_path, "d", "full", None, {"qa": [{"score": s} for s in (0.0, 1.0, 1.0, 0.5)]})
+    markdown = to_markdown(load_runs([tmp_path]), "python -m harness.analysis.aggregate d")
+    assert "| full     | all      | 62.5 (" in markdown and "No paired differences" in markdown

@@ -1,0 +1,75 @@
+"""The plain references (tests/support/plain_reference.py, no shared code) agree with the harness's
+Hugging Face reference engine, which runs the harness's own evictor and policies."""
+from __future__ import annotations
+
+import pytest
+
+import torch
+
+from harness.eviction.evictor import evict
+from harness.eviction.state import PolicyState
+from harness.engine.backend_views import FlashAttnView
+from policies import make_policy
+from tests.support.engine_support import BLOCK, model_path, plain_policy, reference_outputs, text_prompts
+from tests.support.plain_reference import PlainReference
+from tests.support.policy_matrix import MATRIX, MATRIX_IDS
+
+
+def test_the_plain_reference_imports_no_harness_code():
+    from pathlib import Path
+
+    from tests.support import plain_reference
+
+    lines = Path(plain_reference.__file__).read_text().splitlines()
+    imports = [line.strip() for line in lines if line.strip().startswith(("import ", "from "))]
+    assert imports and not [line for line in imports if "policies" in line or "harness" in line], imports
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return PlainReference(model_path("tiny"))
+
+
+@pytest.mark.parametrize("block", [BLOCK, 16], ids=["cpu_block", "gpu_block"])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block):
+    """Random K/V of 3 layers x 2 KV heads (4 query heads, a window of 32 random queries): after one
+    eviction the harness's evictor left in the request's slots exactly the K/V the plain rule keeps,
+    at the CPU's 32-token blocks and the GPU's 16 (where SnapKV's window spans two blocks)."""
+    budget, layers, heads, dim = 64, 3, 2, 8
+    tokens = 100 if phase == "prefill" else budget + block
+    gen = torch.Generator().manual_seed(len(name) + tokens)
+    view = FlashAttnView([torch.randn(8, heads, block, 2 * dim, generator=gen) for _ in range(layers)])
+    blocks = list(range(-(-tokens // block)))
+    keys = [view.read_layer(l, blocks, 0, tokens)[0].permute(1, 0, 2) for l in range(layers)]
+    values = [view.read_layer(l, blocks, 0, tokens)[1].permute(1, 0, 2) for l in range(layers)]
+    queries = torch.randn(layers, 32, 2 * heads, dim, generator=gen)
+    policy = make_policy(name, budget, block, **options)
+    state = PolicyState(scales=[0.3] * layers)
+    if policy.query_window:
+        state.observe("r", queries, policy.query_window)
+    eviction = evict(policy, view, blocks, tokens, phase, state, "r")
+
+    rule = plain_policy(name, budget, block, options.get("granularity"))
+    if rule.counts_queries:
+        rule.count(keys, list(queries), 0.3)
+    kept = rule.keep(keys, values, phase, list(queries), 0.3)
+    if isinstance(kept, int):  # a whole block left: the block list lost it, nothing moved
+        assert eviction.dropped_blocks == (kept,)
+        return
+    slots = [blocks[position] for position in eviction.kept_blocks]
+    for layer in range(layers):
+        left_keys, left_values = view.read_layer(layer, slots, 0, kept.shape[-1])
+        index = kept[layer].T.unsqueeze(-1).expand(-1, -1, dim)
+        torch.testing.assert_close(left_keys, keys[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
+        torch.testing.assert_close(left_values, values[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+def test_plain_rule_equals_the_harness_reference(plain, name, options):
+    prompts = text_prompts("tiny", [700, 1000], seed=2)
+    rule = plain_policy(name, 128, BLOCK, options.get("granularity"))
+    ours = [plain.generate(prompt, 64, rule) for prompt in prompts]
+    assert all(counts["prefill"] == 1 and counts["decode"] >= 1 for _, counts in ours), "both phases evict"
+    assert [ids for ids, _ in ours] == reference_outputs("tiny", make_policy(name, 128, BLOCK, **options), prompts, 64)
