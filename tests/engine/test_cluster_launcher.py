@@ -61,7 +61,7 @@ def test_a_cluster_sweep_runs_a_job_per_group_and_resumes_a_killed_one(tmp_path)
     assert f"job {killed} (group 2/2) ended without a result" in output
     assert "submitted as job" in output and "(attempt 2)" in output
     # Each engine ran its group's three cells together, prefilling each prompt once.
-    assert all("3 cells (full cache, paged budget=256, knorm budget=256)" in log for log in logs.values())
+    assert all("3 cell(s) (full cache, paged budget=256, knorm budget=256)" in log for log in logs.values())
 
     # Rerunning the command finds every cell complete and submits nothing.
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

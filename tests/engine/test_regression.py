@@ -57,7 +57,7 @@ def test_every_sample_matches_the_committed_reference(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     # The sweep shares prefill (one engine, every prompt prefilled once); the reference was made
     # with one engine per cell: every sample must still match.
-    assert f"{COMPARED_CELLS} cells (full cache, " in done.stdout and "group 1/1 finished" in done.stdout
+    assert f"{COMPARED_CELLS} cell(s) (full cache, " in done.stdout and "group 1/1 finished" in done.stdout
     assert all(not json.loads(p.read_text())["isolated"] for p in tmp_path.glob("*/*/*/perf.json"))
     problems = compare(CI_BASELINE, tmp_path)
     assert not problems, "samples moved:\n" + "\n".join(problems[:20])
