@@ -32,5 +32,7 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-"$venv/bin/python" -m harness.config.models
+# The embedded models, converted once (harness.config.models; called, not run with -m, because the
+# package harness.config imports that module first).
+"$venv/bin/python" -c "import sys; from harness.config.models import main; sys.exit(main([]))"
 echo "[setup] ready: $venv ($flavour)"

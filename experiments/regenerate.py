@@ -243,7 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"code version {version}; {len(steps)} steps, about {left / 60:.1f} h left on the 2-core CPU machine")
     for step in steps:
         state, stale = states[step.name]
-        note = f", {len(stale)} made at another version (deleted before it runs)" if stale else ""
+        if not stale:
+            note = ""
+        elif state == "verified":
+            note = f", {len(stale)} made at another version and replayed equal at this one (kept)"
+        else:
+            note = f", {len(stale)} made at another version (deleted before it runs)"
         print(f"  {step.name:28s} {state:8s} {step.minutes:5.0f} min{'' if step.measured else ' (planned)'}{note}")
     outside = retired(steps)
     if outside:
