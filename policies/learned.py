@@ -6,8 +6,13 @@ layer and head. ||V||/||K|| is the special case (1, -1 on log||V||, log||K||, th
 same family, so what training adds is measured against PagedEviction's score exactly. The weights
 (``learned_scorer.json`` beside this file) were fitted by ``experiments/train_scorer.py`` to the
 log attention mass the prompt's last 32 queries pay each token (the label of the proxy study), on
-generated prompts disjoint from every evaluation set; the file records the command, the data and
-the held-out rank correlation. Static, like ||V||/||K||: no query capture, scores kept per request.
+prompts of the scorer's own text generator (``experiments/scorer_text.py``: village notes,
+letters, a diary, a storeroom account, a Python module; 1.1k-7.5k tokens), whose templates and word
+lists no evaluation uses: the script refuses to train if one of its sentences (4+ words) or answers
+occurs in any evaluation family's text (``tests/unit/test_scorer_text.py`` checks the same). The
+file records the command, the data and the rank correlation on held-out generated prompts and on
+embedded-suite prompts (seed 0, measured only). Static, like ||V||/||K||: no query capture, scores
+kept per request.
 """
 from __future__ import annotations
 
