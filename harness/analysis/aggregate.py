@@ -8,15 +8,17 @@ memory. Retention is a policy's score as a percentage of the full-cache score of
 data and task; throughput ratios are against the same model and data's full-cache run.
 
 Every score carries its 95% BCa bootstrap interval (``score_low``/``score_high``, ``average_low``/
-``average_high``, from the per-sample scores in ``predictions.jsonl``; ``harness.analysis.stats``), and
-every run its paired differences, sample by sample, against full cache and against each other
-policy at the same budget: ``vs_<policy>_diff``/``_low``/``_high`` per task and
-``avg_vs_<policy>_diff``/``_low``/``_high`` for the average (this run minus that one), each with
-its paired sign-flip p-value ``_p`` and that p adjusted over the table's family of comparisons,
-``_p_holm`` (what ``summary.md`` marks ``*``) and ``_p_bh`` (flagged ``+``); ``add_intervals``
-says why both. Any per-sample field of the prediction rows is compared the same way when every
-run of a (model, data) group records it (``Quantity``, ``QUANTITIES``), under its own prefix
-(``answer_logprob_avg_vs_<policy>_p``) and in its own tables.
+``average_high``, from the per-sample scores in ``predictions.jsonl``; ``harness.analysis.stats``) and
+the Monte Carlo error of its bounds (``score_mc``, ``average_mc``), and every run its paired
+differences, sample by sample, against full cache and against each other policy at the same budget:
+``vs_<policy>_diff``/``_low``/``_high``/``_mc`` per task and ``avg_vs_<policy>_diff``/``_low``/
+``_high``/``_mc`` for the average (this run minus that one), each with its paired sign-flip p-value
+``_p`` (with ``_p_mc``, its Monte Carlo standard error, ``_p_flips``, the random sign patterns
+behind it, 0 when exact, and ``_p_settled``) and that p adjusted over the table's family of
+comparisons, ``_p_holm`` (what ``summary.md`` marks ``*``) and ``_p_bh`` (flagged ``+``);
+``add_intervals`` says why both. Any per-sample field of the prediction rows is compared the same
+way when every run of a (model, data) group records it (``Quantity``, ``QUANTITIES``), under its
+own prefix (``answer_logprob_avg_vs_<policy>_p``) and in its own tables.
 """
 from __future__ import annotations
 
@@ -30,9 +32,12 @@ import pandas as pd
 import yaml
 
 from harness.records.results import RUN_FILES, atomic_write_text, is_complete, read_json, read_jsonl
-from harness.analysis.labels import ROW, budget_label, in_reading_order, variant_label, with_budget_label
-from harness.analysis.stats import (EXACT_UP_TO, RESAMPLES, SEED, benjamini_hochberg, bca_interval, detectable_difference,
-                           flips_for, holm, sign_flip_p)
+from harness.analysis.silence import silence_section
+from harness.analysis.labels import (ROW, budget_label, in_reading_order, markdown_table, variant_label,
+                                     with_budget_label, with_interval)
+from harness.analysis.stats import (EXACT_OUTCOMES, EXACT_UP_TO, FLIPS, MAX_FLIPS, MAX_RESAMPLES, RESAMPLES, SECTIONS,
+                                    WIDTH, benjamini_hochberg, bca_interval, detectable_difference, holm, mc_target,
+                                    settled_p_values)
 
 RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
 
@@ -57,7 +62,9 @@ def flatten(data: dict, prefix: str = "") -> dict:
     return flat
 
 
-def run_rows(run_dir: Path) -> list[dict]:
+def run_rows(run_dir: Path, drop_tasks: tuple[str, ...] = ()) -> list[dict]:
+    """One row per task of a run (``drop_tasks`` left out: the average is then the mean of the
+    other tasks' scores, as ``scores.json`` would give it without them)."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     config.pop("provenance", None)
     scores, perf = read_json(run_dir / "scores.json"), read_json(run_dir / "perf.json")
@@ -85,16 +92,21 @@ def run_rows(run_dir: Path) -> list[dict]:
         "evict_share": kv.get("evict_share_of_step"),
         "preemptions": perf.get("preemptions"),
     })
+    kept = {task: entry for task, entry in scores["tasks"].items() if task not in drop_tasks}
+    if len(kept) < len(scores["tasks"]):
+        base["average"] = round(float(np.mean([entry["score"] for entry in kept.values()])), 2)
     rows = []
-    for task, entry in scores["tasks"].items():
+    for task, entry in kept.items():
         row = dict(base, task=task, metric=entry["metric"], samples=entry["samples"], score=entry["score"])
         row["task_fidelity_rougeL"] = (fidelity.get("tasks") or {}).get(task, {}).get("rougeL_f")
         rows.append(row)
     return rows
 
 
-def load_runs(roots: list[Path]) -> pd.DataFrame:
-    rows = [row for run in find_runs(roots) for row in run_rows(run)]
+def load_runs(roots: list[Path], drop_tasks: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Every complete run under ``roots``, one row per task, with its intervals and comparisons;
+    ``drop_tasks``: tasks left out of every table (their samples too)."""
+    rows = [row for run in find_runs(roots) for row in run_rows(run, drop_tasks)]
     if not rows:
         raise FileNotFoundError(f"no complete run directory under {', '.join(map(str, roots))}")
     frame = pd.DataFrame(rows)
@@ -117,6 +129,12 @@ class Quantity:
     higher_is_better: bool = True
     decimals: int = 2  # printed
     digits: int = 4  # decimals kept in summary.csv (more than printed)
+
+    @property
+    def mc_target(self) -> float:
+        """The largest Monte Carlo error a bound may carry (``harness.analysis.stats.mc_target``): 0.1
+        on the 0-100 scale, 0.01 in a quantity's own units (nats)."""
+        return mc_target(self.scale)
 
     @property
     def _prefix(self) -> str:
@@ -171,6 +189,19 @@ def sample_scores(run_dir: str) -> dict[str, pd.Series]:
     return sample_values(pd.DataFrame(read_jsonl(Path(run_dir) / "predictions.jsonl")), "score")
 
 
+def group_scores(group: pd.DataFrame) -> dict[str, dict[str, pd.Series]]:
+    """Per run of a table's group, its per-sample scores, on the tasks the group's rows keep (a
+    summary that left tasks out counts without them)."""
+    tasks = set(group["task"])
+    scores = {}
+    for run in group["run_dir"].unique():
+        by_task = sample_scores(run)
+        if by_task is None:
+            raise ValueError(f"{run}/predictions.jsonl: no sample has a score")
+        scores[run] = {task: series for task, series in by_task.items() if task in tasks}
+    return scores
+
+
 def paired(run: dict[str, pd.Series], other: dict[str, pd.Series]) -> dict[str, np.ndarray]:
     """Per task, this run's minus the other's value on the samples both have."""
     differences = {}
@@ -203,14 +234,19 @@ def comparable_pairs(runs: pd.DataFrame) -> list[tuple[str, str]]:
 def add_intervals(frame: pd.DataFrame, quantities: tuple[Quantity, ...] = QUANTITIES) -> pd.DataFrame:
     """Interval, p-value and adjusted p-value columns for every compared quantity (``Quantity``).
 
-    Per run and task ``<task column>_low``/``_high`` and per run ``<average column>``/``_low``/
-    ``_high``: 95% BCa intervals (``harness.analysis.stats.bca_interval``; the percentile interval is too
-    narrow at 20 samples per task). Per comparison (``comparable_pairs``), in both runs' rows
-    (the second with the sign reversed), per task ``vs_<variant>_…`` and for the average
-    ``avg_vs_<variant>_…``: ``_diff`` (this run minus that one), ``_low``/``_high`` (BCa),
-    ``_p`` (two-sided paired sign-flip test, ``harness.analysis.stats.sign_flip_p``), ``_p_holm`` and
-    ``_p_bh`` (adjusted over the family), and for the average ``_detectable`` (the difference found
-    with 80% power at Holm's strictest level, ``SIGNIFICANCE`` / family size).
+    Per run and task ``<task column>_low``/``_high``/``_mc`` and per run ``<average column>``/``_low``/
+    ``_high``/``_mc``: 95% BCa intervals (``harness.analysis.stats.bca_interval``; the percentile
+    interval is too narrow at 20 samples per task) and the Monte Carlo standard error of their
+    bounds (the larger of the two; below ``Quantity.mc_target`` unless the resamples reached
+    their cap). Per comparison (``comparable_pairs``), in both runs' rows (the second with the
+    sign reversed), per task ``vs_<variant>_…`` and for the average ``avg_vs_<variant>_…``:
+    ``_diff`` (this run minus that one), ``_low``/``_high``/``_mc`` (BCa), ``_p`` (two-sided
+    paired sign-flip test, settled over the family: ``harness.analysis.stats.settled_p_values``),
+    ``_p_mc`` (its Monte Carlo standard error, 0 when exact), ``_p_flips`` (random sign patterns,
+    0 when exact), ``_p_settled`` (False where a mark could still change within 4 standard errors
+    at the most flips), ``_p_holm`` and ``_p_bh`` (adjusted over the family), and for the average
+    ``_detectable`` (the difference found with 80% power at Holm's strictest level,
+    ``SIGNIFICANCE`` / family size).
 
     The family is one table's comparisons: for the average, every distinct comparison of one
     (model, data) group; per task, the same comparisons on that task. Both adjustments are
@@ -223,7 +259,9 @@ def add_intervals(frame: pd.DataFrame, quantities: tuple[Quantity, ...] = QUANTI
     A quantity other than the score gets columns only in a group whose every run records it
     (``<field>_samples`` counts the samples that have a value; the others are left out of that
     run's statistics and its pairs), so results without it are unchanged."""
-    predictions = {run: pd.DataFrame(read_jsonl(Path(run) / "predictions.jsonl")) for run in frame["run_dir"].unique()}
+    tasks = set(frame["task"])  # the tasks the rows keep (``load_runs``' drop_tasks left out)
+    predictions = {run: (lambda rows: rows[rows["task"].isin(tasks)])(pd.DataFrame(read_jsonl(Path(run) / "predictions.jsonl")))
+                   for run in frame["run_dir"].unique()}
     runs = frame.drop_duplicates("run_dir").set_index("run_dir")
     columns: dict[tuple[str, str], dict[str, float]] = {}  # (run_dir, task or "") -> values
 
@@ -244,17 +282,20 @@ def add_intervals(frame: pd.DataFrame, quantities: tuple[Quantity, ...] = QUANTI
                     cell(run, "")[f"{quantity.field}_samples"] = sum(len(series) for series in by_task.values())
             for run, by_task in values.items():
                 for task, series in by_task.items():
-                    interval = bca_interval({task: series.to_numpy()}, scale=quantity.scale, digits=quantity.digits)
+                    interval = bca_interval({task: series.to_numpy()}, scale=quantity.scale, digits=quantity.digits,
+                                            target=quantity.mc_target)
                     if quantity is not SCORE:  # the score's own per-task column comes from scores.json
                         cell(run, task)[quantity.task_column] = interval.estimate
                     cell(run, task).update({f"{quantity.task_column}_low": interval.low,
-                                            f"{quantity.task_column}_high": interval.high})
+                                            f"{quantity.task_column}_high": interval.high,
+                                            f"{quantity.task_column}_mc": interval.mc_error})
                 average = bca_interval({t: s.to_numpy() for t, s in by_task.items()}, scale=quantity.scale,
-                                       digits=quantity.digits)
+                                       digits=quantity.digits, target=quantity.mc_target)
                 if quantity is not SCORE:  # the score's average comes from scores.json
                     cell(run, "")[quantity.average_column] = average.estimate
                 cell(run, "").update({f"{quantity.average_column}_low": average.low,
-                                      f"{quantity.average_column}_high": average.high})
+                                      f"{quantity.average_column}_high": average.high,
+                                      f"{quantity.average_column}_mc": average.mc_error})
             compare(group, values, quantity, cell)
     per_task = pd.DataFrame([dict(run_dir=r, task=t, **v) for (r, t), v in columns.items() if t])
     per_run = pd.DataFrame([dict(run_dir=r, **v) for (r, t), v in columns.items() if not t])
@@ -262,31 +303,35 @@ def add_intervals(frame: pd.DataFrame, quantities: tuple[Quantity, ...] = QUANTI
 
 
 def compare(group: pd.DataFrame, values: dict[str, dict[str, pd.Series]], quantity: Quantity, cell) -> None:
-    """Every comparison of one group for one quantity: intervals, p-values, both adjustments over
-    the family (the average's, and each task's), written into both runs' cells."""
-    found = []  # (run, other, task or "", interval, p, detectable)
+    """Every comparison of one group for one quantity: intervals, p-values settled over their family
+    (the average's, and each task's: ``settled_p_values`` refines a random p-value until no mark of
+    the family could change within its Monte Carlo error), both adjustments over the family,
+    written into both runs' cells."""
     pairs = [(run, other, paired(values[run], values[other])) for run, other in comparable_pairs(group)]
     pairs = [(run, other, d) for run, other, d in pairs if d]
-    flips = flips_for(len(pairs))
+    families: dict[str, list] = {}  # "" (the average) or a task -> [(run, other, differences)]
     for run, other, differences in pairs:
-        found.append((run, other, "", bca_interval(differences, scale=quantity.scale, digits=quantity.digits),
-                      sign_flip_p(differences, flips),
-                      detectable_difference(differences, SIGNIFICANCE / len(pairs), POWER, quantity.scale)))
+        families.setdefault("", []).append((run, other, differences))
         for task, d in differences.items():
-            found.append((run, other, task, bca_interval({task: d}, scale=quantity.scale, digits=quantity.digits),
-                          sign_flip_p({task: d}, flips), None))
-    for task in {entry[2] for entry in found}:
-        family = [entry for entry in found if entry[2] == task]
-        p_values = [entry[4] for entry in family]
-        for (run, other, _, interval, p, detectable), p_holm, p_bh in zip(family, holm(p_values),
-                                                                           benjamini_hochberg(p_values)):
+            families.setdefault(task, []).append((run, other, {task: d}))
+    for task, family in families.items():
+        p_values = settled_p_values([differences for _, _, differences in family], SIGNIFICANCE)
+        plain = [value.p for value in p_values]
+        for (run, other, differences), value, p_holm, p_bh in zip(family, p_values, holm(plain),
+                                                                   benjamini_hochberg(plain)):
+            interval = bca_interval(differences, scale=quantity.scale, digits=quantity.digits,
+                                    target=quantity.mc_target)
+            detectable = (None if task else
+                          detectable_difference(differences, SIGNIFICANCE / len(pairs), POWER, quantity.scale))
             for this, that, shown in ((run, other, interval), (other, run, interval.negated())):
                 if group.loc[this, "policy.name"] == "full":
                     continue  # tables show evicting runs against full cache, never the reverse
                 stem = quantity.versus(group.loc[that, "variant"], average=not task)
-                cell(this, task).update({f"{stem}_diff": shown.estimate, f"{stem}_low": shown.low,
-                                         f"{stem}_high": shown.high, f"{stem}_p": p, f"{stem}_p_holm": p_holm,
-                                         f"{stem}_p_bh": p_bh})
+                cell(this, task).update({
+                    f"{stem}_diff": shown.estimate, f"{stem}_low": shown.low, f"{stem}_high": shown.high,
+                    f"{stem}_mc": shown.mc_error, f"{stem}_p": value.p, f"{stem}_p_mc": value.se,
+                    f"{stem}_p_flips": value.flips, f"{stem}_p_settled": value.settled,
+                    f"{stem}_p_holm": p_holm, f"{stem}_p_bh": p_bh})
                 if detectable is not None:
                     cell(this, task)[f"{stem}_detectable"] = round(detectable, 4)
 
@@ -328,15 +373,6 @@ def system_table(frame: pd.DataFrame) -> pd.DataFrame:
     return in_reading_order(runs.set_index(ROW)[columns].round(3))
 
 
-def markdown_table(table: pd.DataFrame) -> str:
-    """A policy x budget table with ``policy`` and ``budget`` as plain columns (no tuple labels)."""
-    return table.reset_index().rename(columns={"variant": "policy"}).to_markdown(index=False)
-
-
-def with_interval(value, low, high, decimals: int = 1) -> str:
-    return f"{value:.{decimals}f} ({low:.{decimals}f}, {high:.{decimals}f})"
-
-
 def interval_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
     """Per-task values and the average with their 95% intervals, as text: ``value (low, high)``."""
     labelled = with_budget_label(frame)
@@ -354,10 +390,14 @@ def interval_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFr
     return in_reading_order(table[sorted(c for c in table.columns if c != "average") + ["average"]])
 
 
+COMPARISON_PARTS = ("diff", "low", "high", "mc", "p", "p_mc", "p_flips", "p_settled", "p_holm", "p_bh", "detectable")
+
+
 def table_comparisons(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
     """The distinct comparisons one differences table shows (its family), one row each: ``row`` and
-    ``column`` (variant, budget label), ``diff``/``low``/``high``, ``p``, ``p_holm``, ``p_bh``,
-    ``detectable``. A pair of policies shows twice in the table and once here."""
+    ``column`` (variant, budget label), ``diff``/``low``/``high``, ``mc`` (the bounds' Monte Carlo
+    error), ``p``, ``p_mc``, ``p_flips``, ``p_settled``, ``p_holm``, ``p_bh``, ``detectable``. A
+    pair of policies shows twice in the table and once here."""
     runs = with_budget_label(frame.drop_duplicates("run_dir"))
     runs = runs[runs["policy.name"] != "full"]
     found = {}
@@ -369,19 +409,43 @@ def table_comparisons(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.Dat
             here, there = (run["variant"], run["budget"]), (other, "all" if other == "full" else run["budget"])
             key = frozenset([here, there])
             if key not in found:
-                found[key] = {"row": here, "column": there, **{part: run[f"{stem}_{part}"] for part in
-                              ("diff", "low", "high", "p", "p_holm", "p_bh", "detectable")}}
-    return pd.DataFrame(found.values(), columns=["row", "column", "diff", "low", "high", "p", "p_holm", "p_bh",
-                                                 "detectable"])
+                found[key] = {"row": here, "column": there,
+                              **{part: run.get(f"{stem}_{part}", np.nan) for part in COMPARISON_PARTS}}
+    return pd.DataFrame(found.values(), columns=["row", "column", *COMPARISON_PARTS])
 
 
-def significance_mark(p_holm: float, p_bh: float) -> str:
-    """``*`` Holm-adjusted p < 0.05; ``+`` Benjamini-Hochberg q < 0.05 but not Holm; else nothing."""
+def significance_mark(p_holm: float, p_bh: float, settled: bool = True) -> str:
+    """``*`` Holm-adjusted p < 0.05; ``+`` Benjamini-Hochberg q < 0.05 but not Holm; ``?`` a
+    comparison whose mark 10^7 random sign patterns could not settle (its adjusted p within 4
+    Monte Carlo standard errors of 0.05: a recomputation may mark it either way, so it is given
+    no mark and counted as undecided); else nothing."""
+    if not settled:
+        return " ?"
     return " *" if p_holm < SIGNIFICANCE else " +" if p_bh < SIGNIFICANCE else ""
 
 
-def p_text(p: float) -> str:
-    return "p<0.001" if p < 0.001 else f"p={p:.3f}"
+def settled(run, stem: str) -> bool:
+    """Whether a comparison's mark is settled (``_p_settled``; results summarised before it existed
+    count as settled)."""
+    value = run.get(f"{stem}_p_settled", True)
+    return True if value != value else bool(value)
+
+
+def p_text(p: float, digits: int = 3) -> str:
+    """``p=0.0123``, ``p=0.000164``: ``digits`` significant digits (``p_digits``)."""
+    return f"p={p:.{digits}g}"
+
+
+def p_digits(family: pd.DataFrame) -> int:
+    """Significant digits a table prints its p-values with: the fewest, from 3, from which its marks
+    follow (Holm and Benjamini-Hochberg over the printed p-values mark what the unrounded ones
+    mark), so that a reader can redo every mark from the table. ``summary.csv`` has them unrounded."""
+    marks = [significance_mark(h, b) for h, b in zip(family["p_holm"], family["p_bh"])]
+    for digits in range(3, 17):
+        printed = [float(f"{p:.{digits}g}") for p in family["p"]]
+        if [significance_mark(h, b) for h, b in zip(holm(printed), benjamini_hochberg(printed))] == marks:
+            return digits
+    return 17
 
 
 def differences_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
@@ -392,6 +456,8 @@ def differences_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.Dat
     runs = runs[runs["policy.name"] != "full"]
     others = ["full"] + sorted(runs["variant"].unique())
     decimals = quantity.decimals
+    family = table_comparisons(frame, quantity)
+    digits = p_digits(family) if len(family) else 3
     cells = {}
     for _, run in runs.iterrows():
         row = {}
@@ -399,8 +465,8 @@ def differences_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.Dat
             stem = quantity.versus(other, average=True)
             if f"{stem}_diff" in run and run[f"{stem}_diff"] == run[f"{stem}_diff"]:
                 diff, low, high = (f"{run[f'{stem}_{part}']:+.{decimals}f}" for part in ("diff", "low", "high"))
-                mark = significance_mark(run[f"{stem}_p_holm"], run[f"{stem}_p_bh"])
-                row[f"minus {other}"] = f"{diff} ({low}, {high}) {p_text(run[f'{stem}_p'])}{mark}"
+                mark = significance_mark(run[f"{stem}_p_holm"], run[f"{stem}_p_bh"], settled(run, stem))
+                row[f"minus {other}"] = f"{diff} ({low}, {high}) {p_text(run[f'{stem}_p'], digits)}{mark}"
             else:
                 row[f"minus {other}"] = ""
         cells[(run["variant"], run["budget"])] = row
@@ -425,6 +491,8 @@ def family_note(frame: pd.DataFrame, quantity: Quantity = SCORE) -> str:
     # The same standard error at an unadjusted level: only the normal quantile changes.
     unadjusted = detectable * ((z(1 - SIGNIFICANCE / 2) + z(POWER)) / (z(1 - SIGNIFICANCE / (2 * n)) + z(POWER)))
     unit, decimals = quantity.unit, quantity.decimals
+    settled_rows = (family["p_settled"].fillna(True).astype(bool) if "p_settled" in family
+                    else pd.Series(True, index=family.index))
     marks = (
         f"The family is the table's {n} distinct comparisons (a pair of policies shows twice, once from each side, "
         f"and counts once). Intervals and p-values are per comparison, unadjusted; marks are adjusted over the "
@@ -432,9 +500,14 @@ def family_note(frame: pd.DataFrame, quantity: Quantity = SCORE) -> str:
         f"Benjamini-Hochberg q < {SIGNIFICANCE} but not Holm (false-discovery rate {SIGNIFICANCE:.0%}); an "
         f"unmarked difference is not a finding even where its interval excludes zero. Of the {n}: "
         f"{int((family['p'] < SIGNIFICANCE).sum())} have unadjusted p < {SIGNIFICANCE}, "
-        f"{int((family['p_bh'] < SIGNIFICANCE).sum())} pass BH, {int((family['p_holm'] < SIGNIFICANCE).sum())} pass "
-        f"Holm."
+        f"{int(((family['p_bh'] < SIGNIFICANCE) & settled_rows).sum())} pass BH, "
+        f"{int(((family['p_holm'] < SIGNIFICANCE) & settled_rows).sum())} pass Holm."
     )
+    unsettled = int((~settled_rows).sum())
+    if unsettled:
+        marks += (f" `?`: {unsettled} comparison(s) whose mark 10,000,000 random sign patterns could not settle "
+                  f"(adjusted p within 4 Monte Carlo standard errors of {SIGNIFICANCE}): unmarked, counted as "
+                  "undecided.")
     if detectable.empty:
         return marks + "\n\nNo comparison has two runs that differ on any sample: no detectable difference to give."
     return marks + (
@@ -459,16 +532,61 @@ def shared_engine_note(frame: pd.DataFrame) -> list[str]:
             "comparisons come from `experiments/throughput.py`.", ""]
 
 
-INTERVAL_METHOD = (f"95% BCa bootstrap intervals (bias-corrected and accelerated; {RESAMPLES} resamples within each "
-                   f"task, seed {SEED})")
+def interval_method(quantity: Quantity) -> str:
+    """How a table's intervals are computed (``harness.analysis.stats.bca_interval``), in words."""
+    return (f"95% BCa bootstrap intervals (bias-corrected and accelerated, tasks resampled within themselves; the "
+            f"bootstrap distribution computed exactly where the samples take so few values that at most "
+            f"{EXACT_OUTCOMES:,} distinct resamples exist, as for 0/1 scores; otherwise {RESAMPLES:,} resamples at "
+            f"first and more, up to {MAX_RESAMPLES:,}, until each bound's Monte Carlo error (standard error from "
+            f"{SECTIONS} sections of the resamples) is below {quantity.mc_target:g} {quantity.unit}, each interval's "
+            f"resamples drawn from a generator seeded by a hash of its own data)")
 
 
-def differences_text(quantity: Quantity, family_size: int) -> str:
+INTERVAL_METHOD = interval_method(SCORE)
+
+
+def differences_text(quantity: Quantity) -> str:
     better = "higher is better" if quantity.higher_is_better else "lower is better"
     return (f"Paired differences of the average {quantity.description} ({quantity.units}, {better}; row minus column, "
-            f"same samples; columns other than full cache compare policies at the row's budget) with {INTERVAL_METHOD} "
-            f"and two-sided paired sign-flip p-values (exact when at most {EXACT_UP_TO} samples differ, else "
-            f"{flips_for(family_size):,} random sign flips).")
+            f"same samples; columns other than full cache compare policies at the row's budget) with "
+            f"{interval_method(quantity)} and two-sided paired sign-flip p-values: exact (every sign pattern counted) "
+            f"when at most {EXACT_UP_TO} samples differ, else from {FLIPS:,} random sign patterns, ten times more (up "
+            f"to {MAX_FLIPS:,}) for every p-value a mark of the table depends on while that mark could change within "
+            f"{WIDTH} Monte Carlo standard errors; each comparison's patterns come from a generator seeded by a hash "
+            f"of its own differences, so no two comparisons share draws. p-values are printed to the significant "
+            f"digits (at least 3) from which the table's marks follow.")
+
+
+def interval_note(group: pd.DataFrame, quantity: Quantity) -> str:
+    """The largest Monte Carlo error of a bound in an interval table (``interval_table``)."""
+    errors = pd.concat([group[f"{quantity.task_column}_mc"],
+                        group.drop_duplicates("run_dir")[f"{quantity.average_column}_mc"]]).dropna()
+    exact = "" if errors.max() > 0 else " (every bootstrap distribution here computed exactly)"
+    return (f"Monte Carlo error of the bounds (standard error): at most {errors.max():.3g} {quantity.unit} in this "
+            f"table (target below {quantity.mc_target:g}){exact}.")
+
+
+def monte_carlo_note(family: pd.DataFrame, quantity: Quantity) -> str:
+    """How much a differences table's bounds and p-values owe to their random draws: the largest
+    Monte Carlo error of a bound, how many p-values are exact and how many random (with their
+    flips and largest standard error), and any comparison whose mark is not settled."""
+    random = family[family["p_flips"] > 0]
+    text = (f"Monte Carlo error (standard error; a rerun draws the same): bounds at most {family['mc'].max():.3g} "
+            f"{quantity.unit} (target below {quantity.mc_target:g}); ")
+    if random.empty:
+        return text + f"all {len(family)} p-values exact."
+    fewest, most = int(random["p_flips"].min()), int(random["p_flips"].max())
+    exact = len(family) - len(random)
+    text += (f"{exact} p-value{'' if exact == 1 else 's'} exact, {len(random)} from "
+             f"{f'{fewest:,}' if fewest == most else f'{fewest:,} to {most:,}'} random sign patterns (standard error "
+             f"at most {random['p_mc'].max():.2g}).")
+    unsettled = family[family["p_settled"].astype(str) == "False"]  # read back from a CSV, a bool is text
+    if unsettled.empty:
+        return text + f" No mark could change within {WIDTH} standard errors of the random p-values."
+    names = ", ".join(f"{row[0]} {row[1]} minus {column[0]}"
+                      for row, column in zip(unsettled["row"], unsettled["column"]))
+    return text + (f" Not settled at {MAX_FLIPS:,} patterns: the mark of {names} could change within {WIDTH} "
+                   f"standard errors of the random p-values.")
 
 
 def quantity_sections(group: pd.DataFrame, quantity: Quantity) -> list[str]:
@@ -486,9 +604,11 @@ def quantity_sections(group: pd.DataFrame, quantity: Quantity) -> list[str]:
     return [
         f"### {quantity.description[0].upper()}{quantity.description[1:]}",
         "",
-        f"Per task and averaged over tasks ({quantity.units}, {better}), with {INTERVAL_METHOD}.{left_out}",
+        f"Per task and averaged over tasks ({quantity.units}, {better}), with {interval_method(quantity)}.{left_out}",
         "",
         markdown_table(interval_table(group, quantity)),
+        "",
+        interval_note(group, quantity),
         "",
         *differences_section(group, quantity),
     ]
@@ -496,11 +616,11 @@ def quantity_sections(group: pd.DataFrame, quantity: Quantity) -> list[str]:
 
 def differences_section(group: pd.DataFrame, quantity: Quantity) -> list[str]:
     """The differences table of one quantity with the text above and below it."""
-    family_size = len(table_comparisons(group, quantity))
-    if not family_size:
+    family = table_comparisons(group, quantity)
+    if not len(family):
         return ["No paired differences: no two runs here compare (full cache alone, or one variant).", ""]
-    return [differences_text(quantity, family_size), "", markdown_table(differences_table(group, quantity)), "",
-            family_note(group, quantity), ""]
+    return [differences_text(quantity), "", markdown_table(differences_table(group, quantity)), "",
+            monte_carlo_note(family, quantity), "", family_note(group, quantity), ""]
 
 
 def to_markdown(frame: pd.DataFrame, command: str) -> str:
@@ -516,7 +636,10 @@ def to_markdown(frame: pd.DataFrame, command: str) -> str:
             "",
             markdown_table(interval_table(group)),
             "",
+            interval_note(group, SCORE),
+            "",
             *differences_section(group, SCORE),
+            *silence_section(group, group_scores(group)),
             *[line for quantity in QUANTITIES if quantity is not SCORE for line in quantity_sections(group, quantity)],
             "Retention of the average score against full cache (%), fidelity to full cache (%), throughput "
             "(output tokens/s and ratio to full cache), median time per output token (s), KV blocks in use "
@@ -540,8 +663,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("roots", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("results/summary"))
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--drop-task", action="append", default=[], metavar="TASK",
+                        help="leave a task out of every table (repeatable), e.g. RULER's vt")
     args = parser.parse_args(argv)
-    frame = load_runs(args.roots)
+    missing = sorted(set(args.drop_task) - {t for run in find_runs(args.roots)
+                                              for t in read_json(run / "scores.json")["tasks"]})
+    if missing:  # a misspelt task would leave every table as it was, under a name that says otherwise
+        parser.error(f"--drop-task: no run has task(s) {', '.join(missing)}")
+    frame = load_runs(args.roots, tuple(args.drop_task))
     command = "python -m harness.analysis.aggregate " + " ".join(argv)
     write_summary(frame, args.out, command)
     if not args.no_plots:

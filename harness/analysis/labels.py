@@ -52,3 +52,13 @@ def in_reading_order(table: pd.DataFrame) -> pd.DataFrame:
         return (policy != "full", policy, budget.startswith("r"), order)
 
     return table.loc[sorted(table.index, key=key)]
+
+
+def with_interval(value, low, high, decimals: int = 1) -> str:
+    """A cell of an interval table: ``mean (low, high)``."""
+    return f"{value:.{decimals}f} ({low:.{decimals}f}, {high:.{decimals}f})"
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    """A policy x budget table with ``policy`` and ``budget`` as plain columns (no tuple labels)."""
+    return table.reset_index().rename(columns={"variant": "policy"}).to_markdown(index=False)

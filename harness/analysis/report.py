@@ -34,8 +34,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from harness.analysis.aggregate import QUANTITIES, SIGNIFICANCE, Quantity
+from harness.analysis.aggregate import QUANTITIES, SIGNIFICANCE, Quantity, settled
 from harness.analysis.labels import budget_label
+from harness.analysis.silence import dead_samples
 from harness.records.results import atomic_write_text, read_json
 from harness.analysis.stats import ratio_interval
 
@@ -57,6 +58,8 @@ ACCURACY = (
     AccuracyStudy("cpu_accuracy", "The policies on the embedded suite",
                   "python run.py -m +experiment=cpu_accuracy", "paged"),
     AccuracyStudy("ruler", "RULER at kvpress's compression ratios (prompt only)",
+                  "python experiments/regenerate.py --only ruler", "paged[decode_eviction=False]"),
+    AccuracyStudy("ruler/without_vt", "The same RULER cells without variable tracking (full cache scores 0 on it)",
                   "python experiments/regenerate.py --only ruler", "paged[decode_eviction=False]"),
     AccuracyStudy("ablation", "PagedEviction's score and granularity apart",
                   "python run.py -m +experiment=ablation", "paged"),
@@ -106,7 +109,7 @@ def budget_key(label: str) -> tuple:
 def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], quantity: Quantity
                  ) -> tuple[list[str], dict[str, int]]:
     """Markdown rows of focus minus each other variant (columns: budgets), and the verdict counts."""
-    counts = {"higher": 0, "lower": 0, "undecided": 0}
+    counts = {"higher": 0, "lower": 0, "undecided": 0, "unsettled": 0}
     better = {"higher": "better", "lower": "worse"} if quantity.higher_is_better else {"higher": "worse", "lower": "better"}
     lines = ["| focus minus | " + " | ".join(budgets) + " |", "|---|" + "---|" * len(budgets)]
     for other in others:
@@ -118,6 +121,12 @@ def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], qua
                 cells.append("")
                 continue
             p_holm = row[f"{stem}_p_holm"]
+            if not settled(row, stem):  # at the threshold within Monte Carlo error: no mark either way
+                cells.append(interval_text(row[f"{stem}_diff"], row[f"{stem}_low"], row[f"{stem}_high"],
+                                           quantity.decimals) + " ?")
+                counts["undecided"] += 1
+                counts["unsettled"] += 1
+                continue
             cells.append(interval_text(row[f"{stem}_diff"], row[f"{stem}_low"], row[f"{stem}_high"],
                                        quantity.decimals) + mark(p_holm))
             if p_holm < SIGNIFICANCE:
@@ -126,8 +135,8 @@ def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], qua
                 counts["undecided"] += 1
         if any(cells):
             lines.append(f"| {other} | " + " | ".join(cells) + " |")
-    verdict = {better[k]: v for k, v in counts.items() if k != "undecided"}
-    return lines, {**verdict, "undecided": counts["undecided"]}
+    verdict = {better[k]: v for k, v in counts.items() if k in better}
+    return lines, {**verdict, "undecided": counts["undecided"], "unsettled": counts["unsettled"]}
 
 
 def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
@@ -148,7 +157,7 @@ def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
         parts += [f"**{model} on {data}**: {len(tasks)} tasks, {int(samples.min())}"
                   + (f"-{int(samples.max())}" if samples.max() != samples.min() else "")
                   + f" samples per task, {len(runs)} cells; ran at: "
-                  + commits_text([run_version(r, root) for r in runs["run_dir"]]) + ".", ""]
+                  + commits_text([run_version(r, root) for r in runs["run_dir"]]) + ". " + silence_line(group, root), ""]
         full = runs[runs["variant"] == "full"]
         for quantity in QUANTITIES:
             average = quantity.average_column
@@ -156,7 +165,7 @@ def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
                 continue
             direction = "higher is better" if quantity.higher_is_better else "lower is better"
             table, verdict = versus_table(focus, others, budgets, quantity)
-            decided = sum(v for k, v in verdict.items() if k != "undecided")
+            decided = verdict["better"] + verdict["worse"]
             total = decided + verdict["undecided"]
             family = family_size(runs, quantity)
             parts += [f"*{quantity.description}* ({quantity.units}, average over tasks; {direction}): "
@@ -169,8 +178,25 @@ def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
                                                          signed=False) + ".", ""]
             parts += table + [""]
             parts += [f"Decided after Holm: {decided} of {total} (`{study.focus}` better in {verdict['better']}, "
-                      f"worse in {verdict['worse']}); undecided: {verdict['undecided']}.", ""]
+                      f"worse in {verdict['worse']}); undecided: {verdict['undecided']}"
+                      + (f" (`?`: {verdict['unsettled']} whose Holm-adjusted p is within Monte Carlo error of "
+                         f"{SIGNIFICANCE:g} at 10^7 sign flips)" if verdict["unsettled"] else "") + ".", ""]
     return parts
+
+
+def silence_line(group: pd.DataFrame, root: Path) -> str:
+    """How many of the table's samples score 0 in every cell (``harness.analysis.silence``)."""
+    from harness.analysis.aggregate import sample_scores
+
+    runs = group.drop_duplicates("run_dir")
+    tasks = set(group["task"])  # a view without a task (``--drop-task``) counts without it
+    scores = {run: {task: values for task, values in sample_scores(str(root / run)).items() if task in tasks}
+              for run in runs["run_dir"]}
+    dead = dead_samples(scores)
+    tasks = ", ".join(f"{task} {len(dead.dead[task])}/{len(dead.samples[task])}" for task in sorted(dead.tasks)
+                      if len(dead.dead[task]))
+    return (f"{dead.dead_total} of {dead.total} samples score 0 in every cell ({tasks}); its summary also scores "
+            "the cells without them.")
 
 
 def family_size(runs: pd.DataFrame, quantity: Quantity) -> int:
@@ -363,10 +389,163 @@ def unsupported(text: str, root: Path = ROOT) -> list[str]:
     return found
 
 
+# ---------------------------------------------------------------- numbers on the right comparison
+# A number can be in a summary and still be quoted for the wrong comparison (SnapKV's difference
+# written beside KeyDiff's name). Where a sentence says which comparison it means, that can be
+# checked: an interval "E (L, H)" quoted as an accuracy study's difference or cell average must
+# belong to a comparison whose other policy is the one the sentence names last before it (its name
+# in prose, or its variant in a code span) and, where the sentence names budgets before it, at the
+# budget (or among the list of budgets) named last. A sentence that names no policy before its
+# interval says nothing this can check.
+PROSE_NAMES = {  # a policy's name in prose -> its registry name
+    "full cache": "full", "PagedEviction": "paged", "SnapKV": "snapkv", "H2O": "h2o", "TOVA": "tova",
+    "StreamingLLM": "streaming", "KeyDiff": "keydiff", "Knorm": "knorm", "key norm": "knorm", "LRU": "lru",
+    "value norm": "value_norm", "learned scorer": "learned", "learned score": "learned", "hybrid": "hybrid",
+    "recency": "recency",
+}
+_TRIPLE = re.compile(r"(?<![\w.])([-+]?\d+\.\d+) \(([-+]?\d+\.\d+), ([-+]?\d+\.\d+)\)")
+_SENTENCE = re.compile(r"(?<=[.;!?])\s+(?=[A-Z(])")
+_LIST_JOINER = re.compile(r"^(,\s*|\s+and\s+|,\s+and\s+|\s+or\s+)$")  # between listed names
+
+
+@dataclass(frozen=True)
+class Quoted:
+    """What an interval in an accuracy summary is: a cell's average (``other`` is None) or the
+    study focus minus ``other``, of ``variant`` at ``budget`` (a budget label; "all" for full cache)."""
+    study: str
+    quantity: str
+    variant: str
+    budget: str
+    other: str | None
+    values: tuple[float, float, float]
+
+
+def base_name(variant: str) -> str:
+    return variant.split("[", 1)[0]
+
+
+def study_intervals(study: AccuracyStudy, root: Path) -> list[Quoted]:
+    """Every interval an accuracy study's summaries print: each cell's average and the focus's
+    paired differences, per quantity, as printed (``Quantity.decimals``)."""
+    frame = pd.read_csv(root / RESULTS / study.folder / "summary.csv").drop_duplicates("run_dir")
+    found = []
+    for _, run in frame.iterrows():
+        label = budget_label(run)
+        for quantity in QUANTITIES:
+            average = quantity.average_column
+            if average in run and run[average] == run[average]:
+                found.append(Quoted(study.folder, quantity.field, run["variant"], label, None, tuple(
+                    round(float(run[c]), quantity.decimals) for c in (average, f"{average}_low", f"{average}_high"))))
+            if run["variant"] != study.focus:
+                continue
+            prefix = quantity.versus("", average=True)
+            for column in run.index:
+                if column.startswith(prefix) and column.endswith("_diff") and run[column] == run[column]:
+                    stem = column[:-len("_diff")]
+                    found.append(Quoted(study.folder, quantity.field, run["variant"], label, stem[len(prefix):], tuple(
+                        round(float(run[f"{stem}_{part}"]), quantity.decimals) for part in ("diff", "low", "high"))))
+    return found
+
+
+def matches(values: tuple[float, float, float], quoted: Quoted) -> bool:
+    """The interval as the summary prints it, or taken the other way round (the other minus the
+    focus: every number negated, the bounds swapped)."""
+    estimate, low, high = quoted.values
+    return values in ((estimate, low, high), (-estimate, -high, -low))
+
+
+def misattributed(text: str, root: Path = ROOT) -> list[str]:
+    """Each interval of ``text`` quoted as an accuracy study's number (``study_intervals``) beside a
+    policy or budget that none of the comparisons printing it has, as ``interval: sentence start``."""
+    found, heading = [], ""
+    studies = present(ACCURACY, root)
+    intervals = {study.folder: study_intervals(study, root) for study in studies}
+    focus = {study.folder: study.focus for study in studies}
+    for paragraph in re.split(r"\n\s*\n", text):
+        if paragraph.lstrip().startswith("#"):
+            heading = paragraph
+        named = {name.rstrip(".,;:") for name in _NAMED.findall(heading + "\n" + paragraph)}
+        folders = [f for f in intervals if any(n == f"results/{f}" or n.startswith(f"results/{f}/") for n in named)]
+        for sentence in _SENTENCE.split(" ".join(paragraph.split())):
+            for triple in _TRIPLE.finditer(_LINK_TARGET.sub("]", sentence)):
+                values = tuple(float(v) for v in triple.groups())
+                candidates = [q for f in folders for q in intervals[f] if matches(values, q)]
+                prefix, suffix = sentence[:triple.start()], sentence[triple.end():]
+                verdicts = [consistent(q, prefix, suffix, focus[q.study]) for q in candidates]
+                if False in verdicts and True not in verdicts:
+                    found.append(f"{triple.group(0)} is {describe(candidates)}, not what its sentence names: "
+                                 f"{sentence.strip()[:90]!r}")
+    return found
+
+
+def mentions_in(prefix: str, variants: set[str]) -> list[tuple[int, int, str]]:
+    """The policies ``prefix`` names, in order, as (start, end, registry name or variant): a variant
+    in a code span, or a prose name of its policy (``PROSE_NAMES``)."""
+    mentions = [(span.start(), span.end(), span.group(0).strip("`")) for span in _CODE.finditer(prefix)
+                if span.group(0).strip("`") in variants]
+    prose = _CODE.sub(lambda m: " " * len(m.group(0)), prefix)
+    for name, policy in PROSE_NAMES.items():
+        for found in re.finditer(rf"(?<!\w){re.escape(name)}(?!\w)", prose, flags=re.IGNORECASE if " " in name else 0):
+            mentions.append((found.start(), found.end(), policy))
+    return sorted(mentions)
+
+
+def last_group(prefix: str, found: list[tuple[int, int, str]]) -> set[str]:
+    """The last name of ``found`` with the names listed right before it ("KeyDiff and TOVA",
+    "256, 512 and 1024"): a sentence that lists several gives each its number in turn."""
+    group = {found[-1][2]}
+    for earlier, later in zip(reversed(found[:-1]), reversed(found[1:])):
+        if not _LIST_JOINER.match(prefix[earlier[1]:later[0]]):
+            break
+        group.add(earlier[2])
+    return group
+
+
+def budgets_named(prefix: str, suffix: str) -> set[str] | None:
+    """The budget an interval is given for: the one right after it ("(...) at `r0.5`"), else the
+    budget (or list of budgets) its clause names last before it; None if it names none."""
+    pattern = "|".join(sorted((re.escape(b) for b in BUDGET_WORDS), key=len, reverse=True))
+    after = re.match(rf"\s*(?:points |nats |times full cache )?at (?:budget )?`?({pattern})`?(?![\w]|\.\d)", suffix)
+    if after:
+        return {after.group(1)}
+    found = [(m.start(), m.end(), m.group(1)) for m in re.finditer(rf"(?<![\w.])`?({pattern})`?(?![\w]|\.\d)", prefix)]
+    return last_group(prefix, found) if found else None
+
+
+def consistent(quoted: Quoted, prefix: str, suffix: str, focus: str) -> bool | None:
+    """Whether the sentence names ``quoted``'s policy last before it (for a difference: the other
+    policy, the focus's own name aside) and, if it names a budget for it, ``quoted``'s; None when it
+    names no such policy (nothing to check)."""
+    names = {quoted.variant, focus} | ({quoted.other} if quoted.other else set())
+    mentions = mentions_in(prefix, names)
+    if quoted.other is not None:
+        mentions = [m for m in mentions if m[2] not in (focus, base_name(focus))]
+    if not mentions:
+        return None
+    wanted = quoted.other or quoted.variant
+    if not last_group(prefix, mentions) & {wanted, base_name(wanted)}:
+        return False
+    budgets = budgets_named(re.split(r"[;:]", prefix)[-1], suffix)  # a budget named in this clause
+    return budgets is None or quoted.budget in budgets or quoted.budget == "all"
+
+
+# Budget labels a sentence can name: the token budgets and compression ratios the studies use.
+BUDGET_WORDS = {"128", "256", "512", "1024", "2048", "r0.25", "r0.5", "r0.75", "r0.875"}
+
+
+def describe(candidates: list[Quoted]) -> str:
+    first = candidates[0]
+    what = (f"{first.variant} minus {first.other}" if first.other else f"{first.variant}'s average")
+    more = f" (or {len(candidates) - 1} more)" if len(candidates) > 1 else ""
+    return f"{first.study} {first.quantity}: {what} at {first.budget}{more}"
+
+
 def check_documents(root: Path = ROOT) -> list[str]:
     problems = []
     for name, heading in CHECKED_DOCUMENTS.items():
-        problems += [f"{name}: {line}" for line in unsupported(section((root / name).read_text(), heading), root)]
+        text = section((root / name).read_text(), heading)
+        problems += [f"{name}: quoted but in no summary: {line}" for line in unsupported(text, root)]
+        problems += [f"{name}: on the wrong comparison: {line}" for line in misattributed(text, root)]
     return problems
 
 
@@ -382,10 +561,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         problems = check_documents(ROOT)
         for problem in problems:
-            print(f"quoted but in no summary: {problem}", file=sys.stderr)
+            print(problem, file=sys.stderr)
         if problems:
             return 1
-        print(f"{OUT} matches the summaries; every number {', '.join(CHECKED_DOCUMENTS)} quote is in one")
+        print(f"{OUT} matches the summaries; every number {', '.join(CHECKED_DOCUMENTS)} quote is in one, "
+              "every interval beside the comparison it belongs to")
         return 0
     atomic_write_text(target, text)
     print(f"wrote {OUT}")

@@ -10,8 +10,9 @@ involves the focus, oriented focus minus other. For each comparison, from the co
 per-sample score differences (stratified by task as the average is):
 
 * the observed difference of the average, its standard error, the paired sign-flip p-value
-  (``harness.analysis.stats.sign_flip_p``) and whether Holm over the headline family decides it now; also
-  whether Holm over the whole table (every comparison ``summary.md`` adjusts over) does;
+  (``harness.analysis.stats.settled_p_values``: exact, or from random sign patterns until Holm's
+  decision is settled) and whether Holm over the headline family decides it now; also whether Holm
+  over the whole table (every comparison ``summary.md`` adjusts over) does;
 * the samples per task for 80% power at Holm's strictest level alpha/m (m = headline family size),
   for a true difference of the observed size and of a stated minimal effect (``--effect``), and
   the samples per task that would show equivalence within +-effect (two one-sided tests at alpha/m)
@@ -62,10 +63,10 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from harness.analysis.aggregate import comparable_pairs, find_runs, paired, run_rows, sample_scores
+from harness.analysis.aggregate import SIGNIFICANCE, comparable_pairs, find_runs, paired, run_rows, sample_scores
 from harness.analysis.labels import budget_label
 from harness.records.results import atomic_write_text, read_json
-from harness.analysis.stats import SCALE, flips_for, holm, sign_flip_p, standard_error
+from harness.analysis.stats import SCALE, holm, settled_p_values, standard_error
 
 ALPHA = 0.05  # family-wise error the headline family is held to (aggregate.SIGNIFICANCE)
 POWER = 0.8
@@ -201,18 +202,20 @@ def differences(group: pd.DataFrame, pairs: list[tuple[str, str]]) -> dict[tuple
     return {(run, other): paired(scores[run], scores[other]) for run, other in pairs}
 
 
-def headline(group: pd.DataFrame, focus: str) -> list[Comparison]:
-    """Every headline comparison with its statistics, Holm-adjusted over the headline family and
-    over the whole table's family (as ``summary.md`` marks it)."""
+def headline(group: pd.DataFrame, focus: str, alpha: float = ALPHA) -> list[Comparison]:
+    """Every headline comparison with its statistics, Holm-adjusted over the headline family (at
+    ``alpha``) and over the whole table's family (as ``summary.md`` marks it)."""
     table_pairs = comparable_pairs(group)
     table_diffs = differences(group, table_pairs)
-    table_p = {pair: sign_flip_p(d, flips_for(len(table_pairs))) for pair, d in table_diffs.items() if d}
-    table_holm = dict(zip(table_p, holm(list(table_p.values()))))
-    family = headline_pairs(group, focus)
-    found = []
-    for run, other in family:
+    tested = [pair for pair in table_pairs if table_diffs[pair]]
+    # The table's p-values as summary.md has them: settled over the table's family at its level.
+    table_p = dict(zip(tested, settled_p_values([table_diffs[pair] for pair in tested], SIGNIFICANCE)))
+    table_holm = dict(zip(tested, holm([table_p[pair].p for pair in tested])))
+    found, keys = [], []
+    for run, other in headline_pairs(group, focus):
         forward = (run, other) in table_diffs
-        d = table_diffs[(run, other)] if forward else {t: -v for t, v in table_diffs[(other, run)].items()}
+        key = (run, other) if forward else (other, run)
+        d = table_diffs[key] if forward else {t: -v for t, v in table_diffs[key].items()}
         if not d:
             continue
         samples = min(len(v) for v in d.values())
@@ -220,10 +223,14 @@ def headline(group: pd.DataFrame, focus: str) -> list[Comparison]:
             budget=group.loc[run, "budget_label"], other=group.loc[other, "variant"], samples=samples,
             diff=float(SCALE * np.mean([v.mean() for v in d.values()])), se=standard_error(d), sd=unit_sd(d),
             differing=int(sum(np.count_nonzero(v) for v in d.values())), tasks=len(d),
-            p=sign_flip_p(d, flips_for(len(family))),
-            p_holm_table=table_holm[(run, other) if forward else (other, run)]))
-    for comparison, adjusted in zip(found, holm([c.p for c in found])):
-        comparison.p_holm = adjusted
+            p=table_p[key].p, p_holm_table=table_holm[key]))
+        keys.append(key)
+    # Holm over the headline family at ``alpha`` may need more precise p-values than the table's:
+    # each random one continues from the table's flips (same data, same draws), so it only sharpens.
+    headline_p = settled_p_values([table_diffs[key] for key in keys], alpha,
+                                  start=[table_p[key].flips for key in keys])
+    for comparison, value, adjusted in zip(found, headline_p, holm([value.p for value in headline_p])):
+        comparison.p, comparison.p_holm = value.p, adjusted
     return sorted(found, key=lambda c: (budget_order(c.budget), c.other != "full", c.other))
 
 
@@ -365,7 +372,7 @@ def report(root: Path, focus: str, effect: float, alpha: float, power: float, ho
 def group_report(group: pd.DataFrame, model: str, data: str, focus: str, effect: float, alpha: float,
                  power: float, hours: float, shares: tuple[int, ...],
                  ruler: tuple[int, tuple[int, ...]] | None) -> list[str]:
-    comparisons = headline(group, focus)
+    comparisons = headline(group, focus, alpha)
     m = len(comparisons)
     m_table = len(comparable_pairs(group))
     level = alpha / m
@@ -382,7 +389,8 @@ def group_report(group: pd.DataFrame, model: str, data: str, focus: str, effect:
         f"Differences are of the average score (points on the 0-100 scale, unweighted mean over the {len(tasks)} "
         f"tasks {', '.join(tasks)} of the per-task mean paired difference, {focus} minus the other, "
         f"{n_now} samples per task now). SE is the average's standard error from the per-task variances of the "
-        f"differences (ddof 1). p is the paired sign-flip p-value; *decided* means Holm over the headline family "
+        f"differences (ddof 1). p is the paired sign-flip p-value (3 significant digits; exact, or from random sign "
+        f"patterns until Holm's decision is settled); *decided* means Holm over the headline family "
         f"gives p < {alpha} (the sign says which way), or, failing that, two one-sided tests at {alpha}/{m} put "
         f"the difference within ±{effect:g} points (equivalent); *table Holm* is the same p adjusted over the "
         f"table's {m_table} comparisons, as `summary.md` marks it (`*`).",
@@ -405,7 +413,7 @@ def group_report(group: pd.DataFrame, model: str, data: str, focus: str, effect:
     for c in comparisons:
         lines.append(
             f"| {c.budget} | {c.other} | {c.diff:+.2f} | {c.se:.2f} | {c.differing}/{c.samples * len(tasks)} | "
-            f"{c.p:.4f} | {c.p_holm:.4f} | {c.p_holm_table:.4f} | {decided_text(c, alpha, effect, level)} | "
+            f"{c.p:.3g} | {c.p_holm:.4f} | {c.p_holm_table:.4f} | {decided_text(c, alpha, effect, level)} | "
             f"{fmt_n(c.needed(c.diff, level, power))} | {fmt_n(c.needed(effect, level, power))} | "
             f"{fmt_n(equivalence_samples(effect, c.sd, level, power))} |")
     decided = sum(c.p_holm < alpha for c in comparisons)

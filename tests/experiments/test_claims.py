@@ -29,9 +29,9 @@ def findings() -> str:
     ("9.86%", "9.8%"),
 ])
 def test_a_changed_number_is_caught(quoted, changed):
-    """What the check can catch: a number no named summary holds. What it cannot: a sign flipped
-    to one the summary prints for the reverse comparison (its tables show both directions), or a
-    number attached to the wrong comparison; those stay the reader's and the reviewer's."""
+    """What this part of the check catches: a number no named summary holds. What it cannot: a sign
+    flipped to one the summary prints for the reverse comparison (its tables show both directions);
+    a number on the wrong comparison is the next check's (``report.misattributed``)."""
     text = findings()
     assert quoted in text, f"the test's example {quoted} is no longer quoted in FINDINGS.md: pick another"
     problems = report.unsupported(text.replace(quoted, changed, 1), ROOT)
@@ -71,3 +71,41 @@ def test_a_ratio_may_carry_its_x():
     assert report.unsupported(paragraph, ROOT) == []
     wrong = report.unsupported(paragraph.replace("0.92x", "0.82x"), ROOT)  # 0.82 is in neither document
     assert [problem.split(":")[0] for problem in wrong] == ["0.82"]
+
+
+def interval_of(study: str, quantity: str, other: str | None, budget: str, variant: str = "paged") -> str:
+    """An interval as a summary prints it (``report.study_intervals``), signed like a difference."""
+    decimals = next(q.decimals for q in report.QUANTITIES if q.field == quantity)
+    found = [q for q in report.study_intervals(next(s for s in report.ACCURACY if s.folder == study), ROOT)
+             if (q.quantity, q.other, q.budget, q.variant) == (quantity, other, budget, variant)]
+    assert len(found) == 1, (study, quantity, other, budget, found)
+    return report.interval_text(*found[0].values, decimals)
+
+
+def test_a_number_on_the_wrong_comparison_is_caught():
+    """Two differences swapped between the policies a sentence names: each is in a summary, so only
+    the attachment check sees it; in the right places (or quoted the other way round, with
+    KeyDiff minus PagedEviction) it passes."""
+    snapkv = interval_of("cpu_accuracy", "score", "snapkv", "256")
+    keydiff = interval_of("cpu_accuracy", "score", "keydiff", "512")
+    right = (f"## Embedded (`results/cpu_accuracy`)\n\nPagedEviction minus SnapKV at 256 is {snapkv}; "
+             f"minus KeyDiff at 512 it is {keydiff}.")
+    assert report.misattributed(right, ROOT) == [] and report.unsupported(right, ROOT) == []
+    swapped = right.replace(snapkv, "@").replace(keydiff, snapkv).replace("@", keydiff)
+    assert report.unsupported(swapped, ROOT) == [], "each number is still in a summary"
+    problems = report.misattributed(swapped, ROOT)
+    assert len(problems) == 2 and "minus keydiff at 512" in problems[0] and "minus snapkv at 256" in problems[1], problems
+    wrong_budget = right.replace("SnapKV at 256", "SnapKV at 512")
+    assert len(report.misattributed(wrong_budget, ROOT)) == 1
+
+
+def test_a_listed_comparison_reads_its_place_in_the_list():
+    """"SnapKV at 256 and 512 (a and b)": each number belongs to one of the listed budgets; a budget
+    written right after a number ("a at `r0.5`") is that number's."""
+    at_256, at_512 = (interval_of("cpu_accuracy", "score", "snapkv", b) for b in ("256", "512"))
+    listed = f"## E (`results/cpu_accuracy`)\n\nBelow SnapKV at 256 and 512 ({at_256} and {at_512})."
+    assert report.misattributed(listed, ROOT) == []
+    assert report.misattributed(listed.replace("256 and 512", "1024"), ROOT)
+    after = f"## E (`results/cpu_accuracy`)\n\nBelow SnapKV ({at_256} at 256, {at_512} at 512)."
+    assert report.misattributed(after, ROOT) == []
+    assert len(report.misattributed(after.replace("at 512)", "at 1024)"), ROOT)) == 1

@@ -3,6 +3,7 @@ is judged against the committed one, and when a study counts as verified."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -87,13 +88,26 @@ def test_a_study_counts_as_verified_only_at_this_code_for_the_cells_it_replayed(
     step = regenerate.throughput("demo", 1.0)
     cells = tmp_path / "results" / "throughput" / "demo" / "cells"
     cells.mkdir(parents=True)
-    (cells / "a.json").write_text(json.dumps({"provenance": {"code_version": "old"}}))
-    record = {"verdict": "verified", "code_version": "new", "ran_at": ["old"]}
+    (cells / "a.json").write_text(json.dumps({"provenance": {"code_version": "old"},
+                                              "cell": {"policy": "paged", "budget": 256, "trial": 1}}))
+    record = {"verdict": "verified", "code_version": "new", "ran_at": ["old"], "cells": 1}
     (cells.parent / regenerate.VERIFIED).write_text(json.dumps(record))
+    assert regenerate.status(step, "new")[0] == "to run"  # no summary of them yet
+    (cells.parent / "summary.csv").write_text("cell\n")
     assert regenerate.status(step, "new")[0] == "verified"
     assert regenerate.status(step, "newer")[0] == "to run"  # the code moved again since
     (cells / "b.json").write_text(json.dumps({"provenance": {"code_version": "other"}}))
     assert regenerate.status(step, "new")[0] == "to run"  # a cell the verification did not cover
     (cells / "b.json").unlink()
+    # a cell rerun at this code (a retrained policy's) beside the verified ones: still verified, once
+    # the summary is newer than it
+    (cells / "c.json").write_text(json.dumps({"provenance": {"code_version": "new"}}))
+    os.utime(cells.parent / "summary.csv", (1, 1))
+    assert regenerate.status(step, "new")[0] == "partial"
+    (cells.parent / "summary.csv").touch()
+    assert regenerate.status(step, "new")[0] == "verified"
+    assert regenerate.replay_subset(step, "new") == [cells / "a.json"]
     (cells.parent / regenerate.VERIFIED).write_text(json.dumps({**record, "verdict": "moved"}))
+    assert regenerate.status(step, "new")[0] == "partial"
+    (cells / "c.json").unlink()
     assert regenerate.status(step, "new")[0] == "to run"

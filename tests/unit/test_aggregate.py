@@ -1,7 +1,9 @@
 """Aggregation, plots and the notebook over the committed CI baseline results (no engine)."""
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -47,7 +49,12 @@ def test_score_table_is_policy_by_budget(frame):
 
 
 def test_tables_read_full_cache_first_and_budgets_in_numeric_order():
-    cpu_sweep = load_runs([ROOT / "results" / "cpu_accuracy"])  # budgets 256, 512, 1024
+    from harness.analysis.aggregate import add_relative_columns, find_runs, run_rows
+
+    # The runs' rows without their intervals (what these two tables show; the intervals of 37 runs
+    # and 234 comparisons take half a minute): budgets 256, 512, 1024.
+    runs = find_runs([ROOT / "results" / "cpu_accuracy"])
+    cpu_sweep = add_relative_columns(pd.DataFrame([row for run in runs for row in run_rows(run)]))
     for table in (score_table(cpu_sweep), system_table(cpu_sweep)):
         rows = list(table.index)
         assert rows[0] == ("full", "all")
@@ -82,54 +89,100 @@ def test_notebook_runs_top_to_bottom():
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2, "the plots are drawn"
 
 
-def textbook_bca(by_task: dict[str, np.ndarray], scale: float = 100) -> tuple[float, float]:
-    """Efron's BCa for the mean over tasks of the task means, written out: per task in sorted
-    order 2000 resamples from one generator seeded 0; z0 from the share of resampled statistics
-    below the estimate; acceleration from the jackknife leaving out one sample at a time."""
+def textbook_bca(by_task: dict[str, np.ndarray], scale: float = 100) -> tuple[float, float, bool]:
+    """Efron's BCa for the mean over tasks of the task means, written out, and whether it is exact.
+
+    The bootstrap distribution: where every task's samples take so few values that there are at
+    most 100,000 distinct resamples in all, exactly, every resample of a task enumerated as how
+    often each distinct value is drawn (multinomial probabilities), tasks combined; else from
+    1,000,000 resamples per task of a generator seeded 0. z0 from its share below the estimate
+    (ties counted half), the acceleration from the jackknife leaving out one sample at a time,
+    the bounds its quantiles at the shifted levels."""
     from statistics import NormalDist
 
     tasks = sorted(by_task)
     values = [scale * np.asarray(by_task[t], dtype=float) for t in tasks]
-    rng = np.random.default_rng(0)
-    draws = np.mean([v[rng.integers(0, len(v), size=(2000, len(v)))].mean(axis=1) for v in values], axis=0)
     estimate = np.mean([v.mean() for v in values])
+    distinct = [np.unique(v, return_counts=True) for v in values]
+    exact = math.prod(math.comb(len(v) + len(u) - 1, len(u) - 1) for v, (u, _) in zip(values, distinct)) <= 100_000
+    if exact:
+        outcomes = {0.0: 1.0}
+        for v, (u, c) in zip(values, distinct):
+            task = {}
+            for drawn in itertools.combinations_with_replacement(range(len(u)), len(v)):
+                counts = np.bincount(drawn, minlength=len(u))
+                probability = math.factorial(len(v)) / math.prod(math.factorial(k) for k in counts) * math.prod(
+                    (ci / len(v)) ** k for ci, k in zip(c, counts))
+                key = round(float(counts @ u) / len(v) / len(values), 9)
+                task[key] = task.get(key, 0.0) + probability
+            combined = {}
+            for a, pa in outcomes.items():
+                for b, pb in task.items():
+                    combined[round(a + b, 9)] = combined.get(round(a + b, 9), 0.0) + pa * pb
+            outcomes = combined
+        support = np.array(sorted(outcomes))
+        probabilities = np.array([outcomes[x] for x in support])
+    else:
+        rng = np.random.default_rng(0)
+        support = np.sort(np.mean([v[rng.integers(0, len(v), size=(1_000_000, len(v)))].mean(axis=1) for v in values],
+                                  axis=0))
+        probabilities = np.full(len(support), 1 / len(support))
     normal = NormalDist()
-    z0 = normal.inv_cdf((np.sum(draws < estimate) + 0.5 * np.sum(draws == estimate)) / 2000)
+    tie = np.abs(support - estimate) <= 1e-9 * max(1.0, abs(estimate))
+    z0 = normal.inv_cdf(probabilities[(support < estimate) & ~tie].sum() + 0.5 * probabilities[tie].sum())
     jack = np.array([np.mean([np.delete(v, i).mean() if k == j else w.mean() for k, w in enumerate(values)])
                      for j, v in enumerate(values) for i in range(len(v))])
     spread = jack.mean() - jack
     a = np.sum(spread ** 3) / (6 * np.sum(spread ** 2) ** 1.5)
-    levels = [100 * normal.cdf(z0 + (z0 + z) / (1 - a * (z0 + z))) for z in (normal.inv_cdf(0.025), normal.inv_cdf(0.975))]
-    return tuple(np.percentile(draws, levels).round(2))
+    levels = [normal.cdf(z0 + (z0 + z) / (1 - a * (z0 + z))) for z in (normal.inv_cdf(0.025), normal.inv_cdf(0.975))]
+    cumulative = np.cumsum(probabilities)
+    low, high = (float(support[min(np.searchsorted(cumulative, level), len(support) - 1)]) for level in levels)
+    return low, high, exact
 
 
 def test_intervals_recomputed_from_the_per_sample_scores_match(frame):
     """The documented BCa intervals, for one task, the average and one paired difference,
-    recomputed from predictions.jsonl with numpy and the textbook formula."""
+    recomputed from predictions.jsonl with numpy and the textbook formula: equal where the
+    bootstrap distribution is exact (a task's few score values), within the reported Monte Carlo
+    error where it is drawn."""
     def scores(run):
         rows = [json.loads(line) for line in (Path(run["run_dir"].iloc[0]) / "predictions.jsonl").read_text().splitlines()]
         return {task: pd.Series({r["id"]: r["score"] for r in rows if r["task"] == task})
                 for task in sorted({r["task"] for r in rows})}
+
+    def agrees(low, high, mc, by_task):
+        textbook_low, textbook_high, exact = textbook_bca(by_task)
+        if exact:
+            return mc == 0 and (low, high) == (round(textbook_low, 2), round(textbook_high, 2))
+        # Both drawn: 4 of the summary's standard errors, plus the textbook's own (a third as large) and rounding.
+        return mc > 0 and max(abs(low - textbook_low), abs(high - textbook_high)) <= 5 * mc + 0.01
 
     run = frame[(frame["policy.name"] == "paged") & (frame["budget"] == 512)]
     other = frame[(frame["policy.name"] == "streaming") & (frame["budget"] == 512)]
     mine, theirs = scores(run), scores(other)
     task = "single_doc_qa"
     row = run[run["task"] == task].iloc[0]
-    assert (row["score_low"], row["score_high"]) == textbook_bca({task: mine[task].to_numpy()})
-    assert (row["average_low"], row["average_high"]) == textbook_bca({t: v.to_numpy() for t, v in mine.items()})
+    assert textbook_bca({task: mine[task].to_numpy()})[2], "few score values: an exact interval"
+    assert agrees(row["score_low"], row["score_high"], row["score_mc"], {task: mine[task].to_numpy()})
+    assert not textbook_bca({t: v.to_numpy() for t, v in mine.items()})[2], "code completion's many values: drawn"
+    assert agrees(row["average_low"], row["average_high"], row["average_mc"], {t: v.to_numpy() for t, v in mine.items()})
     assert row["score_low"] <= row["score"] <= row["score_high"]
     differences = {t: (mine[t] - theirs[t][mine[t].index]).to_numpy() for t in mine}
-    assert (row["avg_vs_streaming_low"], row["avg_vs_streaming_high"]) == textbook_bca(differences)
+    assert agrees(row["avg_vs_streaming_low"], row["avg_vs_streaming_high"], row["avg_vs_streaming_mc"], differences)
     assert row["avg_vs_streaming_diff"] == pytest.approx(100 * np.mean([d.mean() for d in differences.values()]), abs=0.006)
 
 
 def test_every_score_and_paired_difference_has_its_interval_and_p_values(frame):
-    assert frame[["score_low", "score_high", "average_low", "average_high"]].notna().all().all()
+    assert frame[["score_low", "score_high", "score_mc", "average_low", "average_high", "average_mc"]].notna().all().all()
     evicting = frame[frame["policy.name"] != "full"]
     for stem in ("vs_full", "avg_vs_full"):
-        for part in ("diff", "low", "high", "p", "p_holm", "p_bh"):
+        for part in ("diff", "low", "high", "mc", "p", "p_mc", "p_flips", "p_settled", "p_holm", "p_bh"):
             assert evicting[f"{stem}_{part}"].notna().all(), f"{stem}_{part}"
+    # Every bound's Monte Carlo error is below 0.1 point; an exact p-value has none.
+    assert (frame.filter(regex=r"(^score|^average|vs_.*)_mc$").max() < 0.1).all()
+    exact = evicting["avg_vs_full_p_flips"] == 0
+    assert (evicting.loc[exact, "avg_vs_full_p_mc"] == 0).all() and (evicting.loc[~exact, "avg_vs_full_p_mc"] > 0).all()
+    assert evicting["avg_vs_full_p_settled"].all()
     assert evicting["avg_vs_full_detectable"].notna().all()
     paged = evicting[evicting["policy.name"] == "paged"]
     assert paged[["avg_vs_streaming_diff", "avg_vs_knorm_low", "avg_vs_keydiff_high", "avg_vs_keydiff_p_holm"]].notna().all().all()
@@ -142,7 +195,8 @@ def test_every_score_and_paired_difference_has_its_interval_and_p_values(frame):
                              & (evicting["task"] == row["task"])].iloc[0]
         assert row["vs_streaming_diff"] == pytest.approx(row["score"] - streaming["score"], abs=0.01)
         assert (streaming["vs_paged_low"], streaming["vs_paged_high"]) == (-row["vs_streaming_high"], -row["vs_streaming_low"])
-        for part in ("avg_vs_{}_p", "avg_vs_{}_p_holm", "vs_{}_p_bh"):
+        assert (streaming["vs_paged_mc"], streaming["avg_vs_paged_mc"]) == (row["vs_streaming_mc"], row["avg_vs_streaming_mc"])
+        for part in ("avg_vs_{}_p", "avg_vs_{}_p_mc", "avg_vs_{}_p_flips", "avg_vs_{}_p_holm", "vs_{}_p_bh"):
             assert streaming[part.format("paged")] == row[part.format("streaming")]
 
 
@@ -170,11 +224,13 @@ def test_a_table_is_one_family_adjusted_by_holm_and_bh(frame):
 
 
 def test_summary_marks_only_adjusted_significance_and_says_how(frame, tmp_path):
-    from harness.analysis.aggregate import differences_table, to_markdown
+    from harness.analysis.aggregate import differences_table, p_digits, table_comparisons, to_markdown
 
     table = differences_table(frame)
     runs = frame.drop_duplicates("run_dir").set_index(["variant", "budget"])
+    digits = p_digits(table_comparisons(frame))
     marks = {"*": 0, "+": 0, "": 0}
+    printed = {}
     for (variant, budget), row in table.iterrows():
         run = runs.loc[(variant, int(budget))]
         for column, cell in row.items():
@@ -185,10 +241,24 @@ def test_summary_marks_only_adjusted_significance_and_says_how(frame, tmp_path):
             marks[mark] += 1
             expected = "*" if run[f"{stem}_p_holm"] < 0.05 else "+" if run[f"{stem}_p_bh"] < 0.05 else ""
             assert mark == expected, (variant, budget, column, cell)
-            assert f"p={run[f'{stem}_p']:.3f}" in cell or (run[f"{stem}_p"] < 0.001 and "p<0.001" in cell)
+            assert f"p={run[f'{stem}_p']:.{digits}g}" in cell and digits >= 3
+            pair = frozenset([(variant, budget), (column.removeprefix("minus "), budget)])
+            printed[pair] = (float(re.search(r"p=(\S+)", cell).group(1)), mark)
     assert marks["*"] and marks[""], "some differences pass Holm, some nothing"
+    # A reader can redo every mark from the printed p-values (each comparison once, its family the table).
+    p_values, expected_marks = zip(*printed.values())
+    from harness.analysis.aggregate import significance_mark
+    from harness.analysis.stats import benjamini_hochberg, holm
+
+    redone = [significance_mark(h, b).strip() for h, b in zip(holm(list(p_values)), benjamini_hochberg(list(p_values)))]
+    assert redone == list(expected_marks)
     markdown = to_markdown(frame, "python -m harness.analysis.aggregate results/ci_baseline")
     assert "95% BCa bootstrap intervals" in markdown and "`*` Holm-adjusted p < 0.05" in markdown
+    # The method as it is now, and each table's Monte Carlo error where a reader sees it.
+    assert "seeded by a hash of its own data" in markdown and "exact (every sign pattern counted) when at most 40" in markdown
+    assert "up to 10,000,000" in markdown and "shared seed" not in markdown and "seed 0" not in markdown
+    assert re.search(r"Monte Carlo error of the bounds \(standard error\): at most 0\.0\d* points in this table", markdown)
+    assert re.search(r"Monte Carlo error \(standard error; a rerun draws the same\): bounds at most 0\.0\d* points", markdown)
     assert re.search(r"The family is the table's \d+ distinct comparisons", markdown)
     assert re.search(r"Smallest true difference of the average found with 80% power .*median \d+\.\d+ points", markdown)
 
@@ -270,7 +340,7 @@ def test_another_per_sample_field_gets_its_own_compared_table_only_where_every_r
     assert "### Reference-answer log-likelihood per token" in with_part
     assert "log-likelihood" not in without_part
     section = with_part.split("### Reference-answer log-likelihood")[1]
-    assert re.search(r"\| paged +\| +256 \| -0\.\d{3} \(-0\.\d{3}, -0\.\d{3}\) p[<=]0\.\d+ \*", section)
+    assert re.search(r"\| paged +\| +256 \| -0\.\d{3} \(-0\.\d{3}, -0\.\d{3}\) p=\d\.?\d*(e-\d+)? \*", section)
     assert "nats/token" in section and "The family is the table's 3 distinct comparisons" in section
     # A field some samples lack is compared on the samples that have it, and the table says so.
     kl_section = with_part.split("### KL divergence to full cache")[1]
@@ -286,3 +356,13 @@ def test_full_cache_alone_summarises_without_a_differences_table(tmp_path):
     write_run(tmp_path, "d", "full", None, {"qa": [{"score": s} for s in (0.0, 1.0, 1.0, 0.5)]})
     markdown = to_markdown(load_runs([tmp_path]), "python -m harness.analysis.aggregate d")
     assert "| full     | all      | 62.5 (" in markdown and "No paired differences" in markdown
+
+
+def test_an_unsettled_comparison_gets_no_mark_either_way():
+    """A comparison whose adjusted p sits within Monte Carlo error of the level after the most
+    flips is shown `?` and never `*` or `+`, whichever side its point estimate falls."""
+    from harness.analysis.aggregate import significance_mark
+
+    assert significance_mark(0.049, 0.01) == " *" and significance_mark(0.2, 0.04) == " +"
+    assert significance_mark(0.049, 0.01, settled=False) == " ?"
+    assert significance_mark(0.051, 0.01, settled=False) == " ?"
