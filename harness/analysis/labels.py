@@ -16,7 +16,9 @@ def variant_label(config: dict) -> str:
     missing = object()
     changed = [f"{key}={value}" for key, value in sorted((policy.get("options") or {}).items())
                if defaults.get(key, missing) != value]
-    if config.get("decode_eviction") is False and name != "full":
+    if config.get("compress") == "context" and name != "full":
+        changed.append("compress=context")  # the context compressed before the question (and only then)
+    elif config.get("decode_eviction") is False and name != "full":
         changed.append("decode_eviction=False")  # the prompt compressed only
     engine_block = (config.get("engine") or {}).get("block_size")
     if engine_block is not None and config.get("block_size") not in (None, engine_block):

@@ -18,11 +18,18 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
-from harness.eviction.settings import EvictionSettings, budget_for_ratio, check_policy_runs, check_ratio
+from harness.eviction.settings import EvictionSettings, budget_for_ratio, check_compress, check_policy_runs, check_ratio
 from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
 DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
+
+
+# Defaults that give way to what the user chose beside them (conf/config.yaml): the default budget
+# when a budget_ratio is on the command line (only a budget written beside it is refused), and
+# eviction while generating when compress=context (which evicts once, at the context's end).
+OmegaConf.register_new_resolver("unless_ratio", lambda ratio, budget: budget if ratio is None else None, replace=True)
+OmegaConf.register_new_resolver("unless_context", lambda compress: compress != "context", replace=True)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class RunSettings:
     budget_ratio: float | None = None  # instead of budget: each request keeps (1 - r) x its prompt
     decode_eviction: bool = True       # False: compress the prompt only
     likelihood: bool = True            # also the teacher-forced measures (harness.run.likelihood)
+    compress: str = "prompt"           # "context": evict at each prompt's context boundary (query-agnostic)
 
     @property
     def policy_budget(self) -> int:
@@ -94,9 +102,10 @@ class RunSettings:
 
     @property
     def budget_text(self) -> str:
-        """``budget=512``, ``budget_ratio=0.5``, with `` prompt only`` when decode does not evict."""
+        """``budget=512``, ``budget_ratio=0.5``, with `` prompt only`` when decode does not evict and
+        `` context only`` when the context alone is compressed."""
         size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
-        return size + ("" if self.decode_eviction else " prompt only")
+        return size + ("" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only")
 
     @property
     def evicts(self) -> bool:
@@ -107,7 +116,8 @@ class RunSettings:
         """The engine-wide eviction settings this cell runs (None: full cache)."""
         if not self.evicts:
             return None
-        return EvictionSettings(self.policy, self.budget, self.options, self.budget_ratio, self.decode_eviction)
+        return EvictionSettings(self.policy, self.budget, self.options, self.budget_ratio, self.decode_eviction,
+                                self.compress)
 
     @property
     def label(self) -> str:
@@ -136,6 +146,8 @@ class RunSettings:
             identity["budget_ratio"] = self.budget_ratio
         if self.evicts and not self.decode_eviction:
             identity["decode_eviction"] = False
+        if self.evicts and self.compress != "prompt":
+            identity["compress"] = self.compress
         return identity
 
     @property
@@ -145,7 +157,7 @@ class RunSettings:
             label = "full"
         else:
             label = f"{self.policy}_r{self.budget_ratio:g}" if self.budget_ratio is not None else f"{self.policy}_b{self.budget}"
-            label += "" if self.decode_eviction else "_prompt"
+            label += "" if self.decode_eviction else "_context" if self.compress == "context" else "_prompt"
         return f"{label}_bs{self.block_size}_{digest}"
 
     @property
@@ -208,6 +220,7 @@ def typed(cfg: DictConfig) -> RunSettings:
             budget_ratio=resolved.get("budget_ratio"),
             decode_eviction=resolved.get("decode_eviction", True),
             likelihood=resolved.get("likelihood", True),
+            compress=resolved.get("compress", "prompt"),
         )
     except TypeError as error:  # a required key missing from a config group
         raise ConfigError(f"incomplete config: {error}") from None
@@ -240,6 +253,10 @@ def check(run: RunSettings) -> None:
         check_budget(run.budget, run.block_size)
     if not isinstance(run.decode_eviction, bool):
         raise ConfigError(f"decode_eviction must be true or false, got {run.decode_eviction!r}")
+    try:
+        check_compress(run.compress, None, run.decode_eviction and run.evicts, "the run")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if not isinstance(run.likelihood, bool):
         raise ConfigError(f"likelihood must be true or false, got {run.likelihood!r}")
     if run.evicts:

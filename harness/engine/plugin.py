@@ -32,37 +32,46 @@ def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = No
     return state(reset, requests) if state is not None else None
 
 
-def check_request(vllm_config, params) -> None:
-    """Refuse, with the reason, a request whose eviction settings this engine cannot run."""
+def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None:
+    """Refuse, with the reason, a request whose eviction settings this engine cannot run; with the
+    prompt's length, also settings that cannot apply to it (a context boundary beyond the prompt,
+    or missing where the engine compresses contexts by default)."""
     extra = getattr(params, "extra_args", None)
-    if not extra or CONFIG_KEY not in extra:
+    default = settings_from(vllm_config)
+    if (not extra or CONFIG_KEY not in extra) and (default is None or prompt_tokens is None):
         return
     from vllm.exceptions import VLLMValidationError
 
     try:
         block_size = vllm_config.cache_config.block_size
-        settings = request_settings(extra, settings_from(vllm_config), block_size)
+        settings = request_settings(extra, default, block_size)
         if settings is not None:
             check_compatible(vllm_config)
             check_policy_runs(build_policy(settings, block_size), vllm_config.model_config.enforce_eager)
+            if prompt_tokens is not None:
+                settings.for_prompt(prompt_tokens, block_size)
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 
 
 def install_request_check() -> None:
+    """Every request passes ``InputProcessor.process_inputs`` (offline and ``vllm serve``, where a
+    ``VLLMValidationError`` is an HTTP 400); its settings are checked there, with its prompt."""
     from vllm.v1.engine.input_processor import InputProcessor
 
     if getattr(InputProcessor, "_kv_eviction_checked", False):
         return
     InputProcessor._kv_eviction_checked = True
-    original = InputProcessor._validate_params
+    original = InputProcessor.process_inputs
 
-    def _validate_params(self, params, *args, **kwargs):
-        result = original(self, params, *args, **kwargs)
-        check_request(self.vllm_config, params)
-        return result
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        prompt = request.prompt_token_ids
+        if request.sampling_params is not None and prompt is not None:
+            check_request(self.vllm_config, request.sampling_params, len(prompt))
+        return request
 
-    InputProcessor._validate_params = _validate_params
+    InputProcessor.process_inputs = process_inputs
 
 
 def register() -> None:

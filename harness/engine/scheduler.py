@@ -303,7 +303,7 @@ class EvictionScheduler(Scheduler):
         it would wait, or preempt itself, forever."""
         policy = self.policy_for(settings)
         blocks = self.kv_block_size
-        prompt = request.num_prompt_tokens
+        prompt = settings.eviction_point(request.num_prompt_tokens)
         need = cdiv(prompt, blocks) + cdiv(policy.prefill_keep_count(prompt), blocks)
         need = max(need, cdiv(policy.budget + blocks, blocks) + cdiv(policy.budget, blocks))
         capacity = self.kv_ledger.pool_blocks - self.kv_cache_manager.watermark_blocks
@@ -334,7 +334,7 @@ class EvictionScheduler(Scheduler):
             settings = self.kv_request_settings.get(request.request_id)
             if settings is None:
                 return blocks, hit, boundary
-            limit = request.num_prompt_tokens - max(1, self.policy_for(settings).query_window)
+            limit = self.eviction_point(request) - max(1, self.policy_for(settings).query_window)
             if hit <= limit:
                 return blocks, hit, boundary
             keep = max(limit, 0) // self.kv_block_size
@@ -343,17 +343,23 @@ class EvictionScheduler(Scheduler):
 
         manager.get_computed_blocks = get_computed_blocks
 
+    def eviction_point(self, request) -> int:
+        """Where an evicting request's prefill eviction runs: the end of its prompt, or of its
+        context under ``compress=context``."""
+        return self.kv_request_settings[request.request_id].eviction_point(request.num_prompt_tokens)
+
     def peak_tokens(self, request_id: str, num_tokens: int) -> int:
         """The most tokens a request of ``num_tokens`` logical tokens holds at once, as its
-        evictions leave it: its whole prompt at the prompt's end, then what prefill eviction kept
-        plus its outputs, which decode eviction holds to one block past the budget. A preempted
-        request that replays many outputs would otherwise never pass vLLM's admission gate."""
+        evictions leave it: its whole prompt (or context) at the eviction point, then what prefill
+        eviction kept plus the tokens after it, which decode eviction holds to one block past the
+        budget. A preempted request that replays many outputs would otherwise never pass vLLM's
+        admission gate."""
         settings = self.kv_request_settings.get(request_id)
         request = self.requests.get(request_id)
         if settings is None or request is None or self.kv_ledger.evicted.get(request_id):
             return num_tokens
         policy = self.policy_for(settings)
-        prompt = request.num_prompt_tokens
+        prompt = self.eviction_point(request)
         if num_tokens <= prompt or not policy.evicts:
             return num_tokens
         after = num_tokens - prompt + (policy.prefill_keep_count(prompt) if policy.needs_prefill_eviction(prompt) else prompt)
@@ -372,7 +378,7 @@ class EvictionScheduler(Scheduler):
             return ()
         policy = self.policy_for(settings)
         evicted = self.kv_ledger.evicted.get(request_id, 0)
-        phase = phase_due(policy, request.num_prompt_tokens, request.num_computed_tokens, num_tokens, evicted)
+        phase = phase_due(policy, self.eviction_point(request), request.num_computed_tokens, num_tokens, evicted)
         if phase is None or (phase == "decode" and isinstance(policy, BlockPolicy)):
             return ()  # nothing written (a block eviction only drops a block)
         kept = kept_tokens(policy, phase, num_tokens)
@@ -414,9 +420,13 @@ class EvictionScheduler(Scheduler):
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         if request.request_id not in self.kv_request_settings:
             return num_new_tokens
+        point = self.eviction_point(request)
+        if num_computed_tokens < point:
+            # A chunk never runs past the eviction point: prefill eviction happens exactly at the
+            # prompt's end, or at the context's, before any question token is computed.
+            return min(num_new_tokens, point - num_computed_tokens)
         if num_computed_tokens < request.num_prompt_tokens:
-            # A chunk never runs past the prompt: prefill eviction happens exactly at its end.
-            return min(num_new_tokens, request.num_prompt_tokens - num_computed_tokens)
+            return num_new_tokens  # the question, prefilled on top of the compressed context
         # Past the prompt (a preempted request recomputing its outputs): one token per step, so
         # it meets the same decode evictions at the same lengths as it did the first time.
         return min(num_new_tokens, 1)
@@ -462,7 +472,7 @@ class EvictionScheduler(Scheduler):
             policy = self.policy_for(request_settings)
             evicted = self.kv_ledger.evicted.get(request_id, 0)
             after = request.num_computed_tokens  # vLLM advanced it by this step's tokens (_update_after_schedule)
-            phase = phase_due(policy, request.num_prompt_tokens, after - scheduled[request_id], after, evicted)
+            phase = phase_due(policy, self.eviction_point(request), after - scheduled[request_id], after, evicted)
             if phase is None:
                 continue
             if request_id in self.kv_expected:

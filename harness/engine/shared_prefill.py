@@ -53,7 +53,9 @@ def blocks_per_prompt(prompt_len: int, cells: list[CellRequest], block_size: int
         if cell.settings is None:
             own += cdiv(cell.max_new_tokens, block_size) + 1
         else:
-            kept = min(prompt_len, cell.settings.for_prompt(prompt_len, block_size).budget + block_size) + cell.max_new_tokens
+            settings = cell.settings.for_prompt(prompt_len, block_size)
+            point = settings.eviction_point(prompt_len)  # the question (if any) is kept whole after it
+            kept = min(point, settings.budget + block_size) + prompt_len - point + cell.max_new_tokens
             own += 2 * cdiv(kept, block_size) + 1
     return shared + own
 

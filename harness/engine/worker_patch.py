@@ -236,10 +236,11 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
         evicted = plan.evicted_tokens.get(request_id, 0)
         before = request.num_computed_tokens
         after = before + scheduler_output.num_scheduled_tokens[request_id]
-        phase = phase_due(policy, request.num_prompt_tokens, before, after, evicted)
+        point = settings.eviction_point(request.num_prompt_tokens)  # the prompt's end, or the context's
+        phase = phase_due(policy, point, before, after, evicted)
         block_ids = request.block_ids[0]
         if phase is None:
-            if count_due(policy, request.num_prompt_tokens, before, after, state.policy_state, request_id):
+            if count_due(policy, point, before, after, state.policy_state, request_id):
                 count_queries(policy, state.view, block_ids, after - evicted, state.policy_state, request_id,
                               state.shards)
             continue

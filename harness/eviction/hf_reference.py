@@ -5,7 +5,10 @@ The cache is a ``DynamicCache`` whose per-layer ``[1, heads, tokens, dim]`` tens
 to the shared evictor (``harness.eviction.evictor``) as if they were paged: "block" b of the
 request is tokens ``[b*B, (b+1)*B)``. After an eviction the dropped blocks are cut out and the
 tail trimmed to the physical length, which is what vLLM's block table sees. RoPE positions stay
-logical (``position_ids``) while the cache holds fewer tokens, as in the engine. For an
+logical (``position_ids``) while the cache holds fewer tokens, as in the engine. With
+``context_tokens`` (query-agnostic compression, ``compress=context``) the prefill eviction follows
+the pass over the prompt's first ``context_tokens`` tokens, as if they were the prompt; the rest
+(the question) then runs as one pass over what stayed, and nothing is evicted after it. For an
 attention-aware policy the model runs a registered attention function (Hugging Face's own
 ``AttentionInterface``) that hands each layer's post-RoPE queries to the request's window and then
 runs the model's eager attention unchanged.
@@ -117,32 +120,42 @@ class HFReferenceEngine:
         queries = torch.stack([self.step_queries[layer][-self.window:] for layer in range(len(self.attention_layers))])
         self.policy_state.observe(request_id, queries, self.window)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
-        return self.generate_with_top_logprobs(prompt_ids, max_new_tokens, eos_token_id)[0]
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+                 context_tokens: int | None = None) -> list[int]:
+        return self.generate_with_top_logprobs(prompt_ids, max_new_tokens, eos_token_id,
+                                               context_tokens=context_tokens)[0]
 
     def generate_with_top_logprobs(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
-                                   top: int = 3) -> tuple[list[int], list[list[list]]]:
+                                   top: int = 3, context_tokens: int | None = None) -> tuple[list[int], list[list[list]]]:
         """Output ids and, per position, the ``top`` best ``[token, logprob]`` pairs (the engine
-        runs' format, for the near-tie rule)."""
-        output, best, _ = self._decode(prompt_ids, max_new_tokens, eos_token_id, top, forced=None)
+        runs' format, for the near-tie rule). ``context_tokens``: evict after the prompt's first
+        ``context_tokens`` tokens, before the question (the rest) is computed; None: after the prompt."""
+        output, best, _ = self._decode(prompt_ids, max_new_tokens, eos_token_id, top, None, context_tokens)
         return output, best
 
-    def forced_logprobs(self, prompt_ids: list[int], forced: list[int]) -> list[float]:
+    def forced_logprobs(self, prompt_ids: list[int], forced: list[int], context_tokens: int | None = None) -> list[float]:
         """Teacher forcing: the model's log-probability of each of ``forced`` in turn, the cache
         evicted exactly as if the model had generated them (the engine's forced decoding)."""
-        return self._decode(prompt_ids, len(forced), None, 1, forced=forced)[2]
+        return self._decode(prompt_ids, len(forced), None, 1, forced, context_tokens)[2]
 
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None, top: int,
-                forced: list[int] | None) -> tuple[list[int], list[list[list]], list[float]]:
+                forced: list[int] | None, context_tokens: int | None = None
+                ) -> tuple[list[int], list[list[list]], list[float]]:
         from transformers import DynamicCache
 
+        prompt_len = len(prompt_ids)
+        evict_at = prompt_len if context_tokens is None else context_tokens  # where the prefill eviction runs
+        if not 0 < evict_at <= prompt_len:
+            raise ValueError(f"context_tokens={context_tokens} for a prompt of {prompt_len} tokens")
+        if evict_at < prompt_len and self.policy is not None and self.policy.evicts and self.policy.decode_eviction:
+            # A decode eviction would drop question tokens too: the setting compresses the context once.
+            raise ValueError("context compression evicts the context only: the policy needs decode_eviction=False")
         cache = DynamicCache(config=self.model.config)
         # One request at a time: each starts with empty policy state.
         self.policy_state = PolicyState(scales=[float(layer.scaling) for layer in self.attention_layers])
-        prompt_len = len(prompt_ids)
-        inputs = torch.tensor([prompt_ids], device=self.device)
-        positions = torch.arange(prompt_len, device=self.device).unsqueeze(0)
+        inputs = torch.tensor([prompt_ids[:evict_at]], device=self.device)
+        positions = torch.arange(evict_at, device=self.device).unsqueeze(0)
         computed, evicted, output, best, chosen = 0, 0, [], [], []
         while len(output) < max_new_tokens:
             logits = self.model(
@@ -155,6 +168,11 @@ class HFReferenceEngine:
             ).logits
             before, computed = computed, computed + inputs.shape[1]
             self._observe("request")
+            if computed < prompt_len:  # the context is in: evict it, then the question runs on what stayed
+                evicted = self._after_step(cache, evict_at, before, computed, evicted)
+                inputs = torch.tensor([prompt_ids[computed:]], device=self.device)
+                positions = torch.arange(computed, prompt_len, device=self.device).unsqueeze(0)
+                continue
             token = int(logits[0, -1].argmax()) if forced is None else forced[len(output)]
             output.append(token)
             all_logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
@@ -163,18 +181,26 @@ class HFReferenceEngine:
             best.append([[int(i), float(v)] for v, i in zip(logprobs.values, logprobs.indices)])
             if eos_token_id is not None and token == eos_token_id:
                 break
-            if self.policy is not None:
-                phase = phase_due(self.policy, prompt_len, before, computed, evicted)
-                if phase is not None:
-                    evicted += self._evict(cache, computed - evicted, phase)
-                elif count_due(self.policy, prompt_len, before, computed, self.policy_state, "request"):
-                    physical = computed - evicted
-                    view = DynamicCacheView(cache, self.policy.block_size)
-                    count_queries(self.policy, view, list(range(-(-physical // self.policy.block_size))), physical,
-                                  self.policy_state, "request")
+            evicted = self._after_step(cache, evict_at, before, computed, evicted)
             inputs = torch.tensor([[token]], device=self.device)
             positions = torch.tensor([[computed]], device=self.device)
         return output, best, chosen
+
+    def _after_step(self, cache, evict_at: int, before: int, computed: int, evicted: int) -> int:
+        """The eviction or query counting due after a pass that took the request from ``before``
+        to ``computed`` logical tokens, with ``evict_at`` standing for the prompt's length (the
+        engine's rule, ``phase_due``); returns the tokens evicted so far."""
+        if self.policy is None:
+            return evicted
+        phase = phase_due(self.policy, evict_at, before, computed, evicted)
+        if phase is not None:
+            evicted += self._evict(cache, computed - evicted, phase)
+        elif count_due(self.policy, evict_at, before, computed, self.policy_state, "request"):
+            physical = computed - evicted
+            view = DynamicCacheView(cache, self.policy.block_size)
+            count_queries(self.policy, view, list(range(-(-physical // self.policy.block_size))), physical,
+                          self.policy_state, "request")
+        return evicted
 
     def _evict(self, cache, physical: int, phase) -> int:
         view = DynamicCacheView(cache, self.policy.block_size)

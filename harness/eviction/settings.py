@@ -15,6 +15,17 @@ its leaderboard give it): each request then keeps (1 - r) x its prompt length, r
 blocks (at least two), resolved when the request arrives (``for_prompt``). ``decode_eviction:
 false`` compresses the prompt only (prefill eviction), as kvpress's presses do; the cache then
 grows while the answer is generated.
+
+Where the prefill eviction runs (``compress``): ``prompt`` (the default) evicts once the whole
+prompt, question included, is computed (query-aware: an attention-aware policy's window sits on the
+question; kvpress's ``--compress_questions``); ``context`` evicts when the prefill reaches the end
+of the request's context, its first ``context_tokens`` token ids, before any question token is
+computed, and the question is prefilled on top of the compressed cache (query-agnostic: kvpress's
+``pipeline(context, question=...)``, its leaderboard's main loop). A ratio then applies to the
+context's tokens. The boundary is the request's own (the data families mark it,
+``harness.tasks.prompts``); an engine-wide ``compress: context`` needs every request to bring one.
+Context compression evicts once: it needs ``decode_eviction: false`` (a decode eviction after it
+would also drop question tokens, which is query-aware again).
 """
 from __future__ import annotations
 
@@ -34,6 +45,8 @@ class EvictionSettings:
     options: dict = field(default_factory=dict)
     budget_ratio: float | None = None  # share of the prompt removed (kvpress's compression ratio)
     decode_eviction: bool = True       # False: compress the prompt only
+    compress: str = "prompt"           # "context": evict at the request's context boundary
+    context_tokens: int | None = None  # the request's context, in token ids (compress="context")
 
     def as_dict(self) -> dict:
         raw = {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
@@ -41,12 +54,18 @@ class EvictionSettings:
             raw["budget_ratio"] = self.budget_ratio
         if not self.decode_eviction:
             raw["decode_eviction"] = False
+        if self.compress != "prompt":
+            raw["compress"] = self.compress
+        if self.context_tokens is not None:
+            raw["context_tokens"] = self.context_tokens
         return raw
 
     def describe(self) -> str:
-        """``policy=paged budget=256``, ``policy=snapkv budget_ratio=0.5 prompt only``."""
+        """``policy=paged budget=256``, ``policy=snapkv budget_ratio=0.5 prompt only``,
+        ``policy=snapkv budget_ratio=0.5 context only``."""
         size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
-        return f"policy={self.policy} {size}" + ("" if self.decode_eviction else " prompt only")
+        scope = "" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only"
+        return f"policy={self.policy} {size}{scope}"
 
     def as_additional_config(self) -> dict:
         return {CONFIG_KEY: self.as_dict()}
@@ -57,15 +76,32 @@ class EvictionSettings:
 
     @property
     def key(self) -> tuple:
-        """Hashable identity (policies are built once per distinct settings)."""
+        """Hashable identity of the policy these settings build (one per distinct key); a
+        request's boundary is not part of it (the policy does not depend on it)."""
         return (self.policy, self.budget, json.dumps(self.options, sort_keys=True),  # options may nest (hybrid's weights)
-                self.budget_ratio, self.decode_eviction)
+                self.budget_ratio, self.decode_eviction, self.compress)
+
+    def at_context(self, context_tokens: int | None) -> "EvictionSettings":
+        """One request's settings: its context boundary, where ``compress`` is ``context``."""
+        return replace(self, context_tokens=context_tokens) if self.compress == "context" else self
+
+    def eviction_point(self, prompt_tokens: int) -> int:
+        """The logical length at which the prefill eviction runs: the prompt's end, or the end of
+        the request's context."""
+        return self.context_tokens if self.compress == "context" else prompt_tokens
 
     def for_prompt(self, prompt_tokens: int, block_size: int) -> "EvictionSettings":
-        """These settings for a request of ``prompt_tokens``: a ratio becomes its token budget."""
+        """These settings for a request of ``prompt_tokens``: its boundary checked against the
+        prompt, and a ratio made its token budget (of the context, when that is what is compressed)."""
+        if self.compress == "context":
+            if self.context_tokens is None:
+                raise ValueError("compress=context evicts at the request's context boundary: the request must give "
+                                 "its context_tokens (how many leading prompt tokens are context)")
+            if self.context_tokens > prompt_tokens:
+                raise ValueError(f"context_tokens={self.context_tokens} is beyond the prompt's {prompt_tokens} tokens")
         if self.budget_ratio is None:
             return self
-        budget = budget_for_ratio(self.budget_ratio, prompt_tokens, block_size)
+        budget = budget_for_ratio(self.budget_ratio, self.eviction_point(prompt_tokens), block_size)
         # A short prompt's ratio budget can be below what the policy needs (SnapKV's window must
         # fit inside its budget): then the smallest budget above it that the policy accepts.
         while True:
@@ -108,7 +144,7 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
             raise ValueError(f"{where} is not valid JSON ({error.msg}): {raw!r}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a mapping with policy, budget and options; got {raw!r}")
-    allowed = ("policy", "budget", "options", "budget_ratio", "decode_eviction")
+    allowed = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens")
     unknown = set(raw) - set(allowed)
     if unknown:
         raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; valid: {', '.join(allowed)}")
@@ -132,7 +168,29 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
     options = raw.get("options") or {}
     if not isinstance(options, dict):
         raise ValueError(f"{where}: options must be a mapping, got {options!r}")
-    return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode)
+    compress, context = check_compress(raw.get("compress", "prompt"), raw.get("context_tokens"), decode, where)
+    return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode,
+                            compress, context)
+
+
+COMPRESS = ("prompt", "context")
+
+
+def check_compress(compress, context_tokens, decode_eviction: bool, where: str) -> tuple[str, int | None]:
+    """``compress`` and a request's ``context_tokens``, checked against each other."""
+    if compress not in COMPRESS:
+        raise ValueError(f"{where}: compress must be one of {', '.join(COMPRESS)} (where the prefill eviction runs: "
+                         f"after the whole prompt, or at the end of the context), got {compress!r}")
+    if compress == "context" and decode_eviction:
+        raise ValueError(f"{where}: compress=context compresses the context once, before the question (kvpress's "
+                         "query-agnostic setting); pass decode_eviction=false with it")
+    if context_tokens is None:
+        return compress, None
+    if compress != "context":
+        raise ValueError(f"{where}: context_tokens is the boundary compress=context evicts at; it needs compress=context")
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
+        raise ValueError(f"{where}: context_tokens must be a positive number of tokens, got {context_tokens!r}")
+    return compress, context_tokens
 
 
 def settings_from(vllm_config) -> EvictionSettings | None:

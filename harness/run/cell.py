@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from harness.config import RunSettings
+from harness.config import ConfigError, RunSettings
 from harness.tasks import load_samples, task_spec
 from harness.tasks.prompts import build_prompt
 from harness.records import interrupts
@@ -41,6 +41,17 @@ class CellWork:
     @property
     def token_ids(self) -> list[list[int]]:
         return [prompt.token_ids for prompt in self.prompts]
+
+    @property
+    def context_tokens(self) -> list[int | None]:
+        """Each prompt's context boundary (``harness.tasks.prompts.Prompt``)."""
+        return [prompt.context_tokens for prompt in self.prompts]
+
+    def eviction_for(self, index: int):
+        """The eviction settings of prompt ``index``'s request: the cell's, with that prompt's
+        context boundary where the cell compresses the context (None: full cache)."""
+        settings = self.run.eviction
+        return settings and settings.at_context(self.prompts[index].context_tokens)
 
     @property
     def max_new_tokens(self) -> list[int]:
@@ -77,6 +88,12 @@ def prepare_cell(run: RunSettings, tokenizer=None) -> CellWork | None:
         kept.append(sample)
     if not kept:
         raise RuntimeError(f"every sample was skipped: {skipped[:3]}")
+    if run.evicts and run.compress == "context":
+        unmarked = [s.id for s, p in zip(kept, prompts) if not p.context_tokens]
+        if unmarked:
+            raise ConfigError(f"compress=context evicts at each prompt's context boundary, but {len(unmarked)} "
+                              f"prompt(s) have none (e.g. {', '.join(unmarked[:3])}): their question could not be "
+                              "found after truncation")
     answers = [answer_tokens(tokenizer, reference_answer(s.answers, specs[s.task].metric)) for s in kept]
     return CellWork(run, target, kept, prompts, skipped, specs, answers)
 
@@ -122,6 +139,8 @@ def record_cell(work: CellWork, results: list, wall: float, facts: dict, ledger:
         for sample, prompt, result in zip(work.samples, work.prompts, results)
     ]
     for index, row in enumerate(rows):
+        if run.compress == "context":  # recorded only where it was used: earlier cells' rows stay as they were
+            row["context_tokens"] = work.prompts[index].context_tokens
         if evictions is not None:
             row["evictions"] = evictions[index]  # this sample's {prefill, decode} eviction count
         if likelihood is not None:
@@ -155,8 +174,7 @@ def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | 
     if not run.evicts:
         return
     settings = run.eviction
-    over = [row for row in rows
-            if row["prompt_tokens"] >= settings.for_prompt(row["prompt_tokens"], run.block_size).budget + run.block_size]
+    over = [row for row in rows if is_over_budget(settings, row, run.block_size)]
     recorded = ledger["evictions"]["prefill"] if ledger else None
     if over and not recorded:
         raise EvictionNotActiveError(
@@ -164,6 +182,13 @@ def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | 
             f"{'no ledger' if ledger is None else 'no prefill eviction'}: policy={run.policy} was not "
             "running; nothing was written"
         )
+
+
+def is_over_budget(settings, row: dict, block_size: int) -> bool:
+    """Whether a recorded sample's prompt (or context, where only that is compressed) is at least
+    a block longer than its budget: its request must have evicted."""
+    own = settings.at_context(row.get("context_tokens")).for_prompt(row["prompt_tokens"], block_size)
+    return own.eviction_point(row["prompt_tokens"]) >= own.budget + block_size
 
 
 def fidelity_to_full_cache(run: RunSettings, rows: list[dict], full_rows: list[dict] | None = None) -> dict | None:

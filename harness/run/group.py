@@ -106,7 +106,7 @@ def generate_and_record(works: list[CellWork], model_path: str, name: str, log: 
 
     run, alone = works[0].run, len(works) == 1
     prompts = works[0].token_ids
-    cells = [[CellRequest(work.run.eviction, work.max_new_tokens[i], work.stops[i]) for work in works]
+    cells = [[CellRequest(work.eviction_for(i), work.max_new_tokens[i], work.stops[i]) for work in works]
              for i in range(len(prompts))]
     print(f"[engine] starting vLLM for {name}: {len(works)} cell(s) ({', '.join(w.run.label for w in works)}) x "
           f"{len(prompts)} prompts{'' if alone else ', each prompt prefilled once'} "

@@ -27,13 +27,15 @@ def cells_likelihood(engine, works: list, progress=None) -> list[list[dict]]:
     """``likelihood_passes`` for cells (``harness.run.cell.CellWork``) sharing one list of prompts."""
     first = works[0]
     return likelihood_passes(engine, first.token_ids, first.answer_ids, [w.run.eviction for w in works],
-                             first.max_new_tokens, first.stops, progress)
+                             first.max_new_tokens, first.stops, progress, first.context_tokens)
 
 
 def likelihood_passes(engine, prompts: list[list[int]], answers: list[tuple[int, ...]],
                       settings: list[EvictionSettings | None], max_new_tokens: list[int],
-                      stops: list[tuple[str, ...]], progress=None) -> list[list[dict]]:
-    """Per cell (``settings``: each cell's eviction, None for full cache), per prompt: the sample's
+                      stops: list[tuple[str, ...]], progress=None,
+                      context_tokens: list[int | None] | None = None) -> list[list[dict]]:
+    """Per cell (``settings``: each cell's eviction, None for full cache; ``context_tokens``: each
+    prompt's context boundary, for settings that compress the context), per prompt: the sample's
     ``answer_logprob`` (mean nats per answer token), ``answer_tokens``, ``top1_agreement`` and
     ``kl_to_full`` along full cache's output, and ``agreement_steps`` (how many steps those average)."""
     from harness.engine.shared_prefill import CellRequest, generate_shared  # imports vLLM: only with an engine
@@ -41,16 +43,18 @@ def likelihood_passes(engine, prompts: list[list[int]], answers: list[tuple[int,
     if not all(answers):
         raise ValueError("a sample's reference answer is empty: there is nothing to force")
     evicting = [index for index, s in enumerate(settings) if s is not None]
+    boundaries = context_tokens or [None] * len(prompts)
+    per_prompt = [[s and s.at_context(boundary) for s in settings] for boundary in boundaries]
     first = []
-    for prompt, answer, length, stop in zip(prompts, answers, max_new_tokens, stops):
-        row = [CellRequest(s, len(answer), forced=answer, top_logprobs=1) for s in settings]
+    for prompt, answer, length, stop, own in zip(prompts, answers, max_new_tokens, stops, per_prompt):
+        row = [CellRequest(s, len(answer), forced=answer, top_logprobs=1) for s in own]
         if evicting:
             row.append(CellRequest(None, length, stop, top_logprobs=AGREEMENT_TOP))
         first.append(row)
     forced_answers, _ = generate_shared(engine, prompts, first, progress=progress)
     full_outputs = [row[-1] for row in forced_answers] if evicting else []
-    second = [[CellRequest(settings[c], len(full.token_ids), forced=tuple(full.token_ids), top_logprobs=AGREEMENT_TOP)
-               for c in evicting] for full in full_outputs]
+    second = [[CellRequest(own[c], len(full.token_ids), forced=tuple(full.token_ids), top_logprobs=AGREEMENT_TOP)
+               for c in evicting] for full, own in zip(full_outputs, per_prompt)]
     along_full, _ = generate_shared(engine, prompts, second, progress=progress) if evicting else ([], [])
     cells = []
     for c, cell_settings in enumerate(settings):

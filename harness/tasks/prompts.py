@@ -1,5 +1,5 @@
 """LongBench's generation rules: template, middle truncation, chat template where it applies,
-and the token ids the engine is given."""
+and the token ids the engine is given, with where in them the context ends (``context_boundary``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +12,15 @@ from harness.tasks.spec import TaskSpec
 class Prompt:
     text: str               # what is recorded in predictions.jsonl
     token_ids: list[int]    # exactly what the model sees
+    # How many leading token_ids are context (``build_prompt`` says what counts); None where the
+    # question part was not found (truncation cut into it, a template with no {context}) or the
+    # tokenizer gives no character offsets.
+    context_tokens: int | None = None
+
+    @property
+    def question_tokens(self) -> int | None:
+        """The token ids after the context: question, chat footer, answer prefix."""
+        return None if self.context_tokens is None else len(self.token_ids) - self.context_tokens
 
 
 def middle_truncate(text: str, tokenizer, max_tokens: int) -> str:
@@ -25,6 +34,61 @@ def middle_truncate(text: str, tokenizer, max_tokens: int) -> str:
     )
 
 
+CONTEXT = "{context}"
+
+
+def question_text(sample: Sample, spec: TaskSpec) -> str | None:
+    """The question part of the user message: the template's text after ``{context}``, formatted,
+    from its first non-whitespace character (the whitespace after the context is context, as
+    kvpress's RULER split has it). '' where that text is only whitespace; None where the template
+    has no ``{context}``."""
+    if CONTEXT not in spec.template:
+        return None
+    tail = spec.template[spec.template.rindex(CONTEXT) + len(CONTEXT):]
+    return tail.format(context=sample.context, input=sample.input).lstrip()
+
+
+def chat_footer(tokenizer) -> str | None:
+    """What the chat template writes after the user message's content (end of turn, assistant
+    header), from a rendering around a marker; None if the template does not write the content once
+    and verbatim."""
+    marker = "\x00context-boundary\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=True)
+    return text.split(marker)[1] if text.count(marker) == 1 else None
+
+
+def context_boundary(text: str, question: str | None, suffix: str | None) -> int | None:
+    """Where the question part begins in the final ``text``, in characters: the user message ends
+    where ``suffix`` (chat footer and answer prefix) begins, and must end with ``question``, found
+    from the end, so a question text that also occurs in the context cannot be taken for it.
+
+    ``question`` empty (nothing but whitespace after ``{context}``): the whole user message is
+    context, the question part is the chat footer and answer prefix (nothing without either).
+    None where ``question`` is None or not at the end of the user message: middle truncation cut
+    into the question part, or a chat template changed the message beyond trailing whitespace."""
+    if question is None or suffix is None or not text.endswith(suffix):
+        return None
+    user = text[: len(text) - len(suffix)]
+    if not question:
+        return len(user)
+    user = user.rstrip()  # a template may trim the message (Llama-3's does); question is stripped too
+    question = question.rstrip()
+    return len(user) - len(question) if user.endswith(question) else None
+
+
+def context_tokens(text: str, offsets: list[tuple[int, int]], boundary: int) -> int:
+    """How many leading tokens are context, given each token's character span in ``text``: up to
+    the first token that starts at or after ``boundary``. A token straddling it counts as context,
+    unless all it has before the boundary is whitespace (byte-level BPE spans of " Answer" start at
+    the space; that token is the question's first word). Special tokens a tokenizer adds (empty
+    spans) go with the token after them: a leading BOS is context."""
+    for index, (start, end) in enumerate(offsets):
+        if end > start and (start >= boundary or (end > boundary and not text[start:boundary].strip())):
+            return index
+    return len(offsets)
+
+
 def build_prompt(sample: Sample, spec: TaskSpec, tokenizer, max_prompt_tokens: int) -> Prompt:
     """The exact text and token ids handed to the engine for one sample.
 
@@ -33,16 +97,57 @@ def build_prompt(sample: Sample, spec: TaskSpec, tokenizer, max_prompt_tokens: i
     with two BOS tokens. A chat prompt is therefore encoded with no extra special tokens (the
     template wrote all it wants); a plain prompt gets the tokenizer's own, as LongBench's
     ``tokenizer(prompt)`` and vLLM's text path give it.
+
+    ``context_tokens`` (for query-agnostic compression, ``compress=context``) splits the ids where
+    the question part begins, the same rule for every family: the context part is everything before
+    it (BOS, chat header, a preamble, the template's instruction before ``{context}``, the context,
+    the whitespace after it); the question part is the template's text after ``{context}`` from its
+    first non-whitespace character (the question with any instruction around it), the chat footer
+    and the answer prefix. So for:
+
+    * LongBench and any LongBench-format JSONL: the record's ``context`` and the template up to it
+      are context; the template's rest, ``input`` inside it, is the question part: "Now, answer the
+      question based on the above text ... Question: {input}\\nAnswer:". (kvpress's LongBench
+      dataset, evaluation/benchmarks/longbench/create_huggingface_dataset.py, counts that fixed
+      instruction after the context as context; here all of the template's text after the context
+      is question, as it is for RULER.) lcc: "Next line of code:" is the question part, its
+      ``input`` being empty; gov_report and multi_news, with no ``{input}``: "Now, write a one-page
+      summary ... Summary:".
+    * The embedded suite: its tasks use LongBench's templates (code_completion lcc's, so its
+      question part is "Next line of code:\\n"); record_listing's is "Now, {input}" and the answer
+      prefix "Register:\\n".
+    * RULER: as kvpress splits a RULER prompt (NVIDIA/kvpress,
+      evaluation/benchmarks/ruler/create_huggingface_dataset.py at 8bb29b9: the context is the text before
+      the last match of the task's question pattern, e.g. "What are all the special magic" or
+      "Question: Find all variables", and the answer prefix is split off after it): the preamble
+      (cwe's worked example, with its own question and answer), the instruction before the
+      haystack, the haystack and the newline(s) after it are context; the question ("What are all
+      the special magic numbers for ...?", "Question: ...", qa's repeated "Answer the question
+      based on the given documents ... Question: ...") and the answer prefix are the question
+      part. Each task's question pattern is exactly the start of its template's text after
+      ``{context}``, so this rule and kvpress's give the same split.
+
+    A template whose text after ``{context}`` is only whitespace has the whole user message as
+    context. ``context_tokens`` is None where the question part is not found (``context_boundary``)
+    or the tokenizer gives no character offsets (not a fast tokenizer).
     """
     text = sample.meta.get("preamble", "") + spec.template.format(context=sample.context, input=sample.input)
     text = middle_truncate(text, tokenizer, max_prompt_tokens)
     chat = bool(spec.chat and getattr(tokenizer, "chat_template", None))
+    footer = ""
     if chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
         )
+        footer = chat_footer(tokenizer)
     # A generated task may start the answer for the model (RULER's answer prefix), after the
     # assistant's header, as its authors append it to the prompt.
-    text += sample.meta.get("answer_prefix", "")
-    token_ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
-    return Prompt(text, list(token_ids))
+    answer_prefix = sample.meta.get("answer_prefix", "")
+    text += answer_prefix
+    fast = bool(getattr(tokenizer, "is_fast", False))  # only fast tokenizers give offsets
+    encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=fast)
+    token_ids = list(encoded["input_ids"])
+    suffix = None if footer is None else footer + answer_prefix
+    boundary = context_boundary(text, question_text(sample, spec), suffix)
+    count = None if boundary is None or not fast else context_tokens(text, encoded["offset_mapping"], boundary)
+    return Prompt(text, token_ids, count)

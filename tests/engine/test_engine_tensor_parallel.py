@@ -23,6 +23,8 @@ pytestmark = pytest.mark.engine
 BUDGET, NEW_TOKENS = 256, 64
 PREEMPTED = ["paged", "knorm", "h2o"]  # cached scores, compacted tokens, attention totals and windows: what a replay rebuilds
 PREEMPT_BUDGET, PREEMPT_TOKENS = 512, 300
+# Query-agnostic compression (compress=context): half of each prompt's first 70% evicted before the rest is computed.
+CONTEXT = ["paged", "snapkv", "h2o"]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,9 @@ def requests():
     long_prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
     matrix = [(prompt, NEW_TOKENS, {"policy": name, "budget": BUDGET, "options": options})
               for name, options in MATRIX for prompt in matrix_prompts]
+    matrix += [(prompt, NEW_TOKENS, {"policy": name, "budget": None, "budget_ratio": 0.5, "decode_eviction": False,
+                                     "compress": "context", "context_tokens": 7 * len(prompt) // 10})
+               for name in CONTEXT for prompt in matrix_prompts]
     preempted = [(prompt, PREEMPT_TOKENS, {"policy": name, "budget": PREEMPT_BUDGET})
                  for name in PREEMPTED for prompt in long_prompts]
     return matrix, preempted
@@ -79,7 +84,7 @@ def case_rows(case: int) -> range:
     return range(2 * case, 2 * case + 2)
 
 
-@pytest.mark.parametrize("case", range(len(MATRIX)), ids=MATRIX_IDS)
+@pytest.mark.parametrize("case", range(len(MATRIX) + len(CONTEXT)), ids=MATRIX_IDS + [f"{n}-context" for n in CONTEXT])
 def test_two_workers_generate_what_one_generates(one_worker, two_workers, two_workers_prefix_cached, case):
     rows = case_rows(case)
     assert_same_outputs(part(one_worker, rows), part(two_workers, rows))
@@ -88,7 +93,7 @@ def test_two_workers_generate_what_one_generates(one_worker, two_workers, two_wo
 
 def test_two_workers_evict_as_often_as_one_and_return_every_block(one_worker, two_workers, two_workers_prefix_cached):
     assert two_workers["ledger"]["evictions"] == one_worker["ledger"]["evictions"]
-    assert one_worker["ledger"]["evictions"]["prefill"] == len(MATRIX) * 2 + len(PREEMPTED) * 2  # 600-token prompts
+    assert one_worker["ledger"]["evictions"]["prefill"] == (len(MATRIX) + len(CONTEXT)) * 2 + len(PREEMPTED) * 2  # 600-token prompts
     assert two_workers["ledger"]["freed_blocks"] == one_worker["ledger"]["freed_blocks"] > 0
     for result in (two_workers, two_workers_prefix_cached):
         assert result["free_blocks_after"] == result["free_blocks_before"]
@@ -105,7 +110,7 @@ def test_with_prefix_caching_no_cached_block_is_written_on_either_rank(two_worke
 
 
 def test_under_preemption_one_or_two_workers_generate_what_one_generates_without(one_worker, preempted_run):
-    matrix_rows = 2 * len(MATRIX)
+    matrix_rows = 2 * (len(MATRIX) + len(CONTEXT))
     rows = range(matrix_rows, matrix_rows + 4 * len(PREEMPTED))
     assert sum(one_worker["preemptions"][row] for row in rows) == 0
     assert sum(preempted_run["preemptions"]) > 0

@@ -122,12 +122,32 @@ def test_64_concurrent_requests_through_the_server(server):
     assert metric(server, "vllm:kv_cache_usage_perc") == 0.0, "every block is back in the pool"
 
 
+def complete_concurrently(server, prompts: list[list[int]], asked: list[dict], max_tokens: int) -> list:
+    """Every prompt at once, each with its own eviction settings (``vllm_xargs``, a JSON string: its
+    values may only be strings and numbers); per request its output ids, or the BadRequestError."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    def complete(index):
+        try:
+            response = server.completions.create(
+                model=model_path("tiny"), prompt=prompts[index], max_tokens=max_tokens, temperature=0.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True,
+                            "vllm_xargs": {"kv_eviction": json.dumps(asked[index])}},
+            )
+        except openai.BadRequestError as error:
+            return error
+        return list(response.choices[0].token_ids)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(complete, range(len(prompts))))
+
+
 def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
     """Concurrent requests with different policies and budgets (``vllm_xargs``, a JSON string: its
     values may only be strings and numbers) plus one whose budget is not a block multiple: that
     one gets HTTP 400 naming the problem, the others equal the reference of their own policy."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import openai
 
     prompts = text_prompts("tiny", [500, 800, 900, 700, 650, 750, 720, 640, 560, 610, 600], seed=21)
@@ -138,19 +158,7 @@ def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
              {"policy": "learned", "budget": 128}, {"policy": "value_norm", "budget": 224},
              {"policy": "paged", "budget": 100}]
 
-    def complete(index):
-        try:
-            response = server.completions.create(
-                model=model_path("tiny"), prompt=prompts[index], max_tokens=48, temperature=0.0,
-                extra_body={"ignore_eos": True, "return_token_ids": True,
-                            "vllm_xargs": {"kv_eviction": json.dumps(asked[index])}},
-            )
-        except openai.BadRequestError as error:
-            return error
-        return list(response.choices[0].token_ids)
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        served = list(pool.map(complete, range(len(prompts))))
+    served = complete_concurrently(server, prompts, asked, 48)
     refused = served[-1]
     assert isinstance(refused, openai.BadRequestError) and refused.status_code == 400
     assert "budget=100 is not a multiple of block_size=32" in str(refused)
@@ -158,6 +166,35 @@ def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
         policy = None if settings["policy"] == "full" else \
             make_policy(settings["policy"], settings["budget"], BLOCK, **settings.get("options", {}))
         assert served[index] == reference_outputs("tiny", policy, [prompts[index]], 48)[0], settings
+
+
+def test_a_shared_context_compressed_before_each_question_and_a_boundary_past_the_prompt_gets_400(server):
+    """Query-agnostic compression through the API: each request gives its context boundary
+    (``compress: context``, ``context_tokens``); three questions on one context, served
+    concurrently over the prefix cache, equal the Hugging Face reference evicting at that boundary;
+    a boundary past the prompt's end is refused with HTTP 400."""
+    import openai
+
+    from harness.eviction.hf_reference import HFReferenceEngine
+    from harness.eviction.settings import EvictionSettings, build_policy
+
+    context = text_prompts("tiny", [600], seed=31)[0]
+    prompts = [context + question for question in text_prompts("tiny", [40, 70, 55], seed=32)]
+    asked = [{"policy": name, "budget_ratio": 0.5, "decode_eviction": False, "compress": "context",
+              "context_tokens": len(context)} for name in ("snapkv", "paged", "h2o")]
+    prompts.append(prompts[0])
+    asked.append(dict(asked[0], context_tokens=len(prompts[0]) + 1))
+
+    served = complete_concurrently(server, prompts, asked, 32)
+    refused = served[-1]
+    assert isinstance(refused, openai.BadRequestError) and refused.status_code == 400
+    assert f"context_tokens={len(prompts[0]) + 1} is beyond the prompt's {len(prompts[0])} tokens" in str(refused)
+    for index, raw in enumerate(asked[:-1]):
+        settings = EvictionSettings(**{"budget": None, **raw}).for_prompt(len(prompts[index]), BLOCK)
+        policy = build_policy(settings, BLOCK)
+        reference = HFReferenceEngine(model_path("tiny"), policy).generate(prompts[index], 32,
+                                                                           context_tokens=len(context))
+        assert served[index] == reference, raw
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,6 +8,10 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
 * prefill eviction follows the forward pass over the whole prompt, when the prompt exceeds the
   budget C; decode eviction follows a step after which the cache holds C + B tokens or more and
   a whole number of blocks B;
+* context compression (``context_tokens``, kvpress's query-agnostic setting): the forward pass
+  over the context alone (the prompt's first tokens) is the prefill the eviction follows, as if the
+  context were the prompt; the rest of the prompt (the question) is then run in one pass over what
+  stayed, and nothing is evicted after it;
 * scores are compared at 11 significant bits, ties going to the earlier token (the harness's
   documented tie rule, so last-bit differences between two engines' K/V cannot flip a choice);
 * attention-aware rules (SnapKV, H2O) read the queries of the newest W tokens: here each layer's
@@ -284,25 +288,35 @@ class PlainReference:
         return record
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], new_tokens: int, policy: PlainPolicy) -> tuple[list[int], dict]:
-        """Greedy output ids, and how many evictions of each phase happened."""
+    def generate(self, prompt: list[int], new_tokens: int, policy: PlainPolicy,
+                 context_tokens: int | None = None) -> tuple[list[int], dict]:
+        """Greedy output ids, and how many evictions of each phase happened. ``context_tokens``:
+        the prefill eviction runs after the prompt's first ``context_tokens`` tokens (the
+        context), before the rest (the question) is computed; None: after the whole prompt."""
         from transformers import DynamicCache
 
+        evict_at = len(prompt) if context_tokens is None else context_tokens
+        if not 0 < evict_at <= len(prompt):
+            raise ValueError(f"context_tokens={context_tokens} for a prompt of {len(prompt)} tokens")
+        if evict_at < len(prompt) and policy.decode_eviction:
+            # A decode eviction would drop question tokens too: the setting compresses the context once.
+            raise ValueError("context compression evicts the context only: the rule needs decode_eviction=False")
         cache = DynamicCache(config=self.model.config)
         policy.reset()
         self.queries = []
         logical, physical, out = 0, 0, []
         counts = {"prefill": 0, "decode": 0}
-        step = torch.tensor([prompt])
+        step = torch.tensor([prompt[:evict_at]])
         while len(out) < new_tokens:
             width = step.shape[1]
             logits = self.model(input_ids=step, position_ids=torch.arange(logical, logical + width)[None],
                                 cache_position=torch.arange(physical, physical + width),
                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             logical, physical = logical + width, physical + width
-            out.append(int(logits[0, -1].argmax()))
-            prefill = len(out) == 1
-            if policy.counts_queries:  # the prompt's last WINDOW queries, then every decode query
+            prefill = logical == evict_at  # the pass that completed the prompt (or the context)
+            # The prompt's (or context's) last WINDOW queries, then every decode query (a question's last
+            # WINDOW too, never read: nothing is evicted after a question).
+            if policy.counts_queries:
                 counted = min(width, WINDOW)
                 policy.count([layer.keys[0] for layer in cache.layers],
                              [q[q.shape[0] - counted:] for q in self.queries], self.head_dim ** -0.5)
@@ -313,6 +327,10 @@ class PlainReference:
                   and physical % policy.block == 0):
                 physical = self._apply(cache, policy, "decode")
                 counts["decode"] += 1
+            if logical < len(prompt):  # the context is in and evicted: the question, before any output
+                step = torch.tensor([prompt[logical:]])
+                continue
+            out.append(int(logits[0, -1].argmax()))
             step = torch.tensor([[out[-1]]])
         return out, counts
 

@@ -273,6 +273,9 @@ def test_variants_are_named_by_what_differs_from_their_defaults():
     assert variant_label(per_head) == "paged[per_head=True, block_size=64]"
     assert variant_label({"policy": {"name": "knorm", "options": {"per_head": True}}, "engine": engine}) == "knorm"
     assert variant_label({"policy": {"name": "full", "options": {}}, "block_size": 32, "engine": engine}) == "full"
+    snapkv = {"policy": {"name": "snapkv", "options": {}}, "block_size": 32, "engine": engine, "decode_eviction": False}
+    assert variant_label(snapkv) == "snapkv[decode_eviction=False]"  # the whole prompt, question included
+    assert variant_label(dict(snapkv, compress="context")) == "snapkv[compress=context]"  # before the question
 
 
 def write_run(root: Path, data: str, policy: str, budget, samples: dict[str, list[dict]]) -> None:

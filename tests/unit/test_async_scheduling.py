@@ -65,8 +65,15 @@ def add_requests(scheduler, settings: dict) -> None:
     from vllm.v1.request import Request
 
     for index, (prompt, outputs) in enumerate(zip(PROMPTS, OUTPUTS)):
-        params = SamplingParams(max_tokens=outputs, ignore_eos=True, extra_args={CONFIG_KEY: settings})
+        own = {**settings, "context_tokens": context_of(prompt)} if settings.get("compress") == "context" else settings
+        params = SamplingParams(max_tokens=outputs, ignore_eos=True, extra_args={CONFIG_KEY: own})
         scheduler.add_request(Request(f"r{index}", [100 + index] * prompt, params, None))
+
+
+def context_of(prompt: int) -> int:
+    """Where a request's context ends under compress=context: two thirds in (61 -> 40, past the
+    step's token budget, so the context itself runs in chunks)."""
+    return max(1, 2 * prompt // 3)
 
 
 def kv(request_id: str, position: int, layer: int) -> torch.Tensor:
@@ -119,10 +126,13 @@ class Worker:
             request["tokens"] = before + count - evicted
             steps[request_id] = before + count
             policy = build_policy(plan.settings[request_id], BLOCK)
-            phase = phase_due(policy, request["prompt"], before, before + count, evicted)
+            point = plan.settings[request_id].eviction_point(request["prompt"])  # the prompt's end or the context's
+            phase = phase_due(policy, point, before, before + count, evicted)
             if phase is not None:
                 dues.append(Due(request_id, policy, request["blocks"], before + count - evicted, phase))
         evictions = evict_all(self.view, dues, self.state) if dues else {}
+        # An eviction that changes nothing is not reported (worker_patch.evict_after_step).
+        evictions = {rid: e for rid, e in evictions.items() if e.evicted_tokens or e.changes_blocks}
         for request_id, eviction in evictions.items():
             request = self.requests[request_id]
             request["blocks"] = [request["blocks"][position] for position in eviction.kept_blocks]
@@ -185,7 +195,10 @@ def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool 
     {"policy": "streaming", "budget": 16},
     {"policy": "keydiff", "budget": 20},
     {"policy": "paged", "budget": 16, "decode_eviction": False},
-], ids=lambda s: f"{s['policy']}-{s['budget']}" + ("-prompt-only" if s.get("decode_eviction") is False else ""))
+    {"policy": "paged", "budget": 8, "decode_eviction": False, "compress": "context"},
+    {"policy": "knorm", "budget": 12, "decode_eviction": False, "compress": "context"},
+], ids=lambda s: f"{s['policy']}-{s['budget']}" + ("-context-only" if s.get("compress") == "context" else
+                                                   "-prompt-only" if s.get("decode_eviction") is False else ""))
 def test_reports_one_step_late_keep_what_synchronous_scheduling_keeps(settings):
     synchronous, sync_counts = run(False, settings)
     late, async_counts = run(True, settings)
@@ -200,15 +213,20 @@ def test_reports_one_step_late_keep_what_synchronous_scheduling_keeps(settings):
     for index, request_id in enumerate(sorted(synchronous)):
         written = PROMPTS[index] + OUTPUTS[index] - 1  # the last sampled token is never written
         kept = synchronous[request_id].shape[1]
-        if settings.get("decode_eviction") is False:
+        if settings.get("compress") == "context":  # the context's cut, then the question and outputs whole
+            policy = make_policy(settings["policy"], settings["budget"], BLOCK)
+            context = context_of(PROMPTS[index])
+            assert kept == policy.prefill_keep_count(context) + PROMPTS[index] - context + OUTPUTS[index] - 1
+        elif settings.get("decode_eviction") is False:
             policy = make_policy(settings["policy"], settings["budget"], BLOCK)
             assert kept == policy.prefill_keep_count(PROMPTS[index]) + OUTPUTS[index] - 1
         else:
             assert kept <= settings["budget"] + BLOCK and (kept < written or written <= settings["budget"] + BLOCK)
 
 
-@pytest.mark.parametrize("settings", [{"policy": "knorm", "budget": 12}, {"policy": "paged", "budget": 16}],
-                         ids=["knorm", "paged"])
+@pytest.mark.parametrize("settings", [{"policy": "knorm", "budget": 12}, {"policy": "paged", "budget": 16},
+                                      {"policy": "paged", "budget": 8, "decode_eviction": False, "compress": "context"}],
+                         ids=["knorm", "paged", "paged-context-only"])
 @pytest.mark.parametrize("pool", [18, 20])
 def test_preempted_requests_under_late_reports_keep_the_same_tokens(settings, pool):
     """A pool too small for every request at once, with vLLM's whole-sequence admission gate off

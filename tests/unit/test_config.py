@@ -31,6 +31,21 @@ def test_every_policy_and_budget_validates(policy, budget):
     run_settings(compose_cfg(f"policy={policy}", f"budget={budget}"))
 
 
+def test_a_ratio_on_the_command_line_wins_over_the_default_budget():
+    # The default budget gives way to a ratio; only a budget written beside it is refused (above).
+    run = run_settings(compose_cfg("policy=knorm", "budget_ratio=0.5"))
+    assert (run.budget, run.budget_ratio, run.label) == (None, 0.5, "knorm budget_ratio=0.5")
+
+
+def test_context_compression_evicts_once_at_the_context_by_default():
+    run = run_settings(compose_cfg("policy=snapkv", "budget_ratio=0.5", "compress=context"))
+    assert (run.decode_eviction, run.compress, run.label) == (False, "context", "snapkv budget_ratio=0.5 context only")
+    assert run.eviction.compress == "context" and run.cell_name.startswith("snapkv_r0.5_context_bs32_")
+    prompt_only = run_settings(compose_cfg("policy=snapkv", "budget_ratio=0.5", "decode_eviction=false"))
+    assert prompt_only.cell_name != run.cell_name and "compress" not in prompt_only.identity()
+    assert run_settings(compose_cfg()).decode_eviction is True
+
+
 def test_gpu_engine_defaults_to_the_papers_block_size():
     cfg = compose_cfg("engine=gpu", "model=llama-3.2-1b")
     assert cfg.block_size == 16 and cfg.model.path == "meta-llama/Llama-3.2-1B-Instruct"
@@ -61,8 +76,12 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
         (["model=tiny", f"engine.tensor_parallel_size={len(os.sched_getaffinity(0)) + 2}"], "needs a core per rank"),
         (["engine.distributed_executor_backend=dask"], "engine.distributed_executor_backend='dask'; valid: null"),
         (["engine.distributed_executor_backend=ray"], "vLLM's Ray executor does not support the CPU platform"),
-        (["policy=snapkv", "budget_ratio=0.5"], "budget_ratio=0.5 sets each request's budget from its prompt: pass "
-                                                "budget=null with it (budget=1024 was also given)"),
+        (["policy=snapkv", "budget=512", "budget_ratio=0.5"], "budget_ratio=0.5 sets each request's budget from its "
+                                                              "prompt: pass budget=null with it (budget=512 was also given)"),
+        (["policy=snapkv", "compress=question"], "compress must be one of prompt, context"),
+        (["policy=snapkv", "budget=null", "budget_ratio=0.5", "compress=context", "decode_eviction=true"],
+         "compress=context compresses the context once, before the question (kvpress's query-agnostic setting); pass "
+         "decode_eviction=false with it"),
         (["policy=snapkv", "budget=null", "budget_ratio=1.0"], "budget_ratio is the share of the prompt removed, "
                                                                "a number in [0, 1); got 1.0"),
         (["policy=snapkv", "budget=null"], "budget=null needs a budget_ratio"),

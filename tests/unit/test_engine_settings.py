@@ -71,7 +71,12 @@ def test_a_short_prompts_ratio_budget_rises_to_what_the_policy_accepts():
     [({"policy": "paged"}, "needs a 'budget'"), ({"policy": "paged", "budget": 64, "bugdet": 1}, "unknown key"),
      ({"policy": "paged", "budget": 64, "budget_ratio": 0.5}, "exactly one of them"),
      ({"policy": "paged", "budget_ratio": 1.0}, r"budget_ratio is the share of the prompt removed, a number in \[0, 1\)"),
-     ({"policy": "paged", "budget_ratio": 0.5, "decode_eviction": "no"}, "decode_eviction must be true or false")],
+     ({"policy": "paged", "budget_ratio": 0.5, "decode_eviction": "no"}, "decode_eviction must be true or false"),
+     ({"policy": "paged", "budget": 64, "compress": "question"}, "compress must be one of prompt, context"),
+     ({"policy": "paged", "budget": 64, "compress": "context"}, "pass decode_eviction=false with it"),
+     ({"policy": "paged", "budget": 64, "context_tokens": 90}, "it needs compress=context"),
+     ({"policy": "paged", "budget": 64, "compress": "context", "decode_eviction": False, "context_tokens": "90"},
+      "context_tokens must be a positive number of tokens")],
 )
 def test_bad_settings_are_refused(raw, message):
     with pytest.raises(ValueError, match=message):
@@ -182,6 +187,41 @@ def test_request_settings_override_the_engine_default():
     assert request_settings({"kv_eviction": '{"policy": "knorm", "budget": 256}'}, None, 32) == EvictionSettings("knorm", 256)
     mine = EvictionSettings("streaming", 128, {"n_sink": 8})
     assert request_settings(mine.as_extra_args(), default, 32) == mine
+
+
+def test_context_compression_applies_the_ratio_to_the_context_and_evicts_at_its_end():
+    engine_wide = EvictionSettings("snapkv", None, {}, budget_ratio=0.5, decode_eviction=False, compress="context")
+    assert engine_wide.describe() == "policy=snapkv budget_ratio=0.5 context only"
+    with pytest.raises(ValueError, match="the request must give its context_tokens"):
+        engine_wide.for_prompt(1000, 32)  # an engine-wide default has no boundary of its own
+    mine = engine_wide.at_context(640)
+    assert request_settings(mine.as_extra_args(), None, 32) == mine and mine.key == engine_wide.key
+    resolved = mine.for_prompt(1000, 32)
+    assert (resolved.budget, resolved.eviction_point(1000)) == (320, 640)  # half of the context, not of the prompt
+    with pytest.raises(ValueError, match="context_tokens=640 is beyond the prompt's 600 tokens"):
+        mine.for_prompt(600, 32)
+    prompt = EvictionSettings("snapkv", None, {}, budget_ratio=0.5, decode_eviction=False)
+    assert prompt.at_context(640) is prompt and prompt.eviction_point(1000) == 1000
+    assert "compress" not in prompt.as_dict() and "context_tokens" not in prompt.as_dict()
+
+
+def test_the_frontend_refuses_a_boundary_its_prompt_cannot_have():
+    """``vllm serve`` answers HTTP 400 for a VLLMValidationError from the input processor."""
+    from vllm.exceptions import VLLMValidationError
+
+    from harness.engine.plugin import check_request
+
+    config = vllm_config(additional_config={"kv_eviction": {"policy": "snapkv", "budget_ratio": 0.5,
+                                                            "decode_eviction": False, "compress": "context"}})
+    config.model_config = SimpleNamespace(enforce_eager=True)
+    config.cache_config.block_size = 32
+    with pytest.raises(VLLMValidationError, match="must give its context_tokens"):
+        check_request(config, SimpleNamespace(extra_args=None), 800)
+    own = SimpleNamespace(extra_args={"kv_eviction": {"policy": "knorm", "budget_ratio": 0.5, "decode_eviction": False,
+                                                      "compress": "context", "context_tokens": 900}})
+    check_request(config, own, 1000)
+    with pytest.raises(VLLMValidationError, match="beyond the prompt's 800 tokens"):
+        check_request(config, own, 800)
 
 
 @pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])

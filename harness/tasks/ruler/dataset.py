@@ -26,6 +26,11 @@ depths 0..100%, visited in a golden-ratio order so that any ``data.limit`` sprea
 ``meta["depth"]`` records it, for the depth x length heatmap. Multi-needle tasks draw their depths
 from the same 40 without replacement, as RULER does. Scoring: ``string_match_all`` (the share of
 the references found in the prediction, case-insensitive) and ``string_match_part`` (1 if any is).
+
+Where a prompt's context ends (``compress=context``): as kvpress splits a RULER prompt, the question
+(``What are all the special magic ...``, ``Question: ...``) and the answer prefix are not context;
+the preamble, the instruction before the haystack and the haystack are
+(``harness.tasks.prompts.build_prompt``).
 """
 from __future__ import annotations
 

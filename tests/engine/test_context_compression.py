@@ -1,0 +1,108 @@
+"""Query-agnostic compression in the real engine (``compress=context``): each request evicts when
+its prefill reaches the end of its context, before any question token is computed, and the
+question is prefilled on top of the compressed cache (kvpress's ``pipeline(context, question=...)``).
+
+One context asked three questions, as separate requests, by every registered policy at every
+granularity it runs at (``tests/support/policy_matrix.py``) at a ratio of the context, and by SnapKV
+compressing the whole prompt for contrast. Two engines run the same requests, without and
+with prefix caching (the context prefilled once, its cached blocks never written); both equal the
+plain reference (no code shared with policies/ or harness/) evicting at the same boundary."""
+from __future__ import annotations
+
+import pytest
+
+from harness.eviction.settings import EvictionSettings, build_policy
+from tests.support.engine_support import (BLOCK, assert_mostly_equal, assert_same_outputs, model_path, plain_policy,
+                                          run_engine, text_prompts)
+from tests.support.policy_matrix import MATRIX
+
+pytestmark = pytest.mark.engine
+
+NEW_TOKENS = 32
+RATIO = 0.5
+
+
+def context_settings(name: str, options: dict, context_tokens: int) -> dict:
+    return {"policy": name, "options": options, "budget": None, "budget_ratio": RATIO, "decode_eviction": False,
+            "compress": "context", "context_tokens": context_tokens}
+
+
+@pytest.fixture(scope="module")
+def requests():
+    """(prompt, settings) per request: one 620-token context and three questions of 40-90 tokens
+    cut from elsewhere in the corpus; the policy matrix asks them in turn, then SnapKV asks each
+    compressing the context, then each compressing the whole prompt."""
+    context = text_prompts("smollm2", [620], seed=8)[0]
+    prompts = [context + question for question in text_prompts("smollm2", [40, 65, 90], seed=9)]
+    asked = [(prompts[index % 3], context_settings(name, options, len(context)))
+             for index, (name, options) in enumerate(MATRIX)]
+    asked += [(prompt, context_settings("snapkv", {}, len(context))) for prompt in prompts]
+    asked += [(prompt, {"policy": "snapkv", "budget": None, "budget_ratio": RATIO, "decode_eviction": False})
+              for prompt in prompts]
+    return asked
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory, requests):
+    prompts, settings = [p for p, _ in requests], [s for _, s in requests]
+    workdir = tmp_path_factory.mktemp("context")
+    without = run_engine(workdir, "smollm2", prompts, NEW_TOKENS, request_eviction=settings)
+    cached = run_engine(workdir, "smollm2", prompts, NEW_TOKENS, request_eviction=settings,
+                        prefix_caching=True, warm_cache=True)
+    return without, cached
+
+
+def kept_and_evicted(prompt: list[int], raw: dict) -> tuple[int, int]:
+    """What the policy keeps of the part it compresses, and what it evicts of it."""
+    settings = EvictionSettings(**raw).for_prompt(len(prompt), BLOCK)
+    point = settings.eviction_point(len(prompt))
+    kept = build_policy(settings, BLOCK).prefill_keep_count(point)
+    return kept, point - kept
+
+
+def test_each_request_evicts_at_its_context_boundary_before_any_question_token(engine_runs, requests):
+    """The first eviction of a request runs at its physical length, which before it equals the
+    tokens computed: evicting exactly (context - kept) tokens means the eviction ran when the
+    context, and nothing of the question, had been computed; whole-prompt compression evicts
+    (prompt - kept) instead."""
+    without, cached = engine_runs
+    expected = sum(kept_and_evicted(prompt, raw)[1] for prompt, raw in requests)
+    for run in (without, cached):
+        ledger = run["ledger"]
+        assert ledger["evictions"] == {"prefill": len(requests), "decode": 0}
+        assert ledger["evicted_tokens"] == expected
+        assert run["free_blocks_after"] == run["free_blocks_before"] == ledger["kv_pool_blocks"]
+    # The budget is the ratio of the context (620 tokens: 310, rounded to 10 whole blocks), not of
+    # the prompt; a block policy keeps the context's partial last block beside it.
+    for prompt, raw in requests:
+        if raw.get("compress") == "context":
+            assert EvictionSettings(**raw).for_prompt(len(prompt), BLOCK).budget == 320
+            assert 320 <= kept_and_evicted(prompt, raw)[0] < 320 + BLOCK
+
+
+def test_context_compression_equals_the_plain_reference(engine_runs, requests):
+    from tests.support.plain_reference import PlainReference
+
+    plain = PlainReference(model_path("smollm2"))
+    reference = []
+    for prompt, raw in requests:
+        settings = EvictionSettings(**raw).for_prompt(len(prompt), BLOCK)
+        policy = plain_policy(raw["policy"], settings.budget, BLOCK, raw.get("options", {}).get("granularity"))
+        policy.decode_eviction = False
+        ids, counts = plain.generate(prompt, NEW_TOKENS, policy, context_tokens=settings.context_tokens)
+        assert counts["prefill"] == 1 and counts["decode"] == 0
+        reference.append(ids)
+    without, _ = engine_runs
+    assert_mostly_equal(without["outputs"], reference)
+    # The query-agnostic SnapKV differs from the query-aware one on the same prompts: where the
+    # observation window sits (the context's end, or the question) is not a detail.
+    context_mode, prompt_mode = without["outputs"][-6:-3], without["outputs"][-3:]
+    assert context_mode != prompt_mode
+
+
+def test_a_shared_context_is_cached_once_and_never_written(engine_runs):
+    without, cached = engine_runs
+    assert_same_outputs(without, cached)
+    blocks = cached["cached_blocks"]
+    assert blocks["registered_before"] >= 19 and blocks["changed"] == 0  # the 620-token context and more
+    assert cached["ledger"]["copy_target_blocks"] > 0  # compaction wrote blocks of its own

@@ -1,0 +1,124 @@
+"""Query-agnostic compression (``compress=context``, kvpress's leaderboard setting) in the two
+references: the prompt's first ``context_tokens`` tokens are prefilled and evicted as if they were
+the prompt, the question is prefilled on top of what stayed (logical RoPE positions), and nothing is
+evicted after. The plain reference (no shared code) and the Hugging Face reference (the harness's
+evictor) must agree on every registered policy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.eviction.hf_reference import HFReferenceEngine
+from policies import make_policy
+from tests.support.engine_support import BLOCK, model_path, plain_policy, text_prompts
+from tests.support.plain_reference import PlainPolicy, PlainReference
+from tests.support.policy_matrix import MATRIX, MATRIX_IDS
+
+PROMPT_TOKENS = 300
+CONTEXT = 210                          # 70% of the prompt is context, the rest the question
+BUDGET = CONTEXT // 2 // BLOCK * BLOCK  # half the context in whole blocks (96), as a ratio of 0.5 resolves
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return text_prompts("tiny", [PROMPT_TOKENS], seed=7)[0]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return PlainReference(model_path("tiny"))
+
+
+def compressing(name: str, options: dict):
+    """The harness's policy and the plain rule, both compressing the prompt (or context) only."""
+    policy = make_policy(name, BUDGET, BLOCK, **options)
+    policy.decode_eviction = False
+    rule = plain_policy(name, BUDGET, BLOCK, options.get("granularity"))
+    rule.decode_eviction = False
+    return policy, rule
+
+
+class Passes:
+    """Records each forward pass a reference runs: (first logical position, first physical cache
+    slot, tokens), so a test sees where the question landed after the context's eviction."""
+
+    def __init__(self, model):
+        self.seen: list[tuple[int, int, int]] = []
+        self.handle = model.register_forward_pre_hook(self.record, with_kwargs=True)
+
+    def record(self, module, args, kwargs):
+        self.seen.append((int(kwargs["position_ids"][0, 0]), int(kwargs["cache_position"][0]),
+                          kwargs["input_ids"].shape[1]))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+def test_context_compression_plain_rule_equals_the_harness_reference(plain, prompt, name, options):
+    """Token for token, and both references put the question at logical position CONTEXT, right
+    after the policy's keep count for a CONTEXT-token prompt (the context's eviction was the prefill
+    eviction, and the only one)."""
+    policy, rule = compressing(name, options)
+    engine = HFReferenceEngine(model_path("tiny"), policy)
+    with Passes(plain.model) as plain_passes:
+        ours, counts = plain.generate(prompt, NEW_TOKENS, rule, context_tokens=CONTEXT)
+    with Passes(engine.model) as passes:
+        theirs = engine.generate(prompt, NEW_TOKENS, context_tokens=CONTEXT)
+    assert counts == {"prefill": 1, "decode": 0}
+    kept = policy.prefill_keep_count(CONTEXT)
+    assert kept < CONTEXT
+    question = (CONTEXT, kept, PROMPT_TOKENS - CONTEXT)
+    assert plain_passes.seen[:2] == passes.seen[:2] == [(0, 0, CONTEXT), question]
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("name", ["paged", "snapkv", "h2o"])
+def test_context_tokens_at_the_prompt_end_is_prompt_compression(plain, prompt, name):
+    """``context_tokens=len(prompt)`` runs today's path exactly, decode evictions included."""
+    policy = make_policy(name, BUDGET, BLOCK)
+    rule = plain_policy(name, BUDGET, BLOCK)
+    engine = HFReferenceEngine(model_path("tiny"), policy)
+    new_tokens = 2 * BLOCK  # past budget + block: decode evicts
+    default = engine.generate_with_top_logprobs(prompt, new_tokens)
+    assert engine.generate_with_top_logprobs(prompt, new_tokens, context_tokens=len(prompt)) == default
+    forced = engine.forced_logprobs(prompt, default[0])
+    assert engine.forced_logprobs(prompt, default[0], context_tokens=len(prompt)) == forced
+    plain_default = plain.generate(prompt, new_tokens, rule)
+    assert plain_default[1]["decode"] >= 1
+    assert plain.generate(prompt, new_tokens, rule, context_tokens=len(prompt)) == plain_default
+
+
+def test_context_compression_differs_from_prompt_compression(prompt):
+    """Evicting before the question is not evicting after it: the outputs part for some policy
+    (the attention-aware ones see the question's queries only when the whole prompt is compressed)."""
+    differing = []
+    for name in ["snapkv", "h2o", "tova", "paged"]:
+        engine = HFReferenceEngine(model_path("tiny"), compressing(name, {})[0])
+        if engine.generate(prompt, NEW_TOKENS, context_tokens=CONTEXT) != engine.generate(prompt, NEW_TOKENS):
+            differing.append(name)
+    assert differing
+
+
+def test_context_mode_without_eviction_is_plain_greedy_decoding(plain, prompt):
+    """Nothing evicted: prefilling the context and then the question is generating from the prompt."""
+    engine = HFReferenceEngine(model_path("tiny"))
+    with torch.no_grad():
+        generated = engine.model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                          min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+    assert engine.generate(prompt, NEW_TOKENS, context_tokens=CONTEXT) == generated
+    roomy = PlainPolicy("paged", "block", PROMPT_TOKENS + NEW_TOKENS, BLOCK, decode_eviction=False)
+    assert plain.generate(prompt, NEW_TOKENS, roomy, context_tokens=CONTEXT) == (generated, {"prefill": 0, "decode": 0})
+
+
+def test_context_compression_refuses_decode_eviction(plain, prompt):
+    """A decode eviction after the question would drop question tokens: the setting forbids it."""
+    with pytest.raises(ValueError, match="decode_eviction"):
+        HFReferenceEngine(model_path("tiny"), make_policy("paged", BUDGET, BLOCK)).generate(
+            prompt, 4, context_tokens=CONTEXT)
+    with pytest.raises(ValueError, match="decode_eviction"):
+        plain.generate(prompt, 4, plain_policy("paged", BUDGET, BLOCK), context_tokens=CONTEXT)
