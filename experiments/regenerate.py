@@ -67,14 +67,16 @@ class Step:
 
 
 def accuracy(name: str, experiment: str, minutes: float, *overrides: str, measured: bool = False,
-             views: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> Step:
+             views: tuple[tuple[str, tuple[str, ...]], ...] = (), beside: tuple[str, ...] = ()) -> Step:
     """A sweep and its summary; ``views``: further summaries of the same cells (a subfolder and the
-    aggregate's options, e.g. the table without a task)."""
+    aggregate's options, e.g. the table without a task); ``beside``: other studies' folders whose
+    cells the summaries show next to this one's (a cell both have counts once)."""
     folder = f"results/{name}"
+    roots = (folder, *beside)
     return Step(name, name, (
         (PYTHON, "run.py", "-m", f"+experiment={experiment}", f"output_dir={folder}", *overrides),
-        (PYTHON, "-m", "harness.analysis.aggregate", folder, "--out", folder),
-        *((PYTHON, "-m", "harness.analysis.aggregate", folder, "--out", f"{folder}/{sub}", *options)
+        (PYTHON, "-m", "harness.analysis.aggregate", *roots, "--out", folder),
+        *((PYTHON, "-m", "harness.analysis.aggregate", *roots, "--out", f"{folder}/{sub}", *options)
           for sub, options in views),
     ), minutes, measured)
 
@@ -99,6 +101,10 @@ STEPS = (
     # RULER's variable tracking scores 0 under full cache (its answers copy the filler) and rewards
     # evicting the filler: the table is also summarised without it.
     accuracy("ruler", "ruler_ratios", 73.8, measured=True,
+             views=(("without_vt", ("--drop-task", "vt", "--no-plots")),)),
+    # The same RULER samples compressed before the question is seen (the leaderboard's main loop),
+    # summarised beside the query-aware cells above (its --compress_questions loop).
+    accuracy("ruler_context", "ruler_context", 74, beside=("results/ruler",),
              views=(("without_vt", ("--drop-task", "vt", "--no-plots")),)),
     throughput("cpu", 42.4, measured=True),
     throughput("attention", 33.1, measured=True),

@@ -43,12 +43,16 @@ RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
 
 
 def find_runs(roots: list[Path]) -> list[Path]:
-    found = set()
+    """Every complete run directory under ``roots``. A cell found under several roots (the same
+    model, data and cell name: the same identity, such as the full cache two studies share) is
+    one cell, read from the first root that has it."""
+    found: dict[tuple[str, ...], Path] = {}
     for root in roots:
-        for config in root.rglob(RUN_FILES[0]):
-            if is_complete(config.parent) and not config.parent.name.endswith(".partial"):
-                found.add(config.parent)
-    return sorted(found)
+        for config in sorted(root.rglob(RUN_FILES[0])):
+            run = config.parent
+            if is_complete(run) and not run.name.endswith(".partial"):
+                found.setdefault(run.parts[-3:], run)
+    return sorted(found.values())
 
 
 def flatten(data: dict, prefix: str = "") -> dict:

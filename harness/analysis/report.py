@@ -61,6 +61,9 @@ ACCURACY = (
                   "python experiments/regenerate.py --only ruler", "paged[decode_eviction=False]"),
     AccuracyStudy("ruler/without_vt", "The same RULER cells without variable tracking (full cache scores 0 on it)",
                   "python experiments/regenerate.py --only ruler", "paged[decode_eviction=False]"),
+    AccuracyStudy("ruler_context", "RULER compressed before the question is seen (query-agnostic, kvpress's "
+                  "leaderboard loop) beside the whole prompt compressed (query-aware, its --compress_questions loop)",
+                  "python experiments/regenerate.py --only ruler_context", "paged[compress=context]"),
     AccuracyStudy("ablation", "PagedEviction's score and granularity apart",
                   "python run.py -m +experiment=ablation", "paged"),
 )

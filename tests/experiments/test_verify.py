@@ -52,6 +52,8 @@ def test_the_subset_spaces_samples_through_every_task_length_and_context_size():
 
 def test_the_cells_are_full_cache_and_one_per_budget_paged_first():
     for step in ACCURACY:
+        if not step.cells():
+            continue  # a planned study not made yet: nothing to replay
         cells = regenerate.replay_subset(step)
         assert cells[0].name.startswith("full_") and cells[1].name.startswith("paged_"), cells
         configs = [yaml.safe_load((cell / "config.yaml").read_text()) for cell in cells[1:]]
