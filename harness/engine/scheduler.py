@@ -25,7 +25,11 @@ ledger of each request's *evicted token count* (logical length minus physical le
   chosen by scores, is held until the report names it, and blocks allocated meanwhile follow
   the kept ones;
 * freeing a request (finish, abort, preemption) forgets its count; a preempted request is then
-  replayed one token per step after its prompt, so it meets the same evictions at the same steps.
+  replayed one token per step after its prompt, so it meets the same evictions at the same steps;
+* a request compressing its context alone (``compress=context``) runs its prefill eviction at
+  its context boundary instead of its prompt's end (``eviction_point``): its chunk ends there, the
+  eviction's count is fixed by the policy and the context's length as above (so asynchronous
+  plans count it the same way), and the question's tokens are then scheduled like any prefill.
 
 With prefix caching on, eviction never writes a block the prefix cache may hand to someone else:
 * a step that compacts a request allocates, inside vLLM's own ``allocate_slots`` (so admission

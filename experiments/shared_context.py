@@ -1,0 +1,311 @@
+"""One context, many questions: each asked as its own request over one cached context (SCBench's
+shared-context, multi-request workloads; KVzip's setting), in the real engine with prefix caching.
+
+    flock /tmp/engine.lock .venv/bin/python experiments/shared_context.py [--contexts 8] [--ratio 0.5]
+
+The workload (generated here from the embedded suite's vocabulary, ``harness.tasks.embedded``):
+half the contexts a long text hiding one access code per person (key_retrieval's needle, several
+of them), half passages about people, each born somewhere (multi_doc_qa's); every context is
+asked ``QUESTIONS`` questions, one per person, with the suite's own templates and scoring. All
+requests go to one engine at once, as a server would take them; between configurations the
+prefix cache is emptied, so each starts cold and caches each context as its first request computes it.
+
+Configurations, PagedEviction and SnapKV at one compression ratio (of what each compresses):
+
+* ``full``: full cache; the context's blocks are shared by every question of it (prefix caching).
+* ``context``: query-agnostic (``compress=context``): each request compresses the context before
+  its question is seen; every question meets the same compressed context.
+* ``prompt``: query-aware, each request compresses context and its own question together.
+* ``first question``: query-aware for the first question only, the cache then reused for the
+  others (SCBench's multi-request failure mode): the later questions' requests compress context +
+  the first question (the boundary is put after it) and get their own question on top.
+
+Per configuration: accuracy on the first question and on the later ones (BCa 95% intervals,
+``harness.analysis.stats``), the KV blocks in use (peak and mean over steps, from the scheduler's
+ledger), the requests' wall time and output tokens per second. Writes ``results/shared_context/``:
+``summary.md``, ``summary.csv``, ``requests.jsonl``, ``shared_context.png``.
+
+Each request compresses its own copy of the context: the compressed blocks of one request are
+not reused by the next (README, "One context, many questions", says why vLLM's prefix cache
+cannot hold them and what sharing them would take).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from harness.tasks.embedded.dataset import CITIES, JOBS, filler, people  # noqa: E402
+
+OUT = ROOT / "results" / "shared_context"
+QUESTIONS = 6
+WORDS = 1400          # about 2,000 of SmolLM2's tokens per context
+POLICIES = ("paged", "snapkv")
+MODES = ("context", "prompt", "first question")
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A context and its questions (``input``, answers), in the suite's record format."""
+
+    task: str
+    id: str
+    context: str
+    questions: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def access_codes(rng: random.Random, index: int) -> Shared:
+    """A long text with one access code per person, spread from 10% to 90% of its depth."""
+    names = people(rng, QUESTIONS)
+    codes = [str(code) for code in rng.sample(range(10000, 100000), QUESTIONS)]
+    sentences = filler(rng, WORDS)
+    for k, (name, code) in reversed(list(enumerate(zip(names, codes)))):
+        depth = 0.1 + 0.8 * k / (QUESTIONS - 1)
+        sentences.insert(round(depth * len(sentences)), f"The access code of {name} is {code}. Remember it: {code}.")
+    questions = tuple((f"What is the access code of {name}? Answer with the number only.", (code,))
+                      for name, code in zip(names, codes))
+    return Shared("key_retrieval", f"codes-{index}", " ".join(sentences), questions)
+
+
+def birthplaces(rng: random.Random, index: int) -> Shared:
+    """Passages about ``QUESTIONS`` people, each born in a different city."""
+    names, cities = people(rng, QUESTIONS), rng.sample(CITIES, QUESTIONS)
+    passages = []
+    for k, (name, city) in enumerate(zip(names, cities), start=1):
+        body = filler(rng, WORDS // QUESTIONS - 20)
+        body.insert(rng.randrange(len(body) + 1), f"{name} was born in {city} and worked as a {rng.choice(JOBS)}.")
+        passages.append(f"Passage {k}:\n{name}\n{' '.join(body)}")
+    questions = tuple((f"In which city was {name} born?", (city,)) for name, city in zip(names, cities))
+    return Shared("multi_doc_qa", f"births-{index}", "\n".join(passages), questions)
+
+
+def workload(contexts: int, seed: int = 0) -> list[Shared]:
+    rng = random.Random(seed)
+    return [(access_codes if index % 2 == 0 else birthplaces)(rng, index) for index in range(contexts)]
+
+
+@dataclass(frozen=True)
+class Request:
+    shared: Shared
+    question: int
+    token_ids: list[int]
+    settings: dict           # SamplingParams.extra_args["kv_eviction"]
+
+
+def prompts_of(shared: Shared, tokenizer, max_prompt_tokens: int) -> list:
+    """Each question's prompt (``harness.tasks.prompts.Prompt``: token ids and context boundary)."""
+    from harness.tasks import task_spec
+    from harness.tasks.prompts import build_prompt
+    from harness.tasks.sample import Sample
+
+    spec = task_spec(shared.task)
+    prompts = [build_prompt(Sample(shared.task, f"{shared.id}-q{q}", shared.context, text, list(answers)), spec,
+                            tokenizer, max_prompt_tokens) for q, (text, answers) in enumerate(shared.questions)]
+    if any(not p.context_tokens or p.token_ids[:p.context_tokens] != prompts[0].token_ids[:prompts[0].context_tokens]
+           for p in prompts):
+        raise RuntimeError(f"{shared.id}: the questions' prompts do not share one context")
+    return prompts
+
+
+def after_first_question(first, later, footer: int) -> tuple[list[int], int]:
+    """The tokens of ``later``'s request when the cache was compressed for the first question: the
+    context and the first question (without the chat template's closing ``footer`` tokens), the
+    boundary after them, then the later question's own part."""
+    question_one = first.token_ids[first.context_tokens:len(first.token_ids) - footer]
+    tokens = first.token_ids[:first.context_tokens] + question_one + later.token_ids[later.context_tokens:]
+    return tokens, first.context_tokens + len(question_one)
+
+
+def footer_tokens(tokenizer, prompts: list) -> int:
+    """How many closing tokens the chat template writes after every question (end of turn,
+    assistant header): its footer, tokenized on its own (special tokens tokenize alone), which
+    each prompt must end with."""
+    from harness.tasks.prompts import chat_footer
+
+    footer = chat_footer(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
+    ids = tokenizer(footer, add_special_tokens=False)["input_ids"] if footer else []
+    if any(p.token_ids[len(p.token_ids) - len(ids):] != ids for p in prompts):
+        raise RuntimeError("a prompt does not end with the chat template's footer")
+    return len(ids)
+
+
+def requests_for(configuration: tuple[str, str | None], workload_prompts, ratio: float, tokenizer) -> list[Request]:
+    mode, policy = configuration
+    made = []
+    for shared, prompts in workload_prompts:
+        footer = footer_tokens(tokenizer, prompts)
+        for q, prompt in enumerate(prompts):
+            tokens, boundary = prompt.token_ids, prompt.context_tokens
+            if mode == "full":
+                settings = {"policy": "full"}
+            else:
+                settings = {"policy": policy, "budget_ratio": ratio, "decode_eviction": False}
+                if mode == "first question" and q > 0:
+                    tokens, boundary = after_first_question(prompts[0], prompt, footer)
+                if mode == "context" or (mode == "first question" and q > 0):
+                    settings.update(compress="context", context_tokens=boundary)
+            made.append(Request(shared, q, list(tokens), settings))
+    return made
+
+
+def run_configuration(engine, requests: list[Request]) -> tuple[list, float, dict]:
+    from harness.eviction.settings import CONFIG_KEY
+    from harness.tasks import task_spec
+
+    engine.llm.reset_prefix_cache()  # every configuration starts cold
+    engine.ledger(reset=True)
+    specs = [task_spec(r.shared.task) for r in requests]
+    started = time.perf_counter()
+    results = engine.generate([r.token_ids for r in requests], [s.max_new_tokens for s in specs],
+                              [tuple(s.stop) for s in specs], settings=[{CONFIG_KEY: r.settings} for r in requests],
+                              top_logprobs=0, progress=False)
+    return results, time.perf_counter() - started, engine.ledger()
+
+
+def summarize(rows: list[dict], runs: dict) -> list[dict]:
+    import numpy as np
+
+    from harness.analysis.stats import bca_interval
+
+    table = []
+    for name, (wall, ledger) in runs.items():
+        mine = [row for row in rows if row["configuration"] == name]
+        line = {"configuration": name, "requests": len(mine), "wall_s": round(wall, 2),
+                "output_tokens_per_s": round(sum(r["output_tokens"] for r in mine) / wall, 2),
+                "kv_blocks_peak": ledger["kv_blocks_used_peak"], "kv_blocks_mean": round(ledger["kv_blocks_used_mean"], 1),
+                "prefill_evictions": ledger["evictions"]["prefill"], "evicted_tokens": ledger["evicted_tokens"]}
+        for part, keep in (("first", lambda r: r["question"] == 0), ("later", lambda r: r["question"] > 0)):
+            per_task = {}
+            for row in mine:
+                if keep(row):
+                    per_task.setdefault(row["task"], []).append(row["score"])
+            interval = bca_interval({task: np.array(scores) for task, scores in per_task.items()})
+            line.update({f"{part}": interval.estimate, f"{part}_low": interval.low, f"{part}_high": interval.high,
+                         f"{part}_samples": interval.samples})
+        table.append(line)
+    return table
+
+
+def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int) -> str:
+    full = next(line for line in table if line["configuration"] == "full")
+    lines = [
+        "# One context, many questions", "",
+        f"Command: `{command}`", "",
+        f"{contexts} contexts (half access codes in a long text, half passages about people; about 2,000 tokens "
+        f"each) x {QUESTIONS} questions, each question its own request, all {contexts * QUESTIONS} requests of a "
+        f"configuration sent at once to one engine ({model}, prefix caching on, a pool of {pool} blocks of 32 "
+        f"tokens, the prefix cache emptied between configurations). Compression ratio {ratio:g} of what each "
+        "configuration compresses. Accuracy: the suite's scores (0-100), mean over the two tasks of the task "
+        "means, BCa 95% intervals; *first*: the first question of each context, *later*: the other "
+        f"{QUESTIONS - 1}. KV blocks: blocks in use over the configuration's engine steps (the scheduler's ledger; "
+        "a block the prefix cache holds for no running request is free).", "",
+        "| configuration | first question | later questions | KV blocks peak | KV blocks mean | peak vs full | "
+        "output tok/s | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for line in table:
+        lines.append(
+            f"| {line['configuration']} | {line['first']:.1f} ({line['first_low']:.1f}, {line['first_high']:.1f}) | "
+            f"{line['later']:.1f} ({line['later_low']:.1f}, {line['later_high']:.1f}) | {line['kv_blocks_peak']} | "
+            f"{line['kv_blocks_mean']:.1f} | {line['kv_blocks_peak'] / full['kv_blocks_peak']:.2f} | "
+            f"{line['output_tokens_per_s']:.1f} | {line['wall_s']:.1f} |")
+    lines += ["", "Every compressing request holds its own compressed copy of its context (the copies are not "
+              "shared between requests: README, \"One context, many questions\"), while full cache's questions share "
+              "one copy of the context through the prefix cache. Timings are one run each on the 2-core CPU machine.", ""]
+    return "\n".join(lines)
+
+
+def plot(table: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [line["configuration"] for line in table]
+    x = range(len(names))
+    figure, (accuracy, memory) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for offset, part in ((-0.2, "first"), (0.2, "later")):
+        values = [line[part] for line in table]
+        errors = [[v - line[f"{part}_low"] for v, line in zip(values, table)],
+                  [line[f"{part}_high"] - v for v, line in zip(values, table)]]
+        accuracy.bar([i + offset for i in x], values, 0.4, yerr=errors, capsize=3, label=f"{part} question")
+    accuracy.set_xticks(list(x), names, rotation=30, ha="right")
+    accuracy.set_ylabel("score (0-100), BCa 95%")
+    accuracy.legend()
+    memory.bar(list(x), [line["kv_blocks_peak"] for line in table], 0.6)
+    memory.set_xticks(list(x), names, rotation=30, ha="right")
+    memory.set_ylabel("KV blocks in use, peak")
+    figure.suptitle("One context, many questions")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, default=8)
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    if args.contexts < 2 or not 0 < args.ratio < 1:
+        parser.error("--contexts must be at least 2 and --ratio in (0, 1)")
+
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
+
+    from harness.config import resolve_model_path, run_settings
+    from harness.engine.llm import Engine
+    from harness.tasks.metrics import score_sample
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        run = run_settings(compose(config_name="config", overrides=["model=smollm2-135m"]))
+    model_path = resolve_model_path(run.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    shared = workload(args.contexts)
+    workload_prompts = [(s, prompts_of(s, tokenizer, run.model.max_prompt_tokens)) for s in shared]
+    configurations = [("full", None)] + [(mode, policy) for policy in POLICIES for mode in MODES]
+    engine = Engine(model_path, run.model, run.engine, run.block_size, seed=run.seed, prefix_caching=True)
+    rows, runs = [], {}
+    try:
+        for configuration in configurations:
+            name = "full" if configuration[0] == "full" else f"{configuration[1]} {configuration[0]}"
+            requests = requests_for(configuration, workload_prompts, args.ratio, tokenizer)
+            results, wall, ledger = run_configuration(engine, requests)
+            runs[name] = (wall, ledger)
+            for request, result in zip(requests, results):
+                text, answers = request.shared.questions[request.question]
+                rows.append({"configuration": name, "task": request.shared.task, "context": request.shared.id,
+                             "question": request.question, "prompt_tokens": result.prompt_tokens,
+                             "context_tokens": request.settings.get("context_tokens"),
+                             "prediction": result.text, "answers": list(answers), "output_tokens": result.output_tokens,
+                             "score": score_sample(request.shared.task, result.text, list(answers))})
+            print(f"[shared_context] {name}: {wall:.1f}s, peak {ledger['kv_blocks_used_peak']} blocks", flush=True)
+        pool = engine.facts()["kv_pool_blocks"]
+    finally:
+        engine.close()
+    table = summarize(rows, runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "python experiments/shared_context.py" + "".join(
+        f" --{k} {v}" for k, v in (("contexts", args.contexts), ("ratio", args.ratio)) if v != parser.get_default(k))
+    (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool))
+    import pandas as pd
+
+    pd.DataFrame(table).to_csv(args.out / "summary.csv", index=False)
+    with open(args.out / "requests.jsonl", "w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    plot(table, args.out / "shared_context.png")
+    print((args.out / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The shared-context workload asks what it says (no engine): every question of a context shares
+the context's tokens, each configuration's requests carry the boundary their mode evicts at."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+
+@pytest.fixture(scope="module")
+def experiment():
+    spec = importlib.util.spec_from_file_location("shared_context", ROOT / "experiments" / "shared_context.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def prompts(experiment):
+    from transformers import AutoTokenizer
+
+    from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_PREFIX + "smollm2-135m-instruct"))
+    return tokenizer, [(shared, experiment.prompts_of(shared, tokenizer, 3500)) for shared in experiment.workload(2)]
+
+
+def test_each_context_is_asked_its_questions_with_their_own_answers(experiment):
+    codes, births = experiment.workload(2)
+    assert (codes.task, births.task) == ("key_retrieval", "multi_doc_qa")
+    for shared in (codes, births):
+        assert len(shared.questions) == experiment.QUESTIONS
+        for text, (answer,) in shared.questions:
+            assert answer in shared.context and text not in shared.context
+        assert len({answer for _, answer in shared.questions}) == experiment.QUESTIONS
+
+
+def test_each_mode_evicts_where_it_says(experiment, prompts):
+    tokenizer, asked = prompts
+    (shared, questions), _ = asked
+    context = questions[0].context_tokens
+    full = experiment.requests_for(("full", None), asked, 0.5, tokenizer)
+    assert all(r.settings == {"policy": "full"} for r in full)
+    agnostic = experiment.requests_for(("context", "snapkv"), asked, 0.5, tokenizer)
+    assert [r.settings["context_tokens"] for r in agnostic[:6]] == [context] * 6
+    assert [r.token_ids for r in agnostic] == [r.token_ids for r in full]
+    aware = experiment.requests_for(("prompt", "paged"), asked, 0.5, tokenizer)
+    assert all("compress" not in r.settings and r.settings["policy"] == "paged" for r in aware)
+    reused = experiment.requests_for(("first question", "snapkv"), asked, 0.5, tokenizer)
+    assert "compress" not in reused[0].settings and reused[0].token_ids == questions[0].token_ids
+    footer = experiment.footer_tokens(tokenizer, questions)
+    assert footer > 0
+    for request, own in zip(reused[1:6], questions[1:6]):
+        boundary = request.settings["context_tokens"]
+        # the context and the first question (its chat footer aside) are compressed; the later
+        # question's own part follows, unchanged
+        assert request.token_ids[:boundary] == questions[0].token_ids[:len(questions[0].token_ids) - footer]
+        assert request.token_ids[boundary:] == own.token_ids[own.context_tokens:]
