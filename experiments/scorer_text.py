@@ -39,6 +39,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.tasks.embedded.dataset import at_depth, insert_at_depth, insert_at_random
 from harness.tasks.sample import DataError, Sample
 from harness.tasks.spec import TaskSpec
 
@@ -147,17 +148,6 @@ def paragraphs(rng: random.Random, sentences: list[str]) -> str:
     return "\n\n".join(out)
 
 
-def at_depth(rng: random.Random, count: int, depth: tuple[float, float]) -> int:
-    return min(count - 1, int(rng.uniform(*depth) * count))
-
-
-def scatter(rng: random.Random, sentences: list[str], extra: list[str]) -> list[str]:
-    out = list(sentences)
-    for sentence in extra:
-        out.insert(rng.randrange(len(out) + 1), sentence)
-    return out
-
-
 # ------------------------------------------------------------------ the shapes
 
 
@@ -166,9 +156,7 @@ def village_notes(rng: random.Random, words: int, depth: tuple[float, float]) ->
     places = rng.sample(PLACES, 5)
     buildings = [rng.choice(BUILDINGS) for _ in names]
     keys = [f"The key to the {b} at {p} is kept by {n}." for n, p, b in zip(names, places, buildings)]
-    text = prose(rng, words)
-    text.insert(at_depth(rng, len(text) + 1, depth), keys[0])
-    text = scatter(rng, text, keys[1:])
+    text = insert_at_random(rng, insert_at_depth(rng, prose(rng, words), keys[0], depth), keys[1:])
     return {"context": paragraphs(rng, text),
             "input": f"who keeps the key to the {buildings[0]} at {places[0]}? Reply with the full name and nothing else.",
             "answers": [names[0]]}
@@ -196,9 +184,7 @@ def workshop_diary(rng: random.Random, words: int, depth: tuple[float, float]) -
     serials = [str(s) for s in rng.sample(range(100000, 1000000), len(owners))]
     stamped = [f"Stamped under the {o} belonging to {n} is the serial number {s}, which {n.split()[0]} wrote in chalk."
                for n, o, s in zip(owners, objects, serials)]
-    text = prose(rng, words)
-    text.insert(at_depth(rng, len(text) + 1, depth), stamped[0])
-    text = scatter(rng, text, stamped[1:])
+    text = insert_at_random(rng, insert_at_depth(rng, prose(rng, words), stamped[0], depth), stamped[1:])
     return {"context": paragraphs(rng, text),
             "input": f"what serial number is stamped under the {objects[0]} belonging to {owners[0]}? "
                      "Reply with the six digits only.",

@@ -193,17 +193,23 @@ def sample_scores(run_dir: str) -> dict[str, pd.Series]:
     return sample_values(pd.DataFrame(read_jsonl(Path(run_dir) / "predictions.jsonl")), "score")
 
 
-def group_scores(group: pd.DataFrame) -> dict[str, dict[str, pd.Series]]:
-    """Per run of a table's group, its per-sample scores, on the tasks the group's rows keep (a
-    summary that left tasks out counts without them)."""
+def group_scores(group: pd.DataFrame, root: Path = Path()) -> dict[str, dict[str, pd.Series]]:
+    """Per run of a table's group (keyed by its ``run_dir``), its per-sample scores, on the tasks
+    the group's rows keep (a summary that left tasks out counts without them). ``root``: what a
+    relative ``run_dir`` is under (a committed summary.csv's are relative to the repository)."""
     tasks = set(group["task"])
     scores = {}
     for run in group["run_dir"].unique():
-        by_task = sample_scores(run)
+        by_task = sample_scores(str(root / run))
         if by_task is None:
             raise ValueError(f"{run}/predictions.jsonl: no sample has a score")
         scores[run] = {task: series for task, series in by_task.items() if task in tasks}
     return scores
+
+
+def of_tasks(predictions: pd.DataFrame, tasks: set[str]) -> pd.DataFrame:
+    """The prediction rows whose task is one of ``tasks``."""
+    return predictions[predictions["task"].isin(tasks)]
 
 
 def paired(run: dict[str, pd.Series], other: dict[str, pd.Series]) -> dict[str, np.ndarray]:
@@ -264,7 +270,7 @@ def add_intervals(frame: pd.DataFrame, quantities: tuple[Quantity, ...] = QUANTI
     (``<field>_samples`` counts the samples that have a value; the others are left out of that
     run's statistics and its pairs), so results without it are unchanged."""
     tasks = set(frame["task"])  # the tasks the rows keep (``load_runs``' drop_tasks left out)
-    predictions = {run: (lambda rows: rows[rows["task"].isin(tasks)])(pd.DataFrame(read_jsonl(Path(run) / "predictions.jsonl")))
+    predictions = {run: of_tasks(pd.DataFrame(read_jsonl(Path(run) / "predictions.jsonl")), tasks)
                    for run in frame["run_dir"].unique()}
     runs = frame.drop_duplicates("run_dir").set_index("run_dir")
     columns: dict[tuple[str, str], dict[str, float]] = {}  # (run_dir, task or "") -> values

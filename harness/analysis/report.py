@@ -34,11 +34,11 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from harness.analysis.aggregate import QUANTITIES, SIGNIFICANCE, Quantity, settled
+from harness.analysis.aggregate import QUANTITIES, SIGNIFICANCE, Quantity, group_scores, settled
 from harness.analysis.labels import budget_label
 from harness.analysis.silence import dead_samples
 from harness.records.results import atomic_write_text, read_json
-from harness.analysis.stats import ratio_interval
+from harness.analysis.stats import MAX_FLIPS, ratio_interval
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("results")
@@ -172,8 +172,7 @@ def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
             total = decided + verdict["undecided"]
             family = family_size(runs, quantity)
             parts += [f"*{quantity.description}* ({quantity.units}, average over tasks; {direction}): "
-                      f"`{study.focus}` minus each, 95% BCa interval; `*` Holm-adjusted p < {SIGNIFICANCE:g} "
-                      f"over the table's {family} comparisons.", ""]
+                      f"`{study.focus}` minus each; marks adjusted over the table's {family} comparisons.", ""]
             if len(full) and average in full:
                 reference = full.iloc[0]
                 parts += ["Full cache: " + interval_text(reference[average], reference[f"{average}_low"],
@@ -182,24 +181,16 @@ def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
             parts += table + [""]
             parts += [f"Decided after Holm: {decided} of {total} (`{study.focus}` better in {verdict['better']}, "
                       f"worse in {verdict['worse']}); undecided: {verdict['undecided']}"
-                      + (f" (`?`: {verdict['unsettled']} whose Holm-adjusted p is within Monte Carlo error of "
-                         f"{SIGNIFICANCE:g} at 10^7 sign flips)" if verdict["unsettled"] else "") + ".", ""]
+                      + (f" ({verdict['unsettled']} of them `?`)" if verdict["unsettled"] else "") + ".", ""]
     return parts
 
 
 def silence_line(group: pd.DataFrame, root: Path) -> str:
-    """How many of the table's samples score 0 in every cell (``harness.analysis.silence``)."""
-    from harness.analysis.aggregate import sample_scores
-
-    runs = group.drop_duplicates("run_dir")
-    tasks = set(group["task"])  # a view without a task (``--drop-task``) counts without it
-    scores = {run: {task: values for task, values in sample_scores(str(root / run)).items() if task in tasks}
-              for run in runs["run_dir"]}
-    dead = dead_samples(scores)
-    tasks = ", ".join(f"{task} {len(dead.dead[task])}/{len(dead.samples[task])}" for task in sorted(dead.tasks)
-                      if len(dead.dead[task]))
-    return (f"{dead.dead_total} of {dead.total} samples score 0 in every cell ({tasks}); its summary also scores "
-            "the cells without them.")
+    """How many of the table's samples score 0 in every cell (``harness.analysis.silence``), on the
+    tasks its rows keep (a view without a task, ``--drop-task``, counts without it)."""
+    dead = dead_samples(group_scores(group, root))
+    return (f"{dead.dead_total} of {dead.total} samples score 0 in every cell ({dead.per_task_text(dead_only=True)}); "
+            "its summary also scores the cells without them.")
 
 
 def family_size(runs: pd.DataFrame, quantity: Quantity) -> int:
@@ -305,12 +296,14 @@ def verified_lines(folders: list[str], root: Path) -> list[str]:
 
 def render(root: Path = ROOT) -> str:
     parts = ["# Results", "",
-             f"Written by `{COMMAND}` from the committed summaries; edit those (by rerunning their "
-             "commands), never this file: `tests/experiments/test_claims.py` fails when it differs from what they give. "
-             "Intervals are 95%: BCa bootstrap over samples for accuracy, t over trials for throughput "
-             "ratios. Significance is marked only after Holm's adjustment over each table's whole family "
-             f"of comparisons (`*`: adjusted p < {SIGNIFICANCE:g}); an unmarked difference is undecided, "
-             "not absent. In words: [FINDINGS.md](FINDINGS.md).", "",
+             f"Written by `{COMMAND}` from the committed summaries: rerun their commands to change it, never edit "
+             "it (`tests/experiments/test_claims.py` fails when it differs from what they give). "
+             "Intervals are 95%: BCa bootstrap over samples for accuracy, t over trials for throughput ratios. "
+             f"`*`: Holm-adjusted p < {SIGNIFICANCE:g}, adjusted over each table's whole family of comparisons; an "
+             "unmarked difference is undecided, not absent. "
+             "`?`: a comparison whose Holm or Benjamini-Hochberg decision is still unsettled after the Monte Carlo "
+             f"refinement (random sign patterns up to {MAX_FLIPS:,}), given no mark and counted undecided. "
+             "In words: [FINDINGS.md](FINDINGS.md).", "",
              "## Accuracy", ""]
     for study in present(ACCURACY, root):
         parts += accuracy_section(study, root)
@@ -427,10 +420,16 @@ def base_name(variant: str) -> str:
     return variant.split("[", 1)[0]
 
 
-def study_intervals(study: AccuracyStudy, root: Path) -> list[Quoted]:
+def study_cells(study: AccuracyStudy, root: Path) -> pd.DataFrame:
+    """An accuracy study's cells: its summary.csv, one row per run."""
+    return pd.read_csv(root / RESULTS / study.folder / "summary.csv").drop_duplicates("run_dir")
+
+
+def study_intervals(study: AccuracyStudy, root: Path, frame: pd.DataFrame | None = None) -> list[Quoted]:
     """Every interval an accuracy study's summaries print: each cell's average and the focus's
-    paired differences, per quantity, as printed (``Quantity.decimals``)."""
-    frame = pd.read_csv(root / RESULTS / study.folder / "summary.csv").drop_duplicates("run_dir")
+    paired differences, per quantity, as printed (``Quantity.decimals``). ``frame``: its cells
+    (``study_cells``), if already read."""
+    frame = study_cells(study, root) if frame is None else frame
     found = []
     for _, run in frame.iterrows():
         label = budget_label(run)
@@ -450,6 +449,29 @@ def study_intervals(study: AccuracyStudy, root: Path) -> list[Quoted]:
     return found
 
 
+@dataclass(frozen=True)
+class Printed:
+    """What the accuracy studies' summaries print, read once: per study folder its intervals
+    (``study_intervals``) and focus, and the budget labels a sentence can name (``budget_words``)."""
+    intervals: dict[str, list[Quoted]]
+    focus: dict[str, str]
+    budgets: frozenset[str]
+
+
+def budget_words(cells: list[pd.DataFrame]) -> frozenset[str]:
+    """The budget labels the studies' cells have ("256", "r0.5"; not full cache's "all"): what a
+    sentence can name as a budget, so a study with new budgets needs no list edited."""
+    return frozenset(budget_label(run) for frame in cells for _, run in frame.iterrows()) - {"all"}
+
+
+def printed(root: Path = ROOT) -> Printed:
+    """Every present accuracy study's summary.csv, read once (``Printed``)."""
+    studies = present(ACCURACY, root)
+    cells = {study.folder: study_cells(study, root) for study in studies}
+    return Printed({study.folder: study_intervals(study, root, cells[study.folder]) for study in studies},
+                   {study.folder: study.focus for study in studies}, budget_words(list(cells.values())))
+
+
 def matches(values: tuple[float, float, float], quoted: Quoted) -> bool:
     """The interval as the summary prints it, or taken the other way round (the other minus the
     focus: every number negated, the bounds swapped)."""
@@ -457,13 +479,13 @@ def matches(values: tuple[float, float, float], quoted: Quoted) -> bool:
     return values in ((estimate, low, high), (-estimate, -high, -low))
 
 
-def misattributed(text: str, root: Path = ROOT) -> list[str]:
+def misattributed(text: str, root: Path = ROOT, summaries: Printed | None = None) -> list[str]:
     """Each interval of ``text`` quoted as an accuracy study's number (``study_intervals``) beside a
-    policy or budget that none of the comparisons printing it has, as ``interval: sentence start``."""
+    policy or budget that none of the comparisons printing it has, as ``interval: sentence start``.
+    ``summaries``: the studies' summaries (``printed``), if already read."""
     found, heading = [], ""
-    studies = present(ACCURACY, root)
-    intervals = {study.folder: study_intervals(study, root) for study in studies}
-    focus = {study.folder: study.focus for study in studies}
+    summaries = summaries or printed(root)
+    intervals, focus = summaries.intervals, summaries.focus
     for paragraph in re.split(r"\n\s*\n", text):
         if paragraph.lstrip().startswith("#"):
             heading = paragraph
@@ -474,7 +496,7 @@ def misattributed(text: str, root: Path = ROOT) -> list[str]:
                 values = tuple(float(v) for v in triple.groups())
                 candidates = [q for f in folders for q in intervals[f] if matches(values, q)]
                 prefix, suffix = sentence[:triple.start()], sentence[triple.end():]
-                verdicts = [consistent(q, prefix, suffix, focus[q.study]) for q in candidates]
+                verdicts = [consistent(q, prefix, suffix, focus[q.study], summaries.budgets) for q in candidates]
                 if False in verdicts and True not in verdicts:
                     found.append(f"{triple.group(0)} is {describe(candidates)}, not what its sentence names: "
                                  f"{sentence.strip()[:90]!r}")
@@ -504,10 +526,11 @@ def last_group(prefix: str, found: list[tuple[int, int, str]]) -> set[str]:
     return group
 
 
-def budgets_named(prefix: str, suffix: str) -> set[str] | None:
+def budgets_named(prefix: str, suffix: str, budgets: frozenset[str]) -> set[str] | None:
     """The budget an interval is given for: the one right after it ("(...) at `r0.5`"), else the
-    budget (or list of budgets) its clause names last before it; None if it names none."""
-    pattern = "|".join(sorted((re.escape(b) for b in BUDGET_WORDS), key=len, reverse=True))
+    budget (or list of budgets) its clause names last before it; None if it names none.
+    ``budgets``: the labels a sentence can name (``budget_words``)."""
+    pattern = "|".join(sorted((re.escape(b) for b in budgets), key=len, reverse=True))
     after = re.match(rf"\s*(?:points |nats |times full cache )?at (?:budget )?`?({pattern})`?(?![\w]|\.\d)", suffix)
     if after:
         return {after.group(1)}
@@ -515,10 +538,10 @@ def budgets_named(prefix: str, suffix: str) -> set[str] | None:
     return last_group(prefix, found) if found else None
 
 
-def consistent(quoted: Quoted, prefix: str, suffix: str, focus: str) -> bool | None:
+def consistent(quoted: Quoted, prefix: str, suffix: str, focus: str, budgets: frozenset[str]) -> bool | None:
     """Whether the sentence names ``quoted``'s policy last before it (for a difference: the other
-    policy, the focus's own name aside) and, if it names a budget for it, ``quoted``'s; None when it
-    names no such policy (nothing to check)."""
+    policy, the focus's own name aside) and, if it names a budget for it (one of ``budgets``),
+    ``quoted``'s; None when it names no such policy (nothing to check)."""
     names = {quoted.variant, focus} | ({quoted.other} if quoted.other else set())
     mentions = mentions_in(prefix, names)
     if quoted.other is not None:
@@ -528,12 +551,8 @@ def consistent(quoted: Quoted, prefix: str, suffix: str, focus: str) -> bool | N
     wanted = quoted.other or quoted.variant
     if not last_group(prefix, mentions) & {wanted, base_name(wanted)}:
         return False
-    budgets = budgets_named(re.split(r"[;:]", prefix)[-1], suffix)  # a budget named in this clause
-    return budgets is None or quoted.budget in budgets or quoted.budget == "all"
-
-
-# Budget labels a sentence can name: the token budgets and compression ratios the studies use.
-BUDGET_WORDS = {"128", "256", "512", "1024", "2048", "r0.25", "r0.5", "r0.75", "r0.875"}
+    named = budgets_named(re.split(r"[;:]", prefix)[-1], suffix, budgets)  # a budget named in this clause
+    return named is None or quoted.budget in named or quoted.budget == "all"
 
 
 def describe(candidates: list[Quoted]) -> str:
@@ -544,11 +563,14 @@ def describe(candidates: list[Quoted]) -> str:
 
 
 def check_documents(root: Path = ROOT) -> list[str]:
+    """What ``CHECKED_DOCUMENTS`` quote that no summary backs (``unsupported``) or that sits beside
+    the wrong comparison (``misattributed``), the accuracy summaries read once for all of them."""
     problems = []
+    summaries = printed(root)
     for name, heading in CHECKED_DOCUMENTS.items():
         text = section((root / name).read_text(), heading)
         problems += [f"{name}: quoted but in no summary: {line}" for line in unsupported(text, root)]
-        problems += [f"{name}: on the wrong comparison: {line}" for line in misattributed(text, root)]
+        problems += [f"{name}: on the wrong comparison: {line}" for line in misattributed(text, root, summaries)]
     return problems
 
 

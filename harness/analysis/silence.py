@@ -18,9 +18,8 @@ as ``{run_dir: {task: Series of per-sample scores in [0, 1] indexed by sample id
   (the live ones: some run scores > 0), as the summaries' statistic (the unweighted mean over
   tasks of the task means, x 100) with its 95% BCa interval (``harness.analysis.stats``). A task
   whose every sample is dead has no live sample and drops out of that mean.
-* ``silence_section`` (markdown for ``summary.md``) and ``silence_counts`` (a dict for
-  ``report.py``) take the summary frame's rows of one group, as ``aggregate.to_markdown``
-  iterates them.
+* ``silence_section`` (markdown for ``summary.md``) takes the summary frame's rows of one group,
+  as ``aggregate.to_markdown`` iterates them (``report.py`` quotes ``dead_samples``' counts).
 
 What the live table says about the main one. Write n_t for a task's samples, l_t for its live
 ones, s_t = l_t / n_t its live share, L_t a cell's mean over the live samples, T the tasks and T'
@@ -95,9 +94,11 @@ class DeadSamples:
     def live_tasks(self) -> list[str]:
         return [task for task in self.tasks if len(self.live(task))]
 
-    def per_task_text(self) -> str:
-        """``code_completion 8/20, key_retrieval 1/20, ...`` (dead / present in every run)."""
-        return ", ".join(f"{task} {len(self.dead[task])}/{len(self.samples[task])}" for task in self.tasks)
+    def per_task_text(self, dead_only: bool = False) -> str:
+        """``code_completion 8/20, key_retrieval 1/20, ...`` (dead / present in every run;
+        ``dead_only``: the tasks with a dead sample)."""
+        return ", ".join(f"{task} {len(self.dead[task])}/{len(self.samples[task])}" for task in self.tasks
+                         if len(self.dead[task]) or not dead_only)
 
     def text(self, full_cache: bool = False) -> str:
         """One sentence: how many samples score 0 in every cell, overall and per task
@@ -227,34 +228,6 @@ def live_table(labels: pd.DataFrame, intervals: dict[str, Interval], decimals: i
     frame = pd.DataFrame([[table[v].get(b, "") for b in budgets] for v in variants], index=variants, columns=budgets)
     frame.index.name = "policy"
     return frame
-
-
-def silence_counts(group: pd.DataFrame, scores_by_run: ScoresByRun) -> dict:
-    """The dead-sample counts of one group and every cell's live task score, for ``report.py`` to
-    quote: ``runs``, ``samples`` (present in every run), ``dead``, ``live``, ``dead_share``,
-    ``left_out``, ``tasks`` ({task: {samples, dead, live}}), ``dead_tasks`` (no live sample: out
-    of the live average), ``pairs``/``sign_changes`` (``sign_changes``) and ``cells`` (one dict
-    per run: ``run_dir``, ``variant``, ``budget`` label, ``live_average``/``_low``/``_high``)."""
-    dead = dead_samples(scores_by_run)
-    labels = cells(group)
-    intervals = live_scores(scores_by_run, dead)
-    pairs, changed = sign_changes(scores_by_run, dead)
-    return {
-        "runs": dead.runs,
-        "samples": dead.total,
-        "dead": dead.dead_total,
-        "live": dead.live_total,
-        "dead_share": dead.dead_total / dead.total if dead.total else None,
-        "left_out": dead.left_out,
-        "tasks": {task: {"samples": len(dead.samples[task]), "dead": len(dead.dead[task]),
-                         "live": len(dead.live(task))} for task in dead.tasks},
-        "dead_tasks": dead.dead_tasks,
-        "pairs": pairs,
-        "sign_changes": changed,
-        "cells": [{"run_dir": run, "variant": labels.loc[run, "variant"], "budget": labels.loc[run, "budget"],
-                   "live_average": interval.estimate, "live_average_low": interval.low,
-                   "live_average_high": interval.high} for run, interval in intervals.items()],
-    }
 
 
 def _percent(share: float) -> str:

@@ -109,3 +109,23 @@ def test_a_listed_comparison_reads_its_place_in_the_list():
     after = f"## E (`results/cpu_accuracy`)\n\nBelow SnapKV ({at_256} at 256, {at_512} at 512)."
     assert report.misattributed(after, ROOT) == []
     assert len(report.misattributed(after.replace("at 512)", "at 1024)"), ROOT)) == 1
+
+
+def test_budget_words_are_the_budget_labels_the_summaries_have():
+    """The budgets a sentence can name come from the studies' cells (a study with new budgets needs
+    no list edited), full cache's "all" aside; a budget no study has names no comparison."""
+    summaries = report.printed(ROOT)
+    studies = report.present(report.ACCURACY, ROOT)
+    assert set(summaries.intervals) == {study.folder for study in studies}
+    labels = {q.budget for intervals in summaries.intervals.values() for q in intervals}
+    assert summaries.budgets == labels - {"all"} and {"256", "1024", "r0.5"} <= summaries.budgets
+    at_256 = interval_of("cpu_accuracy", "score", "snapkv", "256")
+    sentence = f"## E (`results/cpu_accuracy`)\n\nBelow SnapKV at 4096 ({at_256})."
+    assert report.misattributed(sentence, ROOT) == []  # 4096 is no study's budget: not read as one
+    more = report.Printed(summaries.intervals, summaries.focus, summaries.budgets | {"4096"})
+    assert len(report.misattributed(sentence, ROOT, more)) == 1  # once a study has it, it is checked
+
+
+def test_the_intro_defines_every_mark_the_tables_use():
+    intro = (ROOT / report.OUT).read_text().split("\n## ", 1)[0]
+    assert "`*`: Holm-adjusted p < 0.05" in intro and "`?`: a comparison whose" in intro

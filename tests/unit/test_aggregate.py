@@ -369,3 +369,22 @@ def test_an_unsettled_comparison_gets_no_mark_either_way():
     assert significance_mark(0.049, 0.01) == " *" and significance_mark(0.2, 0.04) == " +"
     assert significance_mark(0.049, 0.01, settled=False) == " ?"
     assert significance_mark(0.051, 0.01, settled=False) == " ?"
+
+
+def test_group_scores_reads_run_dirs_under_a_root_on_the_rows_tasks(tmp_path):
+    """One way to read a table's per-sample scores, for aggregate (run_dir as found) and report
+    (a committed summary.csv's run_dir, relative to the repository): keyed by the rows' run_dir,
+    read under ``root``, on the tasks the rows keep; a run with no score is refused."""
+    from harness.analysis.aggregate import group_scores
+
+    write_run(tmp_path, "d", "paged", 256, {"qa": [{"score": 1.0}, {"score": 0.0}], "code": [{"score": 0.5}]})
+    relative = "m/d/paged_256"
+    rows = pd.DataFrame({"run_dir": [relative], "task": ["qa"]})  # a view without code
+    scores = group_scores(rows, tmp_path)
+    assert list(scores) == [relative] and list(scores[relative]) == ["qa"]
+    assert scores[relative]["qa"].to_dict() == {"qa-0": 1.0, "qa-1": 0.0}
+    absolute = group_scores(rows.assign(run_dir=str(tmp_path / relative)))  # no root: run_dir as it is
+    assert absolute[str(tmp_path / relative)]["qa"].equals(scores[relative]["qa"])
+    (tmp_path / relative / "predictions.jsonl").write_text(json.dumps({"task": "qa", "id": "qa-0"}) + "\n")
+    with pytest.raises(ValueError, match="no sample has a score"):
+        group_scores(rows, tmp_path)

@@ -9,7 +9,7 @@ import pytest
 
 from harness.analysis.aggregate import group_scores
 from harness.analysis.silence import (HEADING, dead_samples, live_samples, live_scores, live_table,
-                                      sign_changes, silence_counts, silence_section)
+                                      sign_changes, silence_section)
 from harness.analysis.stats import bca_interval
 from tests.support import ROOT
 
@@ -46,6 +46,8 @@ def test_dead_counts_overall_and_per_task():
     assert (dead.total, dead.dead_total, dead.live_total, dead.left_out) == (8, 2, 6, 0)
     assert list(dead.dead["qa"]) == ["qa-0"] and list(dead.dead["code"]) == ["code-3"]
     assert dead.per_task_text() == "code 1/4, qa 1/4"
+    some = dead_samples(runs_of(full={"qa": [0, 1], "code": [1]}, h2o={"qa": [0, 0], "code": [0.5]}))
+    assert some.per_task_text() == "code 0/1, qa 1/2" and some.per_task_text(dead_only=True) == "qa 1/2"
     assert dead.text(full_cache=True).startswith("2 of 8 samples (25%) score 0 in all 3 cells, full cache included: "
                                                  "code 1/4, qa 1/4.")
 
@@ -86,8 +88,7 @@ def test_a_fully_dead_task_drops_out_of_the_live_average():
     assert live_scores(runs) == live_scores(RUNS)  # the dead task changes no cell's live score
     text = "\n".join(silence_section(FRAME, runs))
     assert "never has no live sample and drops out: the mean is over the other 2 task(s)." in text
-    counts = silence_counts(FRAME, runs)
-    assert counts["dead_tasks"] == ["never"] and counts["tasks"]["never"] == {"samples": 3, "dead": 3, "live": 0}
+    assert (len(dead.samples["never"]), len(dead.dead["never"]), len(dead.live("never"))) == (3, 3, 0)
 
 
 def test_uniform_live_shares_shrink_every_difference_by_one_factor():
@@ -162,11 +163,14 @@ def committed(study: str) -> pd.DataFrame:
 def test_committed_studies_dead_counts(study, dead, total, per_task):
     frame = committed(study)
     assert frame.groupby(["model.name", "data.name"]).ngroups == 1
-    counts = silence_counts(frame, group_scores(frame))
-    assert (counts["dead"], counts["samples"], counts["left_out"]) == (dead, total, 0)
-    assert {task: c["dead"] for task, c in counts["tasks"].items() if c["dead"]} == per_task
-    assert counts["runs"] == frame["run_dir"].nunique()
-    lines = silence_section(frame, group_scores(frame))
+    scores = group_scores(frame)
+    counts = dead_samples(scores)
+    assert (counts.dead_total, counts.total, counts.left_out) == (dead, total, 0)
+    assert {task: len(ids) for task, ids in counts.dead.items() if len(ids)} == per_task
+    assert counts.runs == frame["run_dir"].nunique()
+    assert counts.per_task_text(dead_only=True) == ", ".join(f"{task} {n}/{len(counts.samples[task])}"
+                                                           for task, n in sorted(per_task.items()))
+    lines = silence_section(frame, scores)
     assert f"{dead} of {total} samples" in lines[2] and "full cache included" in lines[2]
 
 
