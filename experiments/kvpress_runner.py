@@ -6,12 +6,16 @@ Started by ``experiments/kvpress_parity.py`` (under ``flock /tmp/engine.lock``),
     .venv-kvpress/bin/python experiments/kvpress_runner.py --ranking JOBS.json RANKING.jsonl
 
 ``JOBS.json`` names the checkpoint (the embedded SmolLM2 the harness's vLLM loads), the samples (the
-token ids the harness handed its engine, ``max_new_tokens``, stop strings) and the cells (a press,
-its options, a nominal compression ratio, and per sample the number of prompt tokens to keep). It
-imports nothing of the harness: kvpress pins a transformers that the harness's vLLM cannot use.
+token ids the harness handed its engine, ``max_new_tokens``, stop strings, and under ``--compress
+context`` the context boundary ``context_tokens`` the harness's cells evicted at) and the cells (a
+press, its options, a nominal compression ratio, and per sample the number of prompt tokens, or
+context tokens, to keep). It imports nothing of the harness: kvpress pins a transformers that the
+harness's vLLM cannot use. It never retokenizes: both sides run the same token ids, split at the
+same token.
 
-Per cell and sample it does what kvpress's ``KVPressTextGenerationPipeline._forward`` does with a
-context and an empty question, on the whole prompt: the prompt is prefilled with the press hooked
+A sample without a boundary (``--compress prompt``, the default): per cell it does what kvpress's
+``KVPressTextGenerationPipeline._forward`` does with a context and an empty question, on the whole
+prompt (the leaderboard's ``--query_aware`` loop): the prompt is prefilled with the press hooked
 (its forward hooks compress each layer's cache after that layer's attention ran on the full
 prompt, so the prefill itself and the first output token see the full cache), then greedy decoding
 with the press removed and logical position ids (``generate_answer``: ``position_ids`` continue
@@ -21,11 +25,47 @@ forward pass after compression; here the whole prompt is the compressed context 
 compresses its whole prompt), so the first token comes from the prefill's own logits, as in the
 harness.
 
-Since no press changes the prefill's own computation, each sample is prefilled once (per attention
-implementation) and every cell's cache is the press's own ``forward_hook`` applied to that
-prefill's recorded per-layer arguments (``Prefill``); on the first sample, each press's cache is
-compared with kvpress's own hooked prefill before anything runs (``check_shared_prefill``; the
-result is recorded in ``versions.json`` beside the output).
+A sample with a boundary ``c`` (``--compress context``, the harness's ``compress=context``): what
+the pipeline does with a context and a question, ``pipeline(context, question=...)``, the
+leaderboard's main loop. Read in kvpress 0.5.5 as published (PyPI ``kvpress-0.5.5-py3-none-any.whl``,
+sha256 900bdb17...; ``kvpress/pipeline.py``, line numbers below), which is NVIDIA/kvpress at commit
+8bb29b9 (after tag v0.5.4, 6d96555) but for ``logits_to_keep=1``, spelled ``num_logits_to_keep`` in
+both of those:
+
+- ``_forward`` (lines 207-221): the context alone is prefilled with the press hooked, through the
+  backbone without the LM head, ``self.model.model(input_ids=context_ids, past_key_values=cache)``:
+  no position ids or cache positions given, so transformers numbers the context 0..c-1, and each
+  layer's hook compresses that layer's cache once its attention ran (``BasePress.forward_hook``,
+  ``presses/base_press.py`` lines 139-160, only while ``is_prefilling``: ``cache_position[-1] + 1
+  == q_len``). Here ``Prefill(model, prompt[:c], lm_head=False)`` makes the same call.
+- ``generate_answer`` (lines 289-302), given ``context_length = context_ids.shape[1]`` (line 208: the
+  uncompressed length; only KeyRerotationPress, FinchPress with ``rerotate_keys`` and RestoreKVPress
+  take the compressed one, lines 226-238, none of them run here): the question's ids (question,
+  chat footer, answer prefix) run as one forward pass on the compressed cache,
+  ``self.model(input_ids=question_ids, past_key_values=cache, position_ids=arange(c, c + q),
+  logits_to_keep=1)``, the press no longer hooked (its ``with`` block closed at line 224; decoding
+  compression only for DecodingPress, PrefillDecodingPress and DMSPress, lines 229-233). No
+  ``cache_position`` is passed: transformers derives it from the cache's length, ``arange(kept,
+  kept + q)``, where the question's keys are appended and what the causal mask compares (each
+  question token sees the whole compressed context and the question up to itself). The first
+  answer token is the argmax of that pass's last logits (line 302).
+- Greedy decoding continues at logical positions ``c + q + i`` (lines 301, 308-313), cache positions
+  again derived from the cache.
+- After each question ``_remove_answer_from_cache`` (lines 240, 247, 252-256) cuts every layer back to
+  its length before the question: the question's and the answer's keys and values are dropped, so
+  several questions on one context each see the compressed context alone. Each sample here has one
+  question, and every cell starts from its own copy of the compressed context.
+
+``question_pass`` is that bookkeeping (a pure function, tested in
+``tests/experiments/test_kvpress_parity.py``); ``ask`` runs the pass. The harness's engine does the
+same at the boundary (its scheduler ends a prefill chunk at ``c``, evicts, then prefills the
+question at positions ``c..n-1``).
+
+Since no press changes the prefill's own computation, each sample (its context, with a boundary)
+is prefilled once (per attention implementation) and every cell's cache is the press's own
+``forward_hook`` applied to that prefill's recorded per-layer arguments (``Prefill``); on the first
+sample, each press's cache is compared with kvpress's own hooked prefill before anything runs
+(``check_shared_prefill``; the result is recorded in ``versions.json`` beside the output).
 
 Decoding stops as the harness's vLLM requests do (``harness.engine.llm.sampling_params``): at the
 model's EOS (kept in the output, as vLLM keeps it), at a stop string (the token completing it
@@ -43,20 +83,21 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-import kvpress
 from transformers.utils import logging as transformers_logging
 
 TOP_LOGPROBS = 2  # as harness.engine.llm.TOP_LOGPROBS
 
-# The presses this experiment runs, by the name the jobs file uses; options are their fields.
+# The presses this experiment runs, by the name the jobs file uses (their kvpress class names;
+# kvpress is imported where a press is made, so that the pure bookkeeping here can be tested
+# without it); options are their fields.
 PRESSES = {
     "no_press": None,
-    "knorm": kvpress.KnormPress,
-    "streaming_llm": kvpress.StreamingLLMPress,
-    "snapkv": kvpress.SnapKVPress,
-    "tova": kvpress.TOVAPress,
-    "keydiff": kvpress.KeyDiffPress,
-    "observed_attention": kvpress.ObservedAttentionPress,
+    "knorm": "KnormPress",
+    "streaming_llm": "StreamingLLMPress",
+    "snapkv": "SnapKVPress",
+    "tova": "TOVAPress",
+    "keydiff": "KeyDiffPress",
+    "observed_attention": "ObservedAttentionPress",
 }
 # ObservedAttentionPress reads the attention weights the layer returns, which only the eager
 # implementation computes (its docstring: 'Requires: attn_implementation="eager"').
@@ -73,8 +114,40 @@ def press_ratio(kept: int, prompt_tokens: int) -> float:
 
 
 def make_press(name: str, ratio: float, options: dict):
+    import kvpress
+
     cls = PRESSES[name]
-    return None if cls is None else cls(compression_ratio=ratio, **options)
+    return None if cls is None else getattr(kvpress, cls)(compression_ratio=ratio, **options)
+
+
+def question_pass(prompt_tokens: int, context_tokens: int, cached: int) -> dict:
+    """The bookkeeping of kvpress 0.5.5's question pass (``generate_answer``; module docstring) for a
+    prompt of ``prompt_tokens`` whose first ``context_tokens`` were prefilled and compressed to
+    ``cached``: the slice of the prompt fed (``[c, n)``), its position ids (logical: ``c..n-1``,
+    from the uncompressed context's length), the cache positions transformers derives for it from
+    the cache's length (``cached..cached + q - 1``: not passed, as kvpress passes none), and the
+    position of the first decoding step (``n``; step i at ``n + i``)."""
+    if not 0 < context_tokens < prompt_tokens:
+        raise ValueError(f"a context of {context_tokens} tokens leaves no question in a prompt of {prompt_tokens}")
+    if not 0 < cached <= context_tokens:
+        raise ValueError(f"{cached} cached tokens after compressing a context of {context_tokens}")
+    question = prompt_tokens - context_tokens
+    return {"input": (context_tokens, prompt_tokens), "position_ids": list(range(context_tokens, prompt_tokens)),
+            "cache_position": list(range(cached, cached + question)), "next_position": prompt_tokens}
+
+
+def ask(model, cache: DynamicCache, prompt: list[int], context_tokens: int) -> tuple[torch.Tensor, int]:
+    """kvpress's question pass on a compressed context (``generate_answer``, lines 289-302): the
+    question's ids in one forward pass at their logical positions, the press unhooked; the logits of
+    its last position (the first answer token's) and the first decoding step's position."""
+    plan = question_pass(len(prompt), context_tokens, cache.get_seq_length())
+    start, end = plan["input"]
+    outputs = model(input_ids=torch.tensor([prompt[start:end]]), past_key_values=cache,
+                    position_ids=torch.tensor([plan["position_ids"]]), logits_to_keep=1)
+    if cache.get_seq_length() != plan["cache_position"][-1] + 1:  # the question appended after the compressed context
+        raise RuntimeError(f"the question pass left {cache.get_seq_length()} cached tokens, expected "
+                           f"{plan['cache_position'][-1] + 1}")
+    return outputs.logits[0, -1], plan["next_position"]
 
 
 def best_pairs(logits: torch.Tensor) -> list[list]:
@@ -84,9 +157,11 @@ def best_pairs(logits: torch.Tensor) -> list[list]:
 
 
 class Prefill:
-    """One prompt prefilled once, with what each attention layer's press hook would have been
-    handed: the layer's keyword arguments (its input ``hidden_states``, ``position_embeddings``,
-    ``cache_position``, ...) and its output (attention weights included under eager attention).
+    """One prompt (or, with a boundary, a sample's context: ``lm_head=False``, through the backbone
+    as kvpress's pipeline prefills it) prefilled once, with what each attention layer's press hook
+    would have been handed: the layer's keyword arguments (its input ``hidden_states``,
+    ``position_embeddings``, ``cache_position``, ...) and its output (attention weights included
+    under eager attention).
 
     kvpress compresses inside forward hooks on the attention layers, after each layer's attention
     ran on the full prompt (``BasePress.forward_hook``): nothing of the prefill's own computation
@@ -95,7 +170,7 @@ class Prefill:
     would have passed it, on a fresh copy of the full cache.
     """
 
-    def __init__(self, model, prompt: list[int]):
+    def __init__(self, model, prompt: list[int], lm_head: bool = True):
         self.model = model
         self.prompt = prompt
         self.calls: dict[int, tuple[dict, tuple]] = {}
@@ -103,11 +178,11 @@ class Prefill:
         hooks = [layer.self_attn.register_forward_hook(self._record, with_kwargs=True) for layer in layers]
         self.cache = DynamicCache()
         try:
-            outputs = model(input_ids=torch.tensor([prompt]), past_key_values=self.cache, logits_to_keep=1)
+            outputs = prefill_pass(model, prompt, self.cache, lm_head)
         finally:
             for hook in hooks:
                 hook.remove()
-        self.first_logits = outputs.logits[0, -1]
+        self.first_logits = outputs.logits[0, -1] if lm_head else None
         self.keys = [layer.keys for layer in self.cache.layers]
         self.values = [layer.values for layer in self.cache.layers]
 
@@ -128,16 +203,27 @@ class Prefill:
         return cache
 
 
-def check_shared_prefill(model, prompt: list[int], press) -> str:
+def prefill_pass(model, tokens: list[int], cache: DynamicCache, lm_head: bool = True):
+    """One prefill of ``tokens`` into ``cache``: the whole prompt with the LM head on its last
+    position (a prompt-mode sample: its first output token), or a context through the backbone
+    alone, as kvpress 0.5.5's pipeline prefills it (``self.model.model(input_ids=context_ids,
+    past_key_values=cache)``, ``pipeline.py`` lines 218-221)."""
+    if lm_head:
+        return model(input_ids=torch.tensor([tokens]), past_key_values=cache, logits_to_keep=1)
+    return model.model(input_ids=torch.tensor([tokens]), past_key_values=cache)
+
+
+def check_shared_prefill(model, prompt: list[int], press, lm_head: bool = True) -> str:
     """How the shared prefill's cache compares with kvpress's own hooked prefill (``with
-    press(model): model(...)``, as its pipeline runs it), the premise of sharing it: "exact",
-    "within 1e-4" or what differs. Two forward passes of one prompt on this CPU build are not always
-    bit-identical (the first run of this experiment saw layer 0's keys, a plain projection, differ
-    in the last bits: GEMM results depend on memory alignment), so rounding is reported, not fatal."""
+    press(model): model(...)``, as its pipeline runs it; ``lm_head=False``: a context, through the
+    backbone), the premise of sharing it: "exact", "within 1e-4" or what differs. Two forward passes
+    of one prompt on this CPU build are not always bit-identical (the first run of this experiment
+    saw layer 0's keys, a plain projection, differ in the last bits: GEMM results depend on memory
+    alignment), so rounding is reported, not fatal."""
     live = DynamicCache()
     with press(model):
-        model(input_ids=torch.tensor([prompt]), past_key_values=live, logits_to_keep=1)
-    shared = Prefill(model, prompt).compressed_cache(press)
+        prefill_pass(model, prompt, live, lm_head)
+    shared = Prefill(model, prompt, lm_head).compressed_cache(press)
     worst = 0.0
     for index, (a, b) in enumerate(zip(live.layers, shared.layers)):
         if a.keys.shape != b.keys.shape:
@@ -148,14 +234,12 @@ def check_shared_prefill(model, prompt: list[int], press) -> str:
     return "within 1e-4" if worst <= 1e-4 else f"max |difference| {worst:.3g}"
 
 
-def decode(model, tokenizer, prefill: Prefill, cache: DynamicCache, max_new_tokens: int, stops: list[str],
-           eos: set[int]) -> dict:
-    """Greedy decoding on a (compressed) cache as kvpress's ``generate_answer`` does it: logical
-    position ids continuing from the prompt's length, the press no longer hooked."""
-    kept = cache.get_seq_length()
+def decode(model, tokenizer, logits: torch.Tensor, position: int, kept: int, cache: DynamicCache,
+           max_new_tokens: int, stops: list[str], eos: set[int]) -> dict:
+    """Greedy decoding on a (compressed) cache as kvpress's ``generate_answer`` does it, from the
+    ``logits`` of the prompt's last position: logical position ids continuing from the prompt's
+    length (``position``), the press no longer hooked. ``kept``: the tokens the press left."""
     tokens, tops = [], []
-    logits = prefill.first_logits
-    position = len(prefill.prompt)
     finish = "length"
     for step in range(max_new_tokens):
         token = int(logits.argmax())
@@ -197,6 +281,8 @@ def kept_sets(press, module, kwargs: dict, output, keys, values, kept: int) -> t
     """Per KV head, the positions the press keeps (``ScorerPress.compress``: ``topk`` of its scores)
     and those the harness's rule keeps from the same scores; for ObservedAttention the rule ranks
     H2O's sum (the press's mean times the number of queries that saw the token)."""
+    import kvpress
+
     scores = press.score(module, kwargs["hidden_states"], keys, values, output[1], kwargs)[0]
     ours = scores
     if isinstance(press, kvpress.ObservedAttentionPress):
@@ -208,7 +294,8 @@ def kept_sets(press, module, kwargs: dict, output, keys, values, kept: int) -> t
 
 def ranking(jobs: dict, out_file: Path) -> int:
     """The ranking diagnostic (no decoding): per compressed cell and sample that was cut, how many
-    (layer, KV head) kept sets the harness's rule would choose differently from kvpress's scores."""
+    (layer, KV head) kept sets the harness's rule would choose differently from kvpress's scores;
+    on the prefill of what the press compresses (the prompt, or the sample's context)."""
     done = set()
     if out_file.exists():
         done = {(row["cell"], row["id"]) for row in map(json.loads, out_file.read_text().splitlines())}
@@ -217,14 +304,14 @@ def ranking(jobs: dict, out_file: Path) -> int:
     started = time.perf_counter()
     with out_file.open("a") as out, torch.inference_mode():
         for number, sample in enumerate(jobs["samples"], 1):
-            prompt = sample["prompt_token_ids"]
+            prompt, whole = compressed_part(sample)
             for implementation, model in models.items():
                 cells = [cell for cell in jobs["cells"] if cell.get("kept") and cell["kept"][sample["id"]] < len(prompt)
                          and (cell["name"], sample["id"]) not in done
                          and ("eager" if cell["press"] in EAGER_PRESSES else "sdpa") == implementation]
                 if not cells:
                     continue
-                prefill = Prefill(model, prompt)
+                prefill = Prefill(model, prompt, lm_head=whole)
                 for cell in cells:
                     kept = cell["kept"][sample["id"]]
                     press = make_press(cell["press"], cell["press_ratio"][sample["id"]], cell.get("options", {}))
@@ -246,6 +333,13 @@ def ranking(jobs: dict, out_file: Path) -> int:
             print(f"[kvpress ranking] sample {number}/{len(jobs['samples'])}: {time.perf_counter() - started:.0f}s so far",
                   flush=True)
     return 0
+
+
+def compressed_part(sample: dict) -> tuple[list[int], bool]:
+    """The token ids a sample's press compresses (its context where it has a boundary, else its
+    whole prompt) and whether that is the whole prompt."""
+    prompt, boundary = sample["prompt_token_ids"], sample.get("context_tokens")
+    return (prompt, True) if boundary is None else (prompt[:boundary], False)
 
 
 def main(argv: list[str]) -> int:
@@ -272,11 +366,11 @@ def main(argv: list[str]) -> int:
     models = {name: load_model(jobs["model_path"], name) for name in implementations}
     checks = {}
     if jobs.get("check_shared_prefill", True) and jobs["samples"]:
-        first = jobs["samples"][0]["prompt_token_ids"]
+        first, whole = compressed_part(jobs["samples"][0])
         for cell in {cell["press"]: cell for cell in jobs["cells"] if cell["press"] != "no_press"}.values():
             model = models["eager" if cell["press"] in EAGER_PRESSES else "sdpa"]
             checks[cell["press"]] = check_shared_prefill(model, first, make_press(cell["press"], 0.5,
-                                                                                  cell.get("options", {})))
+                                                                                  cell.get("options", {})), whole)
         print(f"[kvpress] shared prefill vs kvpress's hooked prefill, per press: {checks} "
               f"({time.perf_counter() - started:.0f}s)", flush=True)
         versions["shared_prefill_check"] = checks
@@ -284,24 +378,31 @@ def main(argv: list[str]) -> int:
     with out_file.open("a") as out, torch.inference_mode():
         for number, sample in enumerate(jobs["samples"], 1):
             prompt = sample["prompt_token_ids"]
+            compressed, whole = compressed_part(sample)  # with a boundary: the context, then the question
             for implementation, model in models.items():
                 cells = [cell for cell in jobs["cells"] if (cell["name"], sample["id"]) not in done
                          and ("eager" if cell["press"] in EAGER_PRESSES else "sdpa") == implementation]
                 if not cells:
                     continue
-                prefill = Prefill(model, prompt)
+                prefill = Prefill(model, compressed, lm_head=whole)
                 for cell in cells:
-                    kept = cell["kept"][sample["id"]] if cell.get("kept") else len(prompt)
+                    kept = cell["kept"][sample["id"]] if cell.get("kept") else len(compressed)
                     # The driver's ratio for this sample (experiments/kvpress_parity.press_ratio), else ours.
-                    ratio = cell["press_ratio"][sample["id"]] if cell.get("press_ratio") else press_ratio(kept, len(prompt))
+                    ratio = (cell["press_ratio"][sample["id"]] if cell.get("press_ratio")
+                             else press_ratio(kept, len(compressed)))
                     press = make_press(cell["press"], ratio, cell.get("options", {})) if ratio > 0 else None
                     cache = prefill.compressed_cache(press)
-                    result = decode(model, tokenizer, prefill, cache, sample["max_new_tokens"], sample["stops"], eos)
+                    cached = cache.get_seq_length()
+                    logits, position = ((prefill.first_logits, len(prompt)) if whole
+                                        else ask(model, cache, prompt, len(compressed)))
+                    result = decode(model, tokenizer, logits, position, cached, cache, sample["max_new_tokens"],
+                                    sample["stops"], eos)
                     if result["kept_tokens"] != kept:
                         raise RuntimeError(f"{cell['name']} {sample['id']}: kvpress kept {result['kept_tokens']} "
                                            f"tokens, asked for {kept} (ratio {ratio})")
+                    boundary = {} if whole else {"context_tokens": len(compressed)}
                     row = {"cell": cell["name"], "press": cell["press"], "ratio": cell["ratio"], "id": sample["id"],
-                           "task": sample["task"], "prompt_tokens": len(prompt), "press_ratio": ratio,
+                           "task": sample["task"], "prompt_tokens": len(prompt), **boundary, "press_ratio": ratio,
                            "attn_implementation": implementation, **result}
                     out.write(json.dumps(row) + "\n")
                     out.flush()

