@@ -20,6 +20,9 @@ pytestmark = pytest.mark.engine
 
 NEW_TOKENS = 32
 RATIO = 0.5
+# Preemption: requests that grow to about 20 blocks (a compressed 620-token context, a question,
+# 200 outputs) in a pool of 40.
+PREEMPT_TOKENS, PREEMPT_POOL = 200, 40
 
 
 def context_settings(name: str, options: dict, context_tokens: int) -> dict:
@@ -106,3 +109,18 @@ def test_a_shared_context_is_cached_once_and_never_written(engine_runs):
     blocks = cached["cached_blocks"]
     assert blocks["registered_before"] >= 19 and blocks["changed"] == 0  # the 620-token context and more
     assert cached["ledger"]["copy_target_blocks"] > 0  # compaction wrote blocks of its own
+
+
+def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tmp_path, requests):
+    """A pool too small for every request at once: vLLM preempts requests that had already
+    compressed their context; each recomputes its prompt, compresses the context again at the same
+    boundary and generates what it generated without preemption."""
+    chosen = [(p, s) for p, s in requests if s.get("compress") == "context" and s["policy"] in ("paged", "snapkv")]
+    prompts, settings = [p for p, _ in chosen], [s for _, s in chosen]
+    roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings)
+    tight = run_engine(tmp_path / "tight", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings,
+                       kv_blocks=PREEMPT_POOL, max_model_len=1024)
+    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
+    assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding a compressed context"
+    assert_same_outputs(roomy, tight)
+    assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]

@@ -92,3 +92,27 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
     assert all("exceeds max_model_len=1536" in s["reason"] for s in scores["skipped_samples"])
     assert scores["tasks"]["key_retrieval"]["samples"] == 1
     assert "2 sample(s) skipped" in done.stdout
+
+
+def test_a_sweep_compressing_the_context_evicts_at_each_prompts_boundary(tmp_path):
+    """``run.py -m ... compress=context``: a ratio on the command line (no budget=null needed), the
+    shared-prefill sweep, every prompt evicted where its data says its context ends: each request
+    evicts its context's length minus what the policy keeps of it, and records the boundary."""
+    from harness.eviction.settings import EvictionSettings, build_policy
+
+    args = [sys.executable, str(ROOT / "run.py"), "-m", "policy=full,snapkv", "budget_ratio=0.5", "compress=context",
+            "data.limit=1", "data.tasks=[single_doc_qa,key_retrieval]", "likelihood=false", f"output_dir={tmp_path}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.glob("smollm2-135m/synthetic/snapkv_r0.5_context_*") if p.is_dir()]
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    evicted = 0
+    for row in rows:
+        assert 500 < row["context_tokens"] < row["prompt_tokens"] and row["evictions"] == {"prefill": 1, "decode": 0}
+        settings = EvictionSettings("snapkv", None, {}, 0.5, False, "context", row["context_tokens"])
+        resolved = settings.for_prompt(row["prompt_tokens"], 32)
+        evicted += row["context_tokens"] - build_policy(resolved, 32).prefill_keep_count(row["context_tokens"])
+    kv = json.loads((run_dir / "perf.json").read_text())["kv"]
+    assert kv["evicted_tokens"] == evicted
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (config["budget"], config["compress"], config["decode_eviction"]) == (None, "context", False)
