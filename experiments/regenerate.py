@@ -94,7 +94,8 @@ def throughput(setting: str, minutes: float, trials: int = 3, measured: bool = F
 # `cpu_tight` repeats `cpu` on a smaller pool: not committed (they stay runnable). Minutes marked
 # measured are the regeneration's at code version 114c4ea051a4. The proxy study and the
 # eviction-cost benchmark are analyses of the method, not of its accuracy or throughput in the
-# engine, and record no provenance yet: outside the plan.
+# engine, and record no provenance yet: outside the plan; so is the shared-context workload
+# (experiments/shared_context.py), one engine run of its own.
 STEPS = (
     accuracy("cpu_accuracy", "cpu_accuracy", 68.3, measured=True),
     accuracy("ablation", "ablation", 69.1, measured=True),
@@ -154,7 +155,7 @@ def retired(steps: list[Step]) -> list[str]:
              for path in sorted((ROOT / "results").glob("**/summary.csv"))]
     return [f"results/{folder}" for folder in found
             if folder not in planned and not any(folder.startswith(f"{p}/") for p in planned)  # a view of a study
-            and not folder.startswith(("proxy_quality", "eviction_cost"))]
+            and not folder.startswith(("proxy_quality", "eviction_cost", "shared_context"))]
 
 
 VERIFIED = "verified.json"  # in a study's folder: its last replay at a later code version
