@@ -144,7 +144,7 @@ def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], qua
 
 def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
     folder = root / RESULTS / study.folder
-    frame = pd.read_csv(folder / "summary.csv")
+    frame = read_summary(folder)
     parts = [f"### {study.title}", "",
              f"`results/{study.folder}/` (its `summary.md` has every table); cells by `{study.made_by}`.", ""]
     for (model, data), group in frame.groupby(["model.name", "data.name"], sort=True):
@@ -209,7 +209,7 @@ def family_size(runs: pd.DataFrame, quantity: Quantity) -> int:
 # ---------------------------------------------------------------- throughput
 def throughput_section(setting: str, root: Path) -> list[str]:
     folder = root / RESULTS / "throughput" / setting
-    frame = pd.read_csv(folder / "summary.csv")
+    frame = read_summary(folder)
     if "trial" not in frame:
         frame["trial"] = 1
     frame["base"] = frame["cell"].str.replace(r" #\d+$", "", regex=True)
@@ -254,10 +254,16 @@ def present_settings(root: Path) -> list[str]:
 
 
 
+def read_summary(folder: Path) -> pd.DataFrame:
+    """A study's ``summary.csv``, read whole: a column such as ``_p_settled`` holds flags beside
+    blanks, which pandas' chunked reading would type differently chunk by chunk (with a warning)."""
+    return pd.read_csv(folder / "summary.csv", low_memory=False)
+
+
 def code_versions(root: Path) -> list[str]:
     found: dict[str, set[str]] = {}
     for study in present(ACCURACY, root):
-        frame = pd.read_csv(root / RESULTS / study.folder / "summary.csv")
+        frame = read_summary(root / RESULTS / study.folder)
         for run_dir in frame["run_dir"].unique():
             found.setdefault(run_version(run_dir, root), set()).add(study.folder)
     for setting in present_settings(root):
@@ -422,7 +428,7 @@ def base_name(variant: str) -> str:
 
 def study_cells(study: AccuracyStudy, root: Path) -> pd.DataFrame:
     """An accuracy study's cells: its summary.csv, one row per run."""
-    return pd.read_csv(root / RESULTS / study.folder / "summary.csv").drop_duplicates("run_dir")
+    return read_summary(root / RESULTS / study.folder).drop_duplicates("run_dir")
 
 
 def study_intervals(study: AccuracyStudy, root: Path, frame: pd.DataFrame | None = None) -> list[Quoted]:
