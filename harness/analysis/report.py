@@ -388,7 +388,21 @@ def unsupported(text: str, root: Path = ROOT) -> list[str]:
             continue
         source = sources_of(heading + "\n" + paragraph, root)
         found += [f"{n}: {paragraph.strip()[:70]!r}" for n in numbers if not appears(n, source)]
+        # An interval is one claim: its three numbers together, not each somewhere (a table of
+        # hundreds of comparisons holds most small numbers by chance).
+        printed_triples = interval_values(source)
+        found += [f"{m.group(1)}: {paragraph.strip()[:70]!r}" for m in _TRIPLE.finditer(paragraph)
+                  if all(appears(n, source) for n in m.groups()) and interval_key(m) not in printed_triples]
     return found
+
+
+def interval_key(match: re.Match) -> tuple[float, float, float]:
+    return tuple(float(value) for value in match.groups())
+
+
+def interval_values(source: str) -> set[tuple[float, float, float]]:
+    """Every interval "E (L, H)" ``source`` prints, as numbers."""
+    return {interval_key(m) for m in _TRIPLE.finditer(source)}
 
 
 # ---------------------------------------------------------------- numbers on the right comparison
