@@ -20,9 +20,10 @@ pytestmark = pytest.mark.engine
 
 NEW_TOKENS = 32
 RATIO = 0.5
-# Preemption: requests that grow to about 20 blocks (a compressed 620-token context, a question,
-# 200 outputs) in a pool of 40.
-PREEMPT_TOKENS, PREEMPT_POOL = 200, 40
+# Preemption: vLLM admits a request when its peak as the scheduler predicts it fits (the 620-token
+# context before its eviction: 20 blocks), and 400 outputs then grow two admitted requests past the
+# pool of 40 (kept context, question and outputs: about 26 blocks each).
+PREEMPT_TOKENS, PREEMPT_POOL, PREEMPT_LEN = 400, 40, 1200
 
 
 def context_settings(name: str, options: dict, context_tokens: int) -> dict:
@@ -119,7 +120,7 @@ def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tm
     prompts, settings = [p for p, _ in chosen], [s for _, s in chosen]
     roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings)
     tight = run_engine(tmp_path / "tight", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings,
-                       kv_blocks=PREEMPT_POOL, max_model_len=1024)
+                       kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN)
     assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
     assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding a compressed context"
     assert_same_outputs(roomy, tight)
