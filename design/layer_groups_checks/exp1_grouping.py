@@ -1,5 +1,6 @@
 """Pure-Python run of vLLM 0.32's KV cache grouping on hand-made specs (no engine, no model)."""
-import copy, logging
+import copy, logging, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 import torch
@@ -18,23 +19,9 @@ def cfg(disable_hma=False, layout="LBHNC", blocks=None):
         model_config=None,
     )
 
-# (A) the note's recipe: a FullAttentionSpec subclass + budget_group, merge refuses mixed tags
-@dataclass(frozen=True, kw_only=True)
-class TaggedSpecA(FullAttentionSpec):
-    budget_group: int = 0
-    @classmethod
-    def merge(cls, specs):
-        tags = {s.budget_group for s in specs}
-        if len(tags) != 1:
-            raise AssertionError(f"mixed budget groups {tags}")
-        return replace(FullAttentionSpec.merge.__func__(cls, specs), budget_group=tags.pop())
-
-# (B) same, and also refuses to be "uniform type" with a differently tagged spec
-@dataclass(frozen=True, kw_only=True)
-class TaggedSpecB(TaggedSpecA):
-    def is_uniform_with_collection(self, kv_cache_specs):
-        return super().is_uniform_with_collection(kv_cache_specs) and all(
-            getattr(s, "budget_group", None) == self.budget_group for s in kv_cache_specs.values())
+# (A) the note's recipe: a FullAttentionSpec subclass + budget_group, merge refuses mixed tags;
+# (B) the same, and it also refuses to be "uniform type" with a differently tagged spec (tagged.py)
+from tagged import TaggedSpec as TaggedSpecB, TaggedSpecA  # noqa: E402
 
 def specs(cls, tags):
     base = dict(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)

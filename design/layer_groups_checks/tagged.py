@@ -5,8 +5,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.core import kv_cache_utils as U
 
 @dataclass(frozen=True, kw_only=True)
-class TaggedSpec(FullAttentionSpec):
-    """FullAttentionSpec + budget_group; merge and uniform-type check both refuse mixed tags."""
+class TaggedSpecA(FullAttentionSpec):
+    """The note's recipe: FullAttentionSpec + budget_group; merge refuses mixed tags."""
     budget_group: int = 0
     @classmethod
     def merge(cls, specs):
@@ -14,6 +14,10 @@ class TaggedSpec(FullAttentionSpec):
         if len(tags) != 1:
             raise AssertionError(f"mixed budget groups {tags}")
         return replace(FullAttentionSpec.merge.__func__(cls, specs), budget_group=tags.pop())
+
+@dataclass(frozen=True, kw_only=True)
+class TaggedSpec(TaggedSpecA):
+    """The fix: the uniform-type check refuses mixed tags too."""
     def is_uniform_with_collection(self, kv_cache_specs):
         return super().is_uniform_with_collection(kv_cache_specs) and all(
             getattr(s, "budget_group", None) == self.budget_group for s in kv_cache_specs.values())
