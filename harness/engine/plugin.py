@@ -56,7 +56,9 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
 
 def install_request_check() -> None:
     """Every request passes ``InputProcessor.process_inputs`` (offline and ``vllm serve``, where a
-    ``VLLMValidationError`` is an HTTP 400); its settings are checked there, with its prompt."""
+    ``VLLMValidationError`` is an HTTP 400); its settings are checked there, with its prompt: the
+    returned ``EngineCoreRequest`` carries the prompt's token ids (vllm/v1/engine/input_processor.py:373,
+    ``_validate_params`` at :389 runs before the prompt is known)."""
     from vllm.v1.engine.input_processor import InputProcessor
 
     if getattr(InputProcessor, "_kv_eviction_checked", False):

@@ -424,6 +424,9 @@ class EvictionScheduler(Scheduler):
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         if request.request_id not in self.kv_request_settings:
             return num_new_tokens
+        # vLLM calls this after its chunked-prefill decision, for running and waiting requests alike
+        # (vllm/v1/core/sched/scheduler.py:570, called at :751 and :1213), so a shorter chunk here is
+        # scheduled as a partial prefill and the rest follows in the next step.
         point = self.eviction_point(request)
         if num_computed_tokens < point:
             # A chunk never runs past the eviction point: prefill eviction happens exactly at the
