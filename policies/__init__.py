@@ -15,7 +15,7 @@ from policies.score import Score
 from policies.selection import ScoredBlockPolicy, ScoredTokenPolicy
 
 # Modules that define no policy; every other module registers one.
-_FRAMEWORK = {"base", "registry", "score", "selection", "attention"}
+_FRAMEWORK = {"base", "registry", "score", "selection", "attention", "budget_schedules"}
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _FRAMEWORK:
         importlib.import_module(f"policies.{_module}")

@@ -1,0 +1,170 @@
+"""Per-layer KV budgets: a request's budget B split over G groups of L/G consecutive layers.
+
+The KV memory stays that of the uniform budget (group budgets x L/G sum to B x L), so the group
+budgets, whole blocks, sum to G x B_blocks. A schedule only says how large each group's share is:
+``uniform`` (equal: the engine as it is), ``pyramid`` (PyramidKV, Cai et al., arXiv 2406.02069:
+lower layers get more) or ``attention`` (CAKE's layer preferences, Qin et al., ICLR 2025, arXiv
+2503.12491, measured on the prompt's last queries). ``apportion`` turns shares into blocks between a
+floor (``min_blocks``) and a cap (the sequence's length: blocks past it would hold nothing), in exact
+arithmetic (``Fraction``) so that equal shares give equal budgets and a tie is a real tie.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Sequence
+
+import torch
+
+SCHEDULES = ("uniform", "pyramid", "attention")
+
+
+def pyramid_layer_budgets(mean_budget: int, num_layers: int, beta: float = 20.0) -> list[Fraction]:
+    """PyramidKV's budget of each layer, as kvpress's ``PyramidKVPress.get_layer_budget`` has it.
+
+    From max_num = 2b - b/beta at layer 0 down to min_num = b/beta at the last layer in equal steps,
+    so the mean stays b. beta >= 1 sets the slope: beta = 1 is flat (uniform), beta = 20 (kvpress's
+    default) gives the top layer b/20 and the bottom one 1.95 b. kvpress caps
+    max_num at the sequence length (less its window) and raises min_num to keep the mean; here the cap
+    is ``apportion``'s general rule instead: capped groups give their surplus to the others in
+    proportion to their shares, which keeps the total but bends the line.
+    """
+    if not math.isfinite(beta) or beta < 1:
+        raise ValueError(f"beta must be a number >= 1 (1 is uniform), got {beta!r}")
+    b = Fraction(mean_budget)
+    low = b / Fraction(beta)
+    high = 2 * b - low
+    step = (high - low) / (num_layers - 1) if num_layers > 1 else Fraction(0)
+    return [high - layer * step for layer in range(num_layers)]
+
+
+def layer_preferences(attention_per_layer: Sequence[torch.Tensor], tau1: float = 1.0, tau2: float = 1.0) -> list[float]:
+    """CAKE's preference P_l = H_l^(1/tau1) * V_l^(1/tau2) of each layer, from the prompt's attention.
+
+    Each tensor is one layer's ``[heads, window, keys]`` attention of the prompt's last ``window``
+    queries (rows sum to 1, causal zeros allowed). H (spatial dispersion) is the entropy, in nats, of
+    each head's and query's row over the keys, summed: high when the layer reads many tokens. V
+    (temporal shift) is the variance over the window's queries of each key's attention (unbiased),
+    summed over heads and keys: high when what the layer reads moves. A layer whose every query
+    reads one fixed sink has H = V = 0. This is how the authors' code measures both
+    (antgroup/cakekv, ``cake/utils.py`` ``calculate_entropy`` and ``cake/model/modify_llama.py``;
+    it passes the keys before the window, which is the caller's choice here). Only the layers'
+    ratios matter to the allocation, so sums rather than means are harmless.
+
+    The temperatures default to 1. CAKE tunes them per model and budget (antgroup/cakekv's
+    experiments/LongBench/config/model2tau.json, e.g. Llama-3.1-8B at 1024: tau1 = 1.6, tau2 = 0.4).
+    """
+    if not (tau1 > 0 and tau2 > 0):
+        raise ValueError(f"tau1 and tau2 must be positive, got {tau1!r} and {tau2!r}")
+    preferences = []
+    for layer, attention in enumerate(attention_per_layer):
+        if attention.dim() != 3:
+            raise ValueError(f"layer {layer}: attention must be [heads, window, keys], got {tuple(attention.shape)}")
+        rows = attention.double()
+        dispersion = max(0.0, -torch.xlogy(rows, rows).sum().item())  # 0 log 0 = 0: causal zeros
+        # One query has no variance (the unbiased estimate would be 0/0).
+        shift = rows.var(dim=1, correction=1).sum().item() if rows.shape[1] > 1 else 0.0
+        preferences.append(dispersion ** (1 / tau1) * shift ** (1 / tau2))
+    return preferences
+
+
+def _targets(shares: list[Fraction], total: int, low: int, high: int) -> list[Fraction]:
+    """clip(lam * share, low, high) per group, lam such that they sum to ``total`` (exactly)."""
+    def at(lam: Fraction) -> list[Fraction]:
+        return [min(max(lam * share, Fraction(low)), Fraction(high)) for share in shares]
+
+    # The sum is piecewise linear and non-decreasing in lam, with kinks where a group meets a bound.
+    kinks = sorted({Fraction(0)} | {bound / share for share in shares if share > 0 for bound in (low, high)})
+    prev, sum_prev = kinks[0], sum(at(kinks[0]))
+    if sum_prev >= total:
+        return at(prev)
+    for lam in kinks[1:]:
+        sum_lam = sum(at(lam))
+        if sum_lam >= total:
+            return at(prev + (total - sum_prev) * (lam - prev) / (sum_lam - sum_prev))
+        prev, sum_prev = lam, sum_lam
+    raise AssertionError("apportion checks that the bounds can hold the total")
+
+
+def apportion(shares: Sequence[float | Fraction], total: int, low: int = 0, high: int | None = None) -> list[int]:
+    """``total`` whole blocks in proportion to ``shares``, each group between ``low`` and ``high``.
+
+    A group past ``high`` keeps ``high`` and the surplus goes to the others in proportion to their
+    shares (a group under ``low`` likewise takes from them). The result is rounded by largest
+    remainders (Hamilton), so it sums to ``total`` exactly; equal remainders go to the earlier group.
+    When ``high`` everywhere is less than ``total``, every group gets ``high`` and the sum is less:
+    memory no layer can fill is not handed out. A floor above the cap becomes the cap.
+    """
+    count = len(shares)
+    high = total if high is None else high
+    low = min(low, high)
+    if count * high <= total:
+        return [high] * count
+    if count * low > total:
+        raise ValueError(f"{count} groups of at least {low} blocks need {count * low}, more than the {total} there are")
+    exact = [Fraction(share) for share in shares]
+    if any(share < 0 for share in exact):
+        raise ValueError(f"shares must be non-negative, got {list(shares)}")
+    if not any(exact):
+        exact = [Fraction(1)] * count  # nothing prefers any group: no reason not to split evenly
+    empty = [group for group, share in enumerate(exact) if share == 0]
+    if high * (count - len(empty)) + low * len(empty) < total:
+        # Every group with a share is capped: the groups without one split what is left evenly.
+        blocks = [high] * count
+        rest = apportion([1] * len(empty), total - high * (count - len(empty)), low, high)
+        for group, extra in zip(empty, rest):
+            blocks[group] = extra
+        return blocks
+    targets = _targets(exact, total, low, high)
+    blocks = [math.floor(target) for target in targets]
+    order = sorted(range(count), key=lambda group: (blocks[group] - targets[group], group))
+    for group in order[: total - sum(blocks)]:
+        blocks[group] += 1
+    return blocks
+
+
+def _whole(name: str, value: object, least: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def group_budgets(
+    schedule: str, budget_tokens: int, num_layers: int, groups: int, block_size: int, *,
+    beta: float = 20.0, preferences: Sequence[float] | None = None, min_blocks: int = 1, cap_tokens: int | None = None,
+) -> tuple[int, ...]:
+    """Each group's budget in tokens (multiples of ``block_size``), group 0 holding the first layers.
+
+    ``budget_tokens`` is the uniform per-layer budget B; the group budgets in blocks sum to G x B
+    blocks unless ``cap_tokens`` (the sequence's length; a partial last block counts whole) caps
+    every group. ``beta`` shapes ``pyramid``; ``preferences`` (one per layer, ``layer_preferences``)
+    drive ``attention``.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown budget schedule {schedule!r}: the schedules are {', '.join(SCHEDULES)}")
+    _whole("block_size", block_size, 1)
+    if _whole("budget_tokens", budget_tokens, block_size) % block_size:
+        raise ValueError(f"budget_tokens={budget_tokens} is not a whole number of {block_size}-token blocks")
+    if _whole("num_layers", num_layers, 1) % _whole("groups", groups, 1):
+        raise ValueError(f"groups={groups} must divide num_layers={num_layers} (equal groups of layers)")
+    budget_blocks = budget_tokens // block_size
+    if _whole("min_blocks", min_blocks, 0) > budget_blocks:
+        raise ValueError(
+            f"min_blocks={min_blocks} is more than the uniform budget of {budget_blocks} blocks, so the groups "
+            f"cannot all get it within the total"
+        )
+    if schedule == "uniform":
+        layer_shares: Sequence[float | Fraction] = [1] * num_layers
+    elif schedule == "pyramid":
+        layer_shares = pyramid_layer_budgets(budget_tokens, num_layers, beta)
+    else:
+        if preferences is None or len(preferences) != num_layers:
+            raise ValueError(f"the attention schedule needs one preference per layer ({num_layers}), got {preferences}")
+        if not all(math.isfinite(p) and p >= 0 for p in preferences):
+            raise ValueError(f"preferences must be finite and non-negative, got {list(preferences)}")
+        layer_shares = list(preferences)
+    size = num_layers // groups
+    shares = [sum(map(Fraction, layer_shares[g * size : (g + 1) * size])) for g in range(groups)]
+    cap_blocks = None if cap_tokens is None else -(-_whole("cap_tokens", cap_tokens, 1) // block_size)
+    blocks = apportion(shares, groups * budget_blocks, min_blocks, cap_blocks)
+    return tuple(group_blocks * block_size for group_blocks in blocks)
