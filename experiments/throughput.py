@@ -8,6 +8,7 @@
     python experiments/throughput.py shared_prefix  # 12 requests on one 2k-token system prompt: prefix cache on vs off
     python experiments/throughput.py attention  # attention-aware policies and the learned scorer beside PagedEviction
     python experiments/throughput.py tensor_parallel  # the tiny Llama on two workers vs one, per-rank eviction time
+    python experiments/throughput.py layer_groups  # full cache with the layers as 1, 3 and 6 KV cache groups
     python experiments/throughput.py paper      # the paper's workload, on an NVIDIA GPU
 
 Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
@@ -77,6 +78,15 @@ TP_TRIALS = tuple(
     Cell(policy, budget, "unlimited", repeats=2, trial=trial, tensor_parallel_size=size)
     for trial in (1, 2, 3) for policy, budget in (("full", None), ("paged", 256), ("knorm", 256), ("snapkv", 256))
     for size in (1, 2)
+)
+
+# Full cache with the model's 30 layers as one KV cache group, three and six (SmolLM2's layer count
+# has no 4), alternating within each trial (a process each), on one pool in memory (G times the
+# blocks): what G groups' own block tables, slot mappings, metadata builds and prefix lookups cost
+# per step before any eviction.
+GROUP_TRIALS = tuple(
+    Cell("full", pool="unlimited", repeats=2, trial=trial, layer_groups=groups)
+    for trial in (1, 2, 3) for groups in (1, 3, 6)
 )
 
 # CPU workloads keep the paper's shape (decode-heavy, all requests at once, more of them than the
@@ -155,6 +165,16 @@ SETTINGS = {
             "claim: tensor parallelism pays where one device cannot hold the model.",
             Workload(requests=16, prompt_tokens=1024, output_tokens=128, model="embedded:tiny-llama"),
             TP_TRIALS, baseline=TP_TRIALS[0],
+        ),
+        Setting(
+            "layer_groups",
+            "Full cache with the model's 30 layers as 1, 3 and 6 KV cache groups (engine.layer_groups, "
+            "the ground of per-layer budgets), on pools of the same memory, every request fits (12 "
+            "requests x 512 in x 128 out): the per-step cost of vLLM running G groups (a block table, "
+            "slot mapping, metadata build and prefix lookup each) before any eviction. Three trials, "
+            "the three engines back to back in each, two repeats per process.",
+            Workload(requests=12, prompt_tokens=512, output_tokens=128),
+            GROUP_TRIALS, baseline=GROUP_TRIALS[0],
         ),
         Setting(
             "paper",

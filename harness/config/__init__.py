@@ -56,6 +56,7 @@ class EngineSettings:
     in_process: bool = True                # engine core in this process (its scheduler can be read)
     tensor_parallel_size: int = 1          # workers the model's heads are split over
     distributed_executor_backend: str | None = None  # vLLM's: None (its choice: mp on one node), "mp" or "ray"
+    layer_groups: int = 1                  # the attention layers as this many KV cache groups (harness.engine.layer_groups)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class RunSettings:
 
 # Engine settings added after cells were committed, with the value every earlier cell ran at: a
 # cell at that value keeps the name it had (one worker, vLLM's own executor choice).
-LATER_ENGINE_KEYS = {"tensor_parallel_size": 1, "distributed_executor_backend": None}
+LATER_ENGINE_KEYS = {"tensor_parallel_size": 1, "distributed_executor_backend": None, "layer_groups": 1}
 EXECUTOR_BACKENDS = (None, "mp", "ray")
 
 
@@ -224,6 +225,37 @@ def typed(cfg: DictConfig) -> RunSettings:
         )
     except TypeError as error:  # a required key missing from a config group
         raise ConfigError(f"incomplete config: {error}") from None
+
+
+def check_layer_groups(groups: object, num_layers: int | None = None) -> int:
+    """``engine.layer_groups`` itself: a positive integer dividing the model's layer count (equal
+    groups: vLLM sizes a block by its largest group, so unequal ones waste memory, and tags of
+    unequal sizes split into more groups than tags, vllm/v1/core/kv_cache_utils.py:1467-1501)."""
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"layer_groups must be a positive integer, got {groups!r}")
+    if num_layers is not None and num_layers % groups:
+        raise ValueError(f"layer_groups={groups} does not divide the model's {num_layers} attention layers "
+                         f"into equal groups; choose a divisor of {num_layers}")
+    return groups
+
+
+def check_run_layer_groups(run: RunSettings) -> None:
+    """G against the model's layers (when its checkpoint is here to read) and the policy: G > 1
+    runs full cache only so far (``harness.engine.layer_groups``)."""
+    groups = run.engine.layer_groups
+    layers = None
+    try:
+        shape = model_shape(resolve_model_path(run.model.path, prepare=False), run.model.dtype)
+        layers = shape.layers if shape else None
+    except ModelNotFoundError:
+        pass  # not prepared yet: the worker checks when it makes the specs
+    try:
+        check_layer_groups(groups, layers)
+    except ValueError as error:
+        raise ConfigError(f"engine.{error}") from None
+    if groups > 1 and run.evicts:
+        raise ConfigError(f"engine.layer_groups={groups} runs full cache only so far (evicting per group is not "
+                          f"built yet); policy {run.policy} needs engine.layer_groups=1")
 
 
 def check(run: RunSettings) -> None:
@@ -291,6 +323,7 @@ def check(run: RunSettings) -> None:
     if not run.model.path.startswith("embedded:"):
         resolve_model_path(run.model.path, prepare=False)
     check_tensor_parallel(run)
+    check_run_layer_groups(run)
     check_kv_pool(run)
     check_memory(run)
 
@@ -392,17 +425,19 @@ def check_kv_pool(run: RunSettings) -> None:
     gib = run.engine.kv_cache_gib
     if blocks is None and (gib is None or per_token is None):
         return  # vLLM sizes the pool from free device memory
+    # With G layer groups a block holds 1/G of the layers: G times the blocks, G per token slot.
+    groups = run.engine.layer_groups
     if blocks is None:
-        blocks = int(gib * 2**30 // (per_token * run.block_size))
+        blocks = int(gib * 2**30 // (per_token * run.block_size)) * groups
         source = f"engine.kv_cache_gib={gib} ({blocks} blocks of {run.block_size} tokens)"
     else:
         source = f"engine.num_kv_blocks={blocks} (of {run.block_size} tokens)"
-    need = -(-run.model.max_model_len // run.block_size)
+    need = -(-run.model.max_model_len // run.block_size) * groups
     if blocks < need:
-        hint = (f"raise engine.kv_cache_gib to at least {need * run.block_size * per_token / 2**30:.3f}"
+        hint = (f"raise engine.kv_cache_gib to at least {need // groups * run.block_size * per_token / 2**30:.3f}"
                 if per_token else "raise engine.num_kv_blocks")
         raise ConfigError(
-            f"the KV pool of {source} holds {blocks * run.block_size} tokens, but one request of model "
+            f"the KV pool of {source} holds {blocks // groups * run.block_size} tokens, but one request of model "
             f"{run.model.name} may need max_model_len={run.model.max_model_len} tokens ({need} blocks): "
             f"{hint} or lower model.max_model_len"
         )

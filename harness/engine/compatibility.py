@@ -3,6 +3,9 @@ harness reads exactly, no parallelism but tensor parallelism, no speculative dec
 captures attention queries, is ``harness.eviction.settings.check_policy_runs``: the config checks it too.)"""
 from __future__ import annotations
 
+# Where an engine's layer_groups travels to every vLLM process (engine core, workers): vLLM's own
+# ``additional_config``, as the eviction default does (harness.engine.layer_groups).
+LAYER_GROUPS_KEY = "kv_layer_groups"
 # vLLM's scheduler hook (--scheduler-cls / scheduler_cls) must name this class when eviction is on.
 SCHEDULER_CLS = "harness.engine.scheduler.EvictionScheduler"
 # KV cache dtypes whose K/V the harness reads and copies exactly ("auto" = the model's dtype).
@@ -17,9 +20,18 @@ def uses_eviction_scheduler(scheduler_cls) -> bool:
     return any(f"{c.__module__}.{c.__qualname__}" == SCHEDULER_CLS for c in getattr(scheduler_cls, "__mro__", ()))
 
 
+def layer_groups_of(vllm_config) -> int:
+    """The engine's ``layer_groups`` G (1 when not set)."""
+    return int((getattr(vllm_config, "additional_config", None) or {}).get(LAYER_GROUPS_KEY, 1))
+
+
 def check_compatible(vllm_config) -> None:
     """Engine features eviction cannot coexist with, refused with the reason (before serving)."""
     cache = vllm_config.cache_config
+    groups = layer_groups_of(vllm_config)
+    if groups > 1:
+        raise ValueError(f"this engine splits its layers into layer_groups={groups} KV cache groups, which runs "
+                         "full cache only so far: evicting per group is not built yet")
     if not uses_eviction_scheduler(vllm_config.scheduler_config.scheduler_cls):
         raise ValueError(
             f"KV eviction needs its scheduler, got scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r}: "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from harness.eviction.messages import EvictionNotActiveError
-from harness.engine.compatibility import SCHEDULER_CLS
+from harness.engine.compatibility import LAYER_GROUPS_KEY, SCHEDULER_CLS
 from harness.eviction.settings import EvictionSettings
 
 if TYPE_CHECKING:
@@ -138,8 +138,13 @@ class Engine:
             # processors run (vLLM's default mode, vllm/v1/sample/sampler.py:86-89).
             kwargs["logits_processors"] = [FORCED_TOKENS_PROCESSOR]
             kwargs["logprobs_mode"] = "raw_logprobs"
-        if eviction is not None:
-            kwargs["additional_config"] = eviction.as_additional_config()
+        additional = eviction.as_additional_config() if eviction is not None else {}
+        if engine.layer_groups != 1:
+            if stock:
+                raise ValueError("stock vLLM cannot split the layers into groups (layer_groups needs the plugin)")
+            additional[LAYER_GROUPS_KEY] = engine.layer_groups
+        if additional:
+            kwargs["additional_config"] = additional
         if engine.device == "cuda" and not stock:
             # The only GPU layout the harness reads; vLLM 0.32 would pick FlashInfer first on
             # Blackwell (compute capability 10: vllm/platforms/cuda.py:158-166).
@@ -155,6 +160,7 @@ class Engine:
             kwargs["gpu_memory_utilization"] = self._leave_room_for_eviction(
                 model_path, model, engine, block_size, eviction, kwargs.get("gpu_memory_utilization", 0.9))
         self.llm = LLM(**kwargs)
+        self.layer_groups = engine.layer_groups
         self.device = engine.device
         self.dtype = model.dtype
         self.model_path = model_path
@@ -217,6 +223,8 @@ class Engine:
             "threads": self._threads_per_rank(),
             "tensor_parallel_size": self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
             "block_size": cache.block_size,
+            # a block holds the K/V of one KV cache group's layers (harness.engine.layer_groups)
+            "layer_groups": self.layer_groups,
             "kv_pool_blocks": cache.num_gpu_blocks,
             # every rank's pool (each holds kv_cache_memory_bytes for its share of the heads)
             "kv_pool_bytes": (cache.kv_cache_memory_bytes * self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
@@ -227,6 +235,14 @@ class Engine:
             "async_scheduling": bool(self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "eviction_reserved_bytes": self.eviction_reserved,  # GPU: taken from vLLM's share for eviction
         }
+
+    def kv_cache_groups(self) -> list[list[str]] | None:
+        """The layer names of each KV cache group vLLM formed (``harness.engine.layer_groups``);
+        None when the engine core runs in another process."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            return None
+        return [list(group.layer_names) for group in core.scheduler.kv_cache_config.kv_cache_groups]
 
     @staticmethod
     def _threads_per_rank() -> int | None:
@@ -241,7 +257,9 @@ class Engine:
         from harness.config.models import kv_bytes_per_token
 
         per_token = kv_bytes_per_token(self.model_path, str(self.dtype))
-        return cache.num_gpu_blocks * cache.block_size * per_token if per_token and cache.num_gpu_blocks else None
+        if not (per_token and cache.num_gpu_blocks):
+            return None
+        return cache.num_gpu_blocks * cache.block_size * per_token // self.layer_groups  # a block: 1/G of the layers
 
     def _core_state(self, reset: bool = False, requests: list[str] | None = None) -> dict | None:
         """The scheduler's eviction state (settings, ledger, free blocks, per-request stats of

@@ -5,6 +5,8 @@ process and in every worker before the worker class is resolved. It refuses any 
 pinned version (the patches depend on internals vLLM itself calls "not public"), and:
 
 * wraps the model runner's input preparation (``worker_patch``: vLLM has no hook there);
+* tags the layers' KV cache specs into an engine's ``layer_groups`` (``layer_groups``: G = 1 leaves
+  them as vLLM makes them);
 * gives the engine core one utility method, ``kv_eviction_state``, through which a client reads
   the scheduler's settings, ledger and per-request stats whether the core runs in-process or in
   its own process (``EngineCore._handle_client_request`` looks utilities up by name,
@@ -80,9 +82,10 @@ def register() -> None:
     check_vllm_version()
     from vllm.v1.engine.core import EngineCore
 
-    from harness.engine import worker_patch
+    from harness.engine import layer_groups, worker_patch
 
     worker_patch.install()
+    layer_groups.install()
     install_request_check()
     if not hasattr(EngineCore, "kv_eviction_state"):
         EngineCore.kv_eviction_state = kv_eviction_state

@@ -65,7 +65,8 @@ def admission(engine: Engine, prompts: list[list[int]], cells: list[list[CellReq
     blocks (``blocks_per_prompt``) must fit in the KV pool beside those already admitted, and
     their requests in the batch (``max_num_seqs``). The first prompt is always admitted."""
     facts = engine.facts()
-    need = [blocks_per_prompt(len(p), c, facts["block_size"]) for p, c in zip(prompts, cells)]
+    # With G layer groups every token slot takes a block in each group (harness.engine.layer_groups).
+    need = [blocks_per_prompt(len(p), c, facts["block_size"]) * facts["layer_groups"] for p, c in zip(prompts, cells)]
     pool = facts["kv_pool_blocks"]
     seats = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
 

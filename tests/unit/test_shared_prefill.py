@@ -40,7 +40,7 @@ def test_a_prompt_holds_its_shared_blocks_once_and_each_requests_own():
 
 def test_prompts_are_admitted_while_their_blocks_and_requests_fit():
     engine = SimpleNamespace(
-        facts=lambda: {"block_size": 32, "kv_pool_blocks": 100},
+        facts=lambda: {"block_size": 32, "kv_pool_blocks": 100, "layer_groups": 1},
         llm=SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(
             scheduler_config=SimpleNamespace(max_num_seqs=4)))),
     )

@@ -1,0 +1,106 @@
+"""The model's attention layers as G KV cache groups (``engine.layer_groups``): the ground per-layer
+budgets stand on (issue 36; ``design/layer_groups_verification.md`` is the reading of vLLM this
+rests on, ``design/layer_groups_checks/`` the checks).
+
+vLLM 0.32 already runs several KV cache groups over one block pool, each group with its own block
+table, slot mapping and attention metadata, for models that mix attention types
+(``HybridKVCacheCoordinator``, ``vllm/v1/core/kv_cache_coordinator.py:1024-1038``). Here the
+model's full-attention layers are split into G contiguous groups of equal size by tagging each
+layer's ``FullAttentionSpec`` with its group (``BudgetGroupSpec``, made in the worker's
+``get_kv_cache_spec``, ``vllm/v1/worker/gpu_model_runner.py:7146``); vLLM forms the groups itself
+(``get_kv_cache_groups``, ``vllm/v1/core/kv_cache_utils.py:2159``). A block then holds the K/V of
+one group's layers: the pool holds G times as many blocks in the same memory, and a request of n
+tokens holds G x ceil(n / block_size) of them.
+
+G = 1 leaves vLLM's specs untouched (today's engine, bit for bit). G > 1 runs full cache only so
+far: evicting per group (each group its own physical lengths and budget) is the next step of
+issue 36, and a request that asks to evict on such an engine is refused with that reason
+(``harness.engine.compatibility.check_compatible``: HTTP 400 under ``vllm serve``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from harness.config import check_layer_groups
+from harness.engine.compatibility import layer_groups_of
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BudgetGroupSpec(FullAttentionSpec):
+    """A full-attention layer's spec tagged with its budget group. Layers of two groups must land
+    in two KV cache groups; vLLM keeps them apart only if their specs neither merge nor count as
+    one "uniform type" (``vllm/v1/core/kv_cache_utils.py:2184-2191``; layer_groups_verification.md
+    A3: a strict ``merge`` alone still gives one group)."""
+
+    budget_group: int = 0
+
+    @classmethod
+    def merge(cls, specs):
+        tags = {spec.budget_group for spec in specs}
+        if len(tags) != 1:
+            raise AssertionError(f"layers of budget groups {sorted(tags)} cannot share a KV cache group")
+        # FullAttentionSpec.merge rebuilds the spec from its AttentionSpec fields
+        # (vllm/v1/kv_cache_interface.py:622-673) and would reset the tag: carry it over.
+        return dataclasses.replace(super().merge(specs), budget_group=tags.pop())
+
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        # vLLM asks whether every spec is an instance of the registered base class
+        # (kv_cache_interface.py:274-286), which every tag is: one tag per group is not uniform.
+        return super().is_uniform_with_collection(kv_cache_specs) and all(
+            getattr(spec, "budget_group", None) == self.budget_group for spec in kv_cache_specs.values())
+
+
+def check_engine(vllm_config) -> None:
+    """What G > 1 cannot run with, refused before the model loads."""
+    groups = layer_groups_of(vllm_config)
+    check_layer_groups(groups)
+    if groups > 1 and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        # Without the hybrid manager vLLM promotes every spec to one type and would stop at start
+        # ("Failed to promote local KV cache specs", kv_cache_utils.py:1760); say why first. A KV
+        # connector without hybrid support turns the manager off by itself (vllm/config/vllm.py:2170-2193).
+        raise ValueError(f"layer_groups={groups} needs vLLM's hybrid KV cache manager; it is disabled "
+                         "(disable_hybrid_kv_cache_manager, or a KV connector that does not support it)")
+
+
+def tag_specs(specs: dict, groups: int) -> dict:
+    """``specs`` (layer name -> spec, as the worker makes them) with the full-attention layers
+    tagged into ``groups`` contiguous groups of equal size, in layer order."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    others = sorted({type(spec).__name__ for spec in specs.values() if type(spec) is not FullAttentionSpec})
+    if others or any(spec.sliding_window is not None for spec in specs.values()):
+        raise ValueError(f"layer_groups={groups} needs a model whose every attention layer is full attention; "
+                         f"this one also has {', '.join(others) or 'sliding-window layers'}")
+    check_layer_groups(groups, len(specs))
+    names = sorted(specs, key=extract_layer_index)
+    size = len(names) // groups
+    tagged = {}
+    for index, name in enumerate(names):
+        spec = specs[name]
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+        tagged[name] = BudgetGroupSpec(**fields, budget_group=index // size)
+    return tagged
+
+
+def install() -> None:
+    """Tag the specs where the worker makes them (also on its profiling path,
+    gpu_model_runner.py:6208-6232); G = 1 returns vLLM's own."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_kv_layer_groups_installed", False):
+        return
+    GPUModelRunner._kv_layer_groups_installed = True
+    original = GPUModelRunner.get_kv_cache_spec
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self):
+        specs = original(self)
+        groups = layer_groups_of(self.vllm_config)
+        if groups == 1 or not specs:
+            return specs
+        check_engine(self.vllm_config)
+        return tag_specs(specs, groups)
+
+    GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec

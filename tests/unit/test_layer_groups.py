@@ -1,0 +1,116 @@
+"""The layers as G KV cache groups (``harness.engine.layer_groups``), without an engine: vLLM's own
+grouping (``get_kv_cache_groups``, ``get_kv_cache_config_from_groups``) run on the specs the
+harness tags, and the refusals before any model loads. The engine itself: tests/engine/test_layer_groups.py."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+from harness.config import ConfigError, run_settings
+from harness.engine.compatibility import check_compatible, layer_groups_of
+from harness.engine.layer_groups import BudgetGroupSpec, check_engine, tag_specs
+from tests.unit.test_config import compose_cfg
+
+SPEC = dict(block_size=32, num_kv_heads=3, head_size=64, dtype=torch.float32)
+
+
+def specs(layers: int, kind=FullAttentionSpec, **extra) -> dict:
+    """One spec per layer, named as vLLM names a Llama's attention layers, out of order."""
+    return {f"model.layers.{i}.self_attn.attn": kind(**SPEC, **extra) for i in reversed(range(layers))}
+
+
+def vllm_config(groups: int = 1, disable_hybrid: bool = False, blocks: int | None = None):
+    """What vLLM's grouping reads of its config (the fields design/layer_groups_checks use)."""
+    return SimpleNamespace(
+        additional_config={"kv_layer_groups": groups} if groups != 1 else {},
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=disable_hybrid),
+        speculative_config=None, attention_config=SimpleNamespace(hisparse_config=None), model_config=None,
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: kv_cache_utils.KVCacheLayout.LBHNC,
+                                     num_gpu_blocks_override=blocks, prefix_cache_retention_interval=None))
+
+
+def layers_of(group) -> list[int]:
+    return [int(name.split(".")[2]) for name in group.layer_names]
+
+
+@pytest.mark.parametrize("groups", [2, 3, 5, 6, 10, 15, 30])
+def test_vllm_forms_one_kv_cache_group_per_budget_group_of_contiguous_layers(groups):
+    found = kv_cache_utils.get_kv_cache_groups(vllm_config(groups), tag_specs(specs(30), groups))
+    size = 30 // groups
+    assert [layers_of(group) for group in found] == [list(range(g * size, (g + 1) * size)) for g in range(groups)]
+    assert [group.kv_cache_spec.budget_group for group in found] == list(range(groups))
+
+
+def test_one_group_is_vllms_own_spec_and_grouping():
+    found = kv_cache_utils.get_kv_cache_groups(vllm_config(), specs(30))
+    assert len(found) == 1 and type(found[0].kv_cache_spec) is FullAttentionSpec
+
+
+def test_a_block_holds_one_groups_layers_so_the_same_memory_holds_g_times_the_blocks():
+    """Three tensors over one buffer (a block id belongs to one group at a time), each of 10 layers'
+    pages: 3x the blocks of one 30-layer group in the same bytes."""
+    memory = 64 * 2**20
+    one = kv_cache_utils.get_kv_cache_config_from_groups(
+        vllm_config(), kv_cache_utils.get_kv_cache_groups(vllm_config(), specs(30)), memory)
+    three = kv_cache_utils.get_kv_cache_config_from_groups(
+        vllm_config(3), kv_cache_utils.get_kv_cache_groups(vllm_config(3), tag_specs(specs(30), 3)), memory)
+    assert 3 * one.num_blocks <= three.num_blocks < 3 * (one.num_blocks + 1)  # each rounded down on its own
+    # One tensor per group, all from offset 0 of the same bytes (vllm/v1/worker/utils.py:574, "Cache
+    # groups overlay each other"), each holding its 10 layers.
+    tensors = three.kv_cache_tensors
+    assert [t.offset for t in tensors] == [0, 0, 0] and len({t.size for t in tensors}) == 1
+    assert [len(t.layers) for t in tensors] == [10, 10, 10]
+
+
+def test_merging_keeps_the_tag_and_refuses_two_groups():
+    a, b = BudgetGroupSpec(**SPEC, budget_group=1), BudgetGroupSpec(**SPEC, budget_group=2)
+    assert BudgetGroupSpec.merge([a, a]).budget_group == 1
+    with pytest.raises(AssertionError, match="budget groups"):
+        BudgetGroupSpec.merge([a, b])
+    assert not a.is_uniform_with_collection({"x": a, "y": b}) and a.is_uniform_with_collection({"x": a})
+
+
+def test_layer_counts_groups_do_not_divide_and_other_attention_types_are_refused():
+    with pytest.raises(ValueError, match="layer_groups=4 does not divide the model's 30 attention layers"):
+        tag_specs(specs(30), 4)
+    with pytest.raises(ValueError, match="every attention layer is full attention; this one also has SlidingWindowSpec"):
+        tag_specs({**specs(4), "model.layers.4.self_attn.attn": SlidingWindowSpec(**SPEC, sliding_window=64)}, 5)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        tag_specs(specs(4, sliding_window=64), 2)
+    with pytest.raises(ValueError, match="needs vLLM's hybrid KV cache manager"):
+        check_engine(vllm_config(2, disable_hybrid=True))
+    check_engine(vllm_config(1, disable_hybrid=True))  # one group needs nothing of it
+
+
+def test_eviction_is_refused_on_an_engine_with_several_groups_with_the_reason():
+    assert layer_groups_of(vllm_config(3)) == 3 and layer_groups_of(vllm_config()) == 1
+    with pytest.raises(ValueError, match="layer_groups=3 KV cache groups, which runs full cache only so far"):
+        check_compatible(vllm_config(3))
+
+
+def test_the_run_config_checks_layer_groups_before_any_model_loads():
+    run = run_settings(compose_cfg("engine.layer_groups=3"))
+    assert run.engine.layer_groups == 3
+    assert run.cell_name != run_settings(compose_cfg()).cell_name, "G > 1 is another cell"
+    assert "layer_groups" not in run_settings(compose_cfg()).identity()["engine"], "G = 1 keeps committed names"
+    for overrides, message in [
+        (["engine.layer_groups=7"], "engine.layer_groups=7 does not divide the model's 30 attention layers"),
+        (["engine.layer_groups=0"], "engine.layer_groups must be a positive integer, got 0"),
+        (["engine.layer_groups=3", "policy=paged", "budget=512"],
+         "engine.layer_groups=3 runs full cache only so far (evicting per group is not built yet); policy paged"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            run_settings(compose_cfg(*overrides))
+
+
+def test_the_pool_check_counts_g_blocks_per_token_slot():
+    """A pool holds the same tokens at any G, in G times the blocks; too small a pool says so in tokens
+    (as at G = 1: 72 blocks, 2304 tokens, 256 blocks needed)."""
+    with pytest.raises(ConfigError, match=r"kv_cache_gib=0.1 \(216 blocks of 32 tokens\) holds 2304 tokens, but one "
+                                          r"request .* may need max_model_len=8192 tokens \(768 blocks\): raise "
+                                          r"engine.kv_cache_gib to at least 0.352"):
+        run_settings(compose_cfg("engine.kv_cache_gib=0.1", "engine.layer_groups=3"))
