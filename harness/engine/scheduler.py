@@ -461,10 +461,12 @@ class EvictionScheduler(Scheduler):
             ledger.used_blocks_sum += used
             ledger.used_blocks_peak = max(ledger.used_blocks_peak, used)
             ledger.running_peak = max(ledger.running_peak, len(self.running))
-            held = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+            # every KV cache group's blocks (several with engine.layer_groups, harness.engine.layer_groups)
+            groups = [manager.req_to_blocks for manager in self.kv_cache_manager.coordinator.single_type_managers]
             for request in self.running:
                 if request.num_computed_tokens > request.num_prompt_tokens:  # generating, not prefilling
-                    ledger.decode_blocks_peak = max(ledger.decode_blocks_peak, len(held.get(request.request_id, ())))
+                    blocks = sum(len(held.get(request.request_id, ())) for held in groups)
+                    ledger.decode_blocks_peak = max(ledger.decode_blocks_peak, blocks)
         # after the step's blocks were counted: the step uses the blocks its evictions leave
         self._expect_evictions(settings, scheduled, planned)
         return output
