@@ -273,6 +273,7 @@ def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
             "evict_share": kv.get("evict_share_of_step"),
             "capture_share": kv.get("capture_share_of_step"),
             "tensor_parallel_size": cell.tensor_parallel_size, "enforce_eager": cell.enforce_eager,
+            "layer_groups": cell.layer_groups,
             "evict_share_ranks": rank_shares(perf[-1].get("ranks") or []),
         })
     table = pd.DataFrame(rows)
@@ -317,6 +318,38 @@ def tensor_parallel_lines(table: pd.DataFrame) -> list[str]:
             text += f"; eviction % of each rank's step: {', '.join(shares)} (TP=1: " + ", ".join(
                 f"{100 * v:.2f}" for v in ones["evict_share"] if pd.notna(v)) + ")"
         lines.append(text)
+    return lines
+
+
+def layer_group_lines(table: pd.DataFrame) -> list[str]:
+    """Each configuration with its layers as G > 1 KV cache groups against the same one with one
+    group, trial by trial (each trial's cells ran back to back): output tok/s and time per output
+    token as geometric means with 95% t-intervals over the trials (``ratio_interval``), or the one
+    trial's ratio."""
+    from harness.analysis.stats import ratio_interval
+
+    lines = []
+    keys = ["policy.name", "budget", "pool", "tensor_parallel_size"]
+    grouped = table[table["layer_groups"] > 1].groupby(keys + ["layer_groups"], dropna=False)
+    for (policy, budget, pool, size, groups), cells in grouped:
+        ones = table[(table["layer_groups"] == 1) & (table["policy.name"] == policy) & (table["pool"] == pool)
+                     & (table["tensor_parallel_size"] == size)
+                     & ((table["budget"] == budget) | (pd.isna(budget) & table["budget"].isna()))].set_index("trial")
+        mine = cells.set_index("trial")
+        trials = sorted(set(mine.index) & set(ones.index))
+        if not trials:
+            continue
+        parts = []
+        for column, label in (("output_tok_s", "output tok/s"), ("tpot_p50_ms", "time per output token")):
+            ratios = [mine.loc[t, column] / ones.loc[t, column] for t in trials]
+            if len(ratios) > 1:
+                ratio = ratio_interval(ratios)
+                parts.append(f"{ratio.estimate:.3f}x {label} (95% interval {ratio.low:.3f}-{ratio.high:.3f})")
+            else:
+                parts.append(f"{ratios[0]:.3f}x {label}")
+        name = policy if policy == "full" else f"{policy} b{int(budget)}"
+        lines.append(f"{name} with G={int(groups)} layer groups vs one, over {len(trials)} back-to-back "
+                     f"trial{'s' if len(trials) > 1 else ''}: " + "; ".join(parts))
     return lines
 
 
@@ -448,6 +481,7 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
     lines += overhead_lines(table)
     lines += tensor_parallel_lines(table)
     lines += trial_lines(setting, table)
+    lines += layer_group_lines(table)
     lines += recompute_lines(setting)
     for cell in setting.cells:
         twin = Cell(cell.policy, cell.budget, cell.pool, cell.stock, cell.repeats, cell.trial,

@@ -192,3 +192,20 @@ def test_a_summary_is_rewritten_from_the_cells_on_disk_alone(tmp_path, capsys):
     capsys.readouterr()
     assert experiment.main(["latency", "--trials", "2", "--summary-only", "--out", str(tmp_path)]) == 2
     assert "not measured" in capsys.readouterr().err
+
+
+def test_layer_groups_are_stated_against_one_group_trial_by_trial():
+    """G > 1 against G = 1 of the same trial, as a geometric mean with its interval (a ratio of 0.9
+    in every trial is 0.9 with no spread)."""
+    import pandas as pd
+
+    from harness.bench.throughput import layer_group_lines
+
+    rows = [{"policy.name": "full", "budget": None, "pool": "unlimited", "tensor_parallel_size": 1, "trial": trial,
+             "layer_groups": groups, "output_tok_s": speed * (0.9 if groups == 3 else 1.0),
+             "tpot_p50_ms": 100 / speed / (0.9 if groups == 3 else 1.0)}
+            for trial, speed in ((1, 80.0), (2, 70.0)) for groups in (1, 3)]
+    (line,) = layer_group_lines(pd.DataFrame(rows))
+    assert line == ("full with G=3 layer groups vs one, over 2 back-to-back trials: 0.900x output tok/s (95% interval "
+                    "0.900-0.900); 1.111x time per output token (95% interval 1.111-1.111)")
+    assert layer_group_lines(pd.DataFrame([row for row in rows if row["layer_groups"] == 1])) == []
