@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from harness.config import check_layer_groups
 from harness.engine.compatibility import layer_groups_of
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BudgetGroupSpec(FullAttentionSpec):
     """A full-attention layer's spec tagged with its budget group. Layers of two groups must land
