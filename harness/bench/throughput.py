@@ -484,8 +484,7 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
     lines += layer_group_lines(table)
     lines += recompute_lines(setting)
     for cell in setting.cells:
-        twin = Cell(cell.policy, cell.budget, cell.pool, cell.stock, cell.repeats, cell.trial,
-                    tensor_parallel_size=cell.tensor_parallel_size)
+        twin = replace(cell, prefix_caching=False)
         if cell.prefix_caching and {cell.name, twin.name} <= set(by_cell.index):
             on, off = by_cell.loc[cell.name], by_cell.loc[twin.name]
             lines.append(f"{cell.name}: {on['output_tok_s']:.1f} output tok/s vs {off['output_tok_s']:.1f} without the "
