@@ -237,8 +237,9 @@ class Engine:
         }
 
     def kv_cache_groups(self) -> list[list[str]] | None:
-        """The layer names of each KV cache group vLLM formed (``harness.engine.layer_groups``);
-        None when the engine core runs in another process."""
+        """The layer names of each KV cache group vLLM formed (``harness.engine.layer_groups``):
+        the in-process core's scheduler keeps its ``kv_cache_config`` (vllm/v1/engine/core.py:174,
+        vllm/v1/core/sched/scheduler.py:101); None when the engine core runs in another process."""
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         if core is None:
             return None
