@@ -295,6 +295,13 @@ def rank_shares(ranks: list[dict]) -> str | None:
                     for r in sorted(ranks, key=lambda r: r["rank"]))
 
 
+def same_configuration(table: pd.DataFrame, policy: str, budget, pool: str) -> pd.DataFrame:
+    """The table's cells of this policy, budget (full cache: none) and pool, any trial or engine
+    setup: what a cell run another way (two workers, G layer groups) is compared with."""
+    same_budget = (table["budget"] == budget) | (pd.isna(budget) & table["budget"].isna())
+    return table[(table["policy.name"] == policy) & (table["pool"] == pool) & same_budget]
+
+
 def tensor_parallel_lines(table: pd.DataFrame) -> list[str]:
     """Each cell under tensor parallelism against the same cell on one worker, trial by trial (the
     two run back to back): the median ratio of output tok/s and its range over trials."""
@@ -302,8 +309,8 @@ def tensor_parallel_lines(table: pd.DataFrame) -> list[str]:
     split = table[table["tensor_parallel_size"] > 1]
     for (policy, budget, pool, size), cells in split.groupby(["policy.name", "budget", "pool", "tensor_parallel_size"],
                                                              dropna=False):
-        ones = table[(table["policy.name"] == policy) & (table["pool"] == pool) & (table["tensor_parallel_size"] == 1)
-                     & ((table["budget"] == budget) | (pd.isna(budget) & table["budget"].isna()))].set_index("trial")
+        ones = same_configuration(table, policy, budget, pool)
+        ones = ones[ones["tensor_parallel_size"] == 1].set_index("trial")
         trials = sorted(set(cells["trial"]) & set(ones.index))
         if not trials:
             continue
@@ -332,9 +339,8 @@ def layer_group_lines(table: pd.DataFrame) -> list[str]:
     keys = ["policy.name", "budget", "pool", "tensor_parallel_size"]
     grouped = table[table["layer_groups"] > 1].groupby(keys + ["layer_groups"], dropna=False)
     for (policy, budget, pool, size, groups), cells in grouped:
-        ones = table[(table["layer_groups"] == 1) & (table["policy.name"] == policy) & (table["pool"] == pool)
-                     & (table["tensor_parallel_size"] == size)
-                     & ((table["budget"] == budget) | (pd.isna(budget) & table["budget"].isna()))].set_index("trial")
+        ones = same_configuration(table, policy, budget, pool)
+        ones = ones[(ones["layer_groups"] == 1) & (ones["tensor_parallel_size"] == size)].set_index("trial")
         mine = cells.set_index("trial")
         trials = sorted(set(mine.index) & set(ones.index))
         if not trials:
