@@ -9,6 +9,7 @@
     python experiments/throughput.py attention  # attention-aware policies and the learned scorer beside PagedEviction
     python experiments/throughput.py tensor_parallel  # the tiny Llama on two workers vs one, per-rank eviction time
     python experiments/throughput.py layer_groups  # full cache with the layers as 1, 3 and 6 KV cache groups
+    python experiments/throughput.py budget_schedules  # PagedEviction and SnapKV: one group vs three, uniform vs pyramid
     python experiments/throughput.py paper      # the paper's workload, on an NVIDIA GPU
 
 Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
@@ -87,6 +88,21 @@ TP_TRIALS = tuple(
 GROUP_TRIALS = tuple(
     Cell("full", pool="unlimited", repeats=2, trial=trial, layer_groups=groups)
     for trial in (1, 2, 3) for groups in (1, 3, 6)
+)
+
+# Per-layer budgets at equal total KV memory (issue 36): each evicting policy with one group, with
+# three at the uniform schedule (the per-step cost of evicting per group) and at the pyramid
+# schedule, full cache beside them; every configuration once per trial, back to back, on one pool
+# that holds every request at budget 256.
+SCHEDULE_TRIALS = tuple(
+    cell
+    for trial in (1, 2)
+    for cell in (
+        Cell("full", trial=trial),
+        *(Cell(policy, 256, trial=trial, layer_groups=groups, budget_schedule=schedule)
+          for policy in ("paged", "snapkv")
+          for groups, schedule in ((1, "uniform"), (3, "uniform"), (3, "pyramid"))),
+    )
 )
 
 # CPU workloads keep the paper's shape (decode-heavy, all requests at once, more of them than the
@@ -175,6 +191,16 @@ SETTINGS = {
             "the three engines back to back in each, two repeats per process.",
             Workload(requests=12, prompt_tokens=512, output_tokens=128),
             GROUP_TRIALS, baseline=GROUP_TRIALS[0],
+        ),
+        Setting(
+            "budget_schedules",
+            "PagedEviction and SnapKV at budget 256 with the model's 30 layers as one KV cache group, as "
+            "three at the uniform schedule, and as three at the pyramid schedule (PyramidKV's, beta 20: "
+            "the same total KV memory), full cache beside them, on one fixed pool that holds every "
+            "request at budget 256 (12 requests x 512 in x 256 out): what evicting per group costs per "
+            "step, and what the pyramid changes. Two trials, every configuration back to back in each.",
+            Workload(requests=12, prompt_tokens=512, output_tokens=256),
+            SCHEDULE_TRIALS, fixed_pool_budget=256, baseline=SCHEDULE_TRIALS[0],
         ),
         Setting(
             "paper",

@@ -63,6 +63,7 @@ class Cell:
     # GPU: CUDA graphs too); the harness's engines default to eager, which attention capture needs.
     enforce_eager: bool = True
     layer_groups: int = 1       # the layers as this many KV cache groups (harness.engine.layer_groups)
+    budget_schedule: str = "uniform"  # how the budget spreads over the groups (uniform, pyramid)
 
     @property
     def name(self) -> str:
@@ -71,6 +72,7 @@ class Cell:
         what += " compiled" if not self.enforce_eager else ""
         what += f" TP={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         what += f" G={self.layer_groups}" if self.layer_groups > 1 else ""
+        what += f" {self.budget_schedule}" if self.budget_schedule != "uniform" else ""
         return f"{what} / {self.pool} pool" + (f" #{self.trial}" if self.trial > 1 else "")
 
     @property
@@ -136,7 +138,7 @@ def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_pa
     if setting.gpu_memory_utilization is not None:
         spec["gpu_memory_utilization"] = setting.gpu_memory_utilization
     if cell.policy != "full":
-        spec["eviction"] = {"policy": cell.policy, "budget": cell.budget}
+        spec["eviction"] = {"policy": cell.policy, "budget": cell.budget, "budget_schedule": cell.budget_schedule}
     return spec
 
 
@@ -273,7 +275,7 @@ def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
             "evict_share": kv.get("evict_share_of_step"),
             "capture_share": kv.get("capture_share_of_step"),
             "tensor_parallel_size": cell.tensor_parallel_size, "enforce_eager": cell.enforce_eager,
-            "layer_groups": cell.layer_groups,
+            "layer_groups": cell.layer_groups, "budget_schedule": cell.budget_schedule,
             "evict_share_ranks": rank_shares(perf[-1].get("ranks") or []),
         })
     table = pd.DataFrame(rows)
@@ -337,8 +339,8 @@ def layer_group_lines(table: pd.DataFrame) -> list[str]:
 
     lines = []
     keys = ["policy.name", "budget", "pool", "tensor_parallel_size"]
-    grouped = table[table["layer_groups"] > 1].groupby(keys + ["layer_groups"], dropna=False)
-    for (policy, budget, pool, size, groups), cells in grouped:
+    grouped = table[table["layer_groups"] > 1].groupby(keys + ["layer_groups", "budget_schedule"], dropna=False)
+    for (policy, budget, pool, size, groups, schedule), cells in grouped:
         ones = same_configuration(table, policy, budget, pool)
         ones = ones[(ones["layer_groups"] == 1) & (ones["tensor_parallel_size"] == size)].set_index("trial")
         mine = cells.set_index("trial")
@@ -354,7 +356,8 @@ def layer_group_lines(table: pd.DataFrame) -> list[str]:
             else:
                 parts.append(f"{ratios[0]:.3f}x {label}")
         name = policy if policy == "full" else f"{policy} b{int(budget)}"
-        lines.append(f"{name} with G={int(groups)} layer groups vs one, over {len(trials)} back-to-back "
+        name += "" if schedule == "uniform" else f" at the {schedule} schedule"
+        lines.append(f"{name} with G={int(groups)} layer groups vs one (uniform), over {len(trials)} back-to-back "
                      f"trial{'s' if len(trials) > 1 else ''}: " + "; ".join(parts))
     return lines
 

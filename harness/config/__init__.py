@@ -18,7 +18,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
-from harness.eviction.settings import EvictionSettings, budget_for_ratio, check_compress, check_policy_runs, check_ratio
+from harness.eviction.settings import (PYRAMID_BETA, EvictionSettings, budget_for_ratio, check_compress,
+                                       check_policy_runs, check_ratio, check_schedule, group_policies)
 from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
@@ -92,6 +93,7 @@ class RunSettings:
     decode_eviction: bool = True       # False: compress the prompt only
     likelihood: bool = True            # also the teacher-forced measures (harness.run.likelihood)
     compress: str = "prompt"           # "context": evict at each prompt's context boundary (query-agnostic)
+    budget_schedule: str = "uniform"   # the budget over engine.layer_groups: uniform or pyramid
 
     @property
     def policy_budget(self) -> int:
@@ -106,6 +108,7 @@ class RunSettings:
         """``budget=512``, ``budget_ratio=0.5``, with `` prompt only`` when decode does not evict and
         `` context only`` when the context alone is compressed."""
         size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
+        size += "" if self.budget_schedule == "uniform" else f" {self.budget_schedule}"
         return size + ("" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only")
 
     @property
@@ -118,7 +121,7 @@ class RunSettings:
         if not self.evicts:
             return None
         return EvictionSettings(self.policy, self.budget, self.options, self.budget_ratio, self.decode_eviction,
-                                self.compress)
+                                self.compress, budget_schedule=self.budget_schedule)
 
     @property
     def label(self) -> str:
@@ -149,6 +152,8 @@ class RunSettings:
             identity["decode_eviction"] = False
         if self.evicts and self.compress != "prompt":
             identity["compress"] = self.compress
+        if self.evicts and self.budget_schedule != "uniform":
+            identity["budget_schedule"] = self.budget_schedule
         return identity
 
     @property
@@ -159,6 +164,7 @@ class RunSettings:
         else:
             label = f"{self.policy}_r{self.budget_ratio:g}" if self.budget_ratio is not None else f"{self.policy}_b{self.budget}"
             label += "" if self.decode_eviction else "_context" if self.compress == "context" else "_prompt"
+            label += "" if self.budget_schedule == "uniform" else f"_{self.budget_schedule}"
         return f"{label}_bs{self.block_size}_{digest}"
 
     @property
@@ -222,6 +228,7 @@ def typed(cfg: DictConfig) -> RunSettings:
             decode_eviction=resolved.get("decode_eviction", True),
             likelihood=resolved.get("likelihood", True),
             compress=resolved.get("compress", "prompt"),
+            budget_schedule=resolved.get("budget_schedule", "uniform"),
         )
     except TypeError as error:  # a required key missing from a config group
         raise ConfigError(f"incomplete config: {error}") from None
@@ -253,9 +260,13 @@ def check_run_layer_groups(run: RunSettings) -> None:
         check_layer_groups(groups, layers)
     except ValueError as error:
         raise ConfigError(f"engine.{error}") from None
-    if groups > 1 and run.evicts:
-        raise ConfigError(f"engine.layer_groups={groups} runs full cache only so far (evicting per group is not "
-                          f"built yet); policy {run.policy} needs engine.layer_groups=1")
+    if not run.evicts:
+        return
+    try:
+        check_schedule(run.budget_schedule, PYRAMID_BETA, "the run")
+        group_policies(run.eviction, run.block_size, layers or groups, groups)  # refused before a model loads
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check(run: RunSettings) -> None:
@@ -383,13 +394,15 @@ def check_memory(run: RunSettings) -> None:
     # policy state (scores of every head, windows of its own heads: counted whole per rank here).
     ranks = run.engine.tensor_parallel_size
     if run.engine.num_kv_blocks is not None:
-        pool = run.engine.num_kv_blocks * run.block_size * shape.kv_bytes_per_token
+        pool = run.engine.num_kv_blocks * run.block_size * shape.kv_bytes_per_token // run.engine.layer_groups
     elif run.engine.kv_cache_gib is not None:
         pool = int(run.engine.kv_cache_gib * 2**30) * ranks
     else:
         return
     policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)
-    memory = predict(policy, shape, run.engine.max_num_seqs, run.model.max_model_len, JOINT_READ_BYTES["cpu"])
+    groups = group_policies(replace(run.eviction, budget=run.policy_budget), run.block_size, shape.layers,
+                            run.engine.layer_groups)
+    memory = predict(policy, shape, run.engine.max_num_seqs, run.model.max_model_len, JOINT_READ_BYTES["cpu"], groups)
     available, need = available_memory(), weights + pool + memory.total * ranks
     if available is not None and need > available:
         per_rank = f" on each of {ranks} ranks" if ranks > 1 else ""

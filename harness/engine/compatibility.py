@@ -28,10 +28,6 @@ def layer_groups_of(vllm_config) -> int:
 def check_compatible(vllm_config) -> None:
     """Engine features eviction cannot coexist with, refused with the reason (before serving)."""
     cache = vllm_config.cache_config
-    groups = layer_groups_of(vllm_config)
-    if groups > 1:
-        raise ValueError(f"this engine splits its layers into layer_groups={groups} KV cache groups, which runs "
-                         "full cache only so far: evicting per group is not built yet")
     if not uses_eviction_scheduler(vllm_config.scheduler_config.scheduler_cls):
         raise ValueError(
             f"KV eviction needs its scheduler, got scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r}: "

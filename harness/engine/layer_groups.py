@@ -12,10 +12,11 @@ layer's ``FullAttentionSpec`` with its group (``BudgetGroupSpec``, made in the w
 one group's layers: the pool holds G times as many blocks in the same memory, and a request of n
 tokens holds G x ceil(n / block_size) of them.
 
-G = 1 leaves vLLM's specs untouched (today's engine, bit for bit). G > 1 runs full cache only so
-far: evicting per group (each group its own physical lengths and budget) is the next step of
-issue 36, and a request that asks to evict on such an engine is refused with that reason
-(``harness.engine.compatibility.check_compatible``: HTTP 400 under ``vllm serve``).
+G = 1 leaves vLLM's specs untouched (today's engine, bit for bit). With G > 1 every group evicts on
+its own: the scheduler keeps each group's block list and evicted count per request
+(``harness.engine.scheduler``), the worker each group's slot mapping, attention lengths, view,
+policy state and query window (``harness.engine.worker_patch``), and a request's budget is spread
+over the groups by its ``budget_schedule`` (``harness.eviction.settings.group_policies``).
 """
 from __future__ import annotations
 

@@ -181,14 +181,18 @@ class Engine:
 
         from harness.engine.backend_views import FlashAttnView
         from harness.eviction.memory import predict
-        from harness.eviction.settings import build_policy
+        from dataclasses import replace
+
+        from harness.eviction.settings import budget_for_ratio, build_policy, group_policies
         from harness.config.models import model_shape
 
         shape = model_shape(model_path, model.dtype)
         if shape is None:
             return utilization
+        budget = eviction.budget or budget_for_ratio(eviction.budget_ratio, model.max_model_len, block_size)
+        groups = group_policies(replace(eviction, budget=budget), block_size, shape.layers, engine.layer_groups)
         memory = predict(build_policy(eviction, block_size), shape, engine.max_num_seqs, model.max_model_len,
-                         FlashAttnView.joint_read_bytes)
+                         FlashAttnView.joint_read_bytes, groups)
         total = torch.cuda.mem_get_info()[1]
         shrunk = utilization - memory.total / total
         if shrunk < 0.1:

@@ -24,8 +24,9 @@ Everything is inert for requests that do not evict.
 from __future__ import annotations
 
 from harness.engine.llm import check_vllm_version
-from harness.engine.compatibility import check_compatible
-from harness.eviction.settings import CONFIG_KEY, build_policy, check_policy_runs, request_settings, settings_from
+from harness.engine.compatibility import check_compatible, layer_groups_of
+from harness.eviction.settings import (CONFIG_KEY, build_policy, check_policy_runs, group_policies, request_settings,
+                                       settings_from)
 
 
 def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = None) -> dict | None:
@@ -51,7 +52,11 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
             check_compatible(vllm_config)
             check_policy_runs(build_policy(settings, block_size), vllm_config.model_config.enforce_eager)
             if prompt_tokens is not None:
-                settings.for_prompt(prompt_tokens, block_size)
+                settings = settings.for_prompt(prompt_tokens, block_size)
+            # the budget spread over the engine's layer groups (a schedule that cannot apply is refused here)
+            groups = layer_groups_of(vllm_config)
+            group_policies(settings, block_size, getattr(vllm_config.model_config.hf_text_config,
+                                                         "num_hidden_layers", groups), groups)
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 

@@ -78,18 +78,21 @@ class QueryCapture:
             self.owners.append((request_id, take, size))
         self.rows = torch.cat(rows).to(device)
 
-    def absorb(self, state: PolicyState) -> float:
-        """Hand this step's copies to each request's window; returns the seconds this step spent
-        capturing (the hooks' copies and this)."""
+    def absorb(self, states: list[PolicyState], group_layers: list[list[int]]) -> float:
+        """Hand this step's copies to each request's window, in each KV cache group's state its own
+        layers (``group_layers``: positions in layer order; one group: every layer); returns the
+        seconds this step spent capturing (the hooks' copies and this)."""
         if self.rows is None:
             return 0.0
         started = time.perf_counter()
         if any(copy is None for copy in self.copies):
             raise RuntimeError("an attention layer ran without capturing the queries planned for it")
         step = torch.stack(self.copies)  # [layers, rows, heads, dim]
+        parts = [step] if len(states) == 1 else [step[layers] for layers in group_layers]
         offset = 0
         for request_id, count, size in self.owners:
-            state.observe(request_id, step[:, offset : offset + count], size)
+            for state, part in zip(states, parts):
+                state.observe(request_id, part[:, offset : offset + count], size)
             offset += count
         self.rows, self.owners, self.copies = None, [], [None] * len(self.modules)
         seconds, self.seconds = self.seconds + time.perf_counter() - started, 0.0

@@ -61,9 +61,9 @@ from harness.eviction.evictor import cdiv, compaction_positions, kept_tokens, ph
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
-from harness.engine.compatibility import check_compatible
-from harness.eviction.settings import (EvictionSettings, build_policy, check_policy_runs, request_settings,
-                                       settings_from)
+from harness.engine.compatibility import check_compatible, layer_groups_of
+from harness.eviction.settings import (EvictionSettings, build_policy, check_policy_runs, group_policies,
+                                       request_settings, settings_from)
 from policies import BlockPolicy, Policy
 
 
@@ -74,13 +74,18 @@ class Ledger:
 
     policy_name: str | None
     budget: int | None = None
-    evicted: dict[str, int] = field(default_factory=dict)  # live requests' evicted tokens (state)
+    # live requests' evicted tokens, one count per KV cache group (state)
+    evicted: dict[str, list[int]] = field(default_factory=dict)
     pool_blocks: int = 0
     steps: int = 0
     used_blocks_sum: int = 0
     used_blocks_peak: int = 0
     running_peak: int = 0
-    decode_blocks_peak: int = 0  # most blocks any request held while generating
+    decode_blocks_peak: int = 0  # most blocks any request held while generating (every group's)
+    groups: int = 1  # KV cache groups (engine.layer_groups)
+    # With several groups: per group, the most blocks an evicting request held there while generating
+    # (each group evicts by its own budget).
+    evicting_group_blocks_peak: list[int] = field(default_factory=list)
     totals: EvictionCounters = field(default_factory=EvictionCounters)
     # The worker's time per step (report): eviction work including query counting outside evictions,
     # the model, and the query-window copy inside the model's time.
@@ -92,7 +97,8 @@ class Ledger:
     def reset_measurements(self) -> None:
         """Start counting afresh (between repeats of a benchmark on one engine); the live
         requests' evicted counts are state, not measurements, and stay."""
-        fresh = Ledger(self.policy_name, self.budget, evicted=self.evicted, pool_blocks=self.pool_blocks)
+        fresh = Ledger(self.policy_name, self.budget, evicted=self.evicted, pool_blocks=self.pool_blocks,
+                       groups=self.groups)
         self.__dict__.update(fresh.__dict__)
 
     def add_step(self, report) -> None:
@@ -125,6 +131,9 @@ class Ledger:
             "capture_s": self.capture_s,
             "capture_share_of_step": self.capture_s / self.model_s if self.model_s else 0.0,
             "policy_state_bytes_peak": self.state_bytes_peak,
+            # only with several groups, so that one group's records keep their keys
+            **({"kv_cache_groups": self.groups, "evicting_group_blocks_peak": self.evicting_group_blocks_peak}
+               if self.groups > 1 else {}),
         }
 
 
@@ -181,39 +190,42 @@ class PhysicalLengthManager(FullAttentionManager):
     request needs after the eviction.
     """
 
-    kv_evicted: dict[str, int]
     kv_scheduler: "EvictionScheduler"
+    kv_group: int  # its KV cache group (several with engine.layer_groups: each its own count)
 
     def _physical(self, request_id: str, num_tokens: int) -> int:
-        expected = self.kv_scheduler.kv_expected.get(request_id)
+        expected = self.kv_scheduler.kv_expected.get((request_id, self.kv_group))
         surplus = expected.surplus * self.block_size if expected is not None else 0
-        return num_tokens - self.kv_evicted.get(request_id, 0) + surplus
+        return num_tokens - self.kv_scheduler.evicted(request_id, self.kv_group) + surplus
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, apply_admission_cap: bool = False, **kwargs):
         if apply_admission_cap:
             # vLLM's admission gate: can the whole sequence fit (vllm/v1/core/kv_cache_manager.py:522-538,
             # sched/scheduler.py:3060-3076)? An evicting request never holds more than its peak.
-            num_tokens = self.kv_scheduler.peak_tokens(request_id, num_tokens)
+            num_tokens = self.kv_scheduler.peak_tokens(request_id, num_tokens, self.kv_group)
         blocks = super().get_num_blocks_to_allocate(request_id, self._physical(request_id, num_tokens), *args,
                                                     apply_admission_cap=apply_admission_cap, **kwargs)
-        return blocks + len(self.kv_scheduler.copy_targets(request_id, num_tokens))
+        return blocks + len(self.kv_scheduler.copy_targets(request_id, num_tokens, self.kv_group))
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         blocks = super().allocate_new_blocks(
             request_id, self._physical(request_id, num_tokens), self._physical(request_id, num_tokens_main_model)
         )
-        targets = self.kv_scheduler.copy_targets(request_id, num_tokens)
+        targets = self.kv_scheduler.copy_targets(request_id, num_tokens, self.kv_group)
         if targets:
             # Counted above, so vLLM's admission check covered them. They stay out of the request's
             # block list (whose row in the worker's block table holds max_model_len's blocks at
             # most) until the eviction makes them part of it.
-            self.kv_scheduler.kv_planned_targets[request_id] = (targets, self.block_pool.get_new_blocks(len(targets)))
+            self.kv_scheduler.kv_planned_targets[(request_id, self.kv_group)] = (
+                targets, self.block_pool.get_new_blocks(len(targets)))
         return blocks
 
     def cache_blocks(self, request, *args, **kwargs):
         # After its first eviction a request's physical blocks no longer hold what the logical
-        # block hashes describe: nothing more of it is registered (single_type_kv_cache_manager.py:476).
-        if self.kv_evicted.get(request.request_id) or request.request_id in self.kv_scheduler.kv_uncached:
+        # block hashes describe: nothing more of it is registered (single_type_kv_cache_manager.py:476),
+        # in any group (a prefix hit must hold in every group: kv_cache_coordinator.py:796-931).
+        if any(self.kv_scheduler.kv_ledger.evicted.get(request.request_id, ())) or \
+                request.request_id in self.kv_scheduler.kv_uncached:
             return
         super().cache_blocks(request, *args, **kwargs)
 
@@ -240,28 +252,35 @@ class EvictionScheduler(Scheduler):
         default = self.kv_settings
         self.kv_ledger = Ledger(default.policy if default else None, default.budget if default else None)
         self.kv_ledger.pool_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # minus null block
+        self.kv_ledger.groups = len(self.kv_cache_manager.coordinator.single_type_managers)
         self.kv_request_settings: dict[str, EvictionSettings] = {}  # live requests that evict
         self.kv_request_counters: OrderedDict[str, RequestCounters] = OrderedDict()
-        self.kv_policies: dict[tuple, Policy] = {}
+        self.kv_policies: dict[tuple, tuple[Policy, ...]] = {}  # one per group
+        self.kv_whole_policies: dict[tuple, Policy] = {}
+        # Per (request, KV cache group): one group, or G with engine.layer_groups, each its own
+        # block list, evicted count and budget (harness.engine.layer_groups).
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        self.kv_groups = len(managers)
+        self.kv_layers = sum(len(group.layer_names) for group in self.kv_cache_config.kv_cache_groups)
         # Copy targets allocated by this schedule() (positions, blocks), then held for its step.
-        self.kv_planned_targets: dict[str, tuple[tuple[int, ...], list]] = {}
-        self.kv_expected: dict[str, Expected] = {}  # scheduled evictions not reported yet
-        self.kv_abandoned: set[tuple[str, int]] = set()  # (request, step): freed before its report came
+        self.kv_planned_targets: dict[tuple[str, int], tuple[tuple[int, ...], list]] = {}
+        self.kv_expected: dict[tuple[str, int], Expected] = {}  # scheduled evictions not reported yet
+        self.kv_abandoned: set[tuple[str, int, int]] = set()  # (request, group, step): freed before its report came
         self.kv_step = 0
         # Evicting requests kept out of the prefix cache: their copies could not fit in the pool.
         self.kv_uncached: set[str] = set()
         self.kv_released: set[str] = set()  # freed since the last plan
         self.kv_unsupported = self._unsupported_reason()
         if self.kv_unsupported is None:
-            manager = self.kv_cache_manager.coordinator.single_type_managers[0]
-            manager.__class__ = PhysicalLengthManager  # this engine's manager only, same state
-            manager.kv_evicted = self.kv_ledger.evicted
-            manager.kv_scheduler = self
+            for group, manager in enumerate(managers):
+                manager.__class__ = PhysicalLengthManager  # this engine's managers only, same state
+                manager.kv_scheduler = self
+                manager.kv_group = group
             self._cap_replayed_cache_hits()
         if default is not None:
             if self.kv_unsupported is not None:
                 raise ValueError(self.kv_unsupported)
-            self.policy_for(default)  # fail here, not at the first eviction
+            self.group_policies(default)  # fail here, not at the first eviction
 
     def _unsupported_reason(self) -> str | None:
         try:
@@ -269,18 +288,37 @@ class EvictionScheduler(Scheduler):
         except ValueError as error:
             return str(error)
         managers = self.kv_cache_manager.coordinator.single_type_managers
-        if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
-            return ("KV eviction supports models with one full-attention KV cache group; this model has "
-                    f"{[type(m).__name__ for m in managers]}")
+        # Full-attention groups only: one, or the engine's layer groups (harness.engine.layer_groups).
+        if len(managers) != layer_groups_of(self.vllm_config) or any(type(m) is not FullAttentionManager for m in managers):
+            return ("KV eviction supports models whose every layer is full attention (one KV cache group, or "
+                    f"engine.layer_groups of them); this model has {[type(m).__name__ for m in managers]}")
         return None
 
     def policy_for(self, settings: EvictionSettings) -> Policy:
-        policy = self.kv_policies.get(settings.key)
+        """The policy of the settings' whole budget (what is the same in every group: its kind,
+        window, phases); each group's own budget is ``group_policy``'s."""
+        policy = self.kv_whole_policies.get(settings.key)
         if policy is None:
-            policy = build_policy(settings, self.kv_block_size)
-            check_policy_runs(policy, self.vllm_config.model_config.enforce_eager)
-            self.kv_policies[settings.key] = policy
+            policy = self.group_policy(settings, 0) if self.kv_groups == 1 else build_policy(settings, self.kv_block_size)
+            self.kv_whole_policies[settings.key] = policy
         return policy
+
+    def group_policies(self, settings: EvictionSettings) -> tuple[Policy, ...]:
+        policies = self.kv_policies.get(settings.key)
+        if policies is None:
+            policies = group_policies(settings, self.kv_block_size, self.kv_layers, self.kv_groups)
+            for policy in {id(policy): policy for policy in policies}.values():
+                check_policy_runs(policy, self.vllm_config.model_config.enforce_eager)
+            self.kv_policies[settings.key] = policies
+        return policies
+
+    def group_policy(self, settings: EvictionSettings, group: int) -> Policy:
+        return self.group_policies(settings)[group]
+
+    def evicted(self, request_id: str, group: int) -> int:
+        """A request's evicted tokens in one KV cache group (logical minus physical length)."""
+        counts = self.kv_ledger.evicted.get(request_id)
+        return counts[group] if counts else 0
 
     def add_request(self, request) -> None:
         # The frontend refuses bad settings with HTTP 400 (``plugin.check_request``); this is the
@@ -292,7 +330,7 @@ class EvictionScheduler(Scheduler):
             settings = settings.for_prompt(request.num_prompt_tokens, self.kv_block_size)
             if self.kv_unsupported is not None:
                 raise ValueError(f"request {request.request_id} asks for KV eviction: {self.kv_unsupported}")
-            self.policy_for(settings)
+            self.group_policies(settings)
             self.kv_request_settings[request.request_id] = settings
             self._counters(request.request_id, settings)
             if self.cache_config.enable_prefix_caching and not self._copies_fit(request, settings):
@@ -304,12 +342,13 @@ class EvictionScheduler(Scheduler):
         need (after prefill: the prompt and its kept tokens; in decode: budget + block and the
         budget again). A request for which it cannot never takes or leaves anything in the
         prefix cache, so it compacts in place, like an engine without prefix caching; otherwise
-        it would wait, or preempt itself, forever."""
-        policy = self.policy_for(settings)
+        it would wait, or preempt itself, forever. Every group's blocks count (each its own budget)."""
         blocks = self.kv_block_size
         prompt = settings.eviction_point(request.num_prompt_tokens)
-        need = cdiv(prompt, blocks) + cdiv(policy.prefill_keep_count(prompt), blocks)
-        need = max(need, cdiv(policy.budget + blocks, blocks) + cdiv(policy.budget, blocks))
+        need = 0
+        for policy in self.group_policies(settings):
+            need += max(cdiv(prompt, blocks) + cdiv(policy.prefill_keep_count(prompt), blocks),
+                        cdiv(policy.budget + blocks, blocks) + cdiv(policy.budget, blocks))
         capacity = self.kv_ledger.pool_blocks - self.kv_cache_manager.watermark_blocks
         return need <= capacity
 
@@ -352,17 +391,17 @@ class EvictionScheduler(Scheduler):
         context under ``compress=context``."""
         return self.kv_request_settings[request.request_id].eviction_point(request.num_prompt_tokens)
 
-    def peak_tokens(self, request_id: str, num_tokens: int) -> int:
+    def peak_tokens(self, request_id: str, num_tokens: int, group: int = 0) -> int:
         """The most tokens a request of ``num_tokens`` logical tokens holds at once, as its
         evictions leave it: its whole prompt (or context) at the eviction point, then what prefill
         eviction kept plus the tokens after it, which decode eviction holds to one block past the
         budget. A preempted request that replays many outputs would otherwise never pass vLLM's
-        admission gate."""
+        admission gate. (Per KV cache group: each its own budget.)"""
         settings = self.kv_request_settings.get(request_id)
         request = self.requests.get(request_id)
-        if settings is None or request is None or self.kv_ledger.evicted.get(request_id):
+        if settings is None or request is None or any(self.kv_ledger.evicted.get(request_id, ())):
             return num_tokens
-        policy = self.policy_for(settings)
+        policy = self.group_policy(settings, group)
         prompt = self.eviction_point(request)
         if num_tokens <= prompt or not policy.evicts:
             return num_tokens
@@ -371,7 +410,7 @@ class EvictionScheduler(Scheduler):
             after = min(after, max(policy.budget + self.kv_block_size, policy.prefill_keep_count(prompt)))
         return min(num_tokens, max(prompt, after))
 
-    def copy_targets(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+    def copy_targets(self, request_id: str, num_tokens: int, group: int = 0) -> tuple[int, ...]:
         """Positions of the blocks a compaction due when this request reaches ``num_tokens``
         tokens would write but must not: registered in the prefix cache (or to be registered
         by this very allocation: ``allocate_slots`` caches the step's full blocks) or shared."""
@@ -380,8 +419,8 @@ class EvictionScheduler(Scheduler):
         if settings is None or request is None or not self.cache_config.enable_prefix_caching or \
                 request_id in self.kv_uncached:
             return ()
-        policy = self.policy_for(settings)
-        evicted = self.kv_ledger.evicted.get(request_id, 0)
+        policy = self.group_policy(settings, group)
+        evicted = self.evicted(request_id, group)
         phase = phase_due(policy, self.eviction_point(request), request.num_computed_tokens, num_tokens, evicted)
         if phase is None or (phase == "decode" and isinstance(policy, BlockPolicy)):
             return ()  # nothing written (a block eviction only drops a block)
@@ -389,7 +428,7 @@ class EvictionScheduler(Scheduler):
         if phase == "prefill" and kept == num_tokens:
             return ()
         registering = num_tokens // self.kv_block_size if not evicted else 0
-        held = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(request_id, [])
+        held = self.kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks.get(request_id, [])
         return tuple(
             position for position in range(cdiv(kept, self.kv_block_size))
             if position < registering or (position < len(held) and (
@@ -449,9 +488,9 @@ class EvictionScheduler(Scheduler):
         attach(output, PLAN_ATTRIBUTE, EvictionPlan(
             default=self.kv_settings,
             settings=settings,
-            evicted_tokens={rid: ledger.evicted[rid] for rid in scheduled if rid in ledger.evicted},
-            copy_targets={rid: tuple(zip(positions, (b.block_id for b in blocks)))
-                          for rid, (positions, blocks) in planned.items()},
+            evicted_tokens={rid: tuple(ledger.evicted[rid]) for rid in scheduled if rid in ledger.evicted},
+            copy_targets={key: tuple(zip(positions, (b.block_id for b in blocks)))
+                          for key, (positions, blocks) in planned.items()},
             released=released,
             step=self.kv_step,
         ))
@@ -465,8 +504,11 @@ class EvictionScheduler(Scheduler):
             groups = [manager.req_to_blocks for manager in self.kv_cache_manager.coordinator.single_type_managers]
             for request in self.running:
                 if request.num_computed_tokens > request.num_prompt_tokens:  # generating, not prefilling
-                    blocks = sum(len(held.get(request.request_id, ())) for held in groups)
-                    ledger.decode_blocks_peak = max(ledger.decode_blocks_peak, blocks)
+                    blocks = [len(held.get(request.request_id, ())) for held in groups]
+                    ledger.decode_blocks_peak = max(ledger.decode_blocks_peak, sum(blocks))
+                    if ledger.groups > 1 and request.request_id in self.kv_request_settings:
+                        peaks = ledger.evicting_group_blocks_peak or [0] * ledger.groups
+                        ledger.evicting_group_blocks_peak = [max(a, b) for a, b in zip(peaks, blocks)]
         # after the step's blocks were counted: the step uses the blocks its evictions leave
         self._expect_evictions(settings, scheduled, planned)
         return output
@@ -475,31 +517,33 @@ class EvictionScheduler(Scheduler):
         """Count the evictions this plan schedules as done (the plan itself carries the counts
         from before them: the worker evicts after the step's model pass), and give back at once
         the blocks a compaction leaves: the worker reads them in this step, which runs before
-        any later step can write them (one worker, one stream, steps in order)."""
+        any later step can write them (one worker, one stream, steps in order). Each KV cache
+        group evicts by its own budget and count."""
         for request_id, request_settings in settings.items():
             request = self.requests[request_id]
-            policy = self.policy_for(request_settings)
-            evicted = self.kv_ledger.evicted.get(request_id, 0)
             after = request.num_computed_tokens  # vLLM advanced it by this step's tokens (_update_after_schedule)
-            phase = phase_due(policy, self.eviction_point(request), after - scheduled[request_id], after, evicted)
-            if phase is None:
-                continue
-            if request_id in self.kv_expected:
-                raise RuntimeError(f"request {request_id} is due to evict before its last eviction was reported")
-            positions, copies = planned.get(request_id, ((), []))
-            expected = expected_eviction(policy, phase, after - evicted, tuple(positions), self.kv_step)
-            if expected.kept == tuple(range(expected.source_blocks)) and expected.evicted_tokens == 0:
-                continue  # nothing changes: the worker reports nothing
-            self.kv_expected[request_id] = expected
-            self.kv_ledger.evicted[request_id] = evicted + expected.evicted_tokens
-            if expected.kept is not None:
-                self._reshape(request_id, expected.source_blocks, list(copies), expected.kept)
+            for group, policy in enumerate(self.group_policies(request_settings)):
+                evicted = self.evicted(request_id, group)
+                phase = phase_due(policy, self.eviction_point(request), after - scheduled[request_id], after, evicted)
+                if phase is None:
+                    continue
+                key = (request_id, group)
+                if key in self.kv_expected:
+                    raise RuntimeError(f"request {request_id} is due to evict before its last eviction was reported")
+                positions, copies = planned.get(key, ((), []))
+                expected = expected_eviction(policy, phase, after - evicted, tuple(positions), self.kv_step)
+                if expected.kept == tuple(range(expected.source_blocks)) and expected.evicted_tokens == 0:
+                    continue  # nothing changes: the worker reports nothing
+                self.kv_expected[key] = expected
+                self.kv_ledger.evicted.setdefault(request_id, [0] * self.kv_groups)[group] = evicted + expected.evicted_tokens
+                if expected.kept is not None:
+                    self._reshape(request_id, group, expected.source_blocks, list(copies), expected.kept)
 
-    def _reshape(self, request_id: str, source_blocks: int, copies: list, kept: tuple[int, ...]) -> None:
-        """The request's block list becomes its kept positions among its first ``source_blocks``
-        blocks and then ``copies`` (as the worker reshapes its own), followed by any blocks
-        allocated since; the others go back to the pool."""
-        blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[request_id]
+    def _reshape(self, request_id: str, group: int, source_blocks: int, copies: list, kept: tuple[int, ...]) -> None:
+        """The request's block list in ``group`` becomes its kept positions among its first
+        ``source_blocks`` blocks and then ``copies`` (as the worker reshapes its own), followed by
+        any blocks allocated since; the others go back to the pool."""
+        blocks = self.kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks[request_id]
         held, later = blocks[:source_blocks] + copies, blocks[source_blocks:]
         keep = set(kept)
         victims = [block for position, block in enumerate(held) if position not in keep]
@@ -515,9 +559,9 @@ class EvictionScheduler(Scheduler):
                 "process; check VLLM_PLUGINS and that the harness is installed in this environment)",
             )
             self.kv_ledger.add_step(report)
-            for request_id, eviction in report.evictions.items():
-                self._settle(request_id, eviction, plan.step)
-            for request_id, expected in list(self.kv_expected.items()):
+            for (request_id, group), eviction in report.evictions.items():
+                self._settle(request_id, group, eviction, plan.step)
+            for (request_id, _), expected in list(self.kv_expected.items()):
                 if expected.step == plan.step and self._live(request_id):
                     raise EvictionNotActiveError(
                         f"the worker did not evict request {request_id}, whose eviction step {plan.step} scheduled")
@@ -537,12 +581,13 @@ class EvictionScheduler(Scheduler):
             ledger.totals.preempted_after_eviction += 1
             if request_id in self.kv_request_counters:
                 self.kv_request_counters[request_id].preempted_after_eviction += 1
-        expected = self.kv_expected.pop(request_id, None)
-        if expected is not None:  # its blocks go whole: the late report of that eviction changes nothing
-            self.kv_abandoned.add((request_id, expected.step))
-        planned = self.kv_planned_targets.pop(request_id, None)  # preempted by the same schedule()
-        if planned is not None:
-            self.kv_cache_manager.block_pool.free_blocks(planned[1])
+        for group in range(self.kv_groups):
+            expected = self.kv_expected.pop((request_id, group), None)
+            if expected is not None:  # its blocks go whole: the late report of that eviction changes nothing
+                self.kv_abandoned.add((request_id, group, expected.step))
+            planned = self.kv_planned_targets.pop((request_id, group), None)  # preempted by the same schedule()
+            if planned is not None:
+                self.kv_cache_manager.block_pool.free_blocks(planned[1])
         if request_id in self.kv_request_settings:
             self.kv_released.add(request_id)
             if request.is_finished():
@@ -550,13 +595,14 @@ class EvictionScheduler(Scheduler):
                 self.kv_uncached.discard(request_id)
         super()._free_request_blocks(request)
 
-    def _settle(self, request_id: str, eviction, step: int) -> None:
-        """A reported eviction: checked against what its plan expected; a block policy's victim
-        goes back to the pool now (the blocks allocated since stay after the kept ones)."""
-        if (request_id, step) in self.kv_abandoned:  # finished or preempted since: its blocks were freed whole
-            self.kv_abandoned.discard((request_id, step))
+    def _settle(self, request_id: str, group: int, eviction, step: int) -> None:
+        """A reported eviction (of one KV cache group): checked against what its plan expected; a
+        block policy's victim goes back to the pool now (the blocks allocated since stay after the
+        kept ones)."""
+        if (request_id, group, step) in self.kv_abandoned:  # finished or preempted since: its blocks were freed whole
+            self.kv_abandoned.discard((request_id, group, step))
             return
-        expected = self.kv_expected.pop(request_id, None)
+        expected = self.kv_expected.pop((request_id, group), None)
         if expected is None or expected.step != step:
             raise RuntimeError(f"request {request_id} evicted at step {step}, which scheduled no eviction for it")
         if not expected.matches(eviction):
@@ -564,7 +610,7 @@ class EvictionScheduler(Scheduler):
                                f"blocks {eviction.kept_blocks} of {eviction.held_blocks}; the plan expected {expected}")
         released = eviction.held_blocks - len(eviction.kept_blocks)
         if expected.kept is None and self._live(request_id):
-            self._reshape(request_id, expected.source_blocks, [], eviction.kept_blocks)
+            self._reshape(request_id, group, expected.source_blocks, [], eviction.kept_blocks)
         ledger = self.kv_ledger
         for counters in (ledger.totals, self._counters(request_id, self.kv_request_settings[request_id])):
             counters.record(eviction, released_blocks=released, copy_target_blocks=expected.copies)

@@ -7,7 +7,9 @@
 * After vLLM prepares a step's inputs, attention ``seq_lens`` / ``max_seq_len`` and the slot
   mapping become physical (logical minus the request's evicted tokens, from the scheduler's
   ``EvictionPlan``). RoPE positions, input-id gathering and the sampled-token discard mask stay
-  logical.
+  logical. With several KV cache groups (``engine.layer_groups``) each group has its own evicted
+  count: its own slot mapping, and, where the groups' counts differ, its own ``seq_lens``, handed
+  to its attention metadata builder (``GroupLengths``).
 * For requests whose policy reads attention, the step's query rows are planned here and copied
   by hooks on the attention layers as the model runs (``query_capture``), then added to each
   request's window once the step is done.
@@ -26,6 +28,7 @@ builds positions and seq_lens in one Triton kernel and is refused, see ``setting
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import time
@@ -42,32 +45,41 @@ from harness.engine.query_capture import QueryCapture
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
 )
-from harness.eviction.settings import CONFIG_KEY, EvictionSettings, build_policy, settings_from
+from harness.eviction.settings import CONFIG_KEY, EvictionSettings, group_policies, settings_from
 from harness.engine.compatibility import SCHEDULER_CLS, check_compatible
 from policies import Policy
 
 
 class WorkerEviction:
-    """A runner's default eviction settings, its policies (one per distinct settings a request
-    brought) and a view of its KV cache."""
+    """A runner's default eviction settings, its policies (per distinct settings a request
+    brought, one per KV cache group) and a view of each group's layers of its KV cache."""
 
     def __init__(self, runner, settings: EvictionSettings | None):
         self.settings = settings
         self.block_size = runner.cache_config.block_size
-        self.policies: dict[tuple, Policy] = {}
+        self.policies: dict[tuple, tuple[Policy, ...]] = {}
         self.backend = self.view = self.capture = None
+        self.views: list[KVView] = []
+        self.group_layers: list[list[int]] = []
         self.unsupported = None  # why this runner cannot evict, if it cannot
-        self.policy_state = PolicyState()  # per-request policy state: cached scores, totals, query windows
+        self.groups = max(1, len(runner.attn_groups))
+        # Per group: each request's policy state (cached scores, totals, query windows).
+        self.policy_states = [PolicyState() for _ in range(self.groups)]
+        self.policy_state = self.policy_states[0]
+        self.lengths = GroupLengths(runner) if self.groups > 1 else None
         self.shards = SINGLE
+        self.compiled_cuda = runner.device.type == "cuda" and not runner.model_config.enforce_eager
         # This rank's own seconds (the scheduler sees rank 0's reports only): model steps that
         # evicted or captured, evictions, query capture; read through the worker extension.
         self.seconds = {"model_s": 0.0, "evict_s": 0.0, "capture_s": 0.0}
         try:
             check_compatible(runner.vllm_config)
-            self.backend, self.view = kv_view_of(runner, self.block_size)
+            self.backend, self.views, self.group_layers = kv_views_of(runner, self.block_size)
+            self.view = self.views[0]
             self.shards = head_shards(runner, self.view.num_heads)
             self.capture = QueryCapture(runner, attention_layers(runner))
-            self.policy_state.scales = self.capture.scales
+            for policy_state, layers in zip(self.policy_states, self.group_layers):
+                policy_state.scales = [self.capture.scales[layer] for layer in layers]
         except (ValueError, UnsupportedLayoutError) as error:
             if settings is not None:
                 raise
@@ -76,14 +88,21 @@ class WorkerEviction:
             self.policy_for(settings)
         self.device = runner.device
 
-    def policy_for(self, settings: EvictionSettings) -> Policy:
-        policy = self.policies.get(settings.key)
-        if policy is None:
-            policy = build_policy(settings, self.block_size)
-            if policy.query_window and self.capture is not None and self.capture.unsupported:
+    def policy_for(self, settings: EvictionSettings) -> tuple[Policy, ...]:
+        """The settings' policy in each KV cache group (each its own share of the budget)."""
+        policies = self.policies.get(settings.key)
+        if policies is None:
+            layers = sum(view.num_layers for view in self.views) or self.groups
+            policies = group_policies(settings, self.block_size, layers, self.groups)
+            if len({policy.budget for policy in policies}) > 1 and self.compiled_cuda:
+                # Full CUDA graphs replay the seq_lens buffer they captured (layer_groups_verification.md
+                # B5.6); a group's own lengths would not reach them.
+                raise EvictionNotActiveError(f"budget_schedule={settings.budget_schedule} gives the layer groups "
+                                             "different lengths, which CUDA graphs do not follow: run with enforce_eager")
+            if policies[0].query_window and self.capture is not None and self.capture.unsupported:
                 raise EvictionNotActiveError(f"{settings.policy} cannot run on this engine: {self.capture.unsupported}")
-            self.policies[settings.key] = policy
-        return policy
+            self.policies[settings.key] = policies
+        return policies
 
     def synchronize(self) -> None:
         """Timings of GPU work mean something only once the queued kernels have run."""
@@ -91,20 +110,36 @@ class WorkerEviction:
             torch.cuda.synchronize(self.device)
 
 
-def kv_view_of(runner, block_size: int) -> tuple[str, KVView]:
-    """The attention backend's exact name and a view of the runner's KV cache through it."""
+def kv_views_of(runner, block_size: int) -> tuple[str, list[KVView], list[list[int]]]:
+    """The attention backend's exact name, a view, through it, of each KV cache group's layers
+    of the runner's KV cache (one group, or ``engine.layer_groups`` of contiguous layers), and
+    each group's layers as positions in layer order. A block
+    id means a slot in its own group's layers only: the groups' tensors alias one buffer
+    (layer_groups_verification.md A5), so a view must never mix them."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
     groups = runner.attn_groups
-    if len(groups) != 1 or len(groups[0]) != 1:
-        raise ValueError(f"KV eviction supports one attention group; this model has {sum(map(len, groups))}")
-    group = groups[0][0]
-    if group.kernel_block_size not in (None, block_size):
-        raise ValueError("KV eviction needs kernel blocks equal to the KV manager's blocks")
-    # CPU_ATTN's metadata builder sets ``layer.isa`` on every attention layer
-    # (vllm/v1/attention/backends/cpu_attn.py:169-176); other backends have none.
+    if any(len(attention_groups) != 1 for attention_groups in groups):
+        raise ValueError(f"KV eviction supports one attention group per KV cache group; this model has "
+                         f"{[len(attention_groups) for attention_groups in groups]}")
+    # runner.kv_caches is in layer order (vllm/v1/worker/utils.py:844-858)
+    order = sorted((name for attention_groups in groups for name in attention_groups[0].layer_names),
+                   key=extract_layer_index)
+    position = {name: index for index, name in enumerate(order)}
     context = runner.compilation_config.static_forward_context
-    isa = getattr(context[group.layer_names[0]], "isa", None)
-    backend = group.backend.get_name()
-    return backend, make_view(backend, list(runner.kv_caches), isa)
+    backend, views, group_layers = None, [], []
+    for attention_groups in groups:
+        group = attention_groups[0]
+        if group.kernel_block_size not in (None, block_size):
+            raise ValueError("KV eviction needs kernel blocks equal to the KV manager's blocks")
+        # CPU_ATTN's metadata builder sets ``layer.isa`` on every attention layer
+        # (vllm/v1/attention/backends/cpu_attn.py:169-176); other backends have none.
+        isa = getattr(context[group.layer_names[0]], "isa", None)
+        backend = group.backend.get_name()
+        layers = sorted(position[name] for name in group.layer_names)
+        views.append(make_view(backend, [runner.kv_caches[index] for index in layers], isa))
+        group_layers.append(layers)
+    return backend, views, group_layers
 
 
 def head_shards(runner, local_heads: int) -> HeadShards:
@@ -141,7 +176,7 @@ def attention_layers(runner) -> list:
     ``vllm/v1/worker/utils.py:844-858``), so window layer i is view layer i."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    names = sorted(runner.attn_groups[0][0].layer_names, key=extract_layer_index)
+    names = sorted((name for groups in runner.attn_groups for name in groups[0].layer_names), key=extract_layer_index)
     context = runner.compilation_config.static_forward_context
     return [context[name] for name in names]
 
@@ -181,23 +216,82 @@ def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
             f"the scheduler's default eviction is {plan.default} but this worker was configured with {state.settings}")
     if plan.settings and state.unsupported is not None:
         raise EvictionNotActiveError(f"a request asks for KV eviction but this worker cannot evict: {state.unsupported}")
-    state.policy_state.forget(plan.released)
+    for policy_state in state.policy_states:
+        policy_state.forget(plan.released)
     evicted = plan.evicted_tokens
     if not evicted:
         return
     batch = runner.input_batch
     num_reqs = batch.num_reqs
-    counts = np.array([evicted.get(rid, 0) for rid in batch.req_ids[:num_reqs]], dtype=np.int64)
+    counts = np.zeros((num_reqs, state.groups), dtype=np.int64)  # per request, per KV cache group
+    for row, rid in enumerate(batch.req_ids[:num_reqs]):
+        counts[row] = evicted.get(rid, 0)
     if not counts.any():
         return
-    counts_cpu = torch.from_numpy(counts)
-    runner.optimistic_seq_lens_cpu[:num_reqs] -= counts_cpu.to(runner.optimistic_seq_lens_cpu.dtype)
-    device_counts = counts_cpu.to(runner.seq_lens.device)
-    runner.seq_lens[:num_reqs] -= device_counts.to(runner.seq_lens.dtype)
+    # The common lengths are the longest group's (max_seq_len stays an upper bound, backend.py:408-409);
+    # a group that evicted more gets its own below.
+    common = torch.from_numpy(counts.min(axis=1))
+    runner.optimistic_seq_lens_cpu[:num_reqs] -= common.to(runner.optimistic_seq_lens_cpu.dtype)
+    runner.seq_lens[:num_reqs] -= common.to(runner.seq_lens.device, runner.seq_lens.dtype)
     total = scheduler_output.total_num_scheduled_tokens
     request_of_token = runner.req_indices.gpu[:total].long()
-    physical_positions = runner.positions[:total] - device_counts[request_of_token].to(runner.positions.dtype)
-    batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical_positions)
+    query_start = runner.query_start_loc.gpu[: num_reqs + 1]
+    if state.groups == 1:
+        shift = common.to(runner.positions.device)[request_of_token].to(runner.positions.dtype)
+        batch.block_table.compute_slot_mapping(num_reqs, query_start, runner.positions[:total] - shift)
+        return
+    for group in range(state.groups):
+        own = torch.from_numpy(counts[:, group])
+        shift = own.to(runner.positions.device)[request_of_token].to(runner.positions.dtype)
+        # each group's slots from its own physical positions (vLLM computes every group's from the
+        # same positions: block_table.py:283-290, called at gpu_model_runner.py:2144-2148)
+        batch.block_table[group].compute_slot_mapping(num_reqs, query_start, runner.positions[:total] - shift)
+        if (own != common).any():
+            state.lengths.set(group, (own - common).to(runner.seq_lens.device, runner.seq_lens.dtype), num_reqs)
+
+
+class GroupLengths:
+    """Each KV cache group's own attention ``seq_lens`` for the step being run, where its evicted
+    count differs from the common one: vLLM builds one ``CommonAttentionMetadata`` with one
+    ``seq_lens`` and copies it per group, replacing only block table and slot mapping
+    (``gpu_model_runner.py:2397-2413``, ``:2517-2530``); both kernels take ``seq_lens`` per call
+    (``cpu_attn.py:446``, ``flash_attn.py:1277``) and both builders derive their work split from it
+    inside ``build`` (``cpu_attn.py:244-258``, ``flash_attn.py:934-944``), so a group's lengths are
+    substituted before its builder runs (``AttentionGroup.build_metadata``, wrapped in
+    ``install``). Set by ``to_physical`` after ``_prepare_inputs``, cleared when the step's
+    ``execute_model`` returns, so dummy and capture runs see the common lengths."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.active: dict[int, torch.Tensor] = {}
+        for group, attention_groups in enumerate(runner.attn_groups):
+            for attention_group in attention_groups:
+                attention_group._kv_group_lengths = (self, group)
+
+    def set(self, group: int, extra: torch.Tensor, num_reqs: int) -> None:
+        """The group's lengths: the common ones minus the group's ``extra`` evicted tokens per request."""
+        buffer = self.buffers.get(group)
+        if buffer is None:
+            buffer = self.buffers[group] = torch.empty_like(self.runner.seq_lens)
+        buffer.copy_(self.runner.seq_lens)
+        buffer[:num_reqs] -= extra
+        self.active[group] = buffer
+
+    def clear(self) -> None:
+        self.active.clear()
+
+    def substitute(self, group: int, metadata):
+        lengths = self.active.get(group)
+        if lengths is None:
+            return metadata
+        common = metadata.seq_lens
+        if common.data_ptr() != self.runner.seq_lens.data_ptr():
+            # a micro-batch's slice (vllm/v1/worker/ubatch_utils.py:333): not the step's whole batch
+            raise EvictionNotActiveError("layer groups with different budgets cannot run with micro-batching (DBO)")
+        metadata = copy.copy(metadata)
+        metadata.seq_lens = lengths[: common.shape[0]]
+        return metadata
 
 
 def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
@@ -212,7 +306,7 @@ def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
         batch = runner.input_batch
         starts = runner.query_start_loc.np
         for request_id, settings in plan.settings.items():
-            size = state.policy_for(settings).query_window
+            size = state.policy_for(settings)[0].query_window
             row = batch.req_id_to_index.get(request_id)
             if size and row is not None:
                 wanted.append((request_id, int(starts[row]), int(starts[row + 1]), size))
@@ -220,56 +314,66 @@ def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
 
 
 def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
-    """Run the evictions this step calls for, all together (``evict_all``: one read and one write
-    per layer for every request); returns ``{request_id: Eviction}``, each carrying an equal share
+    """Run the evictions this step calls for, all of a KV cache group together (``evict_all``: one
+    read and one write per layer for every request; each group on its own layers, block lists,
+    counts and budgets); returns ``{(request_id, group): Eviction}``, each carrying an equal share
     of the step's eviction time (the batch has no per-request time)."""
     plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
     if plan is None or not plan.settings:
         return {}
     started = time.perf_counter()
-    dues, blocks_of = [], {}
+    dues = [[] for _ in range(state.groups)]
+    blocks_of = {}
     for request_id, settings in plan.settings.items():
         request = runner.requests.get(request_id)
         if request is None:
             continue
-        policy = state.policy_for(settings)
-        evicted = plan.evicted_tokens.get(request_id, 0)
         before = request.num_computed_tokens
         after = before + scheduler_output.num_scheduled_tokens[request_id]
         point = settings.eviction_point(request.num_prompt_tokens)  # the prompt's end, or the context's
-        phase = phase_due(policy, point, before, after, evicted)
-        block_ids = request.block_ids[0]
-        if phase is None:
-            if count_due(policy, point, before, after, state.policy_state, request_id):
-                count_queries(policy, state.view, block_ids, after - evicted, state.policy_state, request_id,
-                              state.shards)
-            continue
-        targets = plan.copy_targets.get(request_id, ())
-        held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
-        blocks_of[request_id] = (block_ids, held)
-        dues.append(Due(request_id, policy, held, after - evicted, phase, tuple(position for position, _ in targets)))
-    if not dues:
+        counts = plan.evicted_tokens.get(request_id, (0,) * state.groups)
+        for group, policy in enumerate(state.policy_for(settings)):
+            evicted, policy_state = counts[group], state.policy_states[group]
+            phase = phase_due(policy, point, before, after, evicted)
+            block_ids = request.block_ids[group]
+            if phase is None:
+                if count_due(policy, point, before, after, policy_state, request_id):
+                    count_queries(policy, state.views[group], block_ids, after - evicted, policy_state, request_id,
+                                  state.shards)
+                continue
+            targets = plan.copy_targets.get((request_id, group), ())
+            held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
+            blocks_of[(request_id, group)] = (block_ids, held)
+            dues[group].append(Due(request_id, policy, held, after - evicted, phase,
+                                   tuple(position for position, _ in targets)))
+    if not any(dues):
         return {}
-    evictions = evict_all(state.view, dues, state.policy_state, state.shards)
+    evictions = {}
+    for group, group_dues in enumerate(dues):
+        if group_dues:
+            done = evict_all(state.views[group], group_dues, state.policy_states[group], state.shards)
+            evictions.update({(request_id, group): eviction for request_id, eviction in done.items()})
     state.synchronize()
-    share = (time.perf_counter() - started) / len(dues)
+    share = (time.perf_counter() - started) / len(evictions)
     batch = runner.input_batch
     report = {}
-    for request_id, eviction in evictions.items():
+    for key, eviction in evictions.items():
         if not (eviction.evicted_tokens or eviction.changes_blocks):
             continue
-        block_ids, held = blocks_of[request_id]
+        block_ids, held = blocks_of[key]
         block_ids[:] = [held[position] for position in eviction.kept_blocks]
+        report[key] = dataclasses.replace(eviction, seconds=share)
+    for request_id in {request_id for request_id, _ in report}:
         row = batch.req_id_to_index.get(request_id)
         if row is not None:
             batch.block_table.add_row(runner.requests[request_id].block_ids, row)
-        report[request_id] = dataclasses.replace(eviction, seconds=share)
     return report
 
 
 def install() -> None:
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup
 
     if getattr(GPUModelRunner, "_kv_eviction_installed", False):
         return
@@ -304,7 +408,12 @@ def install() -> None:
     @functools.wraps(original_execute)
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._kv_step = (scheduler_output, time.perf_counter())
-        return original_execute(self, scheduler_output, *args, **kwargs)
+        try:
+            return original_execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            state = eviction_state(self)
+            if state is not None and state.lengths is not None:
+                state.lengths.clear()  # this step's own lengths, built into its metadata by now
 
     original_sample = GPUModelRunner.sample_tokens
 
@@ -313,7 +422,8 @@ def install() -> None:
         output = original_sample(self, *args, **kwargs)
         step, self._kv_step = self.__dict__.get("_kv_step"), None
         state = eviction_state(self)
-        capture_s = state.capture.absorb(state.policy_state) if state is not None and state.capture is not None else 0.0
+        capture_s = (state.capture.absorb(state.policy_states, state.group_layers)
+                     if state is not None and state.capture is not None else 0.0)
         # Under asynchronous scheduling the runner returns an AsyncGPUModelRunnerOutput wrapping the
         # ModelRunnerOutput that its get_output() hands to the engine (vllm/v1/worker/gpu_model_runner.py:281,
         # 344-365; pickled with its __dict__ by the multiprocess executor): the report rides on that.
@@ -330,12 +440,23 @@ def install() -> None:
         state.synchronize()
         finished = time.perf_counter()
         report = EvictionReport(evictions, model_s=evict_started - started, evict_s=finished - evict_started,
-                                capture_s=capture_s, state_bytes=state.policy_state.nbytes())
+                                capture_s=capture_s, state_bytes=sum(each.nbytes() for each in state.policy_states))
         for key in state.seconds:  # this rank's own sums of the report's seconds
             state.seconds[key] += getattr(report, key)
         attach(carrier, REPORT_ATTRIBUTE, report)
         return output
 
+    original_build = AttentionGroup.build_metadata
+
+    @functools.wraps(original_build)
+    def build_metadata(self, common_attn_metadata, *args, **kwargs):
+        owner = self.__dict__.get("_kv_group_lengths")
+        if owner is not None:
+            lengths, group = owner
+            common_attn_metadata = lengths.substitute(group, common_attn_metadata)
+        return original_build(self, common_attn_metadata, *args, **kwargs)
+
+    AttentionGroup.build_metadata = build_metadata
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model

@@ -3,7 +3,9 @@
 The scheduler keeps one per request (``RequestCounters``, under the settings the request evicted
 with) and their sum over the engine's requests (its ledger's ``totals``,
 ``harness.engine.scheduler.Ledger``); a cell sharing an engine with other cells sums its own
-requests' (``harness.run.group.cell_kv``). A record knows its fields, how two of them add up
+requests' (``harness.run.group.cell_kv``). With the layers as G KV cache groups
+(``engine.layer_groups``) each group's eviction counts on its own: G evictions a step, tokens and
+blocks of 1/G of the layers each. A record knows its fields, how two of them add up
 (``+``, ``total``, ``over``) and how ``perf.json``'s ``kv`` record writes it (``counts``, in field
 order) and reads it back (``of``); nothing else names the fields."""
 from __future__ import annotations

@@ -4,12 +4,15 @@ Per request the worker keeps a policy's state between evictions (``PolicyState``
 attention-aware policy's query window in the model's dtype, a static score's cached form or an
 accumulating score's totals in float32, for at most ``budget + block_size`` tokens once the request
 evicts (a request inside its budget holds fewer). On top, one step's evictions allocate scratch,
-bounded by the group of requests the evictor takes at once (``predict``). ``experiments/eviction_cost.py --batch`` measures a full
+bounded by the group of requests the evictor takes at once (``predict``). With the layers as G KV
+cache groups (``engine.layer_groups``) each group keeps its own state for its own layers and budget;
+its evictions run one group after another, each on fewer layers, so the one-group scratch bounds them. ``experiments/eviction_cost.py --batch`` measures a full
 batch's step against this prediction.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 
@@ -62,7 +65,7 @@ MARGIN = 1.1     # see predict
 
 
 def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
-            joint_read_bytes: int | None) -> EvictionMemory:
+            joint_read_bytes: int | None, groups: Sequence[Policy] = ()) -> EvictionMemory:
     """``shape``: ``harness.config.models.ModelShape`` (layers, KV and query heads, head dim, dtype bytes).
 
     Scratch is one group of requests evicted together (``harness.eviction.evictor.evict_all``): as
@@ -71,10 +74,18 @@ def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
     old, their keep sets and gather indices (three int64 copies per layer, KV head and token); one
     request's selection temporaries (sorting its scores) and one layer's softmax over the window;
     and ``MARGIN`` for what this count leaves out (allocator rounding, short-lived copies):
-    ``experiments/eviction_cost.py --batch`` measures each case within the prediction."""
-    held = min(policy.budget + policy.block_size, max_model_len)
-    window = policy.query_window * shape.layers * shape.query_heads * shape.head_dim * shape.dtype_bytes
-    per_request = window + held * state_per_token(policy, shape.layers, shape.kv_heads)
+    ``experiments/eviction_cost.py --batch`` measures each case within the prediction.
+
+    ``groups``: each layer group's policy (its own budget), when the layers run as several groups;
+    the state per request is then each group's for its own layers."""
+    parts = [(policy, shape)] if len(groups) <= 1 else [
+        (group, replace(shape, layers=shape.layers // len(groups))) for group in groups]
+    per_request = 0
+    for part, part_shape in parts:
+        held = min(part.budget + part.block_size, max_model_len)
+        layer_window = part_shape.query_heads * part_shape.head_dim * part_shape.dtype_bytes
+        per_request += part.query_window * part_shape.layers * layer_window
+        per_request += held * state_per_token(part, part_shape.layers, part_shape.kv_heads)
     layer_bytes = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # one token's K and V in one layer
     group_tokens = max_model_len if joint_read_bytes is None else max(joint_read_bytes // layer_bytes, max_model_len)
     group_tokens = min(group_tokens, max_num_seqs * max_model_len)

@@ -28,9 +28,10 @@ class EvictionPlan:
 
     ``default``: the engine-wide settings (None: no eviction unless a request asks).
     ``settings``: each scheduled request that evicts, with its own settings.
-    ``evicted_tokens``: each scheduled request's evicted-token count (logical length minus
-    physical length, which turns logical positions into physical slots).
-    ``copy_targets``: requests that evict this step with prefix caching on: ``(position, block
+    ``evicted_tokens``: each scheduled request's evicted-token counts (logical length minus
+    physical length, which turns logical positions into physical slots), one per KV cache group
+    (several with ``engine.layer_groups``, each group its own budget and physical length).
+    ``copy_targets``: per (request, group) that evicts this step with prefix caching on: ``(position, block
     id)`` pairs, a position in the request's block list whose block is registered in the prefix
     cache (or shared) and the fresh block allocated this step that compaction writes instead, so
     it writes only blocks the request owns alone.
@@ -42,21 +43,21 @@ class EvictionPlan:
 
     default: EvictionSettings | None
     settings: dict[str, EvictionSettings] = field(default_factory=dict)
-    evicted_tokens: dict[str, int] = field(default_factory=dict)
-    copy_targets: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    evicted_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    copy_targets: dict[tuple[str, int], tuple[tuple[int, int], ...]] = field(default_factory=dict)
     released: tuple[str, ...] = ()
     step: int = 0
 
 
 @dataclass
 class EvictionReport:
-    """Worker to scheduler: the evictions this step carried out (request id -> how its block list
-    changed), how long the model and the evictions took (the model's time includes copying the
+    """Worker to scheduler: the evictions this step carried out ((request id, KV cache group) -> how
+    that group's block list changed), how long the model and the evictions took (the model's time includes copying the
     query window, ``capture_s`` of it), and the bytes of per-request policy state the worker holds.
     The scheduler counts what each eviction did (``harness.eviction.counters``) and adds the step's
     time to its ledger (``harness.engine.scheduler.Ledger.add_step``)."""
 
-    evictions: dict[str, Eviction] = field(default_factory=dict)
+    evictions: dict[tuple[str, int], Eviction] = field(default_factory=dict)
     model_s: float = 0.0
     evict_s: float = 0.0
     capture_s: float = 0.0

@@ -26,6 +26,12 @@ context's tokens. The boundary is the request's own (the data families mark it,
 ``harness.tasks.prompts``); an engine-wide ``compress: context`` needs every request to bring one.
 Context compression evicts once: it needs ``decode_eviction: false`` (a decode eviction after it
 would also drop question tokens, which is query-aware again).
+
+How the budget is spread over the layers (``budget_schedule``, on an engine whose layers run as G
+KV cache groups, ``engine.layer_groups``): ``uniform`` (every group the request's budget),
+``pyramid`` (PyramidKV's linear schedule, more in the lower layers; ``pyramid_beta`` its slope, 20 as
+kvpress's ``PyramidKVPress``). The budget stays the total: the groups' budgets, in whole blocks, sum
+to G x the budget (``policies.budget_schedules.group_budgets``).
 """
 from __future__ import annotations
 
@@ -34,8 +40,10 @@ import json
 import math
 
 from policies import BudgetError, Policy, UnknownPolicyError, make_policy
+from policies.budget_schedules import group_budgets
 
 CONFIG_KEY = "kv_eviction"
+PYRAMID_BETA = 20.0  # kvpress 0.5.5's PyramidKVPress default
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class EvictionSettings:
     decode_eviction: bool = True       # False: compress the prompt only
     compress: str = "prompt"           # "context": evict at the request's context boundary
     context_tokens: int | None = None  # the request's context, in token ids (compress="context")
+    budget_schedule: str = "uniform"   # how the budget is spread over the engine's layer groups
+    pyramid_beta: float = PYRAMID_BETA  # the pyramid's slope (1 is flat)
 
     def as_dict(self) -> dict:
         raw = {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
@@ -58,6 +68,10 @@ class EvictionSettings:
             raw["compress"] = self.compress
         if self.context_tokens is not None:
             raw["context_tokens"] = self.context_tokens
+        if self.budget_schedule != "uniform":
+            raw["budget_schedule"] = self.budget_schedule
+        if self.pyramid_beta != PYRAMID_BETA:
+            raw["pyramid_beta"] = self.pyramid_beta
         return raw
 
     def describe(self) -> str:
@@ -65,7 +79,8 @@ class EvictionSettings:
         ``policy=snapkv budget_ratio=0.5 context only``."""
         size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
         scope = "" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only"
-        return f"policy={self.policy} {size}{scope}"
+        schedule = "" if self.budget_schedule == "uniform" else f" budget_schedule={self.budget_schedule}"
+        return f"policy={self.policy} {size}{scope}{schedule}"
 
     def as_additional_config(self) -> dict:
         return {CONFIG_KEY: self.as_dict()}
@@ -79,7 +94,7 @@ class EvictionSettings:
         """Hashable identity of the policy these settings build (one per distinct key); a
         request's boundary is not part of it (the policy does not depend on it)."""
         return (self.policy, self.budget, json.dumps(self.options, sort_keys=True),  # options may nest (hybrid's weights)
-                self.budget_ratio, self.decode_eviction, self.compress)
+                self.budget_ratio, self.decode_eviction, self.compress, self.budget_schedule, self.pyramid_beta)
 
     def at_context(self, context_tokens: int | None) -> "EvictionSettings":
         """One request's settings: its context boundary, where ``compress`` is ``context``."""
@@ -144,7 +159,8 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
             raise ValueError(f"{where} is not valid JSON ({error.msg}): {raw!r}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a mapping with policy, budget and options; got {raw!r}")
-    allowed = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens")
+    allowed = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens",
+               "budget_schedule", "pyramid_beta")
     unknown = set(raw) - set(allowed)
     if unknown:
         raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; valid: {', '.join(allowed)}")
@@ -169,8 +185,25 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
     if not isinstance(options, dict):
         raise ValueError(f"{where}: options must be a mapping, got {options!r}")
     compress, context = check_compress(raw.get("compress", "prompt"), raw.get("context_tokens"), decode, where)
+    schedule, beta = check_schedule(raw.get("budget_schedule", "uniform"), raw.get("pyramid_beta", PYRAMID_BETA), where)
     return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode,
-                            compress, context)
+                            compress, context, schedule, beta)
+
+
+
+# ``attention`` (CAKE's preference, policies.budget_schedules.layer_preferences) needs the prompt's
+# attention per layer before the first eviction: not wired to the engine yet.
+ENGINE_SCHEDULES = ("uniform", "pyramid")
+
+
+def check_schedule(schedule, beta, where: str) -> tuple[str, float]:
+    if schedule not in ENGINE_SCHEDULES:
+        raise ValueError(f"{where}: budget_schedule must be one of {', '.join(ENGINE_SCHEDULES)}, got {schedule!r}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 1:
+        raise ValueError(f"{where}: pyramid_beta is the pyramid's slope, a number >= 1 (1 is flat), got {beta!r}")
+    if beta != PYRAMID_BETA and schedule != "pyramid":
+        raise ValueError(f"{where}: pyramid_beta shapes budget_schedule=pyramid; this one is {schedule}")
+    return schedule, float(beta)
 
 
 COMPRESS = ("prompt", "context")
@@ -229,6 +262,48 @@ def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
     policy = make_policy(settings.policy, budget, block_size, **settings.options)
     policy.decode_eviction = settings.decode_eviction
     return policy
+
+
+def group_policies(settings: EvictionSettings, block_size: int, num_layers: int, groups: int) -> tuple[Policy, ...]:
+    """The policy each of an engine's ``groups`` KV cache groups runs for these settings: the
+    budget spread by the settings' schedule (whole blocks, at least two per group, summing to
+    ``groups`` x the budget), group 0 holding the first layers. One group: the settings' policy.
+    A schedule that leaves a group less than its policy needs (SnapKV's window) is refused."""
+    if groups > 1:
+        check_grouped(build_policy(settings, block_size), groups)
+    if groups == 1 or settings.budget is None:
+        if settings.budget_schedule != "uniform" and groups == 1:
+            raise ValueError(f"budget_schedule={settings.budget_schedule} spreads the budget over the engine's layer "
+                             "groups; this engine has one (set engine.layer_groups)")
+        return (build_policy(settings, block_size),) * groups
+    budgets = group_budgets(settings.budget_schedule, settings.budget, num_layers, groups, block_size,
+                            beta=settings.pyramid_beta, min_blocks=least_blocks(settings, block_size))
+    try:
+        return tuple(build_policy(replace(settings, budget=budget), block_size) for budget in budgets)
+    except BudgetError as error:
+        raise ValueError(f"budget_schedule={settings.budget_schedule} gives the layer groups budgets {list(budgets)}: "
+                         f"{error}") from None
+
+
+def least_blocks(settings: EvictionSettings, block_size: int) -> int:
+    """The fewest blocks a group's budget may have: two (a first block and a recent one), or more
+    where the policy needs them (SnapKV's window inside its budget); at most the whole budget."""
+    blocks = 2
+    while blocks < settings.budget // block_size:
+        try:
+            build_policy(replace(settings, budget=blocks * block_size), block_size)
+            break
+        except (BudgetError, ValueError):
+            blocks += 1
+    return min(blocks, settings.budget // block_size)
+
+
+def check_grouped(policy: Policy, groups: int) -> None:
+    """What a policy cannot do on an engine of several layer groups (each group scores and evicts
+    its own layers, ``harness.engine.worker_patch``)."""
+    if getattr(policy, "score_layers", "all") != "all":
+        raise ValueError(f"score_layers names one layer of the model; with layer_groups={groups} each group scores "
+                         "its own layers")
 
 
 def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:

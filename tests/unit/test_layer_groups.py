@@ -11,7 +11,9 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from harness.config import ConfigError, run_settings
-from harness.engine.compatibility import check_compatible, layer_groups_of
+from harness.engine.compatibility import layer_groups_of
+from harness.eviction.settings import group_policies, parse_settings
+from policies import make_policy
 from harness.engine.layer_groups import BudgetGroupSpec, check_engine, tag_specs
 from tests.unit.test_config import compose_cfg
 
@@ -86,10 +88,29 @@ def test_layer_counts_groups_do_not_divide_and_other_attention_types_are_refused
     check_engine(vllm_config(1, disable_hybrid=True))  # one group needs nothing of it
 
 
-def test_eviction_is_refused_on_an_engine_with_several_groups_with_the_reason():
+def test_what_a_policy_cannot_do_per_group_is_refused_with_the_reason():
     assert layer_groups_of(vllm_config(3)) == 3 and layer_groups_of(vllm_config()) == 1
-    with pytest.raises(ValueError, match="layer_groups=3 KV cache groups, which runs full cache only so far"):
-        check_compatible(vllm_config(3))
+    for raw, message in [
+        ({"policy": "paged", "budget": 512, "options": {"score_layers": 2}}, "score_layers names one layer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            group_policies(parse_settings(raw, "test"), 32, 30, 3)
+    with pytest.raises(ValueError, match="budget_schedule=pyramid spreads the budget over the engine's layer groups; "
+                                         "this engine has one"):
+        group_policies(parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "pyramid"}, "t"), 32, 30, 1)
+    with pytest.raises(ValueError, match="budget_schedule must be one of uniform, pyramid, got 'attention'"):
+        parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "attention"}, "test")
+    with pytest.raises(ValueError, match="pyramid_beta shapes budget_schedule=pyramid"):
+        parse_settings({"policy": "paged", "budget": 512, "pyramid_beta": 5}, "test")
+    pyramid = group_policies(parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "pyramid"}, "t"), 32, 30, 3)
+    assert [policy.budget for policy in pyramid] == [832, 512, 192]  # 3 x 512 in whole blocks, more below
+    floor = group_policies(parse_settings({"policy": "paged", "budget": 64, "budget_schedule": "pyramid"}, "t"), 32, 30, 3)
+    assert [policy.budget for policy in floor] == [64, 64, 64]  # at least two blocks per group
+    # SnapKV's window (its last 32 tokens' queries, with a block of them kept) needs more than two blocks of 16
+    snapkv = parse_settings({"policy": "snapkv", "budget": 64, "budget_schedule": "pyramid"}, "t")
+    least = min(policy.budget for policy in group_policies(snapkv, 16, 30, 3))
+    with pytest.raises(ValueError):
+        make_policy("snapkv", least - 16, 16)
 
 
 def test_the_run_config_checks_layer_groups_before_any_model_loads():
@@ -97,11 +118,16 @@ def test_the_run_config_checks_layer_groups_before_any_model_loads():
     assert run.engine.layer_groups == 3
     assert run.cell_name != run_settings(compose_cfg()).cell_name, "G > 1 is another cell"
     assert "layer_groups" not in run_settings(compose_cfg()).identity()["engine"], "G = 1 keeps committed names"
+    pyramid = run_settings(compose_cfg("engine.layer_groups=3", "policy=paged", "budget=512", "budget_schedule=pyramid"))
+    assert pyramid.eviction.budget_schedule == "pyramid" and pyramid.cell_name.startswith("paged_b512_pyramid_bs32_")
+    assert "budget_schedule" not in run_settings(compose_cfg("policy=paged", "budget=512")).identity()
     for overrides, message in [
         (["engine.layer_groups=7"], "engine.layer_groups=7 does not divide the model's 30 attention layers"),
         (["engine.layer_groups=0"], "engine.layer_groups must be a positive integer, got 0"),
-        (["engine.layer_groups=3", "policy=paged", "budget=512"],
-         "engine.layer_groups=3 runs full cache only so far (evicting per group is not built yet); policy paged"),
+        (["engine.layer_groups=3", "policy=paged", "budget=512", "policy.options.score_layers=0"],
+         "score_layers names one layer"),
+        (["policy=paged", "budget=512", "budget_schedule=pyramid"], "budget_schedule=pyramid spreads the budget"),
+        (["policy=paged", "budget=512", "budget_schedule=steep"], "budget_schedule must be one of uniform, pyramid"),
     ]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             run_settings(compose_cfg(*overrides))
