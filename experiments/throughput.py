@@ -92,17 +92,13 @@ GROUP_TRIALS = tuple(
 
 # Per-layer budgets at equal total KV memory (issue 36): each evicting policy with one group, with
 # three at the uniform schedule (the per-step cost of evicting per group) and at the pyramid
-# schedule, full cache beside them; every configuration once per trial, back to back, on one pool
-# that holds every request at budget 256.
+# schedule; every configuration once per trial, back to back, on one pool that holds every request
+# at budget 256.
 SCHEDULE_TRIALS = tuple(
-    cell
+    Cell(policy, 256, trial=trial, layer_groups=groups, budget_schedule=schedule)
     for trial in (1, 2)
-    for cell in (
-        Cell("full", trial=trial),
-        *(Cell(policy, 256, trial=trial, layer_groups=groups, budget_schedule=schedule)
-          for policy in ("paged", "snapkv")
-          for groups, schedule in ((1, "uniform"), (3, "uniform"), (3, "pyramid"))),
-    )
+    for policy in ("paged", "snapkv")
+    for groups, schedule in ((1, "uniform"), (3, "uniform"), (3, "pyramid"))
 )
 
 # CPU workloads keep the paper's shape (decode-heavy, all requests at once, more of them than the
@@ -196,10 +192,10 @@ SETTINGS = {
             "budget_schedules",
             "PagedEviction and SnapKV at budget 256 with the model's 30 layers as one KV cache group, as "
             "three at the uniform schedule, and as three at the pyramid schedule (PyramidKV's, beta 20: "
-            "the same total KV memory), full cache beside them, on one fixed pool that holds every "
-            "request at budget 256 (12 requests x 512 in x 256 out): what evicting per group costs per "
-            "step, and what the pyramid changes. Two trials, every configuration back to back in each.",
-            Workload(requests=12, prompt_tokens=512, output_tokens=256),
+            "the same total KV memory), on one fixed pool that holds every request at budget 256 (12 "
+            "requests x 512 in x 128 out): what evicting per group costs per step, and what the pyramid "
+            "changes. Two trials, every configuration back to back in each.",
+            Workload(requests=12, prompt_tokens=512, output_tokens=128),
             SCHEDULE_TRIALS, fixed_pool_budget=256, baseline=SCHEDULE_TRIALS[0],
         ),
         Setting(

@@ -6,8 +6,9 @@ import pandas as pd
 
 def variant_label(config: dict) -> str:
     """The policy's name plus whatever makes this run differ from its defaults: options away from
-    the policy's own defaults and a block size other than the engine's (``paged[per_head=True]``,
-    ``paged[block_size=64]``). Tables and plots key rows by it, so ablations read apart."""
+    the policy's own defaults, a block size other than the engine's, layer groups and their budget
+    schedule (``paged[per_head=True]``, ``paged[block_size=64]``,
+    ``paged[layer_groups=3, budget_schedule=pyramid]``). Tables and plots key rows by it, so ablations read apart."""
     from policies import REGISTRY, default_options
 
     policy = config.get("policy") or {}
@@ -20,6 +21,11 @@ def variant_label(config: dict) -> str:
         changed.append("compress=context")  # the context compressed before the question (and only then)
     elif config.get("decode_eviction") is False and name != "full":
         changed.append("decode_eviction=False")  # the prompt compressed only
+    groups = (config.get("engine") or {}).get("layer_groups", 1)
+    if groups != 1:
+        changed.append(f"layer_groups={groups}")  # the layers as G KV cache groups, each its own budget
+    if config.get("budget_schedule", "uniform") != "uniform" and name != "full":
+        changed.append(f"budget_schedule={config['budget_schedule']}")
     engine_block = (config.get("engine") or {}).get("block_size")
     if engine_block is not None and config.get("block_size") not in (None, engine_block):
         changed.append(f"block_size={config['block_size']}")

@@ -370,7 +370,9 @@ def trial_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
     from harness.analysis.stats import T_975, ratio_interval
 
     lines = []
-    table = table[(table["pool"] == "fixed") & (table["tensor_parallel_size"] == 1) & (table["policy.name"] != "stock")]
+    # one worker, one layer group: the other setups are compared with these (tensor_parallel_lines, layer_group_lines)
+    table = table[(table["pool"] == "fixed") & (table["tensor_parallel_size"] == 1) & (table["layer_groups"] == 1)
+                  & (table["policy.name"] != "stock")]
 
     def tok_s(policy, budget, trial):
         """The output tok/s of a cell of this trial (full cache: any budget), or None."""

@@ -117,3 +117,74 @@ def test_under_preemption_one_or_two_workers_generate_what_one_generates_without
     assert preempted_run["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding evictions"
     assert_same_outputs(part(one_worker, rows), part(preempted_run, range(4 * len(PREEMPTED))))
     assert preempted_run["free_blocks_after"] == preempted_run["ledger"]["kv_pool_blocks"]
+
+
+# Layer groups (engine.layer_groups=2: the tiny Llama's 4 layers as two KV cache groups) on two
+# workers with prefix caching: every group evicts on its own (its own block list, count, lengths,
+# view, policy state and query window, each rank its own heads). At the uniform schedule a policy
+# that chooses per layer (and KV head) keeps what one group keeps, so it generates what one worker
+# with one group generated above; a block rule chooses per group, and the pyramid gives each group
+# its own budget: those equal the plain reference evicting each group's layers by its own rule.
+GROUPS = 2
+PYRAMID = ["paged", "knorm", "value_norm"]
+
+
+def granularity_of(name: str, options: dict) -> str:
+    from policies import REGISTRY
+
+    return options.get("granularity", REGISTRY[name].granularity)
+
+
+@pytest.fixture(scope="module")
+def grouped_two_workers(tmp_path_factory, requests):
+    matrix, _ = requests
+    pyramid = [(prompt, tokens, {"policy": name, "budget": BUDGET, "budget_schedule": "pyramid"})
+               for name in PYRAMID for prompt, tokens, _ in matrix[:2]]
+    return run(tmp_path_factory, "tp2_groups", matrix[: 2 * len(MATRIX)] + pyramid, tensor_parallel_size=2,
+               prefix_caching=True, layer_groups=GROUPS)
+
+
+@pytest.mark.parametrize("case", [c for c, (name, options) in enumerate(MATRIX) if granularity_of(name, options) == "token"],
+                         ids=[MATRIX_IDS[c] for c, (name, options) in enumerate(MATRIX) if granularity_of(name, options) == "token"])
+def test_two_groups_choosing_per_layer_generate_what_one_group_generates(one_worker, grouped_two_workers, case):
+    assert_same_outputs(part(one_worker, case_rows(case)), part(grouped_two_workers, case_rows(case)))
+
+
+def plain_cases() -> list[tuple[str, dict, str]]:
+    """(name, options, schedule): the attention-free block rules at the uniform schedule, and the
+    pyramid's policies (the plain reference evicts per group for rules that read no queries)."""
+    from policies import REGISTRY
+
+    block = [(name, options, "uniform") for name, options in MATRIX
+             if granularity_of(name, options) == "block" and not REGISTRY[name].reads_attention]
+    return block + [(name, {}, "pyramid") for name in PYRAMID]
+
+
+@pytest.mark.parametrize("name, options, schedule", plain_cases(),
+                         ids=[f"{MATRIX_IDS[MATRIX.index((n, o))] if (n, o) in MATRIX else n}-{s}" for n, o, s in plain_cases()])
+def test_two_groups_equal_the_plain_reference_evicting_each_group_by_its_own_budget(
+        grouped_two_workers, requests, name, options, schedule):
+    from harness.eviction.settings import group_policies, parse_settings
+    from tests.support.engine_support import BLOCK, assert_mostly_equal, model_path, plain_policy
+    from tests.support.plain_reference import PlainReference
+
+    matrix, _ = requests
+    settings = {"policy": name, "budget": BUDGET, "options": options, "budget_schedule": schedule}
+    budgets = [policy.budget for policy in group_policies(parse_settings(settings, "test"), BLOCK, 4, GROUPS)]
+    assert (budgets[0] > budgets[1]) == (schedule == "pyramid")
+    rows = (case_rows(MATRIX.index((name, options))) if schedule == "uniform"
+            else range(2 * len(MATRIX) + 2 * PYRAMID.index(name), 2 * len(MATRIX) + 2 * PYRAMID.index(name) + 2))
+    plain = PlainReference(model_path("tiny"))
+    expected = []
+    for prompt, tokens, _ in matrix[:2]:
+        rules = [plain_policy(name, budget, BLOCK, options.get("granularity")) for budget in budgets]
+        ids, counts = plain.generate(prompt, tokens, rules)
+        assert all(group["prefill"] == 1 for group in counts["groups"])
+        expected.append(ids)
+    assert_mostly_equal([grouped_two_workers["outputs"][row] for row in rows], expected)
+
+
+def test_two_groups_on_two_workers_return_every_block(grouped_two_workers):
+    ledger = grouped_two_workers["ledger"]
+    assert ledger["kv_cache_groups"] == GROUPS and ledger["evictions"]["prefill"] >= GROUPS * 2 * len(MATRIX)
+    assert grouped_two_workers["free_blocks_after"] == grouped_two_workers["free_blocks_before"]

@@ -17,11 +17,15 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
 * attention-aware rules (SnapKV, H2O) read the queries of the newest W tokens: here each layer's
   query projection is recomputed from the attention module's input and rotated (RoPE) by hand,
   and attention is recomputed at eviction time over the cache as it is then (causal within the
-  window), the harness's documented semantics.
+  window), the harness's documented semantics;
+* layer groups: given one rule per group of contiguous layers (group 0 the first), each group evicts
+  on its own layers, at its own length and budget, so layers hold different numbers of tokens: each
+  layer's attention then gets its own causal mask, built from that layer's own cache length.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -254,6 +258,21 @@ class PlainPolicy:
         return 1 + int(torch.nonzero(candidates == candidates.min())[0])
 
 
+def reads_queries(policy: PlainPolicy) -> bool:
+    """Rules that read queries or count them (H2O, LRU, SnapKV, TOVA, a hybrid using one): their
+    recorded queries and totals are per request, not per layer group."""
+    names = policy.weights if policy.score == "hybrid" else [policy.score]
+    return any(name not in KV_SCORES and name != "streaming" for name in names)
+
+
+def chunk_mask(past: int, width: int) -> torch.Tensor:
+    """``[1, 1, width, past + width]`` additive mask for a layer holding ``past`` cached tokens (in
+    its first slots, whatever their logical positions): the chunk's query i reads every cached
+    token and the chunk's tokens 0..i. The value Hugging Face's eager masks use for "hidden"."""
+    visible = torch.ones(width, past + width, dtype=torch.bool).tril(diagonal=past)
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[None, None]
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE as Llama applies it: the two halves of head_dim rotated by each position's angle."""
     half = x.shape[-1] // 2
@@ -270,8 +289,27 @@ class PlainReference:
         config = self.model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.queries: list[torch.Tensor] = []  # per layer, the newest queries [n, query heads, dim]
+        # Set while groups evict apart: Hugging Face builds one mask, from layer 0's length.
+        self.per_layer_masks = False
+        # After generate: the request's cache, and per layer the logical positions it holds [heads, tokens].
+        self.cache = None
+        self.positions: list[torch.Tensor] = []
         for index, layer in enumerate(self.model.model.layers):
             layer.self_attn.register_forward_pre_hook(self._query_recorder(index), with_kwargs=True)
+            layer.self_attn.register_forward_pre_hook(self._own_mask(index), with_kwargs=True)
+
+    def _own_mask(self, index: int):
+        """Replaces the model-wide mask by this layer's own: its cache length is read from the cache
+        itself before the layer appends the chunk, so it cannot drift from what the layer attends over."""
+        def mask(module, args, kwargs):
+            if not self.per_layer_masks:
+                return None
+            if "attention_mask" not in kwargs or "past_key_values" not in kwargs:
+                raise RuntimeError("this transformers calls attention differently: the layer masks need updating")
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            past = kwargs["past_key_values"].get_seq_length(index)
+            return args, {**kwargs, "attention_mask": chunk_mask(past, hidden.shape[1])}
+        return mask
 
     def _query_recorder(self, index: int):
         def record(module, args, kwargs):
@@ -288,62 +326,105 @@ class PlainReference:
         return record
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], new_tokens: int, policy: PlainPolicy,
+    def generate(self, prompt: list[int], new_tokens: int, policy: PlainPolicy | Sequence[PlainPolicy],
                  context_tokens: int | None = None) -> tuple[list[int], dict]:
-        """Greedy output ids, and how many evictions of each phase happened. ``context_tokens``:
+        """Greedy output ids, and how many passes each phase's evictions followed. ``context_tokens``:
         the prefill eviction runs after the prompt's first ``context_tokens`` tokens (the
-        context), before the rest (the question) is computed; None: after the whole prompt."""
+        context), before the rest (the question) is computed; None: after the whole prompt.
+
+        ``policy``: one rule for every layer, or one per layer group (G rules, G dividing the layers;
+        attention-free rules only when G > 1): group g's rule evicts layers [g L/G, (g + 1) L/G) by
+        its own budget, when its own layers' length calls for it. The counts add, per group,
+        ``groups[g]`` ({"prefill", "decode", "decode_at": the logical lengths its decode evictions
+        followed}), and ``lengths``: each layer's cached tokens at the end."""
         from transformers import DynamicCache
 
+        policies = [policy] if isinstance(policy, PlainPolicy) else list(policy)
+        layers = len(self.model.model.layers)
+        if not policies or layers % len(policies):
+            raise ValueError(f"{len(policies)} layer groups for {layers} layers: the groups must divide the layers")
+        if len(policies) > 1 and any(reads_queries(rule) for rule in policies):
+            raise ValueError("layer groups: only attention-free rules (KV_SCORES, streaming); "
+                             f"{[rule.score for rule in policies]} read queries, recorded per request")
+        span = layers // len(policies)
+        groups = [range(g * span, (g + 1) * span) for g in range(len(policies))]
         evict_at = len(prompt) if context_tokens is None else context_tokens
         if not 0 < evict_at <= len(prompt):
             raise ValueError(f"context_tokens={context_tokens} for a prompt of {len(prompt)} tokens")
-        if evict_at < len(prompt) and policy.decode_eviction:
+        if evict_at < len(prompt) and any(rule.decode_eviction for rule in policies):
             # A decode eviction would drop question tokens too: the setting compresses the context once.
             raise ValueError("context compression evicts the context only: the rule needs decode_eviction=False")
         cache = DynamicCache(config=self.model.config)
-        policy.reset()
+        for rule in policies:
+            rule.reset()
         self.queries = []
-        logical, physical, out = 0, 0, []
-        counts = {"prefill": 0, "decode": 0}
+        heads = self.model.config.num_key_value_heads
+        self.positions = [torch.zeros(heads, 0, dtype=torch.long) for _ in range(layers)]
+        # One group: Hugging Face's own mask, as ever. Several: each layer's own (see _own_mask), even
+        # while the lengths still agree, so a wrong layer mask shows against one group's output.
+        self.per_layer_masks = len(policies) > 1
+        logical, physical, out = 0, [0] * len(policies), []  # physical: each group's cached tokens
+        counts = {"prefill": 0, "decode": 0, "groups": [{"prefill": 0, "decode": 0, "decode_at": []} for _ in policies]}
         step = torch.tensor([prompt[:evict_at]])
-        while len(out) < new_tokens:
-            width = step.shape[1]
-            logits = self.model(input_ids=step, position_ids=torch.arange(logical, logical + width)[None],
-                                cache_position=torch.arange(physical, physical + width),
-                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            logical, physical = logical + width, physical + width
-            prefill = logical == evict_at  # the pass that completed the prompt (or the context)
-            # The prompt's (or context's) last WINDOW queries, then every decode query (a question's last
-            # WINDOW too, never read: nothing is evicted after a question).
-            if policy.counts_queries:
-                counted = min(width, WINDOW)
-                policy.count([layer.keys[0] for layer in cache.layers],
-                             [q[q.shape[0] - counted:] for q in self.queries], self.head_dim ** -0.5)
-            if prefill and physical > policy.budget:
-                physical = self._apply(cache, policy, "prefill")
-                counts["prefill"] += 1
-            elif (policy.decode_eviction and not prefill and physical >= policy.budget + policy.block
-                  and physical % policy.block == 0):
-                physical = self._apply(cache, policy, "decode")
-                counts["decode"] += 1
-            if logical < len(prompt):  # the context is in and evicted: the question, before any output
-                step = torch.tensor([prompt[logical:]])
-                continue
-            out.append(int(logits[0, -1].argmax()))
-            step = torch.tensor([[out[-1]]])
+        try:
+            while len(out) < new_tokens:
+                width = step.shape[1]
+                # cache_position: group 0's slots. This transformers' Llama ignores it: the cache
+                # appends, and its one mask follows layer 0's cached length, which is why groups
+                # replace that mask in every layer (_own_mask). Positions stay logical.
+                logits = self.model(input_ids=step, position_ids=torch.arange(logical, logical + width)[None],
+                                    cache_position=torch.arange(physical[0], physical[0] + width),
+                                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                new = torch.arange(logical, logical + width).expand(heads, -1)
+                self.positions = [torch.cat([held, new], dim=-1) for held in self.positions]
+                logical, physical = logical + width, [length + width for length in physical]
+                prefill = logical == evict_at  # the pass that completed the prompt (or the context)
+                phases = set()
+                for g, (rule, members) in enumerate(zip(policies, groups)):
+                    # The prompt's (or context's) last WINDOW queries, then every decode query (a question's
+                    # last WINDOW too, never read: nothing is evicted after a question).
+                    if rule.counts_queries:
+                        counted = min(width, WINDOW)
+                        rule.count([cache.layers[l].keys[0] for l in members],
+                                   [self.queries[l][self.queries[l].shape[0] - counted:] for l in members],
+                                   self.head_dim ** -0.5)
+                    if prefill and physical[g] > rule.budget:
+                        phase = "prefill"
+                    elif (rule.decode_eviction and not prefill and physical[g] >= rule.budget + rule.block
+                          and physical[g] % rule.block == 0):
+                        phase = "decode"
+                        counts["groups"][g]["decode_at"].append(logical)
+                    else:
+                        continue
+                    physical[g] = self._apply(cache, rule, phase, members)
+                    counts["groups"][g][phase] += 1
+                    phases.add(phase)
+                for phase in phases:
+                    counts[phase] += 1
+                if logical < len(prompt):  # the context is in and evicted: the question, before any output
+                    step = torch.tensor([prompt[logical:]])
+                    continue
+                out.append(int(logits[0, -1].argmax()))
+                step = torch.tensor([[out[-1]]])
+        finally:
+            self.per_layer_masks = False
+        self.cache = cache
+        counts["lengths"] = [cache.get_seq_length(l) for l in range(layers)]
         return out, counts
 
-    def _apply(self, cache, policy: PlainPolicy, phase: str) -> int:
-        keys = [layer.keys[0] for layer in cache.layers]
-        values = [layer.values[0] for layer in cache.layers]
-        kept = policy.keep(keys, values, phase, self.queries, self.head_dim ** -0.5)
+    def _apply(self, cache, policy: PlainPolicy, phase: str, members: range) -> int:
+        """Evicts on the group's layers ``members`` only: the rule sees their K/V (and queries) alone."""
+        keys = [cache.layers[l].keys[0] for l in members]
+        values = [cache.layers[l].values[0] for l in members]
+        kept = policy.keep(keys, values, phase, self.queries[members.start:members.stop], self.head_dim ** -0.5)
         if isinstance(kept, int):  # a whole block leaves
             length = keys[0].shape[1]
             index = torch.cat([torch.arange(kept * policy.block), torch.arange((kept + 1) * policy.block, length)])
             kept = index.expand(len(keys), keys[0].shape[0], -1)
-        for layer, layer_kept in zip(cache.layers, kept):
+        for l, layer_kept in zip(members, kept):
+            layer = cache.layers[l]
             gather = layer_kept[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, gather).contiguous()
             layer.values = layer.values.gather(2, gather).contiguous()
+            self.positions[l] = self.positions[l].gather(-1, layer_kept)
         return kept.shape[-1]
