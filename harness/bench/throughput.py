@@ -138,7 +138,9 @@ def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_pa
     if setting.gpu_memory_utilization is not None:
         spec["gpu_memory_utilization"] = setting.gpu_memory_utilization
     if cell.policy != "full":
-        spec["eviction"] = {"policy": cell.policy, "budget": cell.budget, "budget_schedule": cell.budget_schedule}
+        spec["eviction"] = {"policy": cell.policy, "budget": cell.budget}
+        if cell.budget_schedule != "uniform":
+            spec["eviction"]["budget_schedule"] = cell.budget_schedule
     return spec
 
 
@@ -297,6 +299,12 @@ def rank_shares(ranks: list[dict]) -> str | None:
                     for r in sorted(ranks, key=lambda r: r["rank"]))
 
 
+def with_setup_defaults(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with the engine-setup columns a table of earlier cells may lack, at their defaults."""
+    defaults = {"tensor_parallel_size": 1, "layer_groups": 1, "budget_schedule": "uniform"}
+    return table.assign(**{column: value for column, value in defaults.items() if column not in table})
+
+
 def same_configuration(table: pd.DataFrame, policy: str, budget, pool: str) -> pd.DataFrame:
     """The table's cells of this policy, budget (full cache: none) and pool, any trial or engine
     setup: what a cell run another way (two workers, G layer groups) is compared with."""
@@ -338,6 +346,7 @@ def layer_group_lines(table: pd.DataFrame) -> list[str]:
     from harness.analysis.stats import ratio_interval
 
     lines = []
+    table = with_setup_defaults(table)
     keys = ["policy.name", "budget", "pool", "tensor_parallel_size"]
     grouped = table[table["layer_groups"] > 1].groupby(keys + ["layer_groups", "budget_schedule"], dropna=False)
     for (policy, budget, pool, size, groups, schedule), cells in grouped:
@@ -357,7 +366,8 @@ def layer_group_lines(table: pd.DataFrame) -> list[str]:
                 parts.append(f"{ratios[0]:.3f}x {label}")
         name = policy if policy == "full" else f"{policy} b{int(budget)}"
         name += "" if schedule == "uniform" else f" at the {schedule} schedule"
-        lines.append(f"{name} with G={int(groups)} layer groups vs one (uniform), over {len(trials)} back-to-back "
+        one = "one" if policy == "full" else "one (uniform)"  # one group's budget is the uniform one
+        lines.append(f"{name} with G={int(groups)} layer groups vs {one}, over {len(trials)} back-to-back "
                      f"trial{'s' if len(trials) > 1 else ''}: " + "; ".join(parts))
     return lines
 
@@ -371,6 +381,7 @@ def trial_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
 
     lines = []
     # one worker, one layer group: the other setups are compared with these (tensor_parallel_lines, layer_group_lines)
+    table = with_setup_defaults(table)
     table = table[(table["pool"] == "fixed") & (table["tensor_parallel_size"] == 1) & (table["layer_groups"] == 1)
                   & (table["policy.name"] != "stock")]
 

@@ -55,8 +55,9 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
                 settings = settings.for_prompt(prompt_tokens, block_size)
             # the budget spread over the engine's layer groups (a schedule that cannot apply is refused here)
             groups = layer_groups_of(vllm_config)
-            group_policies(settings, block_size, getattr(vllm_config.model_config.hf_text_config,
-                                                         "num_hidden_layers", groups), groups)
+            if groups > 1:
+                layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+                group_policies(settings, block_size, layers, groups)
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 

@@ -27,6 +27,9 @@ NEW_TOKENS = 24
 UNIFORM = [{"policy": "knorm", "budget": 64}, {"policy": "snapkv", "budget": 64}, {"policy": "h2o", "budget": 64}]
 PAGED_PYRAMID = {"policy": "paged", "budget": 128, "budget_schedule": "pyramid"}
 KNORM_PYRAMID = {"policy": "knorm", "budget": 128, "budget_schedule": "pyramid"}
+# PyramidKV proper (SnapKV with the pyramid), and H2O counting every query in every group
+PYRAMID = [PAGED_PYRAMID, KNORM_PYRAMID, {"policy": "snapkv", "budget": 128, "budget_schedule": "pyramid"},
+           {"policy": "h2o", "budget": 128, "budget_schedule": "pyramid"}]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def prompts():
 
 def settings_of(groups: int, count: int) -> list:
     """Full cache, KNorm (uniform) and, with several groups, PagedEviction at the pyramid schedule."""
-    configs = [{"policy": "full"}, *UNIFORM] + ([PAGED_PYRAMID, KNORM_PYRAMID] if groups > 1 else [])
+    configs = [{"policy": "full"}, *UNIFORM] + (PYRAMID if groups > 1 else [])
     return [config for config in configs for _ in range(count)]
 
 
@@ -78,7 +81,7 @@ def test_paged_at_the_pyramid_schedule_holds_each_groups_own_budget(runs, prompt
     # block while generating (24 tokens: no decode eviction yet); the others' 64 hold fewer in every group
     assert ledger["evicting_group_blocks_peak"] == [budget // BLOCK + 1 for budget in budgets]
     # prefill evictions: one per group of every evicting request
-    assert ledger["evictions"]["prefill"] == GROUPS * (len(UNIFORM) + 2) * len(prompts)
+    assert ledger["evictions"]["prefill"] == GROUPS * (len(UNIFORM) + len(PYRAMID)) * len(prompts)
     assert runs[1]["ledger"]["evictions"]["prefill"] == len(UNIFORM) * len(prompts)
 
 
@@ -92,11 +95,12 @@ def test_the_same_memory_holds_three_times_the_blocks_and_every_block_comes_back
         assert run["free_blocks_after"] == run["free_blocks_before"], "every block returns"
 
 
-@pytest.mark.parametrize("settings", [PAGED_PYRAMID, KNORM_PYRAMID], ids=["paged", "knorm"])
+@pytest.mark.parametrize("settings", PYRAMID, ids=[settings["policy"] for settings in PYRAMID])
 def test_the_pyramid_equals_the_plain_reference_evicting_each_group_by_its_own_budget(runs, prompts, settings):
     """Each group's layers attend over their own number of tokens (the groups' own seq_lens in the
     attention metadata): the plain reference, sharing no code with the harness, evicts each group's
-    layers by its own budget with a causal mask per layer."""
+    layers by its own budget with a causal mask per layer (SnapKV from the group's own layers'
+    queries, H2O's totals per group)."""
     from tests.support.engine_support import assert_mostly_equal, model_path, plain_policy
     from tests.support.plain_reference import PlainReference
 
@@ -104,5 +108,5 @@ def test_the_pyramid_equals_the_plain_reference_evicting_each_group_by_its_own_b
     plain = PlainReference(model_path("smollm2"))
     expected = [plain.generate(prompt, NEW_TOKENS, [plain_policy(settings["policy"], budget) for budget in budgets])[0]
                 for prompt in prompts]
-    index = 1 + len(UNIFORM) + [PAGED_PYRAMID, KNORM_PYRAMID].index(settings)
+    index = 1 + len(UNIFORM) + PYRAMID.index(settings)
     assert_mostly_equal(part(runs[GROUPS], index, len(prompts))["outputs"], expected)

@@ -259,8 +259,8 @@ class PlainPolicy:
 
 
 def reads_queries(policy: PlainPolicy) -> bool:
-    """Rules that read queries or count them (H2O, LRU, SnapKV, TOVA, a hybrid using one): their
-    recorded queries and totals are per request, not per layer group."""
+    """Rules that read queries or count them (H2O, LRU, SnapKV, TOVA, a hybrid using one): H2O's
+    totals and LRU's ages live in the rule object, so layer groups need one object each."""
     names = policy.weights if policy.score == "hybrid" else [policy.score]
     return any(name not in KV_SCORES and name != "streaming" for name in names)
 
@@ -333,7 +333,7 @@ class PlainReference:
         context), before the rest (the question) is computed; None: after the whole prompt.
 
         ``policy``: one rule for every layer, or one per layer group (G rules, G dividing the layers;
-        attention-free rules only when G > 1): group g's rule evicts layers [g L/G, (g + 1) L/G) by
+        each group its own rule object): group g's rule evicts layers [g L/G, (g + 1) L/G) by
         its own budget, when its own layers' length calls for it. The counts add, per group,
         ``groups[g]`` ({"prefill", "decode", "decode_at": the logical lengths its decode evictions
         followed}), and ``lengths``: each layer's cached tokens at the end."""
@@ -343,9 +343,12 @@ class PlainReference:
         layers = len(self.model.model.layers)
         if not policies or layers % len(policies):
             raise ValueError(f"{len(policies)} layer groups for {layers} layers: the groups must divide the layers")
-        if len(policies) > 1 and any(reads_queries(rule) for rule in policies):
-            raise ValueError("layer groups: only attention-free rules (KV_SCORES, streaming); "
-                             f"{[rule.score for rule in policies]} read queries, recorded per request")
+        if len(policies) > 1 and any(reads_queries(rule) for rule in policies) and \
+                len({id(rule) for rule in policies}) < len(policies):
+            # The recorded queries are per layer (each group reads its own layers'), but H2O's totals and
+            # LRU's ages live in the rule: each group needs a rule object of its own.
+            raise ValueError("layer groups: a rule that reads queries keeps per-request state; give each group "
+                             "its own rule object")
         span = layers // len(policies)
         groups = [range(g * span, (g + 1) * span) for g in range(len(policies))]
         evict_at = len(prompt) if context_tokens is None else context_tokens

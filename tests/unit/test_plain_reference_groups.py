@@ -191,7 +191,18 @@ def test_groups_equal_a_recomputation_from_scratch(plain, slow, prompt, case):
 def test_groups_refuse_what_they_cannot_do(plain, prompt):
     with pytest.raises(ValueError, match="divide"):
         plain.generate(prompt, 2, [knorm(48)] * 3)
-    with pytest.raises(ValueError, match="read queries"):
-        plain.generate(prompt, 2, [PlainPolicy("snapkv", "token", 48, BLOCK), knorm(48)])
+    shared = PlainPolicy("h2o", "token", 48, BLOCK)
+    with pytest.raises(ValueError, match="its own rule object"):
+        plain.generate(prompt, 2, [shared, shared])
     with pytest.raises(ValueError, match="decode_eviction"):
         plain.generate(prompt, 2, [knorm(48, False), knorm(48)], context_tokens=60)
+
+
+@pytest.mark.parametrize("score", ["snapkv", "h2o"])
+def test_groups_of_a_rule_reading_queries_equal_one_group(plain, prompt, score):
+    """SnapKV reads each layer's own window of queries, H2O sums what each layer's queries paid:
+    per layer and head, so groups (each its own rule object) keep what one group keeps."""
+    ids, counts = plain.generate(prompt, NEW, PlainPolicy(score, "token", 48, BLOCK))
+    grouped_ids, grouped = plain.generate(prompt, NEW, [PlainPolicy(score, "token", 48, BLOCK) for _ in range(2)])
+    assert counts["prefill"] == 1 and counts["decode"] >= 1
+    assert grouped_ids == ids and grouped["lengths"] == counts["lengths"]
