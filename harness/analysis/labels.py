@@ -22,7 +22,7 @@ def variant_label(config: dict) -> str:
     elif config.get("decode_eviction") is False and name != "full":
         changed.append("decode_eviction=False")  # the prompt compressed only
     groups = (config.get("engine") or {}).get("layer_groups", 1)
-    if groups != 1:
+    if groups != 1 and name != "full":  # full cache generates the same at any G
         changed.append(f"layer_groups={groups}")  # the layers as G KV cache groups, each its own budget
     if config.get("budget_schedule", "uniform") != "uniform" and name != "full":
         changed.append(f"budget_schedule={config['budget_schedule']}")
