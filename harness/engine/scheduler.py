@@ -577,7 +577,7 @@ class EvictionScheduler(Scheduler):
         # evicted count goes with them, and its settings once it is finished.
         request_id = request.request_id
         ledger = self.kv_ledger
-        if ledger.evicted.pop(request_id, 0) and not request.is_finished():
+        if any(ledger.evicted.pop(request_id, ())) and not request.is_finished():
             ledger.totals.preempted_after_eviction += 1
             if request_id in self.kv_request_counters:
                 self.kv_request_counters[request_id].preempted_after_eviction += 1
