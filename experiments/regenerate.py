@@ -116,7 +116,7 @@ STEPS = (
     throughput("layer_groups", 9),   # 522 s at 956a13d (full cache with the layers as 1, 3, 6 KV cache groups)
     # Budgets per layer at equal total KV memory: three layer groups, uniform vs pyramid schedule.
     accuracy("layer_budgets", "layer_budgets", 42, measured=True),  # at 95e0e30, unit tests running beside it
-    throughput("budget_schedules", 8, trials=2),  # 464 s at 95e0e30
+    throughput("budget_schedules", 17, trials=5, measured=True),  # trials 1-2 at 95e0e30 (464 s), 3-5 at 2a15c74 (560 s)
 )
 
 
