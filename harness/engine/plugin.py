@@ -53,11 +53,11 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
             check_policy_runs(build_policy(settings, block_size), vllm_config.model_config.enforce_eager)
             if prompt_tokens is not None:
                 settings = settings.for_prompt(prompt_tokens, block_size)
-            # the budget spread over the engine's layer groups (a schedule that cannot apply is refused here)
+            # the budget spread over the engine's layer groups: a schedule that cannot apply (any but
+            # uniform on a one-group engine) is refused here, not by the scheduler's backstop
             groups = layer_groups_of(vllm_config)
-            if groups > 1:
-                layers = vllm_config.model_config.hf_text_config.num_hidden_layers
-                group_policies(settings, block_size, layers, groups)
+            layers = vllm_config.model_config.hf_text_config.num_hidden_layers if groups > 1 else 1
+            group_policies(settings, block_size, layers, groups)
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 

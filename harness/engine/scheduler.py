@@ -261,6 +261,7 @@ class EvictionScheduler(Scheduler):
         # block list, evicted count and budget (harness.engine.layer_groups).
         managers = self.kv_cache_manager.coordinator.single_type_managers
         self.kv_groups = len(managers)
+        # vLLM's Scheduler keeps the engine's KV cache config (vllm/v1/core/sched/scheduler.py:101)
         self.kv_layers = sum(len(group.layer_names) for group in self.kv_cache_config.kv_cache_groups)
         # Copy targets allocated by this schedule() (positions, blocks), then held for its step.
         self.kv_planned_targets: dict[tuple[str, int], tuple[tuple[int, ...], list]] = {}

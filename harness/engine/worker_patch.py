@@ -58,14 +58,13 @@ class WorkerEviction:
         self.settings = settings
         self.block_size = runner.cache_config.block_size
         self.policies: dict[tuple, tuple[Policy, ...]] = {}
-        self.backend = self.view = self.capture = None
+        self.backend = self.capture = None
         self.views: list[KVView] = []
         self.group_layers: list[list[int]] = []
         self.unsupported = None  # why this runner cannot evict, if it cannot
         self.groups = max(1, len(runner.attn_groups))
         # Per group: each request's policy state (cached scores, totals, query windows).
         self.policy_states = [PolicyState() for _ in range(self.groups)]
-        self.policy_state = self.policy_states[0]
         self.lengths = GroupLengths(runner) if self.groups > 1 else None
         self.shards = SINGLE
         self.compiled_cuda = runner.device.type == "cuda" and not runner.model_config.enforce_eager
@@ -75,8 +74,7 @@ class WorkerEviction:
         try:
             check_compatible(runner.vllm_config)
             self.backend, self.views, self.group_layers = kv_views_of(runner, self.block_size)
-            self.view = self.views[0]
-            self.shards = head_shards(runner, self.view.num_heads)
+            self.shards = head_shards(runner, self.views[0].num_heads)
             self.capture = QueryCapture(runner, attention_layers(runner))
             for policy_state, layers in zip(self.policy_states, self.group_layers):
                 policy_state.scales = [self.capture.scales[layer] for layer in layers]
@@ -116,16 +114,11 @@ def kv_views_of(runner, block_size: int) -> tuple[str, list[KVView], list[list[i
     each group's layers as positions in layer order. A block
     id means a slot in its own group's layers only: the groups' tensors alias one buffer
     (layer_groups_verification.md A5), so a view must never mix them."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
     groups = runner.attn_groups
     if any(len(attention_groups) != 1 for attention_groups in groups):
         raise ValueError(f"KV eviction supports one attention group per KV cache group; this model has "
                          f"{[len(attention_groups) for attention_groups in groups]}")
-    # runner.kv_caches is in layer order (vllm/v1/worker/utils.py:844-858)
-    order = sorted((name for attention_groups in groups for name in attention_groups[0].layer_names),
-                   key=extract_layer_index)
-    position = {name: index for index, name in enumerate(order)}
+    position = {name: index for index, name in enumerate(layer_names_in_order(runner))}
     context = runner.compilation_config.static_forward_context
     backend, views, group_layers = None, [], []
     for attention_groups in groups:
@@ -171,14 +164,18 @@ def head_shards(runner, local_heads: int) -> HeadShards:
     return HeadShards(get_tensor_model_parallel_rank(), size, all_gather)
 
 
-def attention_layers(runner) -> list:
-    """The attention modules in the order of ``runner.kv_caches`` (sorted by layer index,
-    ``vllm/v1/worker/utils.py:844-858``), so window layer i is view layer i."""
+def layer_names_in_order(runner) -> list[str]:
+    """Every KV cache group's attention layers in the order of ``runner.kv_caches`` (sorted by
+    layer index, ``vllm/v1/worker/utils.py:844-858``)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    names = sorted((name for groups in runner.attn_groups for name in groups[0].layer_names), key=extract_layer_index)
+    return sorted((name for groups in runner.attn_groups for name in groups[0].layer_names), key=extract_layer_index)
+
+
+def attention_layers(runner) -> list:
+    """The attention modules in the order of ``runner.kv_caches``, so window layer i is view layer i."""
     context = runner.compilation_config.static_forward_context
-    return [context[name] for name in names]
+    return [context[name] for name in layer_names_in_order(runner)]
 
 
 def attach_eviction_state(runner) -> None:
@@ -267,6 +264,8 @@ class GroupLengths:
         self.active: dict[int, torch.Tensor] = {}
         for group, attention_groups in enumerate(runner.attn_groups):
             for attention_group in attention_groups:
+                # a plain dataclass without slots (vllm/v1/worker/utils.py:261-262): its KV cache
+                # group rides on it for the wrapped build_metadata, which is not told the group
                 attention_group._kv_group_lengths = (self, group)
 
     def set(self, group: int, extra: torch.Tensor, num_reqs: int) -> None:

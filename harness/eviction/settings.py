@@ -269,13 +269,14 @@ def group_policies(settings: EvictionSettings, block_size: int, num_layers: int,
     budget spread by the settings' schedule (whole blocks, at least two per group, summing to
     ``groups`` x the budget), group 0 holding the first layers. One group: the settings' policy.
     A schedule that leaves a group less than its policy needs (SnapKV's window) is refused."""
+    whole = build_policy(settings, block_size)
     if groups > 1:
-        check_grouped(build_policy(settings, block_size), groups)
+        check_grouped(whole, groups)
     if groups == 1 or settings.budget is None:
         if settings.budget_schedule != "uniform" and groups == 1:
             raise ValueError(f"budget_schedule={settings.budget_schedule} spreads the budget over the engine's layer "
                              "groups; this engine has one (set engine.layer_groups)")
-        return (build_policy(settings, block_size),) * groups
+        return (whole,) * groups
     budgets = group_budgets(settings.budget_schedule, settings.budget, num_layers, groups, block_size,
                             beta=settings.pyramid_beta, min_blocks=least_blocks(settings, block_size))
     try:

@@ -20,7 +20,7 @@ import torch
 from harness.engine.backend_views import FlashAttnView
 from harness.eviction.evictor import Due, evict_all, phase_due
 from harness.eviction.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport, attach
-from harness.eviction.settings import CONFIG_KEY, group_policies
+from harness.eviction.settings import CONFIG_KEY, group_policies, parse_settings
 from harness.eviction.state import PolicyState
 from policies import make_policy
 
@@ -314,7 +314,7 @@ def test_layer_groups_evict_each_by_its_own_budget_under_both_orders(settings, s
     late, async_counts = run(True, settings, groups=3)
     assert async_counts["planned_over_a_late_report"] > 0
     assert async_counts["evictions"] == sync_counts["evictions"]
-    policies = group_policies(build_settings(settings), BLOCK, LAYERS * 3, 3)
+    policies = group_policies(parse_settings(settings, "test"), BLOCK, LAYERS * 3, 3)
     budgets = [policy.budget for policy in policies]
     assert sum(budgets) == 3 * settings["budget"]
     assert (len(set(budgets)) > 1) == (schedule == "pyramid")
@@ -344,9 +344,3 @@ def test_layer_groups_under_preemption_keep_the_same_tokens(settings):
     for request_id in synchronous:
         for group in range(3):
             assert torch.equal(synchronous[request_id][group], late[request_id][group]), (request_id, group)
-
-
-def build_settings(raw: dict):
-    from harness.eviction.settings import parse_settings
-
-    return parse_settings(raw, "test")

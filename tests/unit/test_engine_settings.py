@@ -222,6 +222,9 @@ def test_the_frontend_refuses_a_boundary_its_prompt_cannot_have():
     check_request(config, own, 1000)
     with pytest.raises(VLLMValidationError, match="beyond the prompt's 800 tokens"):
         check_request(config, own, 800)
+    pyramid = SimpleNamespace(extra_args={"kv_eviction": {"policy": "paged", "budget": 256, "budget_schedule": "pyramid"}})
+    with pytest.raises(VLLMValidationError, match="budget_schedule=pyramid spreads the budget .* this engine has one"):
+        check_request(config, pyramid, 800)  # an engine of one layer group: HTTP 400, not the scheduler's backstop
 
 
 @pytest.mark.parametrize("view_cls", [CpuAttnView, FlashAttnView])
