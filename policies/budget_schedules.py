@@ -16,7 +16,11 @@ from typing import Sequence
 
 import torch
 
+from policies.attention import Window, window_attention
+
 SCHEDULES = ("uniform", "pyramid", "attention")
+# CAKE's observation window: the prompt's last 32 queries (antgroup/cakekv's window_size, as SnapKV's).
+ATTENTION_WINDOW = 32
 
 
 def pyramid_layer_budgets(mean_budget: int, num_layers: int, beta: float = 20.0) -> list[Fraction]:
@@ -54,18 +58,37 @@ def layer_preferences(attention_per_layer: Sequence[torch.Tensor], tau1: float =
     The temperatures default to 1. CAKE tunes them per model and budget (antgroup/cakekv's
     experiments/LongBench/config/model2tau.json, e.g. Llama-3.1-8B at 1024: tau1 = 1.6, tau2 = 0.4).
     """
+    return [preference(*spread_and_shift(attention), tau1, tau2) for attention in attention_per_layer]
+
+
+def spread_and_shift(attention: torch.Tensor) -> tuple[float, float]:
+    """One layer's (H, V) of ``layer_preferences``: the entropy of each head's and query's row over
+    the keys, summed, and the variance over the queries of each key's attention, summed (both in
+    float64). Sums over heads, so tensor-parallel ranks holding different heads add theirs."""
+    if attention.dim() != 3:
+        raise ValueError(f"attention must be [heads, window, keys], got {tuple(attention.shape)}")
+    rows = attention.double()
+    dispersion = max(0.0, -torch.xlogy(rows, rows).sum().item())  # 0 log 0 = 0: causal zeros
+    # One query has no variance (the unbiased estimate would be 0/0).
+    shift = rows.var(dim=1, correction=1).sum().item() if rows.shape[1] > 1 else 0.0
+    return dispersion, shift
+
+
+def preference(dispersion: float, shift: float, tau1: float = 1.0, tau2: float = 1.0) -> float:
+    """CAKE's P = H^(1/tau1) x V^(1/tau2) of one layer."""
     if not (tau1 > 0 and tau2 > 0):
         raise ValueError(f"tau1 and tau2 must be positive, got {tau1!r} and {tau2!r}")
-    preferences = []
-    for layer, attention in enumerate(attention_per_layer):
-        if attention.dim() != 3:
-            raise ValueError(f"layer {layer}: attention must be [heads, window, keys], got {tuple(attention.shape)}")
-        rows = attention.double()
-        dispersion = max(0.0, -torch.xlogy(rows, rows).sum().item())  # 0 log 0 = 0: causal zeros
-        # One query has no variance (the unbiased estimate would be 0/0).
-        shift = rows.var(dim=1, correction=1).sum().item() if rows.shape[1] > 1 else 0.0
-        preferences.append(dispersion ** (1 / tau1) * shift ** (1 / tau2))
-    return preferences
+    return dispersion ** (1 / tau1) * shift ** (1 / tau2)
+
+
+def window_spread_and_shift(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tuple[float, float]:
+    """(H, V) of one layer from the prompt's last queries ``[n, query_heads, head_dim]`` (post-RoPE)
+    and its cached ``[tokens, kv_heads, head_dim]`` keys, the queries' own tokens last: each query's
+    softmax over every key it sees, then, as CAKE's code slices it, the columns of the keys before
+    the window (the window's own keys carry the causal zeros, which would be read as a shift)."""
+    attention = window_attention(Window(queries, scale), keys)  # [kv_heads, group, n, tokens]
+    kv_heads, group, n, tokens = attention.shape
+    return spread_and_shift(attention.reshape(kv_heads * group, n, tokens)[..., : tokens - n])
 
 
 def _targets(shares: list[Fraction], total: int, low: int, high: int) -> list[Fraction]:

@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
 from harness.eviction.settings import (PYRAMID_BETA, EvictionSettings, budget_for_ratio, check_compress,
-                                       check_policy_runs, check_ratio, check_schedule, group_policies)
+                                       check_policy_runs, check_ratio, check_schedule, check_schedule_runs,
+                                       group_policies)
 from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
@@ -93,7 +94,7 @@ class RunSettings:
     decode_eviction: bool = True       # False: compress the prompt only
     likelihood: bool = True            # also the teacher-forced measures (harness.run.likelihood)
     compress: str = "prompt"           # "context": evict at each prompt's context boundary (query-agnostic)
-    budget_schedule: str = "uniform"   # the budget over engine.layer_groups: uniform or pyramid
+    budget_schedule: str = "uniform"   # the budget over engine.layer_groups: uniform, pyramid or attention
 
     @property
     def policy_budget(self) -> int:
@@ -265,6 +266,10 @@ def check_run_layer_groups(run: RunSettings) -> None:
     try:
         check_schedule(run.budget_schedule, PYRAMID_BETA, "the run")
         group_policies(run.eviction, run.block_size, layers or groups, groups)  # refused before a model loads
+        # vLLM schedules asynchronously by default where the platform has it: on a GPU, not on CPU
+        # (vllm/platforms/cpu.py:329-331)
+        asynchronous = run.engine.async_scheduling if run.engine.async_scheduling is not None else run.engine.device == "cuda"
+        check_schedule_runs(run.eviction, run.engine.enforce_eager, asynchronous)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

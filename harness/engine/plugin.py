@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from harness.engine.llm import check_vllm_version
 from harness.engine.compatibility import check_compatible, layer_groups_of
-from harness.eviction.settings import (CONFIG_KEY, build_policy, check_policy_runs, group_policies, request_settings,
-                                       settings_from)
+from harness.eviction.settings import (CONFIG_KEY, build_policy, check_policy_runs, check_schedule_runs, group_policies,
+                                       request_settings, settings_from)
 
 
 def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = None) -> dict | None:
@@ -51,6 +51,8 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
         if settings is not None:
             check_compatible(vllm_config)
             check_policy_runs(build_policy(settings, block_size), vllm_config.model_config.enforce_eager)
+            check_schedule_runs(settings, vllm_config.model_config.enforce_eager,
+                                bool(vllm_config.scheduler_config.async_scheduling))
             if prompt_tokens is not None:
                 settings = settings.for_prompt(prompt_tokens, block_size)
             # the budget spread over the engine's layer groups: a schedule that cannot apply (any but

@@ -4,9 +4,10 @@ vLLM's ``Attention.forward(query, key, value)`` (``vllm/model_executor/layers/at
 attention.py:488``) receives a step's queries after the model applied RoPE, ``[tokens,
 num_heads * head_size]`` with the requests' tokens one after the other in batch order
 (``query_start_loc``). A forward pre-hook, torch's own module hook, on each attention layer copies
-the rows of the requests whose policy reads attention, the newest ``query_window`` of each; no
-kernel is touched. After the step the copies join each request's window in the worker's
-``PolicyState``; nothing is captured (and no hook does any work) for a step in which no request
+the rows of the requests whose policy reads attention, the newest ``query_window`` of each (and,
+apart, those of a prompt whose attention schedule is measured: ``harness.eviction.layer_budgets``);
+no kernel is touched. After the step the copies join each request's window in the worker's
+``PolicyState`` (or the measurement's); nothing is captured (and no hook does any work) for a step in which no request
 needs it.
 
 Compiled graphs (``torch.compile``, CUDA graphs) do not run Python hooks per step, so capture
@@ -49,7 +50,7 @@ class QueryCapture:
         self.scales = [float(module.impl.scale) for module in modules]
         self.unsupported = unsupported_reason(runner, modules)
         self.rows: torch.Tensor | None = None           # this step's query rows to copy
-        self.owners: list[tuple[str, int, int]] = []    # (request id, rows, window size) in row order
+        self.owners: list[tuple[str, int, int, int]] = []  # (request id, rows, window size, target) in row order
         self.copies: list[torch.Tensor | None] = [None] * len(modules)
         self.seconds = 0.0                               # this step's time copying queries so far
         if self.unsupported is None:
@@ -66,32 +67,34 @@ class QueryCapture:
             self.seconds += time.perf_counter() - started
         return copy_queries
 
-    def plan(self, wanted: list[tuple[str, int, int, int]], device) -> None:
-        """``wanted``: (request id, first row, end row, window size) of each request to capture."""
+    def plan(self, wanted: list[tuple[str, int, int, int, int]], device) -> None:
+        """``wanted``: (request id, first row, end row, window size, target) of each window to
+        capture; ``target`` indexes the state lists ``absorb`` is given (a request may be wanted
+        by two: its policy's window and the schedule's measurement)."""
         self.rows, self.owners = None, []
         if not wanted:
             return
         rows = []
-        for request_id, start, end, size in wanted:
+        for request_id, start, end, size, target in wanted:
             take = min(size, end - start)
             rows.append(torch.arange(end - take, end))
-            self.owners.append((request_id, take, size))
+            self.owners.append((request_id, take, size, target))
         self.rows = torch.cat(rows).to(device)
 
-    def absorb(self, states: list[PolicyState], group_layers: list[list[int]]) -> float:
-        """Hand this step's copies to each request's window, in each KV cache group's state its own
-        layers (``group_layers``: positions in layer order; one group: every layer); returns the
-        seconds this step spent capturing (the hooks' copies and this)."""
+    def absorb(self, targets: list[list[PolicyState]], group_layers: list[list[int]]) -> float:
+        """Hand this step's copies to each request's window, in each KV cache group's state (of the
+        owner's target) its own layers (``group_layers``: positions in layer order; one group: every
+        layer); returns the seconds this step spent capturing (the hooks' copies and this)."""
         if self.rows is None:
             return 0.0
         started = time.perf_counter()
         if any(copy is None for copy in self.copies):
             raise RuntimeError("an attention layer ran without capturing the queries planned for it")
         step = torch.stack(self.copies)  # [layers, rows, heads, dim]
-        parts = [step] if len(states) == 1 else [step[layers] for layers in group_layers]
+        parts = [step] if len(group_layers) == 1 else [step[layers] for layers in group_layers]
         offset = 0
-        for request_id, count, size in self.owners:
-            for state, part in zip(states, parts):
+        for request_id, count, size, target in self.owners:
+            for state, part in zip(targets[target], parts):
                 state.observe(request_id, part[:, offset : offset + count], size)
             offset += count
         self.rows, self.owners, self.copies = None, [], [None] * len(self.modules)

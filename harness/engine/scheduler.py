@@ -26,6 +26,13 @@ ledger of each request's *evicted token count* (logical length minus physical le
   the kept ones;
 * freeing a request (finish, abort, preemption) forgets its count; a preempted request is then
   replayed one token per step after its prompt, so it meets the same evictions at the same steps;
+* a request at the attention schedule (``budget_schedule=attention``) has its layer groups'
+  budgets measured by the worker in the step that reaches its eviction point, which also evicts
+  by them: that plan cannot count the eviction (``Undecided``), so the step's report brings the
+  budgets and the scheduler counts and reshapes from them before it plans again. That needs the
+  report before the next plan: synchronous scheduling only (refused otherwise, as is prefix
+  caching's sharing for such a request: its copies could not be allocated before its budgets
+  are known);
 * a request compressing its context alone (``compress=context``) runs its prefill eviction at
   its context boundary instead of its prompt's end (``eviction_point``): its chunk ends there, the
   eviction's count is fixed by the policy and the context's length as above (so asynchronous
@@ -50,7 +57,7 @@ run; vLLM decides as before.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -62,8 +69,8 @@ from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
 from harness.engine.compatibility import check_compatible, layer_groups_of
-from harness.eviction.settings import (EvictionSettings, build_policy, check_policy_runs, group_policies,
-                                       request_settings, settings_from)
+from harness.eviction.settings import (EvictionSettings, build_policy, check_policy_runs, check_schedule_runs,
+                                       group_policies, request_settings, settings_from)
 from policies import BlockPolicy, Policy
 
 
@@ -167,6 +174,17 @@ class Expected:
             self.kept if self.kept is not None else self.source_blocks - 1)
 
 
+@dataclass(frozen=True)
+class Undecided:
+    """The prefill eviction of a request at the attention schedule, in the step that measures its
+    group budgets: what it leaves is known when the report brings them (``tokens``: the physical
+    tokens it starts from). Synchronous scheduling only, so no plan is made before then."""
+
+    step: int
+    tokens: int
+    surplus = 0
+
+
 def expected_eviction(policy: Policy, phase: str, tokens: int, copy_positions: tuple[int, ...], step: int) -> Expected:
     """What an eviction of ``tokens`` physical tokens will leave: a block policy's decode eviction
     drops one block; otherwise the policy keeps ``prefill_keep_count`` after prefill and its
@@ -265,7 +283,7 @@ class EvictionScheduler(Scheduler):
         self.kv_layers = sum(len(group.layer_names) for group in self.kv_cache_config.kv_cache_groups)
         # Copy targets allocated by this schedule() (positions, blocks), then held for its step.
         self.kv_planned_targets: dict[tuple[str, int], tuple[tuple[int, ...], list]] = {}
-        self.kv_expected: dict[tuple[str, int], Expected] = {}  # scheduled evictions not reported yet
+        self.kv_expected: dict[tuple[str, int], Expected | Undecided] = {}  # scheduled evictions not reported yet
         self.kv_abandoned: set[tuple[str, int, int]] = set()  # (request, group, step): freed before its report came
         self.kv_step = 0
         # Evicting requests kept out of the prefix cache: their copies could not fit in the pool.
@@ -307,6 +325,7 @@ class EvictionScheduler(Scheduler):
     def group_policies(self, settings: EvictionSettings) -> tuple[Policy, ...]:
         policies = self.kv_policies.get(settings.key)
         if policies is None:
+            check_schedule_runs(settings, self.vllm_config.model_config.enforce_eager, isinstance(self, AsyncScheduler))
             policies = group_policies(settings, self.kv_block_size, self.kv_layers, self.kv_groups)
             for policy in {id(policy): policy for policy in policies}.values():
                 check_policy_runs(policy, self.vllm_config.model_config.enforce_eager)
@@ -334,7 +353,7 @@ class EvictionScheduler(Scheduler):
             self.group_policies(settings)
             self.kv_request_settings[request.request_id] = settings
             self._counters(request.request_id, settings)
-            if self.cache_config.enable_prefix_caching and not self._copies_fit(request, settings):
+            if self.cache_config.enable_prefix_caching and (settings.measuring or not self._copies_fit(request, settings)):
                 self.kv_uncached.add(request.request_id)
         super().add_request(request)
 
@@ -400,8 +419,8 @@ class EvictionScheduler(Scheduler):
         admission gate. (Per KV cache group: each its own budget.)"""
         settings = self.kv_request_settings.get(request_id)
         request = self.requests.get(request_id)
-        if settings is None or request is None or any(self.kv_ledger.evicted.get(request_id, ())):
-            return num_tokens
+        if settings is None or request is None or settings.measuring or any(self.kv_ledger.evicted.get(request_id, ())):
+            return num_tokens  # (an attention schedule not measured yet: as if it never evicted)
         policy = self.group_policy(settings, group)
         prompt = self.eviction_point(request)
         if num_tokens <= prompt or not policy.evicts:
@@ -523,6 +542,11 @@ class EvictionScheduler(Scheduler):
         for request_id, request_settings in settings.items():
             request = self.requests[request_id]
             after = request.num_computed_tokens  # vLLM advanced it by this step's tokens (_update_after_schedule)
+            if request_settings.measuring:
+                if after - scheduled[request_id] < self.eviction_point(request) <= after:
+                    for group in range(self.kv_groups):  # measured and evicted by the worker in this step
+                        self.kv_expected[(request_id, group)] = Undecided(self.kv_step, after - self.evicted(request_id, group))
+                continue
             for group, policy in enumerate(self.group_policies(request_settings)):
                 evicted = self.evicted(request_id, group)
                 phase = phase_due(policy, self.eviction_point(request), after - scheduled[request_id], after, evicted)
@@ -560,13 +584,42 @@ class EvictionScheduler(Scheduler):
                 "process; check VLLM_PLUGINS and that the harness is installed in this environment)",
             )
             self.kv_ledger.add_step(report)
+            for request_id, budgets in report.budgets.items():
+                self._fix_budgets(request_id, budgets, plan.step)
             for (request_id, group), eviction in report.evictions.items():
                 self._settle(request_id, group, eviction, plan.step)
             for (request_id, _), expected in list(self.kv_expected.items()):
                 if expected.step == plan.step and self._live(request_id):
+                    what = "measure the attention schedule of" if isinstance(expected, Undecided) else "evict"
                     raise EvictionNotActiveError(
-                        f"the worker did not evict request {request_id}, whose eviction step {plan.step} scheduled")
+                        f"the worker did not {what} request {request_id}, whose eviction step {plan.step} scheduled")
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _fix_budgets(self, request_id: str, budgets: tuple[int, ...], step: int) -> None:
+        """An attention schedule's group budgets, measured by the worker in ``step``: the request's
+        settings from now on, and that step's prefill eviction counted in each group by them (the
+        evictions the report carries are then settled against it, as any)."""
+        settings = self.kv_request_settings.get(request_id)
+        if settings is None or not settings.measuring:
+            return  # finished since, or measured before and replayed: the first measurement stands
+        settings = self.kv_request_settings[request_id] = replace(settings, group_budgets=tuple(budgets))
+        self._counters(request_id, settings).group_budgets = list(budgets)
+        point = self.eviction_point(self.requests[request_id])
+        for group, policy in enumerate(self.group_policies(settings)):
+            key = (request_id, group)
+            undecided = self.kv_expected.get(key)
+            if not isinstance(undecided, Undecided) or undecided.step != step:
+                continue
+            del self.kv_expected[key]
+            if not policy.needs_prefill_eviction(point):
+                continue
+            expected = expected_eviction(policy, "prefill", undecided.tokens, (), step)
+            if expected.kept == tuple(range(expected.source_blocks)) and expected.evicted_tokens == 0:
+                continue
+            self.kv_expected[key] = expected
+            self.kv_ledger.evicted.setdefault(request_id, [0] * self.kv_groups)[group] += expected.evicted_tokens
+            if expected.kept is not None:
+                self._reshape(request_id, group, expected.source_blocks, [], expected.kept)
 
     def _live(self, request_id: str) -> bool:
         request = self.requests.get(request_id)

@@ -12,7 +12,10 @@
   to its attention metadata builder (``GroupLengths``).
 * For requests whose policy reads attention, the step's query rows are planned here and copied
   by hooks on the attention layers as the model runs (``query_capture``), then added to each
-  request's window once the step is done.
+  request's window once the step is done. A request at the attention schedule has its prompt's
+  last queries copied the same way, apart, and in the step that reaches its eviction point its
+  layer groups' budgets are measured from them (``harness.eviction.layer_budgets``): that step's
+  eviction follows them, and the report tells the scheduler.
 * After a step has written its K/V and sampled, a request whose policy sums attention (H2O) has
   its uncounted queries counted when the prompt completes or its window is all uncounted; the
   requests of the plan whose prompt just completed past their budget, or whose newest block just
@@ -45,9 +48,11 @@ from harness.engine.query_capture import QueryCapture
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
 )
+from harness.eviction.layer_budgets import measured_settings, spread_and_shift
 from harness.eviction.settings import CONFIG_KEY, EvictionSettings, group_policies, settings_from
 from harness.engine.compatibility import SCHEDULER_CLS, check_compatible
 from policies import Policy
+from policies.budget_schedules import ATTENTION_WINDOW
 
 
 class WorkerEviction:
@@ -63,8 +68,12 @@ class WorkerEviction:
         self.group_layers: list[list[int]] = []
         self.unsupported = None  # why this runner cannot evict, if it cannot
         self.groups = max(1, len(runner.attn_groups))
-        # Per group: each request's policy state (cached scores, totals, query windows).
+        # Per group: each request's policy state (cached scores, totals, query windows), and the
+        # prompt windows of requests whose attention schedule is still to be measured.
         self.policy_states = [PolicyState() for _ in range(self.groups)]
+        self.schedule_states = [PolicyState() for _ in range(self.groups)]
+        # Settings with the group budgets this worker measured, until the scheduler's plan carries them.
+        self.measured: dict[str, EvictionSettings] = {}
         self.lengths = GroupLengths(runner) if self.groups > 1 else None
         self.shards = SINGLE
         self.compiled_cuda = runner.device.type == "cuda" and not runner.model_config.enforce_eager
@@ -76,8 +85,9 @@ class WorkerEviction:
             self.backend, self.views, self.group_layers = kv_views_of(runner, self.block_size)
             self.shards = head_shards(runner, self.views[0].num_heads)
             self.capture = QueryCapture(runner, attention_layers(runner))
-            for policy_state, layers in zip(self.policy_states, self.group_layers):
-                policy_state.scales = [self.capture.scales[layer] for layer in layers]
+            for states in (self.policy_states, self.schedule_states):
+                for policy_state, layers in zip(states, self.group_layers):
+                    policy_state.scales = [self.capture.scales[layer] for layer in layers]
         except (ValueError, UnsupportedLayoutError) as error:
             if settings is not None:
                 raise
@@ -97,11 +107,19 @@ class WorkerEviction:
                 # B5.6); a group's own lengths would not reach them.
                 raise EvictionNotActiveError(f"budget_schedule={settings.budget_schedule} gives the layer groups "
                                              "different lengths, which CUDA graphs do not follow: run with enforce_eager")
-            if policies[0].query_window and self.capture is not None and self.capture.unsupported:
-                raise EvictionNotActiveError(f"{settings.policy} cannot run on this engine: {self.capture.unsupported}")
+            if (policies[0].query_window or settings.budget_schedule == "attention") and \
+                    self.capture is not None and self.capture.unsupported:
+                raise EvictionNotActiveError(f"{settings.describe()} cannot run on this engine: {self.capture.unsupported}")
             self.policies[settings.key] = policies
         return policies
 
+    def settings_of(self, request_id: str, settings: EvictionSettings) -> EvictionSettings:
+        """A request's settings as this step runs them: the plan's, or, for an attention schedule
+        measured here whose budgets the plan does not carry yet, the measured ones."""
+        if not settings.measuring:
+            self.measured.pop(request_id, None)
+            return settings
+        return self.measured.get(request_id, settings)
     def synchronize(self) -> None:
         """Timings of GPU work mean something only once the queued kernels have run."""
         if self.device.type == "cuda":
@@ -213,8 +231,10 @@ def to_physical(runner, state: WorkerEviction, scheduler_output) -> None:
             f"the scheduler's default eviction is {plan.default} but this worker was configured with {state.settings}")
     if plan.settings and state.unsupported is not None:
         raise EvictionNotActiveError(f"a request asks for KV eviction but this worker cannot evict: {state.unsupported}")
-    for policy_state in state.policy_states:
+    for policy_state in state.policy_states + state.schedule_states:
         policy_state.forget(plan.released)
+    for request_id in plan.released:
+        state.measured.pop(request_id, None)
     evicted = plan.evicted_tokens
     if not evicted:
         return
@@ -296,7 +316,8 @@ class GroupLengths:
 def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
     """Which query rows of this step the attention hooks copy: the newest ``query_window`` of each
     scheduled request whose policy reads attention (its rows, ``query_start_loc``, are final once
-    vLLM has prepared the inputs: ``vllm/v1/worker/gpu_model_runner.py:2029-2030``)."""
+    vLLM has prepared the inputs: ``vllm/v1/worker/gpu_model_runner.py:2029-2030``), and the newest
+    ``ATTENTION_WINDOW`` of each request prefilling towards an attention schedule's measurement."""
     if state.capture is None:
         return
     plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
@@ -305,11 +326,45 @@ def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
         batch = runner.input_batch
         starts = runner.query_start_loc.np
         for request_id, settings in plan.settings.items():
+            settings = state.settings_of(request_id, settings)
             size = state.policy_for(settings)[0].query_window
             row = batch.req_id_to_index.get(request_id)
-            if size and row is not None:
-                wanted.append((request_id, int(starts[row]), int(starts[row + 1]), size))
+            if row is None:
+                continue
+            if size:
+                wanted.append((request_id, int(starts[row]), int(starts[row + 1]), size, 0))
+            request = runner.requests.get(request_id)
+            if settings.measuring and request is not None and \
+                    request.num_computed_tokens < settings.eviction_point(request.num_prompt_tokens):
+                wanted.append((request_id, int(starts[row]), int(starts[row + 1]), ATTENTION_WINDOW, 1))
     state.capture.plan(wanted, runner.device)
+
+
+def measure_schedules(runner, state: WorkerEviction, scheduler_output) -> dict[str, tuple[int, ...]]:
+    """The group budgets of each request at the attention schedule whose prefill reached its
+    eviction point this step, measured from its window and its cache (nothing evicted yet): kept
+    for this step's eviction and until the plan carries them; returned for the report."""
+    plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+    budgets = {}
+    for request_id, settings in plan.settings.items():
+        request = runner.requests.get(request_id)
+        if not state.settings_of(request_id, settings).measuring or request is None:
+            continue
+        before = request.num_computed_tokens
+        after = before + scheduler_output.num_scheduled_tokens[request_id]
+        if not before < settings.eviction_point(request.num_prompt_tokens) <= after:
+            continue
+        parts = []
+        for group, schedule_state in enumerate(state.schedule_states):
+            window = schedule_state.windows.get(request_id)
+            if window is None or not window.filled:
+                raise RuntimeError(f"request {request_id}: no prompt queries were captured to measure its attention schedule")
+            parts.append(spread_and_shift(state.views[group], request.block_ids[group], after, window.queries,
+                                          schedule_state.scales))
+            schedule_state.forget([request_id])
+        measured = state.measured[request_id] = measured_settings(settings, parts, state.block_size, state.shards)
+        budgets[request_id] = measured.group_budgets
+    return budgets
 
 
 def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
@@ -327,6 +382,9 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
         request = runner.requests.get(request_id)
         if request is None:
             continue
+        settings = state.settings_of(request_id, settings)
+        if settings.measuring:
+            continue  # nothing to evict before its measurement
         before = request.num_computed_tokens
         after = before + scheduler_output.num_scheduled_tokens[request_id]
         point = settings.eviction_point(request.num_prompt_tokens)  # the prompt's end, or the context's
@@ -421,7 +479,7 @@ def install() -> None:
         output = original_sample(self, *args, **kwargs)
         step, self._kv_step = self.__dict__.get("_kv_step"), None
         state = eviction_state(self)
-        capture_s = (state.capture.absorb(state.policy_states, state.group_layers)
+        capture_s = (state.capture.absorb([state.policy_states, state.schedule_states], state.group_layers)
                      if state is not None and state.capture is not None else 0.0)
         # Under asynchronous scheduling the runner returns an AsyncGPUModelRunnerOutput wrapping the
         # ModelRunnerOutput that its get_output() hands to the engine (vllm/v1/worker/gpu_model_runner.py:281,
@@ -435,11 +493,13 @@ def install() -> None:
             return output  # no request of this step evicts: nothing to time or report
         state.synchronize()
         evict_started = time.perf_counter()
+        budgets = measure_schedules(self, state, scheduler_output)
         evictions = evict_after_step(self, state, scheduler_output)
         state.synchronize()
         finished = time.perf_counter()
         report = EvictionReport(evictions, model_s=evict_started - started, evict_s=finished - evict_started,
-                                capture_s=capture_s, state_bytes=sum(each.nbytes() for each in state.policy_states))
+                                capture_s=capture_s, budgets=budgets,
+                                state_bytes=sum(each.nbytes() for each in state.policy_states + state.schedule_states))
         for key in state.seconds:  # this rank's own sums of the report's seconds
             state.seconds[key] += getattr(report, key)
         attach(carrier, REPORT_ATTRIBUTE, report)

@@ -93,6 +93,7 @@ class RequestCounters(EvictionCounters):
 
     policy: str
     budget: int
+    group_budgets: list[int] | None = None  # budget_schedule=attention: each layer group's, as measured
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -12,6 +12,15 @@ the pass over the prompt's first ``context_tokens`` tokens, as if they were the 
 attention-aware policy the model runs a registered attention function (Hugging Face's own
 ``AttentionInterface``) that hands each layer's post-RoPE queries to the request's window and then
 runs the model's eager attention unchanged.
+
+With several policies, one per KV cache group (``engine.layer_groups``, each a run of consecutive
+layers with its own budget), each group's layers keep their own tokens: one view, policy state,
+query window and evicted count per group, as the engine keeps them. The layers then hold different
+numbers of tokens, so the registered attention function also builds each layer's causal mask for its
+own keys (Hugging Face builds one mask, for the first layer's length). With ``schedule`` (settings at
+``budget_schedule=attention``) the groups' budgets are measured from each prompt's last queries when
+the prefill reaches the eviction point, as the engine's worker measures them
+(``harness.eviction.layer_budgets``), and that eviction follows them.
 """
 from __future__ import annotations
 
@@ -20,51 +29,66 @@ import sys
 import torch
 
 from harness.eviction.evictor import count_due, count_queries, evict, phase_due
+from harness.eviction.layer_budgets import measured_settings, spread_and_shift
+from harness.eviction.settings import EvictionSettings, group_policies
 from harness.eviction.state import PolicyState
 from harness.eviction.kv_view import KVView
 from policies import Policy
+from policies.budget_schedules import ATTENTION_WINDOW
 
 
 class DynamicCacheView(KVView):
-    """A DynamicCache's layers seen through the KVView interface (block ids = block positions)."""
+    """A DynamicCache's layers seen through the KVView interface (block ids = block positions):
+    all of them, or ``layers`` (one KV cache group's), numbered from 0 in the view."""
 
-    def __init__(self, cache, block_size: int):
+    def __init__(self, cache, block_size: int, layers: range | None = None):
         self.cache = cache
-        super().__init__([layer.keys for layer in cache.layers], block_size)
+        self.entries = [cache.layers[layer] for layer in (layers if layers is not None else range(len(cache.layers)))]
+        super().__init__([entry.keys for entry in self.entries], block_size)
 
     @property
     def num_heads(self) -> int:
-        return self.cache.layers[0].keys.shape[1]
+        return self.entries[0].keys.shape[1]
 
     @property
     def head_dim(self) -> int:
-        return self.cache.layers[0].keys.shape[-1]
+        return self.entries[0].keys.shape[-1]
 
     def _index(self, blocks, offsets):
         return blocks * self.block_size + offsets
 
     def _gather(self, layer, blocks, offsets):
-        entry = self.cache.layers[layer]
+        entry = self.entries[layer]
         index = self._index(blocks, offsets)
         return entry.keys[0, :, index].transpose(0, 1), entry.values[0, :, index].transpose(0, 1)
 
     def _scatter(self, layer, blocks, offsets, keys, values):
-        entry = self.cache.layers[layer]
+        entry = self.entries[layer]
         index = self._index(blocks, offsets)
         entry.keys[0, :, index] = keys.transpose(0, 1)
         entry.values[0, :, index] = values.transpose(0, 1)
 
     def drop(self, dropped_blocks: tuple[int, ...], remaining_tokens: int) -> None:
-        """Cut the dropped blocks out of every layer and keep ``remaining_tokens`` tokens."""
-        length = self.cache.layers[0].keys.shape[2]
+        """Cut the dropped blocks out of the view's layers and keep ``remaining_tokens`` tokens."""
+        length = self.entries[0].keys.shape[2]
         keep = torch.ones(length, dtype=torch.bool)
         for block in dropped_blocks:
             keep[block * self.block_size : (block + 1) * self.block_size] = False
         index = keep.nonzero().squeeze(1)[:remaining_tokens]
-        for entry in self.cache.layers:
+        for entry in self.entries:
             entry.keys = entry.keys[:, :, index].contiguous()
             entry.values = entry.values[:, :, index].contiguous()
-        self.layers = [entry.keys for entry in self.cache.layers]
+        self.layers = [entry.keys for entry in self.entries]
+
+
+def own_causal_mask(query, key, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal mask of ``query``'s tokens (the newest ones) over one layer's ``key``
+    tokens, whatever that layer holds: query i sees every key up to its own, ``keys - queries + i``
+    (Hugging Face's eager mask, built here per layer)."""
+    queries, keys = query.shape[-2], key.shape[-2]
+    allowed = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+    mask = torch.zeros(queries, keys, dtype=dtype, device=query.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def window_attention_implementation(base: str = "eager") -> str:
@@ -72,7 +96,8 @@ def window_attention_implementation(base: str = "eager") -> str:
     name) that hands each layer's post-RoPE queries (``[new tokens, query_heads, head_dim]``) to
     the attention module's ``kv_report_queries(layer, queries)``, if it has one, and then runs
     ``base`` ("eager", the model's own eager attention, or a registered one such as "sdpa")
-    unchanged."""
+    unchanged; on a module marked ``kv_own_mask`` (layers holding their own numbers of tokens),
+    with the causal mask of that layer's keys (``own_causal_mask``) instead of the model's."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -83,6 +108,8 @@ def window_attention_implementation(base: str = "eager") -> str:
         report = getattr(module, "kv_report_queries", None)
         if report is not None:
             report(module.layer_idx, query[0].transpose(0, 1))
+        if getattr(module, "kv_own_mask", False):
+            attention_mask = own_causal_mask(query, key, query.dtype)
         if base == "eager":
             run = sys.modules[type(module).__module__].eager_attention_forward
         else:
@@ -95,30 +122,60 @@ def window_attention_implementation(base: str = "eager") -> str:
 
 
 class HFReferenceEngine:
-    """One request at a time, greedy, float32: slow and simple on purpose."""
+    """One request at a time, greedy, float32: slow and simple on purpose.
 
-    def __init__(self, model_path: str, policy: Policy | None = None, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu"):
+    ``policy``: one policy for every layer, or a sequence of them, one per KV cache group of
+    consecutive layers (group 0 the first layers), each with its own budget. ``schedule``: settings
+    at the attention schedule, whose group budgets each prompt measures (``policy`` then gives the
+    groups' policies before that, ``group_policies`` of the settings); ``measured_budgets`` holds
+    the last prompt's."""
+
+    def __init__(self, model_path: str, policy: Policy | list[Policy] | tuple[Policy, ...] | None = None,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", schedule: EvictionSettings | None = None):
         from transformers import AutoModelForCausalLM
 
-        self.window = policy.query_window if policy is not None else 0
-        attention = window_attention_implementation("eager") if self.window else "eager"
+        self.policies: tuple[Policy, ...] = tuple(policy) if isinstance(policy, (list, tuple)) else (policy,)
+        self.schedule = schedule if schedule is not None and schedule.measuring else None
+        if schedule is not None and self.schedule is None:
+            raise ValueError(f"schedule: settings at budget_schedule=attention not yet measured, got {schedule}")
+        self.unmeasured = self.policies
+        self.measured_budgets: tuple[int, ...] | None = None
+        self.policy = self.policies[0]
+        if len(self.policies) > 1 and any(p is None for p in self.policies):
+            raise ValueError("every KV cache group needs its policy")
+        self.window = self.policy.query_window if self.policy is not None else 0
+        if any((p.query_window if p else 0) != self.window for p in self.policies):
+            raise ValueError("the groups' policies must read the same query window")
+        grouped = len(self.policies) > 1
+        attention = window_attention_implementation("eager") if self.window or grouped or self.schedule else "eager"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attention)
         self.model = self.model.to(device).eval()
         self.device = torch.device(device)
-        self.policy = policy
         self.step_queries: dict[int, torch.Tensor] = {}
         self.attention_layers = [layer.self_attn for layer in self.model.model.layers]
+        layers, groups = len(self.attention_layers), len(self.policies)
+        if layers % groups:
+            raise ValueError(f"{groups} groups must divide the model's {layers} layers (equal groups, as the engine's)")
+        size = layers // groups
+        self.group_layers = [range(g * size, (g + 1) * size) for g in range(groups)]
         for layer in self.attention_layers:
-            layer.kv_report_queries = self.step_queries.__setitem__
-        self.policy_state = PolicyState()
+            if self.window or self.schedule:
+                layer.kv_report_queries = self.step_queries.__setitem__
+            layer.kv_own_mask = grouped
+        self.policy_states = [PolicyState() for _ in self.policies]
+
+    @property
+    def policy_state(self) -> PolicyState:
+        """One group's (the only group's) policy state."""
+        return self.policy_states[0]
 
     def _observe(self, request_id: str) -> None:
-        """This step's queries (each layer's newest ``window``) into the request's window."""
+        """This step's queries (each layer's newest ``window``) into each group's window."""
         if not self.window:
             return
-        queries = torch.stack([self.step_queries[layer][-self.window:] for layer in range(len(self.attention_layers))])
-        self.policy_state.observe(request_id, queries, self.window)
+        for layers, state in zip(self.group_layers, self.policy_states):
+            queries = torch.stack([self.step_queries[layer][-self.window:] for layer in layers])
+            state.observe(request_id, queries, self.window)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
                  context_tokens: int | None = None) -> list[int]:
@@ -148,26 +205,34 @@ class HFReferenceEngine:
         evict_at = prompt_len if context_tokens is None else context_tokens  # where the prefill eviction runs
         if not 0 < evict_at <= prompt_len:
             raise ValueError(f"context_tokens={context_tokens} for a prompt of {prompt_len} tokens")
-        if evict_at < prompt_len and self.policy is not None and self.policy.evicts and self.policy.decode_eviction:
+        if evict_at < prompt_len and any(p is not None and p.evicts and p.decode_eviction for p in self.policies):
             # A decode eviction would drop question tokens too: the setting compresses the context once.
             raise ValueError("context compression evicts the context only: the policy needs decode_eviction=False")
         cache = DynamicCache(config=self.model.config)
-        # One request at a time: each starts with empty policy state.
-        self.policy_state = PolicyState(scales=[float(layer.scaling) for layer in self.attention_layers])
+        self.policies, self.measured_budgets = self.unmeasured, None
+        # One request at a time: each starts with empty policy state (per group: its layers' scales).
+        self.policy_states = [PolicyState(scales=[float(self.attention_layers[layer].scaling) for layer in layers])
+                              for layers in self.group_layers]
         inputs = torch.tensor([prompt_ids[:evict_at]], device=self.device)
         positions = torch.arange(evict_at, device=self.device).unsqueeze(0)
-        computed, evicted, output, best, chosen = 0, 0, [], [], []
+        computed, output, best, chosen = 0, [], [], []
+        evicted = [0] * len(self.policies)  # per group
         while len(output) < max_new_tokens:
+            # the first group's physical positions (with several groups each layer's own mask
+            # replaces the one Hugging Face builds from them; the cache itself only appends)
+            physical = computed - evicted[0]
             logits = self.model(
                 input_ids=inputs,
                 position_ids=positions,
-                cache_position=torch.arange(computed - evicted, computed - evicted + inputs.shape[1], device=self.device),
+                cache_position=torch.arange(physical, physical + inputs.shape[1], device=self.device),
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,  # only the last position is sampled; skip the prompt's logits
             ).logits
             before, computed = computed, computed + inputs.shape[1]
             self._observe("request")
+            if self.schedule is not None and before < evict_at <= computed:
+                self._measure(cache, computed)
             if computed < prompt_len:  # the context is in: evict it, then the question runs on what stayed
                 evicted = self._after_step(cache, evict_at, before, computed, evicted)
                 inputs = torch.tensor([prompt_ids[computed:]], device=self.device)
@@ -184,28 +249,41 @@ class HFReferenceEngine:
             evicted = self._after_step(cache, evict_at, before, computed, evicted)
             inputs = torch.tensor([[token]], device=self.device)
             positions = torch.tensor([[computed]], device=self.device)
+        self.cache = cache  # the last request's cache as it ended, for a test to look into
         return output, best, chosen
 
-    def _after_step(self, cache, evict_at: int, before: int, computed: int, evicted: int) -> int:
-        """The eviction or query counting due after a pass that took the request from ``before``
-        to ``computed`` logical tokens, with ``evict_at`` standing for the prompt's length (the
-        engine's rule, ``phase_due``); returns the tokens evicted so far."""
+    def _measure(self, cache, tokens: int) -> None:
+        """The attention schedule's group budgets from this pass's last queries and the cache (the
+        pass reached the eviction point: nothing evicted yet); the groups' policies follow them."""
+        block = self.policy.block_size
+        window = min(ATTENTION_WINDOW, tokens)
+        parts = []
+        for layers, state in zip(self.group_layers, self.policy_states):
+            queries = torch.stack([self.step_queries[layer][-window:] for layer in layers])
+            view = DynamicCacheView(cache, block, layers)
+            parts.append(spread_and_shift(view, list(range(-(-tokens // block))), tokens, queries, state.scales))
+        measured = measured_settings(self.schedule, parts, block)
+        self.policies = group_policies(measured, block, len(self.attention_layers), len(self.policies))
+        self.measured_budgets = measured.group_budgets
+
+    def _after_step(self, cache, evict_at: int, before: int, computed: int, evicted: list[int]) -> list[int]:
+        """The evictions or query counting due, in each group, after a pass that took the request
+        from ``before`` to ``computed`` logical tokens, with ``evict_at`` standing for the prompt's
+        length (the engine's rule, ``phase_due``); returns each group's tokens evicted so far."""
         if self.policy is None:
             return evicted
-        phase = phase_due(self.policy, evict_at, before, computed, evicted)
-        if phase is not None:
-            evicted += self._evict(cache, computed - evicted, phase)
-        elif count_due(self.policy, evict_at, before, computed, self.policy_state, "request"):
-            physical = computed - evicted
-            view = DynamicCacheView(cache, self.policy.block_size)
-            count_queries(self.policy, view, list(range(-(-physical // self.policy.block_size))), physical,
-                          self.policy_state, "request")
-        return evicted
-
-    def _evict(self, cache, physical: int, phase) -> int:
-        view = DynamicCacheView(cache, self.policy.block_size)
-        blocks = -(-physical // self.policy.block_size)
-        eviction = evict(self.policy, view, list(range(blocks)), physical, phase, self.policy_state, "request")
-        if eviction.evicted_tokens or eviction.changes_blocks:
-            view.drop(eviction.dropped_blocks, physical - eviction.evicted_tokens)
-        return eviction.evicted_tokens
+        counts = []
+        for policy, layers, state, gone in zip(self.policies, self.group_layers, self.policy_states, evicted):
+            physical = computed - gone
+            view = DynamicCacheView(cache, policy.block_size, layers)
+            blocks = list(range(-(-physical // policy.block_size)))
+            phase = phase_due(policy, evict_at, before, computed, gone)
+            if phase is not None:
+                eviction = evict(policy, view, blocks, physical, phase, state, "request")
+                if eviction.evicted_tokens or eviction.changes_blocks:
+                    view.drop(eviction.dropped_blocks, physical - eviction.evicted_tokens)
+                gone += eviction.evicted_tokens
+            elif count_due(policy, evict_at, before, computed, state, "request"):
+                count_queries(policy, view, blocks, physical, state, "request")
+            counts.append(gone)
+        return counts

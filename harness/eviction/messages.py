@@ -55,13 +55,16 @@ class EvictionReport:
     that group's block list changed), how long the model and the evictions took (the model's time includes copying the
     query window, ``capture_s`` of it), and the bytes of per-request policy state the worker holds.
     The scheduler counts what each eviction did (``harness.eviction.counters``) and adds the step's
-    time to its ledger (``harness.engine.scheduler.Ledger.add_step``)."""
+    time to its ledger (``harness.engine.scheduler.Ledger.add_step``). ``budgets``: the group
+    budgets the attention schedule measured this step, per request (the step's evictions already
+    follow them)."""
 
     evictions: dict[tuple[str, int], Eviction] = field(default_factory=dict)
     model_s: float = 0.0
     evict_s: float = 0.0
     capture_s: float = 0.0
     state_bytes: int = 0
+    budgets: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def attach(message_holder, attribute: str, message) -> None:

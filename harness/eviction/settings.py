@@ -30,8 +30,12 @@ would also drop question tokens, which is query-aware again).
 How the budget is spread over the layers (``budget_schedule``, on an engine whose layers run as G
 KV cache groups, ``engine.layer_groups``): ``uniform`` (every group the request's budget),
 ``pyramid`` (PyramidKV's linear schedule, more in the lower layers; ``pyramid_beta`` its slope, 20 as
-kvpress's ``PyramidKVPress``). The budget stays the total: the groups' budgets, in whole blocks, sum
-to G x the budget (``policies.budget_schedules.group_budgets``).
+kvpress's ``PyramidKVPress``), ``attention`` (CAKE's layer preferences, measured per request from its
+prompt's last 32 queries when the prefill reaches the eviction point: ``harness.eviction.layer_budgets``).
+The budget stays the total: the groups' budgets, in whole blocks, sum to G x the budget
+(``policies.budget_schedules.group_budgets``). An ``attention`` request's budgets are its own
+(``group_budgets``, fixed once measured); until then its groups run the uniform budgets, which no
+eviction reads (the first one follows the measurement).
 """
 from __future__ import annotations
 
@@ -57,6 +61,9 @@ class EvictionSettings:
     context_tokens: int | None = None  # the request's context, in token ids (compress="context")
     budget_schedule: str = "uniform"   # how the budget is spread over the engine's layer groups
     pyramid_beta: float = PYRAMID_BETA  # the pyramid's slope (1 is flat)
+    # budget_schedule=attention: this request's group budgets, once measured from its prompt (the
+    # engine's, never a user's: parse_settings does not take it)
+    group_budgets: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict:
         raw = {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
@@ -94,7 +101,20 @@ class EvictionSettings:
         """Hashable identity of the policy these settings build (one per distinct key); a
         request's boundary is not part of it (the policy does not depend on it)."""
         return (self.policy, self.budget, json.dumps(self.options, sort_keys=True),  # options may nest (hybrid's weights)
-                self.budget_ratio, self.decode_eviction, self.compress, self.budget_schedule, self.pyramid_beta)
+                self.budget_ratio, self.decode_eviction, self.compress, self.budget_schedule, self.pyramid_beta,
+                self.group_budgets)
+
+    @property
+    def measuring(self) -> bool:
+        """An attention schedule whose group budgets are not measured yet."""
+        return self.budget_schedule == "attention" and self.group_budgets is None
+
+    def with_preferences(self, preferences, block_size: int, num_layers: int, groups: int) -> "EvictionSettings":
+        """These settings with the attention schedule's group budgets, from each layer's measured
+        preference (``policies.budget_schedules.preference``)."""
+        budgets = group_budgets("attention", self.budget, num_layers, groups, block_size, preferences=list(preferences),
+                                min_blocks=least_blocks(self, block_size))
+        return replace(self, group_budgets=budgets)
 
     def at_context(self, context_tokens: int | None) -> "EvictionSettings":
         """One request's settings: its context boundary, where ``compress`` is ``context``."""
@@ -191,9 +211,14 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
 
 
 
-# ``attention`` (CAKE's preference, policies.budget_schedules.layer_preferences) needs the prompt's
-# attention per layer before the first eviction: not wired to the engine yet.
-ENGINE_SCHEDULES = ("uniform", "pyramid")
+ENGINE_SCHEDULES = ("uniform", "pyramid", "attention")
+# Why an asynchronous scheduler cannot run the attention schedule (the scheduler, the request check
+# and the run's config check say it alike).
+ATTENTION_NEEDS_SYNC = (
+    "budget_schedule=attention sets each layer group's budget from the attention of the step that "
+    "prefills the prompt's end, and evicts in that step; an asynchronous scheduler plans the next step "
+    "before that step's report, so it could not know what the eviction left: run with synchronous "
+    "scheduling (engine.async_scheduling=false, vllm serve --no-async-scheduling)")
 
 
 def check_schedule(schedule, beta, where: str) -> tuple[str, float]:
@@ -277,8 +302,15 @@ def group_policies(settings: EvictionSettings, block_size: int, num_layers: int,
             raise ValueError(f"budget_schedule={settings.budget_schedule} spreads the budget over the engine's layer "
                              "groups; this engine has one (set engine.layer_groups)")
         return (whole,) * groups
-    budgets = group_budgets(settings.budget_schedule, settings.budget, num_layers, groups, block_size,
-                            beta=settings.pyramid_beta, min_blocks=least_blocks(settings, block_size))
+    if settings.budget_schedule == "attention":
+        # measured: the request's own; not yet: the uniform ones, which only say what is the same in
+        # every group (window, phases) until the measurement fixes them
+        budgets = settings.group_budgets or (settings.budget,) * groups
+        if len(budgets) != groups or sum(budgets) > groups * settings.budget:
+            raise ValueError(f"group budgets {list(budgets)} for {groups} groups of budget {settings.budget}")
+    else:
+        budgets = group_budgets(settings.budget_schedule, settings.budget, num_layers, groups, block_size,
+                                beta=settings.pyramid_beta, min_blocks=least_blocks(settings, block_size))
     try:
         return tuple(build_policy(replace(settings, budget=budget), block_size) for budget in budgets)
     except BudgetError as error:
@@ -305,6 +337,18 @@ def check_grouped(policy: Policy, groups: int) -> None:
     if getattr(policy, "score_layers", "all") != "all":
         raise ValueError(f"score_layers names one layer of the model; with layer_groups={groups} each group scores "
                          "its own layers")
+
+
+def check_schedule_runs(settings: EvictionSettings, enforce_eager: bool, async_scheduling: bool) -> None:
+    """What the attention schedule needs of the engine: its measurement reads the prompt's queries
+    through the hooks compiled graphs skip, and it evicts in the step it measures in."""
+    if settings.budget_schedule != "attention":
+        return
+    if async_scheduling:
+        raise ValueError(ATTENTION_NEEDS_SYNC)
+    if not enforce_eager:
+        raise ValueError("budget_schedule=attention reads the prompt's queries through hooks that compiled graphs "
+                         "skip: run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")
 
 
 def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:

@@ -188,3 +188,50 @@ def test_two_groups_on_two_workers_return_every_block(grouped_two_workers):
     ledger = grouped_two_workers["ledger"]
     assert ledger["kv_cache_groups"] == GROUPS and ledger["evictions"]["prefill"] >= GROUPS * 2 * len(MATRIX)
     assert grouped_two_workers["free_blocks_after"] == grouped_two_workers["free_blocks_before"]
+
+
+# Preemption with layer groups (one worker, the tiny Llama's 4 layers as two groups): the
+# preemption set's long requests in a pool of twice the blocks (each holds half a block's memory
+# before), so requests that evicted in both groups are preempted, recompute their prompt, replay
+# their outputs one token per step and evict each group again at the same lengths. KNorm and H2O
+# at the uniform schedule then generate what one group generated without preemption (the first
+# engine); PagedEviction at the pyramid (budgets 832 and 192: only the second group evicts the
+# 600-token prompts, and both evict the 100-token ones' outputs) what the Hugging Face reference
+# generates evicting each group by its own budget.
+GROUPED_PREEMPTED = [("knorm", "uniform"), ("h2o", "uniform"), ("paged", "pyramid")]
+
+
+@pytest.fixture(scope="module")
+def grouped_preempted(tmp_path_factory, requests):
+    _, preempted = requests
+    prompts = [prompt for prompt, _, settings in preempted if settings["policy"] == PREEMPTED[0]]
+    asked = [(prompt, PREEMPT_TOKENS, {"policy": name, "budget": PREEMPT_BUDGET, "budget_schedule": schedule})
+             for name, schedule in GROUPED_PREEMPTED for prompt in prompts]
+    result = run(tmp_path_factory, "groups_preempt", asked, layer_groups=GROUPS, kv_blocks=GROUPS * 30,
+                 max_model_len=900)
+    return prompts, result
+
+
+def test_layer_groups_under_preemption_generate_what_they_generate_without(one_worker, grouped_preempted):
+    from harness.eviction.hf_reference import HFReferenceEngine
+    from harness.eviction.settings import group_policies, parse_settings
+    from tests.support.engine_support import BLOCK, model_path
+
+    prompts, result = grouped_preempted
+    assert result["ledger"]["kv_cache_groups"] == GROUPS
+    assert sum(result["preemptions"]) > 0
+    assert result["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding evictions"
+    count = len(prompts)
+    matrix_rows = 2 * (len(MATRIX) + len(CONTEXT))
+    for case, (name, _) in enumerate(GROUPED_PREEMPTED[:2]):
+        start = matrix_rows + count * PREEMPTED.index(name)
+        assert_same_outputs(part(one_worker, range(start, start + count)),
+                            part(result, range(case * count, (case + 1) * count)))
+    settings = {"policy": "paged", "budget": PREEMPT_BUDGET, "budget_schedule": "pyramid"}
+    policies = group_policies(parse_settings(settings, "test"), BLOCK, 4, GROUPS)
+    assert [policy.budget for policy in policies] == [832, 192]
+    reference = HFReferenceEngine(model_path("tiny"), list(policies))
+    expected = [reference.generate_with_top_logprobs(prompt, PREEMPT_TOKENS) for prompt in prompts]
+    assert_same_outputs({"outputs": [ids for ids, _ in expected], "top_logprobs": [best for _, best in expected]},
+                        part(result, range(2 * count, 3 * count)))
+    assert result["free_blocks_after"] == result["ledger"]["kv_pool_blocks"]

@@ -12,7 +12,12 @@ per layer and KV head, so at the uniform schedule three groups keep exactly what
 outputs equal G = 1's. PagedEviction
 at the pyramid schedule gives each group its own budget (more below): each group's blocks while
 generating are its budget's blocks and the one being filled. The prompts repeat across the
-policies and one shares a prefix with another, so prefix hits and copy targets happen per group."""
+policies and one shares a prefix with another, so prefix hits and copy targets happen per group.
+
+At the attention schedule (CAKE's preferences) the worker measures each request's group budgets
+from its prompt's last 32 queries in the step that ends the prompt, and evicts by them in that
+step: PagedEviction and SnapKV there equal the Hugging Face reference measuring the same way, and
+the plain reference evicting each group by the budgets that measurement gave."""
 from __future__ import annotations
 
 import pytest
@@ -30,6 +35,8 @@ KNORM_PYRAMID = {"policy": "knorm", "budget": 128, "budget_schedule": "pyramid"}
 # PyramidKV proper (SnapKV with the pyramid), and H2O counting every query in every group
 PYRAMID = [PAGED_PYRAMID, KNORM_PYRAMID, {"policy": "snapkv", "budget": 128, "budget_schedule": "pyramid"},
            {"policy": "h2o", "budget": 128, "budget_schedule": "pyramid"}]
+ATTENTION = [{"policy": "paged", "budget": 128, "budget_schedule": "attention"},
+             {"policy": "snapkv", "budget": 128, "budget_schedule": "attention"}]
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +117,88 @@ def test_the_pyramid_equals_the_plain_reference_evicting_each_group_by_its_own_b
                 for prompt in prompts]
     index = 1 + len(UNIFORM) + PYRAMID.index(settings)
     assert_mostly_equal(part(runs[GROUPS], index, len(prompts))["outputs"], expected)
+
+
+@pytest.mark.parametrize("settings", PYRAMID, ids=[settings["policy"] for settings in PYRAMID])
+def test_the_pyramid_equals_the_hugging_face_reference_evicting_each_group_by_its_own_budget(runs, prompts, settings):
+    """The plumbing's oracle: the Hugging Face reference with the harness's own evictor and the
+    engine's group policies, each group's layers holding their own tokens under their own causal
+    mask, compared with the near-tie rule on its top log-probabilities."""
+    from harness.eviction.hf_reference import HFReferenceEngine
+    from tests.support.engine_support import model_path
+
+    reference = HFReferenceEngine(model_path("smollm2"), list(group_policies(parse_settings(settings, "test"), BLOCK, 30, GROUPS)))
+    expected = [reference.generate_with_top_logprobs(prompt, NEW_TOKENS) for prompt in prompts]
+    index = 1 + len(UNIFORM) + PYRAMID.index(settings)
+    assert_same_outputs({"outputs": [ids for ids, _ in expected], "top_logprobs": [best for _, best in expected]},
+                        part(runs[GROUPS], index, len(prompts)))
+
+
+@pytest.fixture(scope="module")
+def attention_run(tmp_path_factory, prompts):
+    """The attention schedule's requests on their own engine (three groups, prefix caching on: these
+    requests neither take nor leave cached blocks), so the runs above keep their exact block peaks."""
+    settings = [config for config in ATTENTION for _ in prompts]
+    return run_engine(tmp_path_factory.mktemp("attention"), "smollm2", prompts * len(ATTENTION), NEW_TOKENS,
+                      prefix_caching=True, layer_groups=GROUPS, request_eviction=settings)
+
+
+@pytest.fixture(scope="module")
+def attention_references(prompts):
+    """Per attention-schedule settings: the Hugging Face reference's outputs (with top
+    log-probabilities) and the budgets it measured for each prompt."""
+    from harness.eviction.hf_reference import HFReferenceEngine
+    from tests.support.engine_support import model_path
+
+    references = []
+    for settings in ATTENTION:
+        parsed = parse_settings(settings, "test")
+        reference = HFReferenceEngine(model_path("smollm2"), list(group_policies(parsed, BLOCK, 30, GROUPS)), schedule=parsed)
+        outputs, best, budgets = [], [], []
+        for prompt in prompts:
+            ids, top = reference.generate_with_top_logprobs(prompt, NEW_TOKENS)
+            outputs.append(ids), best.append(top), budgets.append(reference.measured_budgets)
+        references.append({"outputs": outputs, "top_logprobs": best, "budgets": budgets})
+    return references
+
+
+@pytest.mark.parametrize("case", range(len(ATTENTION)), ids=[settings["policy"] for settings in ATTENTION])
+def test_the_attention_schedule_equals_the_hugging_face_reference_measuring_alike(attention_run, prompts,
+                                                                                 attention_references, case):
+    reference = attention_references[case]
+    for budgets in reference["budgets"]:
+        assert sum(budgets) == GROUPS * ATTENTION[case]["budget"] and len(set(budgets)) > 1, budgets
+    assert_same_outputs({key: reference[key] for key in ("outputs", "top_logprobs")}, part(attention_run, case, len(prompts)))
+
+
+@pytest.mark.parametrize("case", range(len(ATTENTION)), ids=[settings["policy"] for settings in ATTENTION])
+def test_the_attention_schedule_equals_the_plain_reference_at_the_measured_budgets(attention_run, prompts,
+                                                                                 attention_references, case):
+    from tests.support.engine_support import assert_mostly_equal, model_path, plain_policy
+    from tests.support.plain_reference import PlainReference
+
+    plain = PlainReference(model_path("smollm2"))
+    name = ATTENTION[case]["policy"]
+    expected = [plain.generate(prompt, NEW_TOKENS, [plain_policy(name, budget) for budget in budgets])[0]
+                for prompt, budgets in zip(prompts, attention_references[case]["budgets"])]
+    assert_mostly_equal(part(attention_run, case, len(prompts))["outputs"], expected)
+
+
+def test_the_attention_schedule_holds_the_measured_blocks_and_returns_every_block(attention_run, prompts,
+                                                                                 attention_references):
+    """While generating, each group holds its measured budget's blocks and the one being filled (a
+    block more where PagedEviction kept the prompt's partial block too; what a prompt shorter than
+    the budget holds, if less), at its largest over the requests; a group evicts only a prompt
+    longer than its budget, once; every block returns."""
+    ledger = attention_run["ledger"]
+    budgets = [b for reference in attention_references for b in reference["budgets"]]
+    lengths = [len(prompt) for _ in ATTENTION for prompt in prompts]
+
+    def most(extra: int) -> list[int]:
+        return [max(min(b[g] // BLOCK + extra, -(-(n + NEW_TOKENS - 1) // BLOCK)) for b, n in zip(budgets, lengths))
+                for g in range(GROUPS)]
+
+    peaks = ledger["evicting_group_blocks_peak"]
+    assert all(low <= peak <= high for low, peak, high in zip(most(1), peaks, most(2))), (most(1), peaks, most(2))
+    assert 0 < ledger["evictions"]["prefill"] <= sum(n > b[g] for b, n in zip(budgets, lengths) for g in range(GROUPS))
+    assert attention_run["free_blocks_after"] == attention_run["free_blocks_before"]

@@ -8,6 +8,8 @@ model runner does: keeps each request's block list from the scheduler's outputs,
 step's K/V at the physical slots the plan's evicted counts give, and evicts with the harness's
 real evictor on a paged cache. Every request must keep exactly the same tokens under both orders,
 every block must come back, and the asynchronous run must really have planned over late reports.
+The attention schedule, whose budgets the worker measures in the step that evicts by them, runs
+under the synchronous order only (the asynchronous scheduler refuses it, with the reason).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from harness.eviction.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, Eviction
 from harness.eviction.settings import CONFIG_KEY, group_policies, parse_settings
 from harness.eviction.state import PolicyState
 from policies import make_policy
+from policies.budget_schedules import pyramid_layer_budgets
 
 BLOCK, HEADS, DIM, LAYERS = 4, 2, 8, 2
 POOL = 96
@@ -41,7 +44,8 @@ def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = Tru
     from harness.engine.scheduler import AsyncEvictionScheduler, EvictionScheduler
     from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
 
-    model = ModelConfig(model=resolve_model_path(EMBEDDED_PREFIX + "tiny-llama"), max_model_len=256, dtype="float32")
+    model = ModelConfig(model=resolve_model_path(EMBEDDED_PREFIX + "tiny-llama"), max_model_len=256, dtype="float32",
+                        enforce_eager=True)  # the attention schedule's measurement hooks need it
     config = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
@@ -92,10 +96,14 @@ class Worker:
     """What the patched model runner does with a step (harness/engine/worker_patch.py): block
     lists from the scheduler's outputs (one per KV cache group), K/V written at physical slots
     (logical position minus the plan's evicted count in that group), then the step's evictions
-    with the real evictor, group by group, reported back."""
+    with the real evictor, group by group, reported back. At the attention schedule it "measures"
+    each request's group budgets from ``preferences(settings)`` (one per layer) in the step that
+    reaches its eviction point, evicts by them in that step and reports them."""
 
-    def __init__(self, pool: int, groups: int = 1):
+    def __init__(self, pool: int, groups: int = 1, preferences=None):
         self.groups = groups
+        self.preferences = preferences
+        self.measured = {}  # settings with the budgets measured here, until the plan carries them
         self.views = [FlashAttnView([torch.zeros(pool, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)])
                       for _ in range(groups)]
         self.states = [PolicyState() for _ in range(groups)]
@@ -127,11 +135,17 @@ class Worker:
         plan = output.__dict__[PLAN_ATTRIBUTE]
         for state in self.states:
             state.forget(plan.released)  # finished or preempted: cached scores go (worker_patch.to_physical)
-        dues, steps = [[] for _ in range(self.groups)], {}
+        dues, steps, budgets = [[] for _ in range(self.groups)], {}, {}
         for request_id, count in output.num_scheduled_tokens.items():
             request, before = self.requests[request_id], computed[request_id]
             counts = plan.evicted_tokens.get(request_id, (0,) * self.groups)
             settings = plan.settings[request_id]
+            if settings.measuring:
+                settings = self.measured.get(request_id, settings)
+                if settings.measuring and before < settings.eviction_point(request["prompt"]) <= before + count:
+                    settings = self.measured[request_id] = settings.with_preferences(
+                        self.preferences(settings), BLOCK, LAYERS * self.groups, self.groups)
+                    budgets[request_id] = settings.group_budgets
             policies = group_policies(settings, BLOCK, LAYERS * self.groups, self.groups)
             steps[request_id] = before + count
             for group, (view, policy) in enumerate(zip(self.views, policies)):
@@ -160,7 +174,7 @@ class Worker:
         result = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                    sampled_token_ids=[[TOKEN] if steps[rid] >= self.requests[rid]["prompt"] else []
                                                       for rid in ids])
-        attach(result, REPORT_ATTRIBUTE, EvictionReport(report))
+        attach(result, REPORT_ATTRIBUTE, EvictionReport(report, budgets=budgets))
         return result
 
     def physical(self, request, group: int) -> torch.Tensor:
@@ -170,12 +184,12 @@ class Worker:
                             for cache in self.views[group].layers])
 
 
-def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool = True, groups: int = 1
-        ) -> tuple[dict, dict]:
+def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool = True, groups: int = 1,
+        preferences=None) -> tuple[dict, dict]:
     """Every request to the end, in vLLM's synchronous order (schedule, run, update) or its
     asynchronous one (``step_with_batch_queue``: the next step is planned and run before the last
     one's output is handed back). Returns what each request's cache held at its end, and counts."""
-    scheduler, worker = make_scheduler(asynchronous, pool, admit_whole, groups), Worker(pool, groups)
+    scheduler, worker = make_scheduler(asynchronous, pool, admit_whole, groups), Worker(pool, groups, preferences)
     add_requests(scheduler, settings)
     queue, counts, idle = deque(), {"steps": 0, "planned_over_a_late_report": 0}, 0
     while scheduler.has_requests() or queue:
@@ -344,3 +358,46 @@ def test_layer_groups_under_preemption_keep_the_same_tokens(settings):
     for request_id in synchronous:
         for group in range(3):
             assert torch.equal(synchronous[request_id][group], late[request_id][group]), (request_id, group)
+
+
+def pyramid_preferences(settings) -> list[float]:
+    """Layer preferences in the pyramid's proportions: the attention schedule then gives the
+    pyramid's budgets, which the pyramid's plans evict by from the start."""
+    return [float(share) for share in pyramid_layer_budgets(settings.budget, LAYERS * 3, settings.pyramid_beta)]
+
+
+@pytest.mark.parametrize("pool", [POOL, 54], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("settings", [
+    {"policy": "paged", "budget": 16},
+    {"policy": "knorm", "budget": 12},
+    {"policy": "paged", "budget": 16, "decode_eviction": False},
+    {"policy": "knorm", "budget": 12, "decode_eviction": False, "compress": "context"},
+], ids=lambda s: f"{s['policy']}-{s['budget']}" + ("-context-only" if s.get("compress") == "context" else
+                                                   "-prompt-only" if s.get("decode_eviction") is False else ""))
+def test_budgets_measured_in_the_evicting_step_keep_what_planned_budgets_keep(settings, pool):
+    """The attention schedule: the plan that reaches a request's eviction point cannot count its
+    eviction (``Undecided``); the worker measures the budgets, evicts by them and reports them, and
+    the scheduler counts, reshapes and frees from the report before it plans again. With the
+    measured budgets equal to the pyramid's, every request keeps in every group exactly what the
+    pyramid keeps, planned from the start; every block returns (run's checks), with preemption too."""
+    admit_whole = pool == POOL
+    measured, counts = run(False, {**settings, "budget_schedule": "attention"}, pool, admit_whole, 3, pyramid_preferences)
+    planned, planned_counts = run(False, {**settings, "budget_schedule": "pyramid"}, pool, admit_whole, 3)
+    pyramid = group_policies(parse_settings({**settings, "budget_schedule": "pyramid"}, "test"), BLOCK, LAYERS * 3, 3)
+    attention = parse_settings({**settings, "budget_schedule": "attention"}, "test").with_preferences(
+        pyramid_preferences(parse_settings(settings, "test")), BLOCK, LAYERS * 3, 3)
+    assert list(attention.group_budgets) == [policy.budget for policy in pyramid] and len(set(attention.group_budgets)) > 1
+    assert counts["evictions"] == planned_counts["evictions"] and sum(counts["evictions"].values()) >= 4
+    if pool != POOL:
+        assert counts["resumed"] > 0 and planned_counts["resumed"] > 0
+    for request_id in planned:
+        for group in range(3):
+            assert torch.equal(measured[request_id][group], planned[request_id][group]), (request_id, group)
+
+
+def test_an_asynchronous_scheduler_refuses_the_attention_schedule_with_the_reason():
+    with pytest.raises(ValueError, match="an asynchronous scheduler plans the next step before that step's report"):
+        add_requests(make_scheduler(True, groups=3), {"policy": "paged", "budget": 16, "budget_schedule": "attention"})
+    scheduler = make_scheduler(False, groups=3)
+    add_requests(scheduler, {"policy": "paged", "budget": 16, "budget_schedule": "attention"})
+    assert all(settings.measuring for settings in scheduler.kv_request_settings.values())

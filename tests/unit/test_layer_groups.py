@@ -12,7 +12,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from harness.config import ConfigError, run_settings
 from harness.engine.compatibility import layer_groups_of
-from harness.eviction.settings import group_policies, parse_settings
+from harness.eviction.settings import check_schedule_runs, group_policies, parse_settings
 from policies import make_policy
 from harness.engine.layer_groups import BudgetGroupSpec, check_engine, tag_specs
 from tests.unit.test_config import compose_cfg
@@ -98,8 +98,18 @@ def test_what_a_policy_cannot_do_per_group_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="budget_schedule=pyramid spreads the budget over the engine's layer groups; "
                                          "this engine has one"):
         group_policies(parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "pyramid"}, "t"), 32, 30, 1)
-    with pytest.raises(ValueError, match="budget_schedule must be one of uniform, pyramid, got 'attention'"):
-        parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "attention"}, "test")
+    with pytest.raises(ValueError, match="budget_schedule must be one of uniform, pyramid, attention, got 'cake'"):
+        parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "cake"}, "test")
+    attention = parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "attention"}, "test")
+    assert attention.measuring and [p.budget for p in group_policies(attention, 32, 30, 3)] == [512] * 3  # until measured
+    measured = attention.with_preferences([3.0] * 10 + [2.0] * 10 + [1.0] * 10, 32, 30, 3)
+    assert not measured.measuring and measured.group_budgets == (768, 512, 256) and measured.key != attention.key
+    assert [p.budget for p in group_policies(measured, 32, 30, 3)] == [768, 512, 256]
+    with pytest.raises(ValueError, match="synchronous scheduling"):
+        check_schedule_runs(attention, enforce_eager=True, async_scheduling=True)
+    with pytest.raises(ValueError, match="enforce_eager"):
+        check_schedule_runs(attention, enforce_eager=False, async_scheduling=False)
+    check_schedule_runs(attention, enforce_eager=True, async_scheduling=False)
     with pytest.raises(ValueError, match="pyramid_beta shapes budget_schedule=pyramid"):
         parse_settings({"policy": "paged", "budget": 512, "pyramid_beta": 5}, "test")
     pyramid = group_policies(parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "pyramid"}, "t"), 32, 30, 3)
@@ -121,6 +131,11 @@ def test_the_run_config_checks_layer_groups_before_any_model_loads():
     pyramid = run_settings(compose_cfg("engine.layer_groups=3", "policy=paged", "budget=512", "budget_schedule=pyramid"))
     assert pyramid.eviction.budget_schedule == "pyramid" and pyramid.cell_name.startswith("paged_b512_pyramid_bs32_")
     assert "budget_schedule" not in run_settings(compose_cfg("policy=paged", "budget=512")).identity()
+    attention = run_settings(compose_cfg("engine.layer_groups=3", "policy=snapkv", "budget=512", "budget_schedule=attention"))
+    assert attention.cell_name.startswith("snapkv_b512_attention_bs32_")  # on CPU: synchronous, eager
+    gpu = ("engine.layer_groups=3", "policy=paged", "budget=512", "budget_schedule=attention", "engine.device=cuda", "block_size=16",
+           "model.dtype=bfloat16")
+    assert run_settings(compose_cfg(*gpu, "engine.async_scheduling=false")).eviction.budget_schedule == "attention"
     for overrides, message in [
         (["engine.layer_groups=7"], "engine.layer_groups=7 does not divide the model's 30 attention layers"),
         (["engine.layer_groups=0"], "engine.layer_groups must be a positive integer, got 0"),
@@ -128,6 +143,10 @@ def test_the_run_config_checks_layer_groups_before_any_model_loads():
          "score_layers names one layer"),
         (["policy=paged", "budget=512", "budget_schedule=pyramid"], "budget_schedule=pyramid spreads the budget"),
         (["policy=paged", "budget=512", "budget_schedule=steep"], "budget_schedule must be one of uniform, pyramid"),
+        (["engine.layer_groups=3", "policy=paged", "budget=512", "budget_schedule=attention", "engine.device=cuda",
+          "block_size=16", "model.dtype=bfloat16"], "an asynchronous scheduler plans the next step"),
+        (["engine.layer_groups=3", "policy=paged", "budget=512", "budget_schedule=attention",
+          "engine.enforce_eager=false"], "budget_schedule=attention reads the prompt's queries"),
     ]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             run_settings(compose_cfg(*overrides))
