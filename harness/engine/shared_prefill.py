@@ -11,7 +11,8 @@ The KV pool stays bounded: a prompt's requests start only when the estimated blo
 prompt in flight fit in the pool (``admission``), so the cached prompts stay cached until their
 requests have used them; when an estimate is wrong vLLM preempts and recomputes, which changes
 timings, never outputs. On an engine without prefix caching there is nothing to warm: each request
-prefills its own prompt.
+prefills its own prompt; so does a request at the attention schedule (``budget_schedule=attention``),
+which takes no cache hits: its budgets are measured from its own prefill (``harness.engine.scheduler``).
 """
 from __future__ import annotations
 

@@ -96,4 +96,7 @@ class RequestCounters(EvictionCounters):
     group_budgets: list[int] | None = None  # budget_schedule=attention: each layer group's, as measured
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        record = asdict(self)
+        if record["group_budgets"] is None:
+            del record["group_budgets"]  # only the attention schedule measures them: other records keep their keys
+        return record

@@ -5,7 +5,9 @@ every granularity (``tests/support/policy_matrix.py``), with prefix caching off 
 preemption; every block returns to the pool and no block the prefix cache holds is written.
 
 Five engines: one worker and two with the same requests, then two workers with prefix caching on
-over a warm cache, then one and two workers in a pool too small for the long requests. The
+over a warm cache, then one and two workers in a pool too small for the long requests; and two
+with the layers as two KV cache groups (two workers with prefix caching; one worker in a small pool,
+under preemption). The
 matrix's requests (budget 256, 64 new tokens) and a preemption set (budget 512, 300 new tokens)
 share the first engine: a preempted request recomputes its prompt and replays its outputs one
 token per step, so it meets the same evictions and produces the same tokens as one never

@@ -157,7 +157,8 @@ def test_each_side_requires_the_others_message():
     with pytest.raises(EvictionNotActiveError, match="default eviction is .*budget=512.* configured with .*budget=256"):
         to_physical(None, evicting, step(EvictionPlan(EvictionSettings("paged", 512))))
     policy_state = SimpleNamespace(forget=lambda released: None)
-    to_physical(None, SimpleNamespace(settings=paged, unsupported=None, policy_states=[policy_state]), step(EvictionPlan(paged)))
+    to_physical(None, SimpleNamespace(settings=paged, unsupported=None, policy_states=[policy_state], schedule_states=[],
+                                      measured={}), step(EvictionPlan(paged)))
     with pytest.raises(EvictionNotActiveError, match="worker sent no eviction message this step: not patched"):
         required(SimpleNamespace(), "kv_eviction_report", "worker", "not patched")
 
