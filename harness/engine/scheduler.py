@@ -503,7 +503,11 @@ class EvictionScheduler(Scheduler):
         scheduled = output.num_scheduled_tokens
         settings = {rid: self.kv_request_settings[rid] for rid in scheduled if rid in self.kv_request_settings}
         planned, self.kv_planned_targets = self.kv_planned_targets, {}
-        released, self.kv_released = tuple(sorted(self.kv_released)), set()
+        # A step that schedules nothing never reaches the worker's input preparation
+        # (gpu_model_runner.py:3989-4003 returns first): its releases wait for the next one.
+        released = tuple(sorted(self.kv_released)) if output.total_num_scheduled_tokens else ()
+        if released:
+            self.kv_released = set()
         self.kv_step += 1
         attach(output, PLAN_ATTRIBUTE, EvictionPlan(
             default=self.kv_settings,

@@ -57,7 +57,8 @@ def blocks_per_prompt(prompt_len: int, cells: list[CellRequest], block_size: int
             settings = cell.settings.for_prompt(prompt_len, block_size)
             point = settings.eviction_point(prompt_len)  # the question (if any) is kept whole after it
             kept = min(point, settings.budget + block_size) + prompt_len - point + cell.max_new_tokens
-            own += 2 * cdiv(kept, block_size) + 1
+            # an attention schedule's request takes no cache hits: it holds its own prompt too
+            own += 2 * cdiv(kept, block_size) + 1 + (cdiv(point, block_size) if settings.measuring else 0)
     return shared + own
 
 

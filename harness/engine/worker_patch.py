@@ -362,7 +362,8 @@ def measure_schedules(runner, state: WorkerEviction, scheduler_output) -> dict[s
             parts.append(spread_and_shift(state.views[group], request.block_ids[group], after, window.queries,
                                           schedule_state.scales))
             schedule_state.forget([request_id])
-        measured = state.measured[request_id] = measured_settings(settings, parts, state.block_size, state.shards)
+        measured = state.measured[request_id] = measured_settings(settings, parts, state.block_size, state.shards,
+                                                                  state.device)
         budgets[request_id] = measured.group_budgets
     return budgets
 

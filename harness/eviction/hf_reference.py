@@ -209,7 +209,7 @@ class HFReferenceEngine:
             # A decode eviction would drop question tokens too: the setting compresses the context once.
             raise ValueError("context compression evicts the context only: the policy needs decode_eviction=False")
         cache = DynamicCache(config=self.model.config)
-        self.policies, self.measured_budgets = self.unmeasured, None
+        self.policies, self.measured_budgets, self.prompt_tokens = self.unmeasured, None, prompt_len
         # One request at a time: each starts with empty policy state (per group: its layers' scales).
         self.policy_states = [PolicyState(scales=[float(self.attention_layers[layer].scaling) for layer in layers])
                               for layers in self.group_layers]
@@ -262,7 +262,7 @@ class HFReferenceEngine:
             queries = torch.stack([self.step_queries[layer][-window:] for layer in layers])
             view = DynamicCacheView(cache, block, layers)
             parts.append(spread_and_shift(view, list(range(-(-tokens // block))), tokens, queries, state.scales))
-        measured = measured_settings(self.schedule, parts, block)
+        measured = measured_settings(self.schedule.for_prompt(self.prompt_tokens, block), parts, block)
         self.policies = group_policies(measured, block, len(self.attention_layers), len(self.policies))
         self.measured_budgets = measured.group_budgets
 

@@ -34,11 +34,13 @@ def spread_and_shift(view: KVView, block_ids: list[int], tokens: int, window: to
 
 
 def measured_settings(settings: EvictionSettings, parts: list[torch.Tensor], block_size: int,
-                      shards: HeadShards = SINGLE) -> EvictionSettings:
+                      shards: HeadShards = SINGLE, device: torch.device | str = "cpu") -> EvictionSettings:
     """The request's settings with its group budgets, from each group's ``spread_and_shift`` (its
-    layers in order, group 0 first), summed over the tensor-parallel ranks' heads."""
+    layers in order, group 0 first), summed over the tensor-parallel ranks' heads (gathered on the
+    ranks' ``device``: NCCL takes CUDA tensors only)."""
     local = torch.cat(parts)  # [layers, 2]
     if shards.size > 1:
-        local = shards.all_gather(local.contiguous()).reshape(shards.size, *local.shape).sum(dim=0)
+        gathered = shards.all_gather(local.to(device).contiguous()).cpu()
+        local = gathered.reshape(shards.size, *local.shape).sum(dim=0)
     preferences = [preference(float(h), float(v)) for h, v in local.tolist()]
     return settings.with_preferences(preferences, block_size, local.shape[0], len(parts))
