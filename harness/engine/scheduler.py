@@ -560,13 +560,19 @@ class EvictionScheduler(Scheduler):
                 if key in self.kv_expected:
                     raise RuntimeError(f"request {request_id} is due to evict before its last eviction was reported")
                 positions, copies = planned.get(key, ((), []))
-                expected = expected_eviction(policy, phase, after - evicted, tuple(positions), self.kv_step)
-                if expected.kept == tuple(range(expected.source_blocks)) and expected.evicted_tokens == 0:
-                    continue  # nothing changes: the worker reports nothing
-                self.kv_expected[key] = expected
-                self.kv_ledger.evicted.setdefault(request_id, [0] * self.kv_groups)[group] = evicted + expected.evicted_tokens
-                if expected.kept is not None:
-                    self._reshape(request_id, group, expected.source_blocks, list(copies), expected.kept)
+                self._count(request_id, group,
+                            expected_eviction(policy, phase, after - evicted, tuple(positions), self.kv_step), copies)
+
+    def _count(self, request_id: str, group: int, expected: Expected, copies) -> None:
+        """An eviction whose outcome is known (planned, or measured and reported): awaited in its
+        report, counted as evicted now, and a compaction's released blocks given back now. One
+        that changes nothing is neither: the worker reports nothing for it."""
+        if expected.kept == tuple(range(expected.source_blocks)) and expected.evicted_tokens == 0:
+            return
+        self.kv_expected[(request_id, group)] = expected
+        self.kv_ledger.evicted.setdefault(request_id, [0] * self.kv_groups)[group] += expected.evicted_tokens
+        if expected.kept is not None:
+            self._reshape(request_id, group, expected.source_blocks, list(copies), expected.kept)
 
     def _reshape(self, request_id: str, group: int, source_blocks: int, copies: list, kept: tuple[int, ...]) -> None:
         """The request's block list in ``group`` becomes its kept positions among its first
@@ -615,15 +621,8 @@ class EvictionScheduler(Scheduler):
             if not isinstance(undecided, Undecided) or undecided.step != step:
                 continue
             del self.kv_expected[key]
-            if not policy.needs_prefill_eviction(point):
-                continue
-            expected = expected_eviction(policy, "prefill", undecided.tokens, (), step)
-            if expected.kept == tuple(range(expected.source_blocks)) and expected.evicted_tokens == 0:
-                continue
-            self.kv_expected[key] = expected
-            self.kv_ledger.evicted.setdefault(request_id, [0] * self.kv_groups)[group] += expected.evicted_tokens
-            if expected.kept is not None:
-                self._reshape(request_id, group, expected.source_blocks, [], expected.kept)
+            if policy.needs_prefill_eviction(point):
+                self._count(request_id, group, expected_eviction(policy, "prefill", undecided.tokens, (), step), [])
 
     def _live(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
