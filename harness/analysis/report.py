@@ -69,6 +69,9 @@ ACCURACY = (
     AccuracyStudy("layer_budgets", "Budgets per layer at equal total KV memory: three KV cache groups at the uniform, "
                   "pyramid and attention schedules (RULER, prompt only)",
                   "python run.py -m +experiment=layer_budgets", "paged[decode_eviction=False, layer_groups=3]"),
+    AccuracyStudy("layer_budgets_suite", "Budgets per layer on the embedded suite: three KV cache groups at the "
+                  "uniform, pyramid and attention schedules", "python run.py -m +experiment=layer_budgets_suite",
+                  "paged[layer_groups=3]"),
 )
 THROUGHPUT = ("quick", "cpu", "cpu_tight", "attention", "overhead", "latency", "shared_prefix", "tensor_parallel",
               "layer_groups", "budget_schedules", "group_overhead")
