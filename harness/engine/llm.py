@@ -43,6 +43,7 @@ class GenerationResult:
     token_logprobs: list[float] = field(default_factory=list)
     token_ranks: list[int] = field(default_factory=list)
     request_id: str = ""  # the engine's id (per-request eviction counters are kept under it)
+    error: str | None = None  # the request ended with an error: its policy's message (finish_reason "error")
     # Seconds; None where vLLM did not report them.
     ttft_s: float | None = None
     tpot_s: float | None = None
@@ -392,6 +393,9 @@ def result_of(output, top_logprobs: int = TOP_LOGPROBS) -> GenerationResult:
         token_logprobs=[entry.logprob for entry in emitted],
         token_ranks=[entry.rank for entry in emitted],
         request_id=output.request_id,
+        # a policy that failed ends its request with FinishReason.ERROR and its message as the stop
+        # reason (harness.engine.scheduler.EvictionScheduler._end_failed)
+        error=str(completion.stop_reason) if completion.finish_reason == "error" else None,
         **request_timings(output.metrics, len(completion.token_ids)),
     )
 

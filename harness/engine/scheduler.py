@@ -62,6 +62,8 @@ from dataclasses import dataclass, field, replace
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
 
 from harness.eviction.counters import EvictionCounters, RequestCounters
 from harness.eviction.evictor import cdiv, compaction_positions, kept_tokens, phase_due
@@ -594,6 +596,7 @@ class EvictionScheduler(Scheduler):
                 "process; check VLLM_PLUGINS and that the harness is installed in this environment)",
             )
             self.kv_ledger.add_step(report)
+            failed = self._end_failed(report, plan.step)
             for request_id, budgets in report.budgets.items():
                 self._fix_budgets(request_id, budgets, plan.step)
             for (request_id, group), eviction in report.evictions.items():
@@ -603,7 +606,32 @@ class EvictionScheduler(Scheduler):
                     what = "measure the attention schedule of" if isinstance(expected, Undecided) else "evict"
                     raise EvictionNotActiveError(
                         f"the worker did not {what} request {request_id}, whose eviction step {plan.step} scheduled")
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            for request, failure in failed:
+                # as vLLM reports the requests it ends with an error itself (vllm/v1/core/sched/scheduler.py:2313-2326);
+                # the frontend turns FinishReason.ERROR into HTTP 500 (entrypoints/generate/base/serving.py:200-207)
+                # and an offline run reads the policy's message from the output's stop_reason
+                outputs.setdefault(request.client_index, EngineCoreOutputs(outputs=[])).outputs.append(EngineCoreOutput(
+                    request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
+                    stop_reason=failure, events=request.take_events(), trace_headers=request.trace_headers))
+            return outputs
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _end_failed(self, report, step: int) -> list:
+        """The requests whose policy failed in ``step`` end with an error (``FINISHED_ERROR``): their
+        blocks go back to the pool now, and their counters keep the message; the engine goes on."""
+        ended = []
+        for request_id, failure in report.failures.items():
+            if not self._live(request_id):
+                continue
+            for group in range(self.kv_groups):
+                expected = self.kv_expected.get((request_id, group))
+                if expected is not None and expected.step == step and (request_id, group) not in report.evictions:
+                    del self.kv_expected[(request_id, group)]  # never carried out: no report will settle it
+            if request_id in self.kv_request_counters:
+                self.kv_request_counters[request_id].failure = failure
+            ended.extend((request, failure) for request in self.finish_requests(request_id, RequestStatus.FINISHED_ERROR))
+        return ended
 
     def _fix_budgets(self, request_id: str, budgets: tuple[int, ...], step: int) -> None:
         """An attention schedule's group budgets, measured by the worker in ``step``: the request's

@@ -36,10 +36,12 @@ import dataclasses
 import functools
 import time
 
+import logging
+
 import numpy as np
 import torch
 
-from harness.eviction.evictor import Due, count_due, count_queries, evict_all, phase_due
+from harness.eviction.evictor import Due, PolicyFailure, count_due, count_queries, evict_all, phase_due
 from harness.eviction.shards import SINGLE, HeadShards
 from harness.eviction.state import PolicyState
 from harness.eviction.kv_view import KVView
@@ -53,6 +55,9 @@ from harness.eviction.settings import CONFIG_KEY, EvictionSettings, group_polici
 from harness.engine.compatibility import SCHEDULER_CLS, check_compatible
 from policies import Policy
 from policies.budget_schedules import ATTENTION_WINDOW
+
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerEviction:
@@ -368,11 +373,12 @@ def measure_schedules(runner, state: WorkerEviction, scheduler_output) -> dict[s
     return budgets
 
 
-def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
+def evict_after_step(runner, state: WorkerEviction, scheduler_output, failures: dict[str, PolicyFailure]) -> dict:
     """Run the evictions this step calls for, all of a KV cache group together (``evict_all``: one
     read and one write per layer for every request; each group on its own layers, block lists,
     counts and budgets); returns ``{(request_id, group): Eviction}``, each carrying an equal share
-    of the step's eviction time (the batch has no per-request time)."""
+    of the step's eviction time (the batch has no per-request time). A request whose policy fails
+    goes to ``failures`` and is evicted no further (the scheduler ends it); the others go on."""
     plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
     if plan is None or not plan.settings:
         return {}
@@ -394,10 +400,15 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
             evicted, policy_state = counts[group], state.policy_states[group]
             phase = phase_due(policy, point, before, after, evicted)
             block_ids = request.block_ids[group]
+            if request_id in failures:
+                break
             if phase is None:
                 if count_due(policy, point, before, after, policy_state, request_id):
-                    count_queries(policy, state.views[group], block_ids, after - evicted, policy_state, request_id,
-                                  state.shards)
+                    try:
+                        count_queries(policy, state.views[group], block_ids, after - evicted, policy_state,
+                                      request_id, state.shards)
+                    except PolicyFailure as failure:
+                        failures[request_id] = failure
                 continue
             targets = plan.copy_targets.get((request_id, group), ())
             held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
@@ -409,10 +420,11 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output) -> dict:
     evictions = {}
     for group, group_dues in enumerate(dues):
         if group_dues:
-            done = evict_all(state.views[group], group_dues, state.policy_states[group], state.shards)
+            group_dues = [due for due in group_dues if due.request_id not in failures]
+            done = evict_all(state.views[group], group_dues, state.policy_states[group], state.shards, failures)
             evictions.update({(request_id, group): eviction for request_id, eviction in done.items()})
     state.synchronize()
-    share = (time.perf_counter() - started) / len(evictions)
+    share = (time.perf_counter() - started) / max(1, len(evictions))
     batch = runner.input_batch
     report = {}
     for key, eviction in evictions.items():
@@ -495,11 +507,15 @@ def install() -> None:
         state.synchronize()
         evict_started = time.perf_counter()
         budgets = measure_schedules(self, state, scheduler_output)
-        evictions = evict_after_step(self, state, scheduler_output)
+        failures: dict[str, PolicyFailure] = {}
+        evictions = evict_after_step(self, state, scheduler_output, failures)
+        for request_id, failure in failures.items():
+            logger.warning("request %s ends with an error: %s", request_id, failure)
         state.synchronize()
         finished = time.perf_counter()
         report = EvictionReport(evictions, model_s=evict_started - started, evict_s=finished - evict_started,
                                 capture_s=capture_s, budgets=budgets,
+                                failures={request_id: str(failure) for request_id, failure in failures.items()},
                                 state_bytes=sum(each.nbytes() for each in state.policy_states + state.schedule_states))
         for key in state.seconds:  # this rank's own sums of the report's seconds
             state.seconds[key] += getattr(report, key)

@@ -94,9 +94,12 @@ class RequestCounters(EvictionCounters):
     policy: str
     budget: int
     group_budgets: list[int] | None = None  # budget_schedule=attention: each layer group's, as measured
+    failure: str | None = None              # its policy failed: the request ended with this error
 
     def as_dict(self) -> dict:
         record = asdict(self)
         if record["group_budgets"] is None:
             del record["group_budgets"]  # only the attention schedule measures them: other records keep their keys
+        if record["failure"] is None:
+            del record["failure"]
         return record

@@ -40,6 +40,33 @@ from harness.eviction.state import MissingWindowError, PolicyState
 Phase = Literal["prefill", "decode"]
 
 
+class PolicyFailure(RuntimeError):
+    """A policy's own code failed on one request: its score or selection raised, or its score was
+    not ``[kv_heads, tokens]`` finite numbers. The engine ends that request with this message and
+    serves the others (``evict_all``'s ``failures``); the message names the policy."""
+
+    def __init__(self, policy: str, what: str):
+        super().__init__(f"policy {policy} failed: {what}")
+        self.policy = policy
+
+
+def checked_scores(policy: Policy, scores, keys: torch.Tensor) -> torch.Tensor:
+    """A layer's scores as the selections need them, or ``PolicyFailure`` saying what is wrong:
+    ``[kv_heads, tokens]`` of the K/V it was given, finite (a NaN would silently decide by index)."""
+    expected = (keys.shape[1], keys.shape[0])
+    if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise PolicyFailure(policy.name, f"its score returned {shape}; a score returns [kv_heads, tokens] = "
+                                         f"{list(expected)} for K/V of {keys.shape[0]} tokens and {keys.shape[1]} heads")
+    if not torch.isfinite(scores).all():
+        raise PolicyFailure(policy.name, "its score returned NaN or infinite values")
+    return scores
+
+
+def as_failure(policy: Policy, error: Exception) -> PolicyFailure:
+    return error if isinstance(error, PolicyFailure) else PolicyFailure(policy.name, f"{type(error).__name__}: {error}")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -148,10 +175,14 @@ def joint_reads(view: KVView, lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-def score_together(view: KVView, jobs: list[ScoreJob]) -> list[torch.Tensor]:
+def score_together(view: KVView, jobs: list[ScoreJob], failed: dict[int, PolicyFailure] | None = None
+                   ) -> list[torch.Tensor]:
     """Each job's ``[scored layers, heads, end - start]`` scores. A layer at a time, every job's
     slots of that layer are read with one gather (the slots are located once for all layers), and
-    each job's policy scores its part (an attention-aware one with that layer's query window)."""
+    each job's policy scores its part (an attention-aware one with that layer's query window).
+
+    A job whose policy fails (``PolicyFailure``) raises, or, given ``failed``, is recorded there by
+    its index and scored no further (zeros stand in, so the jobs' shapes stay as every rank expects)."""
     if not jobs:
         return []
     slots = view.locate([(job.block_ids, job.start, job.end) for job in jobs])
@@ -165,11 +196,20 @@ def score_together(view: KVView, jobs: list[ScoreJob]) -> list[torch.Tensor]:
         keys, values = view.read(layer, slots, values=any(jobs[index].policy.score.reads_values for index in users))
         for index in users:
             job, part = jobs[index], slots.parts[index]
+            job_keys = keys[part]
+            if failed is not None and index in failed:
+                rows[index].append(torch.zeros(job_keys.shape[1], job_keys.shape[0], device=job_keys.device))
+                continue
             job_values = values[part] if job.policy.score.reads_values else None
-            if job.windows is None:
-                rows[index].append(job.policy.layer_scores(keys[part], job_values))
-            else:
-                rows[index].append(job.policy.layer_scores(keys[part], job_values, job.windows[layer]))
+            try:
+                window = () if job.windows is None else (job.windows[layer],)
+                rows[index].append(checked_scores(job.policy, job.policy.layer_scores(job_keys, job_values, *window),
+                                                  job_keys))
+            except Exception as error:  # the policy's own code: its request fails, not the step
+                if failed is None:
+                    raise as_failure(job.policy, error) from error
+                failed[index] = as_failure(job.policy, error)
+                rows[index].append(torch.zeros(job_keys.shape[1], job_keys.shape[0], device=job_keys.device))
     return [torch.stack(row) for row in rows]
 
 
@@ -284,24 +324,29 @@ def kept_tokens(policy: Policy, phase: Phase, tokens: int) -> int:
 
 
 def evict_all(view: KVView, dues: list[Due], state: PolicyState | None = None,
-              shards: HeadShards = SINGLE) -> dict[str, Eviction]:
+              shards: HeadShards = SINGLE, failures: dict[str, PolicyFailure] | None = None) -> dict[str, Eviction]:
     """Carry out every eviction due in a step, together: in groups whose K/V of one layer fit the
     view's ``joint_read_bytes``, a group's scoring reads each layer with one gather, and its
     compactions each layer with one gather and one scatter. Grouping also bounds the step's
     scratch (a group's scores and keep sets live until its compaction). Returns ``{request_id:
     Eviction}``. With a ``state``, a static-score policy's scores are cached there, an
     accumulating one's totals kept, and attention windows read. Under tensor parallelism
-    (``shards``), every rank must call this with the same dues, and checks that all decided alike."""
+    (``shards``), every rank must call this with the same dues, and checks that all decided alike.
+
+    A policy that fails on a request (``PolicyFailure``: its score or selection raised, or scored
+    wrongly) raises, or, given ``failures``, fails that request alone: it is named there, nothing of
+    its K/V is written, and the other requests are evicted as if it had not been due."""
     evictions, kept_sets = {}, []
     for group in joint_reads(view, [due.tokens for due in dues]):
-        evictions.update(evict_group(view, [dues[index] for index in group], state, shards, kept_sets))
+        evictions.update(evict_group(view, [dues[index] for index in group], state, shards, kept_sets, failures))
     shards.check_agree([(rid, e.kept_blocks, e.evicted_tokens, e.copied_tokens) for rid, e in evictions.items()],
                        kept_sets, view.device)
     return evictions
 
 
 def evict_group(view: KVView, dues: list[Due], state: PolicyState | None, shards: HeadShards = SINGLE,
-                kept_sets: list | None = None) -> dict[str, Eviction]:
+                kept_sets: list | None = None, failures: dict[str, PolicyFailure] | None = None
+                ) -> dict[str, Eviction]:
     jobs, cached = [], {}
     for due in dues:
         if len(due.block_ids) < due.held:
@@ -313,53 +358,77 @@ def evict_group(view: KVView, dues: list[Due], state: PolicyState | None, shards
         cached[rid] = state.scores.get(rid) if state is not None else None
         jobs.append(scoring_job(due, state, cached[rid]))
     # Every rank holds the scores of every head from here on (a single worker's scores).
-    scored = iter(shards.gather_heads(score_together(view, [job for job in jobs if job is not None])))
+    scoring = [(due, job) for due, job in zip(dues, jobs) if job is not None]
+    failed: dict[int, PolicyFailure] | None = None if failures is None else {}
+    scored = iter(shards.gather_heads(score_together(view, [job for _, job in scoring], failed)))
+    for index, failure in (failed or {}).items():
+        failures[scoring[index][0].request_id] = failure
 
     evictions, moves, remembered = {}, [], []
     for due, job in zip(dues, jobs):
         policy, rid, tokens, block_size = due.policy, due.request_id, due.tokens, due.policy.block_size
         fresh = next(scored) if job is not None else None
-        scores = decision_scores(due, state, cached[rid], fresh)
-        remember = state is not None and (policy.static_scores or policy.accumulates) and scores is not None
-        held = due.held
-
-        if due.phase == "decode" and isinstance(policy, BlockPolicy):
-            if due.copy_targets:
-                raise ValueError("a block eviction writes nothing: it takes no copy targets")
-            victim = policy.select_victim(scores, tokens)
-            if remember:
-                if cached[rid] is None and not policy.accumulates:  # totals stay per layer and head
-                    scores = policy.cached_form(scores)
-                state.scores[rid] = torch.cat(
-                    [scores[..., : victim * block_size], scores[..., (victim + 1) * block_size :]], dim=-1)
-            evictions[rid] = Eviction(due.phase, tuple(p for p in range(held) if p != victim), held, block_size, 0)
+        if failures is not None and rid in failures:
+            continue  # its policy failed: nothing of it is written
+        if due.phase == "decode" and isinstance(policy, BlockPolicy) and due.copy_targets:
+            raise ValueError("a block eviction writes nothing: it takes no copy targets")
+        try:
+            move, eviction, remember_as = decide(view, due, state, cached[rid], fresh, shards, kept_sets)
+        except Exception as error:  # the policy's selection: its request fails, not the step
+            if failures is None:
+                raise as_failure(policy, error) from error
+            failures[rid] = as_failure(policy, error)
             continue
-
-        layers, heads = view.num_layers, view.num_heads * shards.size
-        if due.phase == "prefill":
-            kept = policy.select_prefill(scores, tokens, layers, heads)
-        elif isinstance(policy, TokenPolicy):
-            kept = policy.select_decode(scores, tokens, layers, heads)
-        else:
-            raise TypeError(f"{type(policy).__name__} cannot evict in {due.phase}")
-        source = due.source
-        positions = compaction_positions(len(source), due.copy_targets)
-        if kept_sets is not None and shards.size > 1:
-            kept_sets.append(kept)
-        # Where compaction starts is decided on every head, so that all ranks rewrite the same slots.
-        move = plan_move(source, tokens, kept.to(view.device), [due.block_ids[p] for p in positions],
-                         min(due.copy_targets) * block_size if due.copy_targets else None)
+        evictions[rid] = eviction
         if move is not None:
-            moves.append(dataclasses.replace(move, kept=move.kept[:, shards.local(view.num_heads)]))
-        if remember:
-            remembered.append((rid, policy, scores, kept))
-        remaining = kept.shape[-1]
-        evictions[rid] = Eviction(due.phase, tuple(positions[: cdiv(remaining, block_size)]), held,
-                                  tokens - remaining, move.written if move else 0)
+            moves.append(move)
+        if remember_as is not None:
+            remembered.append(remember_as)
     compact_together(view, moves)
     for rid, policy, scores, kept in remembered:
         state.scores[rid] = kept_scores(policy, scores, kept)
     return evictions
+
+
+def decide(view: KVView, due: Due, state: PolicyState | None, cached: torch.Tensor | None,
+           fresh: torch.Tensor | None, shards: HeadShards, kept_sets: list | None):
+    """One due request's decision from its scores: ``(move, eviction, remembered)``, the
+    compaction to carry out (None: nothing moves), what the request's block list becomes, and
+    the scores to keep for it once compaction is done (None: none)."""
+    policy, rid, tokens, block_size = due.policy, due.request_id, due.tokens, due.policy.block_size
+    scores = decision_scores(due, state, cached, fresh)
+    remember = state is not None and (policy.static_scores or policy.accumulates) and scores is not None
+    held = due.held
+
+    if due.phase == "decode" and isinstance(policy, BlockPolicy):
+        victim = policy.select_victim(scores, tokens)
+        if remember:
+            if cached is None and not policy.accumulates:  # totals stay per layer and head
+                scores = policy.cached_form(scores)
+            state.scores[rid] = torch.cat(
+                [scores[..., : victim * block_size], scores[..., (victim + 1) * block_size :]], dim=-1)
+        return None, Eviction(due.phase, tuple(p for p in range(held) if p != victim), held, block_size, 0), None
+
+    layers, heads = view.num_layers, view.num_heads * shards.size
+    if due.phase == "prefill":
+        kept = policy.select_prefill(scores, tokens, layers, heads)
+    elif isinstance(policy, TokenPolicy):
+        kept = policy.select_decode(scores, tokens, layers, heads)
+    else:
+        raise TypeError(f"{type(policy).__name__} cannot evict in {due.phase}")
+    source = due.source
+    positions = compaction_positions(len(source), due.copy_targets)
+    if kept_sets is not None and shards.size > 1:
+        kept_sets.append(kept)
+    # Where compaction starts is decided on every head, so that all ranks rewrite the same slots.
+    move = plan_move(source, tokens, kept.to(view.device), [due.block_ids[p] for p in positions],
+                     min(due.copy_targets) * block_size if due.copy_targets else None)
+    if move is not None:
+        move = dataclasses.replace(move, kept=move.kept[:, shards.local(view.num_heads)])
+    remaining = kept.shape[-1]
+    eviction = Eviction(due.phase, tuple(positions[: cdiv(remaining, block_size)]), held, tokens - remaining,
+                        move.written if move else 0)
+    return move, eviction, (rid, policy, scores, kept) if remember else None
 
 
 def scoring_job(due: Due, state: PolicyState | None, cached: torch.Tensor | None) -> ScoreJob | None:

@@ -57,7 +57,8 @@ class EvictionReport:
     The scheduler counts what each eviction did (``harness.eviction.counters``) and adds the step's
     time to its ledger (``harness.engine.scheduler.Ledger.add_step``). ``budgets``: the group
     budgets the attention schedule measured this step, per request (the step's evictions already
-    follow them)."""
+    follow them). ``failures``: requests whose policy failed this step (``evictor.PolicyFailure``),
+    with its message: nothing of theirs was evicted, and the scheduler ends them with an error."""
 
     evictions: dict[tuple[str, int], Eviction] = field(default_factory=dict)
     model_s: float = 0.0
@@ -65,6 +66,7 @@ class EvictionReport:
     capture_s: float = 0.0
     state_bytes: int = 0
     budgets: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
 
 
 def attach(message_holder, attribute: str, message) -> None:

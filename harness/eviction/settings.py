@@ -282,11 +282,40 @@ PROBE_BLOCKS = 64
 
 def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
     """The policy these settings run. Settings with a ``budget_ratio`` not yet resolved against a
-    prompt (``for_prompt``) are built at a probe budget: enough to check the name and options."""
+    prompt (``for_prompt``) are built at a probe budget: enough to check the name and options.
+    Its score is tried once on a tiny input (``try_score``): a score that raises or returns the
+    wrong shape is refused here, at admission, with its message."""
     budget = settings.budget if settings.budget is not None else PROBE_BLOCKS * block_size
     policy = make_policy(settings.policy, budget, block_size, **settings.options)
     policy.decode_eviction = settings.decode_eviction
+    try_score(policy, (settings.policy, json.dumps(settings.options, sort_keys=True), block_size))
     return policy
+
+
+_TRIED_SCORES: set[tuple] = set()
+
+
+def try_score(policy: Policy, key: tuple) -> None:
+    """An attention-free score run once per policy and options on two blocks of random K/V (two
+    heads): what a user's new score gets wrong most often (it raises, or returns other than
+    ``[kv_heads, tokens]`` finite numbers) fails its request at admission, not in the engine.
+    What depends on real input can still fail there: the engine then ends that request alone
+    (``harness.eviction.evictor.PolicyFailure``). Attention scores need a query window and are
+    the harness's own (their tests check them)."""
+    if key in _TRIED_SCORES or not policy.needs_kv or policy.query_window or not hasattr(policy, "score"):
+        return
+    import torch
+
+    from harness.eviction.evictor import PolicyFailure, as_failure, checked_scores
+
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(2 * policy.block_size, 2, 8, generator=generator) for _ in range(2))
+    try:
+        checked_scores(policy, policy.layer_scores(keys, values), keys)
+    except Exception as error:
+        failure: PolicyFailure = as_failure(policy, error)
+        raise ValueError(f"{failure} (tried at admission on {keys.shape[0]} tokens of random K/V)") from None
+    _TRIED_SCORES.add(key)
 
 
 def group_policies(settings: EvictionSettings, block_size: int, num_layers: int, groups: int) -> tuple[Policy, ...]:

@@ -118,6 +118,7 @@ def generate_and_record(works: list[CellWork], model_path: str, name: str, log: 
             started = time.perf_counter()
             results, engine_ids = generate_shared(engine, prompts, cells, progress=terminal)
             wall = time.perf_counter() - started
+            check_no_failures(works, results)
             ledger, facts, vllm_version = engine.ledger(), engine.facts(), engine.vllm_version
             per_request = engine.request_counters([rid for row in engine_ids for rid in row])
             likelihood = cells_likelihood(engine, works, terminal) if run.likelihood else [None] * len(works)
@@ -139,6 +140,19 @@ def generate_and_record(works: list[CellWork], model_path: str, name: str, log: 
         if slot == full:
             full_rows = records[slot].rows
     return records  # type: ignore[return-value]
+
+
+class PolicyFailedError(RuntimeError):
+    """A cell's policy failed on some of its requests: the engine ended them with an error."""
+
+
+def check_no_failures(works: list[CellWork], results: list[list]) -> None:
+    """A cell whose policy failed on any request has no result: the group stops with the message
+    and nothing of it is published (the engine itself went on serving the other requests)."""
+    for slot, work in enumerate(works):
+        errors = [row[slot].error for row in results if row[slot] is not None and row[slot].error]
+        if errors:
+            raise PolicyFailedError(f"{work.run.label} failed on {len(errors)} of {len(results)} prompts: {errors[0]}")
 
 
 def keep_engine_log(log: Path, target: Path) -> None:

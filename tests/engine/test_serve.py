@@ -42,7 +42,9 @@ EVICTION_ARGS = ["--scheduler-cls", "harness.engine.scheduler.EvictionScheduler"
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS=str(os.cpu_count()))
+    # the faulty scores a user might write (tests/support/faulty_scores.py), known to every server process
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS=str(os.cpu_count()),
+               KVH_POLICY_MODULES="tests.support.faulty_scores")
     process = subprocess.Popen(
         serve_args(port, "--enable-prefix-caching", *EVICTION_ARGS, "--additional-config", json.dumps(SETTINGS)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -124,7 +126,7 @@ def test_64_concurrent_requests_through_the_server(server):
 
 def complete_concurrently(server, prompts: list[list[int]], asked: list[dict], max_tokens: int) -> list:
     """Every prompt at once, each with its own eviction settings (``vllm_xargs``, a JSON string: its
-    values may only be strings and numbers); per request its output ids, or the BadRequestError."""
+    values may only be strings and numbers); per request its output ids, or the HTTP error."""
     from concurrent.futures import ThreadPoolExecutor
 
     import openai
@@ -136,7 +138,7 @@ def complete_concurrently(server, prompts: list[list[int]], asked: list[dict], m
                 extra_body={"ignore_eos": True, "return_token_ids": True,
                             "vllm_xargs": {"kv_eviction": json.dumps(asked[index])}},
             )
-        except openai.BadRequestError as error:
+        except openai.APIStatusError as error:
             return error
         return list(response.choices[0].token_ids)
 
@@ -195,6 +197,34 @@ def test_a_shared_context_compressed_before_each_question_and_a_boundary_past_th
         reference = HFReferenceEngine(model_path("tiny"), policy).generate(prompts[index], 32,
                                                                            context_tokens=len(context))
         assert served[index] == reference, raw
+
+
+def test_a_failing_policy_fails_only_its_own_requests_and_the_server_goes_on(server):
+    """Scores written as a user would (``tests/support/faulty_scores.py``) beside eight good
+    requests in flight: a score that raises or returns the wrong shape on any input is refused
+    with HTTP 400 and its message; one that raises or gives NaN only on a long prompt ends its
+    own request with an error (HTTP 500: vLLM's frontend gives FinishReason.ERROR a fixed text,
+    the server log has the policy's message); every good request equals itself sent alone, the
+    server keeps serving and every block is back in the pool."""
+    import openai
+
+    good = [{"policy": "paged", "budget": 128}, {"policy": "snapkv", "budget": 128}, {"policy": "knorm", "budget": 160},
+            {"policy": "full"}] * 2
+    faulty = [{"policy": name, "budget": 128} for name in ("faulty_raises", "faulty_shape", "faulty_late", "faulty_nan")]
+    asked = good[:4] + faulty + good[4:]
+    prompts = text_prompts("tiny", [300 + 37 * index for index in range(len(asked))], seed=41)
+    served = complete_concurrently(server, prompts, asked, 24)
+    by_policy = {raw["policy"]: result for raw, result in zip(asked, served) if raw in faulty}
+    for name, message in (("faulty_raises", "policy faulty_raises failed: RuntimeError: this score is broken"),
+                          ("faulty_shape", "policy faulty_shape failed: its score returned")):
+        assert isinstance(by_policy[name], openai.BadRequestError) and message in str(by_policy[name]), name
+    for name in ("faulty_late", "faulty_nan"):
+        assert isinstance(by_policy[name], openai.InternalServerError), (name, by_policy[name])
+    for index, raw in enumerate(asked):
+        if raw not in faulty:
+            assert served[index] == complete_concurrently(server, [prompts[index]], [raw], 24)[0], raw
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0.0, "every block is back in the pool"
 
 
 @pytest.mark.parametrize("args, message", [
