@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
 from harness.eviction.settings import (PYRAMID_BETA, EvictionSettings, budget_for_ratio, check_compress,
+                                       check_layer_groups,
                                        check_policy_runs, check_ratio, check_schedule, check_schedule_runs,
                                        group_policies)
 from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
@@ -233,18 +234,6 @@ def typed(cfg: DictConfig) -> RunSettings:
         )
     except TypeError as error:  # a required key missing from a config group
         raise ConfigError(f"incomplete config: {error}") from None
-
-
-def check_layer_groups(groups: object, num_layers: int | None = None) -> int:
-    """``engine.layer_groups`` itself: a positive integer dividing the model's layer count (equal
-    groups: vLLM sizes a block by its largest group, so unequal ones waste memory, and tags of
-    unequal sizes split into more groups than tags, vllm/v1/core/kv_cache_utils.py:1467-1501)."""
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"layer_groups must be a positive integer, got {groups!r}")
-    if num_layers is not None and num_layers % groups:
-        raise ValueError(f"layer_groups={groups} does not divide the model's {num_layers} attention layers "
-                         f"into equal groups; choose a divisor of {num_layers}")
-    return groups
 
 
 def check_run_layer_groups(run: RunSettings) -> None:

@@ -25,7 +25,7 @@ import functools
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from harness.config import check_layer_groups
+from harness.eviction.settings import check_layer_groups
 from harness.engine.compatibility import layer_groups_of
 
 
@@ -86,15 +86,9 @@ def tag_specs(specs: dict, groups: int) -> dict:
     return tagged
 
 
-def install() -> None:
+def wrap_get_kv_cache_spec(original):
     """Tag the specs where the worker makes them (also on its profiling path,
-    gpu_model_runner.py:6208-6232); G = 1 returns vLLM's own."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner, "_kv_layer_groups_installed", False):
-        return
-    GPUModelRunner._kv_layer_groups_installed = True
-    original = GPUModelRunner.get_kv_cache_spec
+    gpu_model_runner.py:6208-6232); G = 1 returns vLLM's own (installed by ``harness.engine.patches``)."""
 
     @functools.wraps(original)
     def get_kv_cache_spec(self):
@@ -105,4 +99,4 @@ def install() -> None:
         check_engine(self.vllm_config)
         return tag_specs(specs, groups)
 
-    GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
+    return get_kv_cache_spec

@@ -9,10 +9,12 @@ class EvictionWorkerExtension:
     def kv_eviction_status(self) -> dict:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+        from harness.engine.patches import installed
+
         runner = self.model_runner
         state = runner.__dict__.get("_kv_eviction")
         return {
-            "runner_patched": bool(getattr(GPUModelRunner, "_kv_eviction_installed", False)),
+            "runner_patched": installed(GPUModelRunner, "sample_tokens"),
             "settings": state.settings.as_dict() if state is not None and state.settings is not None else None,
             "backend": state.backend if state is not None else None,
         }

@@ -24,8 +24,9 @@
   persistent block table take their new shape, and the step's ``EvictionReport`` tells the
   scheduler, which returns the released blocks to the pool.
 
-vLLM offers no hook around input preparation, so these three runner methods are wrapped (the one
-global patch the harness installs, from its general plugin). ``CPUModelRunner`` subclasses
+vLLM offers no hook around input preparation or after sampling, so four runner methods and the
+attention groups' ``build_metadata`` are wrapped; the wrappers are made here (``wrap_*``) and
+installed, with every other patch, by ``harness.engine.patches``. ``CPUModelRunner`` subclasses
 ``GPUModelRunner``: one patch serves CPU and GPU (the V1 runner; vLLM 0.32's Model Runner V2
 builds positions and seq_lens in one Triton kernel and is refused, see ``settings``).
 """
@@ -440,20 +441,12 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output, failures: 
     return report
 
 
-def install() -> None:
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.utils import AttentionGroup
+# The runner's wrappers, each made from vLLM's own method (installed by ``harness.engine.patches``).
 
-    if getattr(GPUModelRunner, "_kv_eviction_installed", False):
-        return
-    GPUModelRunner._kv_eviction_installed = True
-
-    original_init_cache = GPUModelRunner.initialize_kv_cache
-
-    @functools.wraps(original_init_cache)
+def wrap_initialize_kv_cache(original):
+    @functools.wraps(original)
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs):
-        original_init_cache(self, kv_cache_config, is_profiling, *args, **kwargs)
+        original(self, kv_cache_config, is_profiling, *args, **kwargs)
         if is_profiling:
             # A throw-away cache for CUDA-graph memory profiling (vllm/v1/worker/gpu_model_runner.py:6231,
             # freed by _cleanup_profiling_kv_cache): no view may keep it alive while the real
@@ -462,34 +455,42 @@ def install() -> None:
             return
         attach_eviction_state(self)
 
-    original_prepare = GPUModelRunner._prepare_inputs
+    return initialize_kv_cache
 
-    @functools.wraps(original_prepare)
+
+def wrap_prepare_inputs(original):
+    @functools.wraps(original)
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        result = original_prepare(self, scheduler_output, *args, **kwargs)
+        result = original(self, scheduler_output, *args, **kwargs)
         state = eviction_state(self)
         if state is not None:
             to_physical(self, state, scheduler_output)
             plan_capture(self, state, scheduler_output)
         return result
 
-    original_execute = GPUModelRunner.execute_model
+    return _prepare_inputs
 
-    @functools.wraps(original_execute)
+
+def wrap_execute_model(original):
+    @functools.wraps(original)
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._kv_step = (scheduler_output, time.perf_counter())
         try:
-            return original_execute(self, scheduler_output, *args, **kwargs)
+            return original(self, scheduler_output, *args, **kwargs)
         finally:
             state = eviction_state(self)
             if state is not None and state.lengths is not None:
                 state.lengths.clear()  # this step's own lengths, built into its metadata by now
 
-    original_sample = GPUModelRunner.sample_tokens
+    return execute_model
 
-    @functools.wraps(original_sample)
+
+def wrap_sample_tokens(original):
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    @functools.wraps(original)
     def sample_tokens(self, *args, **kwargs):
-        output = original_sample(self, *args, **kwargs)
+        output = original(self, *args, **kwargs)
         step, self._kv_step = self.__dict__.get("_kv_step"), None
         state = eviction_state(self)
         capture_s = (state.capture.absorb([state.policy_states, state.schedule_states], state.group_layers)
@@ -522,18 +523,16 @@ def install() -> None:
         attach(carrier, REPORT_ATTRIBUTE, report)
         return output
 
-    original_build = AttentionGroup.build_metadata
+    return sample_tokens
 
-    @functools.wraps(original_build)
+
+def wrap_build_metadata(original):
+    @functools.wraps(original)
     def build_metadata(self, common_attn_metadata, *args, **kwargs):
         owner = self.__dict__.get("_kv_group_lengths")
         if owner is not None:
             lengths, group = owner
             common_attn_metadata = lengths.substitute(group, common_attn_metadata)
-        return original_build(self, common_attn_metadata, *args, **kwargs)
+        return original(self, common_attn_metadata, *args, **kwargs)
 
-    AttentionGroup.build_metadata = build_metadata
-    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
-    GPUModelRunner._prepare_inputs = _prepare_inputs
-    GPUModelRunner.execute_model = execute_model
-    GPUModelRunner.sample_tokens = sample_tokens
+    return build_metadata

@@ -347,6 +347,18 @@ def group_policies(settings: EvictionSettings, block_size: int, num_layers: int,
                          f"{error}") from None
 
 
+def check_layer_groups(groups: object, num_layers: int | None = None) -> int:
+    """``engine.layer_groups`` itself: a positive integer dividing the model's layer count (equal
+    groups: vLLM sizes a block by its largest group, so unequal ones waste memory, and tags of
+    unequal sizes split into more groups than tags, vllm/v1/core/kv_cache_utils.py:1467-1501)."""
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"layer_groups must be a positive integer, got {groups!r}")
+    if num_layers is not None and num_layers % groups:
+        raise ValueError(f"layer_groups={groups} does not divide the model's {num_layers} attention layers "
+                         f"into equal groups; choose a divisor of {num_layers}")
+    return groups
+
+
 def least_blocks(settings: EvictionSettings, block_size: int) -> int:
     """The fewest blocks a group's budget may have: two (a first block and a recent one), or more
     where the policy needs them (SnapKV's window inside its budget); at most the whole budget."""

@@ -210,7 +210,7 @@ def test_the_frontend_refuses_a_boundary_its_prompt_cannot_have():
     """``vllm serve`` answers HTTP 400 for a VLLMValidationError from the input processor."""
     from vllm.exceptions import VLLMValidationError
 
-    from harness.engine.plugin import check_request
+    from harness.engine.frontend import check_request
 
     config = vllm_config(additional_config={"kv_eviction": {"policy": "snapkv", "budget_ratio": 0.5,
                                                             "decode_eviction": False, "compress": "context"}})
