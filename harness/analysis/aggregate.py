@@ -12,7 +12,9 @@ Every score carries its 95% BCa bootstrap interval (``score_low``/``score_high``
 the Monte Carlo error of its bounds (``score_mc``, ``average_mc``), and every run its paired
 differences, sample by sample, against full cache and against each other policy at the same budget:
 ``vs_<policy>_diff``/``_low``/``_high``/``_mc`` per task and ``avg_vs_<policy>_diff``/``_low``/
-``_high``/``_mc`` for the average (this run minus that one), each with its paired sign-flip p-value
+``_high``/``_mc`` for the average (this run minus that one; the interval inverts the comparison's
+own sign-flip test, ``stats.inverted_interval``, so it excludes zero exactly when p < 0.05), each
+with its paired sign-flip p-value
 ``_p`` (with ``_p_mc``, its Monte Carlo standard error, ``_p_flips``, the random sign patterns
 behind it, 0 when exact, and ``_p_settled``) and that p adjusted over the table's family of
 comparisons, ``_p_holm`` (what ``summary.md`` marks ``*``) and ``_p_bh`` (flagged ``+``);
@@ -36,8 +38,8 @@ from harness.analysis.silence import silence_section
 from harness.analysis.labels import (ROW, budget_label, in_reading_order, markdown_table, variant_label,
                                      with_budget_label, with_interval)
 from harness.analysis.stats import (EXACT_OUTCOMES, EXACT_UP_TO, FLIPS, MAX_FLIPS, MAX_RESAMPLES, RESAMPLES, SECTIONS,
-                                    WIDTH, benjamini_hochberg, bca_interval, detectable_difference, holm, mc_target,
-                                    settled_p_values)
+                                    WIDTH, benjamini_hochberg, bca_interval, detectable_difference, holm,
+                                    inverted_interval, mc_target, settled_p_values)
 
 RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
 
@@ -214,12 +216,38 @@ def of_tasks(predictions: pd.DataFrame, tasks: set[str]) -> pd.DataFrame:
 
 def paired(run: dict[str, pd.Series], other: dict[str, pd.Series]) -> dict[str, np.ndarray]:
     """Per task, this run's minus the other's value on the samples both have."""
+    return {task: d.to_numpy() for task, d in paired_series(run, other).items()}
+
+
+def paired_series(run: dict[str, pd.Series], other: dict[str, pd.Series]) -> dict[str, pd.Series]:
+    """``paired``, each task's differences kept as a Series indexed by sample id."""
     differences = {}
     for task in sorted(set(run) & set(other)):
         common = run[task].index.intersection(other[task].index)
         if len(common):
-            differences[task] = (run[task][common] - other[task][common]).to_numpy()
+            differences[task] = run[task][common] - other[task][common]
     return differences
+
+
+CLUSTER = "cluster"  # a prediction row's field naming the context, conversation or document it shares
+
+
+def sample_clusters(predictions: pd.DataFrame) -> dict[str, pd.Series] | None:
+    """Per task, each sample's cluster label (``CLUSTER``) indexed by sample id; None when the run's
+    samples carry none (each sample then independent). Samples that share a cluster are resampled
+    and sign-flipped together (``harness.analysis.stats._units``)."""
+    if CLUSTER not in predictions or predictions[CLUSTER].isna().all():
+        return None
+    if predictions[CLUSTER].isna().any():
+        raise ValueError("some samples have a cluster and some not: give every sample one")
+    return {task: group.set_index("id")[CLUSTER].astype(str) for task, group in predictions.groupby("task")}
+
+
+def labels_of(clusters: dict[str, pd.Series] | None, by_task: dict[str, pd.Series]) -> dict[str, np.ndarray] | None:
+    """The cluster labels of ``by_task``'s samples, aligned with them (None without clusters)."""
+    if clusters is None:
+        return None
+    return {task: clusters[task][series.index].to_numpy() for task, series in by_task.items()}
 
 
 def comparable_pairs(runs: pd.DataFrame) -> list[tuple[str, str]]:
@@ -250,7 +278,8 @@ def add_intervals(frame: pd.DataFrame, quantities: tuple[Quantity, ...] = QUANTI
     bounds (the larger of the two; below ``Quantity.mc_target`` unless the resamples reached
     their cap). Per comparison (``comparable_pairs``), in both runs' rows (the second with the
     sign reversed), per task ``vs_<variant>_…`` and for the average ``avg_vs_<variant>_…``:
-    ``_diff`` (this run minus that one), ``_low``/``_high``/``_mc`` (BCa), ``_p`` (two-sided
+    ``_diff`` (this run minus that one), ``_low``/``_high``/``_mc`` (the shifts its own test does
+not reject, ``harness.analysis.stats.inverted_interval``: excludes zero exactly when ``_p`` < 0.05), ``_p`` (two-sided
     paired sign-flip test, settled over the family: ``harness.analysis.stats.settled_p_values``),
     ``_p_mc`` (its Monte Carlo standard error, 0 when exact), ``_p_flips`` (random sign patterns,
     0 when exact), ``_p_settled`` (False where a mark could still change within 4 standard errors
@@ -287,50 +316,62 @@ def add_intervals(frame: pd.DataFrame, quantities: tuple[Quantity, ...] = QUANTI
             values = {run: sample_values(predictions[run], quantity.field) for run in group.index}
             if any(v is None for v in values.values()):
                 continue  # a run without the field: no table of it for this group
+            clusters = {run: sample_clusters(predictions[run]) for run in group.index}
             if quantity is not SCORE:
                 for run, by_task in values.items():
                     cell(run, "")[f"{quantity.field}_samples"] = sum(len(series) for series in by_task.values())
             for run, by_task in values.items():
+                labels = labels_of(clusters[run], by_task)
                 for task, series in by_task.items():
                     interval = bca_interval({task: series.to_numpy()}, scale=quantity.scale, digits=quantity.digits,
-                                            target=quantity.mc_target)
+                                            target=quantity.mc_target,
+                                            clusters=None if labels is None else {task: labels[task]})
                     if quantity is not SCORE:  # the score's own per-task column comes from scores.json
                         cell(run, task)[quantity.task_column] = interval.estimate
                     cell(run, task).update({f"{quantity.task_column}_low": interval.low,
                                             f"{quantity.task_column}_high": interval.high,
                                             f"{quantity.task_column}_mc": interval.mc_error})
                 average = bca_interval({t: s.to_numpy() for t, s in by_task.items()}, scale=quantity.scale,
-                                       digits=quantity.digits, target=quantity.mc_target)
+                                       digits=quantity.digits, target=quantity.mc_target, clusters=labels)
                 if quantity is not SCORE:  # the score's average comes from scores.json
                     cell(run, "")[quantity.average_column] = average.estimate
                 cell(run, "").update({f"{quantity.average_column}_low": average.low,
                                       f"{quantity.average_column}_high": average.high,
                                       f"{quantity.average_column}_mc": average.mc_error})
-            compare(group, values, quantity, cell)
+            compare(group, values, quantity, cell, clusters)
     per_task = pd.DataFrame([dict(run_dir=r, task=t, **v) for (r, t), v in columns.items() if t])
     per_run = pd.DataFrame([dict(run_dir=r, **v) for (r, t), v in columns.items() if not t])
     return frame.merge(per_task, on=["run_dir", "task"], how="left").merge(per_run, on="run_dir", how="left")
 
 
-def compare(group: pd.DataFrame, values: dict[str, dict[str, pd.Series]], quantity: Quantity, cell) -> None:
-    """Every comparison of one group for one quantity: intervals, p-values settled over their family
-    (the average's, and each task's: ``settled_p_values`` refines a random p-value until no mark of
-    the family could change within its Monte Carlo error), both adjustments over the family,
-    written into both runs' cells."""
-    pairs = [(run, other, paired(values[run], values[other])) for run, other in comparable_pairs(group)]
-    pairs = [(run, other, d) for run, other, d in pairs if d]
-    families: dict[str, list] = {}  # "" (the average) or a task -> [(run, other, differences)]
-    for run, other, differences in pairs:
-        families.setdefault("", []).append((run, other, differences))
+def compare(group: pd.DataFrame, values: dict[str, dict[str, pd.Series]], quantity: Quantity, cell,
+            clusters: dict[str, dict[str, pd.Series] | None] | None = None) -> None:
+    """Every comparison of one group for one quantity: p-values settled over their family (the
+    average's, and each task's: ``settled_p_values`` refines a random p-value until no mark of the
+    family could change within its Monte Carlo error), both adjustments over the family, and the
+    interval that inverts each comparison's own test (``inverted_interval``: it excludes zero
+    exactly when the p-value is below 0.05), written into both runs' cells. ``clusters``: per run,
+    its samples' cluster labels (``sample_clusters``), under which tests flip whole clusters."""
+    clusters = clusters or {}
+    pairs = []
+    for run, other in comparable_pairs(group):
+        differences = paired_series(values[run], values[other])
+        if differences:
+            labels = labels_of(clusters.get(run), differences)
+            pairs.append((run, other, {t: d.to_numpy() for t, d in differences.items()}, labels))
+    families: dict[str, list] = {}  # "" (the average) or a task -> [(run, other, differences, labels)]
+    for run, other, differences, labels in pairs:
+        families.setdefault("", []).append((run, other, differences, labels))
         for task, d in differences.items():
-            families.setdefault(task, []).append((run, other, {task: d}))
+            families.setdefault(task, []).append((run, other, {task: d}, None if labels is None else {task: labels[task]}))
     for task, family in families.items():
-        p_values = settled_p_values([differences for _, _, differences in family], SIGNIFICANCE)
+        p_values = settled_p_values([differences for _, _, differences, _ in family], SIGNIFICANCE,
+                                    clusters=[labels for *_, labels in family])
         plain = [value.p for value in p_values]
-        for (run, other, differences), value, p_holm, p_bh in zip(family, p_values, holm(plain),
-                                                                   benjamini_hochberg(plain)):
-            interval = bca_interval(differences, scale=quantity.scale, digits=quantity.digits,
-                                    target=quantity.mc_target)
+        for (run, other, differences, labels), value, p_holm, p_bh in zip(family, p_values, holm(plain),
+                                                                           benjamini_hochberg(plain)):
+            interval = inverted_interval(differences, value, scale=quantity.scale, digits=quantity.digits,
+                                         target=quantity.mc_target, clusters=labels)
             detectable = (None if task else
                           detectable_difference(differences, SIGNIFICANCE / len(pairs), POWER, quantity.scale))
             for this, that, shown in ((run, other, interval), (other, run, interval.negated())):
@@ -460,7 +501,7 @@ def p_digits(family: pd.DataFrame) -> int:
 
 def differences_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
     """Paired differences of the average, row policy minus column policy (full cache, then the
-    other policies at the same budget): ``diff (low, high) p`` with the 95% BCa interval and the
+    other policies at the same budget): ``diff (low, high) p`` with the 95% interval that inverts the test and the
     unadjusted sign-flip p-value, marked after adjustment over the table (``significance_mark``)."""
     runs = with_budget_label(frame.drop_duplicates("run_dir"))
     runs = runs[runs["policy.name"] != "full"]
@@ -558,8 +599,13 @@ INTERVAL_METHOD = interval_method(SCORE)
 def differences_text(quantity: Quantity) -> str:
     better = "higher is better" if quantity.higher_is_better else "lower is better"
     return (f"Paired differences of the average {quantity.description} ({quantity.units}, {better}; row minus column, "
-            f"same samples; columns other than full cache compare policies at the row's budget) with "
-            f"{interval_method(quantity)} and two-sided paired sign-flip p-values: exact (every sign pattern counted) "
+            f"same samples; columns other than full cache compare policies at the row's budget) with two-sided "
+            f"paired sign-flip p-values and the 95% interval that inverts the same test: the shifts s for which the "
+            f"test of the differences minus s does not reject at {SIGNIFICANCE} (shifted, every sample differs: every sign "
+            f"pattern counted where there are at most {EXACT_UP_TO} samples, or clusters; else random sign patterns seeded by the data, the same "
+            f"at every shift, {FLIPS:,} at first and more, up to {MAX_RESAMPLES:,}, until each bound's Monte Carlo "
+            f"error from {SECTIONS} sections of them is below {quantity.mc_target:g} {quantity.unit}), so an interval "
+            f"excludes zero exactly when its p < {SIGNIFICANCE}. p-values: exact (every sign pattern counted) "
             f"when at most {EXACT_UP_TO} samples differ, else from {FLIPS:,} random sign patterns, ten times more (up "
             f"to {MAX_FLIPS:,}) for every p-value a mark of the table depends on while that mark could change within "
             f"{WIDTH} Monte Carlo standard errors; each comparison's patterns come from a generator seeded by a hash "

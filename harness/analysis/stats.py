@@ -232,9 +232,24 @@ def _exact_bounds(support: np.ndarray, probabilities: np.ndarray, estimate: floa
     return support[np.minimum(positions, len(support) - 1)]
 
 
+def cluster_means(per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per task, the mean of each cluster's samples (clusters in label order): what a bootstrap
+    resamples when samples share a context, so that a context is drawn whole. The mean of a task's
+    cluster means is its sample mean only when its clusters are equally large; with unequal sizes
+    it is not, and this refuses (such a workload needs a ratio estimator's bootstrap, not built)."""
+    means = {}
+    for task, values in per_task.items():
+        values, labels = np.asarray(values, dtype=float), np.asarray(clusters[task]).astype(str)
+        names, index, sizes = np.unique(labels, return_inverse=True, return_counts=True)
+        if len(set(sizes.tolist())) > 1:
+            raise ValueError(f"{task}: clusters of unequal sizes {sorted(set(sizes.tolist()))}")
+        means[task] = np.bincount(index, weights=values) / sizes
+    return means
+
+
 def bca_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digits: int = 2,
                  target: float | None = None, resamples: int = RESAMPLES,
-                 max_resamples: int = MAX_RESAMPLES) -> Interval:
+                 max_resamples: int = MAX_RESAMPLES, clusters: dict[str, np.ndarray] | None = None) -> Interval:
     """A bias-corrected and accelerated (BCa) 95% interval for the mean over tasks of the task
     means (x ``scale``, rounded to ``digits`` decimals), with the Monte Carlo error of its bounds.
 
@@ -248,10 +263,17 @@ def bca_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digit
     Monte Carlo error (``_bounds_error``) is at or above ``target`` (default ``mc_target(scale)``),
     more: the count the error predicts (it falls as 1/sqrt(resamples)), at least double, up to
     ``max_resamples``, the new draws added to the old. ``max_resamples`` = ``resamples`` gives a
-    fixed count."""
+    fixed count.
+
+    Used for one cell's value, which no test accompanies; a paired difference gets
+    ``inverted_interval``, which cannot disagree with its p-value. With ``clusters`` (per task, a
+    label per sample) whole clusters are resampled (``cluster_means``); ``samples`` still counts
+    samples."""
+    samples = sum(len(np.asarray(v)) for v in per_task.values())
+    if clusters is not None:
+        per_task = cluster_means(per_task, clusters)
     tasks, values = _arrays(per_task, scale)
     estimate = float(np.mean([v.mean() for v in values]))
-    samples = sum(len(v) for v in values)
     acceleration = _acceleration(values)
     exact = _bootstrap_distribution(values)
     if exact is not None:
@@ -323,15 +345,44 @@ class PValue:
         return max(0.0, self.p - WIDTH * self.se), min(1.0, self.p + WIDTH * self.se)
 
 
-def _weighted(per_task: dict[str, np.ndarray]) -> np.ndarray:
-    """The non-zero differences, each weighted by 1 / (tasks x samples of its task): the statistic
-    is the sum of these with their signs, and only a non-zero difference can change sign."""
+def _units(per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | None = None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """The units a sign-flip test flips, as (values, weights): each sample's difference d_i times its
+    weight w_i = 1 / (tasks x samples of its task), and w_i itself, so that the statistic is the sum
+    of the values and shifting every difference by s shifts it by s x the sum of the weights (1).
+
+    ``clusters`` (per task, one label per sample, aligned with ``per_task``): samples that share a
+    label share a context, a conversation or a document, so their differences are not independent
+    and the null can only negate them together; a unit is then a cluster, its value and weight the
+    sums over its samples. A label names one cluster across tasks (a context asked questions of two
+    tasks is one cluster). Without ``clusters`` every sample is its own unit."""
     tasks = sorted(per_task)
-    weighted = []
+    values, weights, labels = [], [], []
     for task in tasks:
-        values = np.asarray(per_task[task], dtype=float)
-        weighted.append(values[values != 0] / (len(values) * len(tasks)))
-    return np.concatenate(weighted) if weighted else np.zeros(0)
+        d = np.asarray(per_task[task], dtype=float)
+        weights.append(np.full(len(d), 1.0 / (len(d) * len(tasks))))
+        values.append(d / (len(d) * len(tasks)))  # divided, not times the weight: the same bits (and seed) as before
+        if clusters is not None:
+            label = np.asarray(clusters[task], dtype=object)
+            if len(label) != len(d):
+                raise ValueError(f"{task}: {len(label)} cluster labels for {len(d)} samples")
+            labels.extend(str(x) for x in label)
+    if not values:
+        return np.zeros(0), np.zeros(0)
+    values, weights = np.concatenate(values), np.concatenate(weights)
+    if clusters is None:
+        return values, weights
+    names, index = np.unique(np.asarray(labels), return_inverse=True)
+    return (np.bincount(index, weights=values, minlength=len(names)),
+            np.bincount(index, weights=weights, minlength=len(names)))
+
+
+def _weighted(per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """The non-zero units' values (``_units``): the statistic is the sum of these with their signs,
+    and only a non-zero unit can change sign. Unclustered, each sample's difference weighted by
+    1 / (tasks x samples of its task)."""
+    values = _units(per_task, clusters)[0]
+    return values[values != 0]
 
 
 def _signed_sums(weights: np.ndarray) -> np.ndarray:
@@ -369,8 +420,8 @@ class _SignFlips:
     per group of 8 differences holds each byte's signed sum: the statistic of a pattern is k/8
     table look-ups."""
 
-    def __init__(self, per_task: dict[str, np.ndarray]):
-        weighted = _weighted(per_task)
+    def __init__(self, per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | None = None):
+        weighted = _weighted(per_task, clusters)
         observed = abs(weighted.sum())
         self.threshold = observed * (1 - 1e-9)  # the observed pattern itself counts despite float rounding
         self.flips = self.extreme = 0
@@ -409,7 +460,8 @@ class _SignFlips:
         return PValue(p, self.flips, float(np.sqrt(p * (1 - p) / self.flips)))
 
 
-def sign_flip_test(per_task: dict[str, np.ndarray], flips: int = FLIPS) -> PValue:
+def sign_flip_test(per_task: dict[str, np.ndarray], flips: int = FLIPS,
+                   clusters: dict[str, np.ndarray] | None = None) -> PValue:
     """Two-sided p-value of a paired difference (the mean over tasks of the per-task mean
     differences) under the null that each sample's difference is as likely negated.
 
@@ -418,16 +470,18 @@ def sign_flip_test(per_task: dict[str, np.ndarray], flips: int = FLIPS) -> PValu
     k <= ``EXACT_UP_TO`` all 2^k sign patterns are counted (``_enumerated_p``): p = (patterns at
     least as extreme) / 2^k, the exact permutation p-value. Otherwise ``flips`` random patterns
     (``_SignFlips``): p = (1 + flips at least as extreme) / (1 + flips), valid at any ``flips``,
-    with its Monte Carlo standard error. All-zero differences give p = 1."""
-    test = _SignFlips(per_task)
+    with its Monte Carlo standard error. All-zero differences give p = 1. With ``clusters``
+    (``_units``) whole clusters are negated together: k counts non-zero clusters."""
+    test = _SignFlips(per_task, clusters)
     if test.exact_p is None:
         test.draw(flips)
     return test.result()
 
 
-def sign_flip_p(per_task: dict[str, np.ndarray], flips: int = FLIPS) -> float:
+def sign_flip_p(per_task: dict[str, np.ndarray], flips: int = FLIPS,
+                clusters: dict[str, np.ndarray] | None = None) -> float:
     """``sign_flip_test``'s p-value alone."""
-    return sign_flip_test(per_task, flips).p
+    return sign_flip_test(per_task, flips, clusters).p
 
 
 def _rejected(p_values: list[float], alpha: float) -> tuple[np.ndarray, np.ndarray]:
@@ -462,7 +516,8 @@ def _unsettled(values: list[PValue], alpha: float) -> tuple[set[int], set[int]]:
 
 
 def settled_p_values(comparisons: list[dict[str, np.ndarray]], alpha: float = 1 - LEVEL,
-                     start: list[int] | None = None, max_flips: int = MAX_FLIPS) -> list[PValue]:
+                     start: list[int] | None = None, max_flips: int = MAX_FLIPS,
+                     clusters: list[dict[str, np.ndarray] | None] | None = None) -> list[PValue]:
     """Sign-flip p-values of one family of comparisons (one table's), precise enough that the
     family's Holm and Benjamini-Hochberg decisions at ``alpha`` are settled.
 
@@ -472,10 +527,12 @@ def settled_p_values(comparisons: list[dict[str, np.ndarray]], alpha: float = 1 
     lower bounds and at their upper bounds, +-``WIDTH`` standard errors), every random p-value it
     depends on gets ten times its flips, up to ``max_flips``. A p-value still unsettled there is
     marked ``settled=False``. That is rare: the p-values its mark depends on must lie within 4
-    standard errors of 10^7 flips of where the mark changes (+-9% of p at p = 2e-4, +-1.3% at 0.01)."""
+    standard errors of 10^7 flips of where the mark changes (+-9% of p at p = 2e-4, +-1.3% at 0.01).
+    ``clusters``: per comparison, its samples' cluster labels (``_units``) or None."""
     if not comparisons:
         return []
-    tests = [_SignFlips(per_task) for per_task in comparisons]
+    clusters = clusters or [None] * len(comparisons)
+    tests = [_SignFlips(per_task, labels) for per_task, labels in zip(comparisons, clusters)]
     for index, test in enumerate(tests):
         if test.exact_p is None:
             test.draw(max(FLIPS, start[index] if start else 0))
@@ -488,6 +545,136 @@ def settled_p_values(comparisons: list[dict[str, np.ndarray]], alpha: float = 1 
         for i in refine:
             tests[i].draw(min(max_flips, 10 * tests[i].flips))
     return [replace(value, settled=index not in unsettled) for index, value in enumerate(values)]
+
+
+# ---------------------------------------------------------------- intervals that agree with their test
+_RESOLUTION = 2.0 ** -26  # a bound is bisected to this share of the differences' span: far below any kept decimal
+
+
+def _pattern_sums(vectors: list[np.ndarray], bits: np.random.PCG64, count: int) -> list[np.ndarray]:
+    """``count`` random sign patterns over the units, as each vector's signed sums (one array per
+    vector, the same patterns for all): raw 64-bit words, a byte per 8 units, a table of each
+    byte's 256 signed sums per group of 8 (as ``_SignFlips``), so a pattern costs units/8 look-ups."""
+    k = len(vectors[0])
+    groups, words = -(-k // 8), -(-k // 64)
+    signs = 2 * ((np.arange(256)[:, None] >> np.arange(8)) & 1) - 1
+    tables = []
+    for vector in vectors:
+        padded = np.zeros(8 * groups)
+        padded[:k] = vector
+        tables.append(padded.reshape(groups, 8) @ signs.T)
+    sums = [np.zeros(count) for _ in vectors]
+    for start in range(0, count, _FLIP_ROWS):
+        rows = min(_FLIP_ROWS, count - start)
+        patterns = bits.random_raw(rows * words).reshape(rows, words).view(np.uint8)
+        for table, out in zip(tables, sums):
+            part = table[0][patterns[:, 0]]
+            for group in range(1, groups):
+                part += table[group][patterns[:, group]]
+            out[start:start + rows] = part
+    return sums
+
+
+def _bracketed(accepted, estimate: float, p_zero: float, side: int, span: float, alpha: float) -> float:
+    """One end of the set of shifts the test does not reject, on ``side`` (-1 low, +1 high) of the
+    estimate, by bisection between a shift the test accepts and one it rejects.
+
+    Zero is decided by the reported p-value ``p_zero`` itself, never by a recomputation: when zero
+    lies on this side and p_zero < alpha, zero is the rejected end of the bracket, so the bound
+    lies strictly between the estimate and zero; when p_zero >= alpha, zero is the accepted end
+    and the bound lies beyond it. So the interval excludes zero exactly when p_zero < alpha,
+    whatever the test does at other shifts (its acceptance set need not be one interval)."""
+    zero_here = (0.0 - estimate) * side > 0
+    if zero_here and p_zero < alpha:
+        inside, outside = estimate, 0.0
+    else:
+        inside = 0.0 if zero_here else estimate
+        step = span
+        outside = inside + side * step
+        for _ in range(60):  # a shift past every difference leaves one pattern in 2^units as extreme
+            if not accepted(outside):
+                break
+            step *= 2
+            outside = inside + side * step
+        else:
+            return side * math.inf  # too few units for any shift to be rejected at alpha
+    while abs(outside - inside) > _RESOLUTION * span:
+        middle = (inside + outside) / 2
+        if accepted(middle):
+            inside = middle
+        else:
+            outside = middle
+    return inside
+
+
+def _round_bound(bound: float, digits: int) -> float:
+    """A bound rounded to ``digits`` decimals, except that a non-zero bound never rounds to zero or
+    past it: a bound of +0.003 printed as 0.00 would read as an interval touching zero beside
+    p < 0.05. It becomes +-10^-digits instead (inward by less than the last printed digit)."""
+    if not math.isfinite(bound):
+        return bound
+    rounded = _rounded(bound, digits)
+    if bound != 0 and (rounded == 0 or (rounded > 0) != (bound > 0)):
+        return math.copysign(10.0 ** -digits, bound)
+    return rounded
+
+
+def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: float = SCALE, digits: int = 2,
+                  clusters: dict[str, np.ndarray] | None = None, alpha: float = 1 - LEVEL,
+                  target: float | None = None, flips: int = FLIPS, max_flips: int = MAX_RESAMPLES) -> Interval:
+    """The 95% interval of a paired difference that inverts its own sign-flip test: every shift s
+    for which the test of the differences minus s (``sign_flip_test``, same statistic, same units,
+    whole clusters with ``clusters``) does not reject at ``alpha``. ``p`` is that test's p-value
+    at s = 0 as reported (settled over its family): the bracket starts from it (``_bracketed``),
+    so the interval excludes zero if and only if p < alpha, by construction.
+
+    Why not BCa here: a BCa bound over few differing samples is unreliable, and its interval and
+    the test's p answered different questions, so 5% of committed comparisons printed an interval
+    excluding zero beside p >= 0.05 or the reverse (issue 51). Shifted, every sample differs, so
+    the shifted test enumerates every sign pattern where there are at most ``EXACT_UP_TO`` units
+    (bounds exact, ``resamples`` 0); otherwise it uses random patterns from a generator seeded by
+    the data (``data_seed``), the same patterns at every shift (a pattern's statistic is linear in
+    s: A - s B), ``flips`` at first and more, doubling up to ``max_flips``, until the bounds' Monte
+    Carlo error (sectioning: the bounds from ten disjoint tenths of the patterns) is below
+    ``target`` (default ``mc_target(scale)``). ``Interval.resamples`` is then the patterns used."""
+    values, weights = _units(per_task, clusters)
+    estimate = float(values.sum())
+    samples = sum(len(np.asarray(v)) for v in per_task.values())
+    if not np.any(values != 0):  # nothing differs: the test never rejects a shift of 0 alone either
+        return Interval(0.0, 0.0, 0.0, samples)
+    span = float(np.max(np.abs(values / weights)) + abs(estimate)) or 1.0
+    bounds: list[float]
+    if len(values) <= EXACT_UP_TO:
+        def accepted(shift: float) -> bool:
+            shifted = values - shift * weights
+            return _enumerated_p(shifted, abs(shifted.sum()) * (1 - 1e-9)) >= alpha
+        bounds = [_bracketed(accepted, estimate, p.p, side, span, alpha) for side in (-1, 1)]
+        error, used = 0.0, 0
+    else:
+        target = mc_target(scale) / scale if target is None else target / scale
+        bits = np.random.PCG64(data_seed("test interval", [values, weights]))
+        a, b = _pattern_sums([values, weights], bits, flips)
+        total = float(weights.sum())
+
+        def bounds_of(a_part: np.ndarray, b_part: np.ndarray) -> list[float]:
+            def accepted(shift: float) -> bool:
+                threshold = abs(estimate - shift * total) * (1 - 1e-9)
+                extreme = np.count_nonzero(np.abs(a_part - shift * b_part) >= threshold)
+                return (1 + extreme) / (1 + len(a_part)) >= alpha
+            return [_bracketed(accepted, estimate, p.p, side, span, alpha) for side in (-1, 1)]
+
+        while True:
+            bounds = bounds_of(a, b)
+            parts = np.array([bounds_of(x, y) for x, y in zip(np.array_split(a, SECTIONS), np.array_split(b, SECTIONS))])
+            finite = parts[:, np.isfinite(parts).all(axis=0)]
+            error = float(np.max(finite.std(axis=0, ddof=1)) / np.sqrt(SECTIONS)) if finite.size else 0.0
+            if error < target or len(a) >= max_flips:
+                break
+            more = _pattern_sums([values, weights], bits, min(len(a), max_flips - len(a)))
+            a, b = np.concatenate([a, more[0]]), np.concatenate([b, more[1]])
+        error, used = error * scale, len(a)
+    low, high = (_round_bound(scale * bound, digits) for bound in bounds)
+    return Interval(_rounded(scale * estimate, digits), low, high, samples, round(error, digits + 2), used)
 
 
 def holm(p_values: list[float]) -> list[float]:

@@ -296,3 +296,101 @@ def test_bca_counts_draws_equal_to_the_estimate_up_to_rounding_as_ties():
     exact = bca_interval({"t": values})
     scaled = bca_interval({"t": values * 10}, scale=10)  # the same data in exact binary fractions
     assert (exact.low, exact.high) == pytest.approx((scaled.low, scaled.high), abs=0.05)
+
+
+# ---------------------------------------------------------------- intervals that invert their test (issue 51)
+def shifted_p(per_task: dict[str, np.ndarray], shift: float) -> float:
+    """The exact sign-flip p of the differences minus ``shift`` (raw units), every sample counted."""
+    from harness.analysis.stats import _units
+
+    values, weights = _units(per_task)
+    shifted = values - shift * weights
+    return _enumerated_p(shifted, abs(shifted.sum()) * (1 - 1e-9))
+
+
+def test_the_interval_excludes_zero_exactly_when_its_test_rejects():
+    """Over many small tables, exact and random, near the threshold and far from it: the interval
+    built from a comparison's own p-value never disagrees with it. BCa did, in 5% of the committed
+    average-level comparisons."""
+    from harness.analysis.stats import inverted_interval
+
+    rng = np.random.default_rng(51)
+    seen = {True: 0, False: 0}
+    for case in range(120):
+        tasks, n = (1, int(rng.integers(6, 20))) if case % 3 else (4, int(rng.integers(12, 30)))
+        shift = rng.choice([0.0, 0.1, 0.3])
+        d = {f"t{i}": rng.choice([-1.0, 0.0, 0.0, 1.0, 0.5], size=n) + shift * (rng.random(n) < 0.5) for i in range(tasks)}
+        p = sign_flip_test(d)
+        interval = inverted_interval(d, p)
+        assert interval.significant == (p.p < 0.05), (d, p, interval)
+        seen[p.p < 0.05] += 1
+    assert min(seen.values()) >= 10, seen  # both verdicts exercised
+
+
+def test_exact_bounds_are_where_the_shifted_test_starts_rejecting():
+    """With at most EXACT_UP_TO samples the bounds are exact: just inside a bound the test of the
+    shifted differences does not reject, just outside it does."""
+    from harness.analysis.stats import inverted_interval
+
+    d = {"a": np.array([1, 1, 0, 1, 0.5, 0, 1, 1, -1, 1.0]), "b": np.array([0, 1, 1, 0.5, 1, 1, 0, -0.5, 1, 1.0])}
+    interval = inverted_interval(d, sign_flip_test(d), digits=6)
+    assert interval.resamples == 0 and interval.low > 0  # p = 0.0039: rejects zero
+    for bound, outward in ((interval.low, -1), (interval.high, 1)):
+        assert shifted_p(d, (bound - outward * 1e-4) / 100) >= 0.05
+        assert shifted_p(d, (bound + outward * 1e-4) / 100) < 0.05
+
+
+def test_random_pattern_bounds_carry_their_monte_carlo_error():
+    from harness.analysis.stats import inverted_interval
+
+    rng = np.random.default_rng(7)
+    d = {f"t{i}": rng.choice([-1.0, 0.0, 1.0, 0.25], size=30) for i in range(3)}
+    p = sign_flip_test(d)
+    interval = inverted_interval(d, p)
+    assert interval.resamples >= FLIPS and 0 < interval.mc_error < 0.1
+    assert interval.significant == (p.p < 0.05)
+    again = inverted_interval(d, p)
+    assert again == interval  # seeded by the data: a rerun draws the same
+    negated = inverted_interval({t: -v for t, v in d.items()}, p)
+    assert (negated.low, negated.high) == pytest.approx((-interval.high, -interval.low), abs=4 * interval.mc_error)
+
+
+def test_zero_is_judged_by_the_reported_p_value():
+    """The bracket starts from the p-value the table prints: a p just under 0.05 excludes zero, the
+    same data with a p just over it (as a random p could be) includes it."""
+    from harness.analysis.stats import PValue, inverted_interval
+
+    d = {"t": np.array([1.0, 1, 1, 1, 1, 0, 1, -1, 1, 1, 0.5, 1])}
+    below, above = (inverted_interval(d, PValue(p)) for p in (0.049, 0.051))
+    assert below.significant and not above.significant
+    assert below.low > 0 and above.low <= 0
+
+
+def test_clusters_flip_together():
+    """Samples sharing a cluster are negated together: the test is the one over cluster sums, and
+    with every sample its own cluster it is the unclustered test."""
+    d = {"x": np.array([1.0, 1, 1, 0, 0, 0, 1, 1]), "y": np.array([1.0, 0, 1, 1, 0, 0, 1, 0])}
+    singletons = {"x": [f"x{i}" for i in range(8)], "y": [f"y{i}" for i in range(8)]}
+    assert sign_flip_p(d, clusters=singletons) == sign_flip_p(d)
+    pairs = {"x": ["c0", "c0", "c1", "c1", "c2", "c2", "c3", "c3"], "y": ["c4", "c4", "c5", "c5", "c6", "c6", "c7", "c7"]}
+    sums = np.array([2, 1, 0, 2, 1, 1, 0, 1]) / 16  # cluster sums of the weighted differences
+    patterns = np.arange(256)[:, None] >> np.arange(8) & 1
+    brute = np.mean(np.abs((2 * patterns - 1) @ sums) >= sums.sum() * (1 - 1e-9))
+    assert sign_flip_p(d, clusters=pairs) == pytest.approx(brute)
+    assert sign_flip_p(d, clusters=pairs) > sign_flip_p(d)  # fewer independent units: less evidence
+
+
+def test_a_cluster_bootstrap_resamples_whole_clusters():
+    """A cell's interval with clusters resamples cluster means: eight clusters of five identical
+    answers give the interval of the eight means, not of 40 independent samples."""
+    from harness.analysis.stats import cluster_means
+
+    means = np.array([0, 1, 0, 1, 1, 0, 0, 1.0])
+    values = np.repeat(means, 5)
+    labels = np.repeat([f"c{i}" for i in range(8)], 5)
+    clustered = bca_interval({"t": values}, clusters={"t": labels})
+    assert (clustered.low, clustered.high) == (bca_interval({"t": means}).low, bca_interval({"t": means}).high)
+    assert clustered.samples == 40
+    assert clustered.high - clustered.low > bca_interval({"t": values}).high - bca_interval({"t": values}).low
+    with pytest.raises(ValueError, match="unequal"):
+        cluster_means({"t": np.ones(3)}, {"t": np.array(["a", "a", "b"])})

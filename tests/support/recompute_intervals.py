@@ -1,0 +1,218 @@
+"""An independent recomputation of the committed paired-difference intervals (issue 51), sharing
+no code with ``harness/`` or ``policies/``: it reads ``summary.csv`` only for which comparisons a
+table holds and what it printed, and the runs' ``predictions.jsonl`` for the samples.
+
+    .venv/bin/python tests/support/recompute_intervals.py results/layer_budgets_suite [more folders]
+    .venv/bin/python tests/support/recompute_intervals.py --agreement   # every committed summary.csv
+
+The interval is the set of shifts s for which the two-sided paired sign-flip test of the
+differences minus s does not reject at 0.05; its bounds are found by bisection. The statistic is
+the mean over tasks of the task means, so sample i of task t weighs 1 / (tasks x samples of t).
+Where a table has at most 40 samples every sign pattern is counted (2^n sums built from two
+halves, written out here); otherwise 400,000 random patterns from numpy's default generator
+(seed 20261127), so a bound differs from the committed one by Monte Carlo error (both sides'
+errors count). Zero is judged by the test's own p-value at zero (exact when at most 40 samples
+differ), as the committed intervals are: that is what makes an interval exclude zero exactly when
+p < 0.05, whatever the test does at other shifts.
+
+``--agreement`` walks every summary.csv under results/ and counts comparisons whose interval and
+p-value disagree (interval excluding zero beside p >= 0.05, or containing it beside p < 0.05).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+try:
+    from tests.support.recompute_marks import label  # a cell's budget label: "256", "r0.5", "all"
+except ImportError:  # run as a script from tests/support
+    from recompute_marks import label
+
+ROOT = Path(__file__).resolve().parents[2]
+ALPHA = 0.05
+EXACT = 40  # samples up to which every sign pattern is counted
+PATTERNS = 400_000
+SEED = 20261127
+FIELDS = {"score": ("", 100), "answer_logprob": ("answer_logprob_", 1), "top1_agreement": ("top1_agreement_", 100),
+          "kl_to_full": ("kl_to_full_", 1)}
+
+
+# ---------------------------------------------------------------- agreement of committed intervals and p
+def summaries(root: Path = ROOT) -> list[Path]:
+    """Every machine-readable summary under results/ (run directories left out)."""
+    return sorted(p for p in (root / "results").rglob("summary.csv") if "runs" not in p.relative_to(root).parts)
+
+
+def comparisons(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """(row index, stem) of every comparison the frame prints with an interval and a p-value:
+    columns ``<stem>_low``, ``<stem>_high`` and ``<stem>_p`` all present. A summary.csv has a row
+    per (run, task) and repeats a run's average-level columns (``avg_`` in the stem) in each of its
+    rows: those are counted once per run."""
+    stems = [c[:-2] for c in frame.columns if c.endswith("_p") and f"{c[:-2]}_low" in frame and f"{c[:-2]}_high" in frame]
+    found = []
+    for stem in stems:
+        rows = frame[frame[f"{stem}_p"].notna()]
+        if "avg_vs_" in stem and "run_dir" in frame:
+            rows = rows.drop_duplicates("run_dir")
+        found += [(index, stem) for index in rows.index]
+    return found
+
+
+def disagreements(root: Path = ROOT) -> tuple[int, list[str]]:
+    """How many comparisons the committed summaries hold, and each whose interval and p disagree.
+    A comparison of two policies is printed from both sides (A minus B in A's rows, B minus A in
+    B's) and counted from each."""
+    total, found = 0, []
+    for path in summaries(root):
+        frame = pd.read_csv(path, low_memory=False)
+        for index, stem in comparisons(frame):
+            low, high, p = (float(frame.at[index, f"{stem}_{part}"]) for part in ("low", "high", "p"))
+            total += 1
+            if (low > 0 or high < 0) != (p < ALPHA):
+                where = frame.at[index, "run_dir"] if "run_dir" in frame else index
+                task = f" {frame.at[index, 'task']}" if "task" in frame and "avg_vs_" not in stem else ""
+                found.append(f"{path.relative_to(root)}: {where}{task} {stem}: ({low}, {high}) p={p:.4g}")
+    return total, found
+
+
+# ---------------------------------------------------------------- the interval, recomputed
+def sums_of(values: np.ndarray) -> np.ndarray:
+    out = np.zeros(1)
+    for v in values:
+        out = np.concatenate([out + v, out - v])
+    return out
+
+
+def exact_p(values: np.ndarray) -> float:
+    """Share of all 2^n sign patterns whose |sum| reaches the observed |sum| (two halves' sums)."""
+    threshold = abs(values.sum()) * (1 - 1e-9)
+    if threshold == 0:
+        return 1.0
+    left, right = sums_of(values[: len(values) // 2]), np.sort(sums_of(values[len(values) // 2:]))
+    upper = len(right) - np.searchsorted(right, threshold - left, side="left")
+    lower = np.searchsorted(right, -threshold - left, side="right")
+    return float((upper.sum() + lower.sum()) / 2.0 ** len(values))
+
+
+def bound(accepts, estimate: float, p_zero: float, side: int, span: float) -> float:
+    """The end of the accepted shifts on ``side``: bisection between an accepted and a rejected shift,
+    zero judged by ``p_zero``."""
+    if (0 - estimate) * side > 0 and p_zero < ALPHA:
+        inside, outside = estimate, 0.0
+    else:
+        inside = 0.0 if (0 - estimate) * side > 0 else estimate
+        outside = inside + side * span
+        while accepts(outside):
+            outside = inside + 2 * (outside - inside)
+            if abs(outside) > 1e6 * span:
+                return side * math.inf
+    for _ in range(60):
+        middle = (inside + outside) / 2
+        inside, outside = (middle, outside) if accepts(middle) else (inside, middle)
+    return inside
+
+
+def interval(differences: dict[str, np.ndarray], scale: float) -> tuple[float, float, float, float]:
+    """(estimate, low, high, p) x ``scale`` of the per-task differences."""
+    tasks = sorted(differences)
+    d = np.concatenate([differences[t] for t in tasks])
+    w = np.concatenate([np.full(len(differences[t]), 1 / (len(differences[t]) * len(tasks))) for t in tasks])
+    x = d * w
+    estimate = float(x.sum())
+    nonzero = x[x != 0]
+    if len(nonzero) == 0:
+        return 0.0, 0.0, 0.0, 1.0
+    if len(nonzero) <= EXACT:
+        p_zero = exact_p(nonzero)
+    else:
+        rng = np.random.default_rng(SEED)
+        signs = rng.choice([-1.0, 1.0], size=(PATTERNS, len(nonzero)))
+        p_zero = (1 + np.count_nonzero(np.abs(signs @ nonzero) >= abs(estimate) * (1 - 1e-9))) / (1 + PATTERNS)
+    span = float(np.abs(d).max() + abs(estimate))
+    if len(x) <= EXACT:
+        def accepts(s: float) -> bool:
+            return exact_p(x - s * w) >= ALPHA
+    else:
+        rng = np.random.default_rng(SEED + 1)
+        a = np.zeros(PATTERNS)
+        b = np.zeros(PATTERNS)
+        for start in range(0, PATTERNS, 50_000):
+            signs = rng.choice([-1.0, 1.0], size=(50_000, len(x)))
+            a[start:start + 50_000], b[start:start + 50_000] = signs @ x, signs @ w
+
+        def accepts(s: float) -> bool:
+            extreme = np.count_nonzero(np.abs(a - s * b) >= abs(estimate - s) * (1 - 1e-9))
+            return (1 + extreme) / (1 + PATTERNS) >= ALPHA
+    low, high = (bound(accepts, estimate, p_zero, side, span) for side in (-1, 1))
+    return scale * estimate, scale * low, scale * high, p_zero
+
+
+@functools.lru_cache(maxsize=None)
+def samples(run_dir: str, field: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for line in (ROOT / run_dir / "predictions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get(field) is not None:
+            out.setdefault(row["task"], {})[row["id"]] = float(row[field])
+    return out
+
+
+def paired(a: dict, b: dict, tasks: set[str]) -> dict[str, np.ndarray]:
+    out = {}
+    for task in sorted(set(a) & set(b) & tasks):
+        ids = sorted(set(a[task]) & set(b[task]))
+        out[task] = np.array([a[task][i] - b[task][i] for i in ids])
+    return out
+
+
+def recompute(folder: Path, field: str, variant: str, budget: str, other: str, task: str | None = None
+              ) -> dict[str, tuple[float, ...]]:
+    """One comparison of ``folder``'s table: ``variant`` at ``budget`` minus ``other`` (at the same
+    budget, or full cache), on the average or on ``task``: the committed (diff, low, high, mc, p) and
+    the recomputed (diff, low, high, p)."""
+    frame = pd.read_csv(folder / "summary.csv", low_memory=False)
+    prefix, scale = FIELDS[field]
+    runs = frame.drop_duplicates("run_dir")
+    this = next(r for _, r in runs.iterrows() if r["variant"] == variant and label(r) == budget)
+    that = next(r for _, r in runs.iterrows() if r["variant"] == other and label(r) in (budget, "all"))
+    tasks = set(frame["task"])
+    differences = paired(samples(this["run_dir"], field), samples(that["run_dir"], field), tasks)
+    if task is None:
+        row, stem = this, f"{prefix}avg_vs_{other}"
+    else:
+        row = frame[(frame["run_dir"] == this["run_dir"]) & (frame["task"] == task)].iloc[0]
+        stem, differences = f"{prefix}vs_{other}", {task: differences[task]}
+    committed = tuple(float(row[f"{stem}_{part}"]) for part in ("diff", "low", "high", "mc", "p"))
+    return {"committed": committed, "recomputed": interval(differences, scale)}
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--agreement"]:
+        total, found = disagreements()
+        print(f"{total} committed comparisons, {len(found)} whose interval and p disagree")
+        for line in found[:50]:
+            print("  " + line)
+        return 1 if found else 0
+    for folder in argv:
+        frame = pd.read_csv(Path(folder) / "summary.csv", low_memory=False)
+        runs = frame.drop_duplicates("run_dir")
+        for _, run in runs.iterrows():
+            for column in run.index:
+                if column.startswith("avg_vs_") and column.endswith("_diff") and run[column] == run[column]:
+                    other = column[len("avg_vs_"):-len("_diff")]
+                    result = recompute(Path(folder), "score", run["variant"], label(run), other)
+                    c, r = result["committed"], result["recomputed"]
+                    print(f"{folder} {run['variant']} {label(run)} minus {other}: committed {c[0]:+.2f} "
+                          f"({c[1]:+.2f}, {c[2]:+.2f}) p={c[4]:.4g}; recomputed {r[0]:+.2f} ({r[1]:+.2f}, {r[2]:+.2f}) "
+                          f"p={r[3]:.4g}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
