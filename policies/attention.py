@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from policies.base import blocks_above
 from policies.score import Score
 
 
@@ -73,6 +74,9 @@ class WindowScore(Score):
     @property
     def query_window(self) -> int:
         return self.window
+
+    def min_budget(self, block_size, granularity):
+        return blocks_above(self.window, block_size) if self.keeps_window else 2 * block_size
 
     def check(self, budget, block_size, granularity):
         if self.keeps_window:

@@ -30,6 +30,11 @@ class BudgetError(ValueError):
     """A budget or block size that no engine can honour."""
 
 
+def blocks_above(tokens: int, block_size: int) -> int:
+    """The smallest whole-block budget that holds more than ``tokens`` (and at least two blocks)."""
+    return max(2, tokens // block_size + 1) * block_size
+
+
 def check_budget(budget: int, block_size: int) -> None:
     """Budgets are in tokens, at least two blocks (a sink block and a recent block) and aligned."""
     if not isinstance(block_size, int) or block_size < 1:
@@ -73,6 +78,12 @@ class Policy:
     def query_window(self) -> int:
         """How many of a request's newest queries the engine must keep for this policy (0: none)."""
         return 0
+
+    def min_budget(self) -> int:
+        """The smallest budget, in tokens (whole blocks, at least two), at which this policy with
+        its options is valid: what a ratio's budget on a short prompt, or a layer group's share,
+        is raised to. A policy whose options need more says so here, beside its check."""
+        return 2 * self.block_size
 
     def prefill_keep_count(self, prompt_len: int) -> int:
         """How many prompt tokens stay after prefill; the engine sizes its copies from this."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from policies.attention import WindowScore, received_attention
+from policies.base import blocks_above
 from policies.registry import register_score
 
 
@@ -38,6 +39,10 @@ class H2O(WindowScore):
 
     def token_edges(self, budget, block_size):
         return 0, self.recent_tokens(budget)
+
+    def min_budget(self, block_size, granularity):
+        least = super().min_budget(block_size, granularity)
+        return least if self.recent is None else max(least, blocks_above(self.recent, block_size))
 
     def check(self, budget, block_size, granularity):
         if not 0 <= self.recent_tokens(budget) < budget:

@@ -65,6 +65,9 @@ class Hybrid(Score):
             total += float(self.weights[name]) * normalised(component(keys, values, own))
         return total
 
+    def min_budget(self, block_size, granularity):
+        return max(component.min_budget(block_size, granularity) for component in self.components.values())
+
     def check(self, budget, block_size, granularity):
         for component in self.components.values():
             component.check(budget, block_size, granularity)

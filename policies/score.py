@@ -66,6 +66,10 @@ class Score:
     def check(self, budget: int, block_size: int, granularity: str) -> None:
         """Refuse options that cannot work with this budget, block size and granularity."""
 
+    def min_budget(self, block_size: int, granularity: str) -> int:
+        """The smallest budget ``check`` accepts for these options (whole blocks, at least two)."""
+        return 2 * block_size
+
     def accumulate(self, kept: torch.Tensor | None, counted: torch.Tensor, queries: int) -> torch.Tensor:
         """An accumulating score's new state: ``kept`` ``[layers, heads, t]`` (None at first) is
         the state of the request's first t tokens, ``counted`` ``[layers, heads, tokens]`` this

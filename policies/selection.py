@@ -46,6 +46,9 @@ class ScoredPolicy:
     def layer_scores(self, keys, values, window=None):
         return self.score(keys, values, window)
 
+    def min_budget(self) -> int:
+        return max(2 * self.block_size, self.score.min_budget(self.block_size, self.granularity))
+
     def shares_per_head(self) -> bool:
         return self.score.share == "head" if self.score.share is not None else self.per_head
 

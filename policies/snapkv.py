@@ -50,6 +50,11 @@ class SnapKV(WindowScore):
     def newest_kept(self) -> int:
         return self.window  # at block granularity: the blocks holding the window
 
+    def min_budget(self, block_size, granularity):
+        if granularity == "block":  # the blocks holding its window, and one more to evict
+            return max(super().min_budget(block_size, granularity), (-(-self.window // block_size) + 1) * block_size)
+        return super().min_budget(block_size, granularity)
+
     def check(self, budget, block_size, granularity):
         super().check(budget, block_size, granularity)
         if self.kernel < 1 or self.kernel % 2 == 0:

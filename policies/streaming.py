@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from policies.base import TokenPolicy, broadcast_keep
+from policies.base import TokenPolicy, blocks_above, broadcast_keep
 from policies.registry import register_policy
 
 
@@ -23,6 +23,9 @@ class StreamingLLM(TokenPolicy):
     needs_kv: ClassVar[bool] = False  # positions alone decide
 
     n_sink: int = 4  # attention sinks: the first tokens, always kept
+
+    def min_budget(self) -> int:
+        return blocks_above(self.n_sink, self.block_size)
 
     def __post_init__(self) -> None:
         super().__post_init__()

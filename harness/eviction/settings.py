@@ -138,16 +138,10 @@ class EvictionSettings:
             return self
         budget = budget_for_ratio(self.budget_ratio, self.eviction_point(prompt_tokens), block_size)
         # A short prompt's ratio budget can be below what the policy needs (SnapKV's window must
-        # fit inside its budget): then the smallest budget above it that the policy accepts.
-        while True:
-            resolved = replace(self, budget=budget)
-            try:
-                build_policy(resolved, block_size)
-                return resolved
-            except (BudgetError, ValueError):
-                if budget >= PROBE_BLOCKS * block_size:
-                    raise
-                budget += block_size
+        # fit inside its budget): then the smallest budget the policy accepts.
+        resolved = replace(self, budget=max(budget, build_policy(self, block_size).min_budget()))
+        build_policy(resolved, block_size)
+        return resolved
 
 
 def budget_for_ratio(ratio: float, prompt_tokens: int, block_size: int) -> int:
@@ -362,14 +356,7 @@ def check_layer_groups(groups: object, num_layers: int | None = None) -> int:
 def least_blocks(settings: EvictionSettings, block_size: int) -> int:
     """The fewest blocks a group's budget may have: two (a first block and a recent one), or more
     where the policy needs them (SnapKV's window inside its budget); at most the whole budget."""
-    blocks = 2
-    while blocks < settings.budget // block_size:
-        try:
-            build_policy(replace(settings, budget=blocks * block_size), block_size)
-            break
-        except (BudgetError, ValueError):
-            blocks += 1
-    return min(blocks, settings.budget // block_size)
+    return min(build_policy(settings, block_size).min_budget(), settings.budget) // block_size
 
 
 def check_grouped(policy: Policy, groups: int) -> None:

@@ -6,6 +6,7 @@ import torch
 
 from policies import REGISTRY, BudgetError, default_options, make_policy
 from tests.support import ROOT
+from tests.support.policy_matrix import MATRIX, MATRIX_IDS
 from tests.support.policy_probe import decode_evict_block, decode_keep, prefill_keep, scores_of
 
 B = 4
@@ -248,3 +249,28 @@ def test_knorm_at_block_granularity_drops_the_block_with_the_largest_keys():
     key_norm = torch.tensor([1.0, 1.0, 5.0, 2.0, 1.0]).repeat_interleave(B)
     keys, values = with_norms(key_norm, torch.ones(20))
     assert decode_evict_block(make_policy("knorm_block", budget=16, block_size=B), keys, values) == 2
+
+
+def probed_min_budget(name: str, options: dict, block_size: int) -> int | None:
+    """The smallest whole-block budget at which the policy builds, found the old way: by trying."""
+    for blocks in range(2, 65):
+        try:
+            make_policy(name, blocks * block_size, block_size, **options)
+            return blocks * block_size
+        except ValueError:
+            continue
+    return None
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("name, options", MATRIX + [
+    ("snapkv", {"window": 40}), ("snapkv", {"window": 64, "granularity": "block"}), ("h2o", {"recent": 70}),
+    ("streaming", {"n_sink": 40}), ("snapkv", {"window": 33, "granularity": "block"}),
+    ("hybrid", {"weights": {"snapkv": 1.0, "keydiff": 1.0}, "granularity": "block"})],
+    ids=MATRIX_IDS + ["snapkv-w40", "snapkv-w64-block", "h2o-recent70", "streaming-sink40", "snapkv-w33-block", "hybrid-block"])
+def test_a_policys_min_budget_is_the_smallest_budget_it_accepts(name, options, block_size):
+    """``Policy.min_budget`` declares what probing with exceptions found: the least whole-block
+    budget the policy builds at with these options (checked against trying each budget)."""
+    probed = probed_min_budget(name, options, block_size)
+    declared = make_policy(name, 64 * block_size, block_size, **options).min_budget()
+    assert declared == probed
