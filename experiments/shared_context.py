@@ -20,10 +20,12 @@ Configurations, PagedEviction and SnapKV at one compression ratio (of what each 
   others (SCBench's multi-request failure mode): the later questions' requests compress context +
   the first question (the boundary is put after it) and get their own question on top.
 
-Per configuration: accuracy on the first question and on the later ones (BCa 95% intervals,
-``harness.analysis.stats``), the KV blocks in use (peak and mean over steps, from the scheduler's
+Per configuration: accuracy on the first question and on the later ones (95% intervals over
+whole contexts, ``harness.analysis.stats.cell_interval``; paired differences with whole contexts
+flipped together, ``harness.analysis.clustered``), the KV blocks in use (peak and mean over steps, from the scheduler's
 ledger), the requests' wall time and output tokens per second. Writes ``results/shared_context/``:
-``summary.md``, ``summary.csv``, ``requests.jsonl``, ``shared_context.png``.
+``summary.md``, ``summary.csv``, ``comparisons.csv``, ``requests.jsonl``, ``shared_context.png``;
+``--reanalyse`` rewrites the statistics from a committed ``requests.jsonl`` with no engine.
 
 Each request compresses its own copy of the context: the compressed blocks of one request are
 not reused by the next (README, "One context, many questions", says why vLLM's prefix cache
@@ -173,7 +175,7 @@ def run_configuration(engine, requests: list[Request]) -> tuple[list, float, dic
 def summarize(rows: list[dict], runs: dict) -> list[dict]:
     import numpy as np
 
-    from harness.analysis.stats import bca_interval
+    from harness.analysis.stats import cell_interval
 
     table = []
     for name, (wall, ledger) in runs.items():
@@ -187,14 +189,37 @@ def summarize(rows: list[dict], runs: dict) -> list[dict]:
             for row in mine:
                 if keep(row):
                     per_task.setdefault(row["task"], []).append(row["score"])
-            interval = bca_interval({task: np.array(scores) for task, scores in per_task.items()})
+            labels = {}  # each question's context: a context's questions are resampled together
+            for row in mine:
+                if keep(row):
+                    labels.setdefault(row["task"], []).append(row["context"])
+            interval = cell_interval({task: np.array(scores) for task, scores in per_task.items()},
+                                     clusters={task: np.array(names) for task, names in labels.items()})
             line.update({f"{part}": interval.estimate, f"{part}_low": interval.low, f"{part}_high": interval.high,
                          f"{part}_samples": interval.samples})
         table.append(line)
     return table
 
 
-def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int) -> str:
+def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
+    """The paired differences, whole contexts flipped together (``harness.analysis.clustered``): per
+    part (first question, later questions), every compressing configuration minus full cache and,
+    per policy, its modes against each other."""
+    from harness.analysis.clustered import compare
+
+    names = [f"{policy} {mode}" for policy in POLICIES for mode in MODES]
+    pairs = [(name, "full") for name in names]
+    for policy in POLICIES:
+        pairs += [(f"{policy} context", f"{policy} prompt"), (f"{policy} first question", f"{policy} prompt"),
+                  (f"{policy} context", f"{policy} first question")]
+    # On first questions the "first question" configuration is the prompt one (the same requests): left out there.
+    first = [pair for pair in pairs if not any(name.endswith("first question") for name in pair)]
+    return {"First question": compare(rows, first, lambda r: r["question"] == 0),
+            "Later questions": compare(rows, pairs, lambda r: r["question"] > 0)}
+
+
+def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int,
+             families: dict[str, list[dict]] | None = None) -> str:
     full = next(line for line in table if line["configuration"] == "full")
     lines = [
         "# One context, many questions", "",
@@ -204,7 +229,10 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
         f"configuration sent at once to one engine ({model}, prefix caching on, a pool of {pool} blocks of 32 "
         f"tokens, the prefix cache emptied between configurations). Compression ratio {ratio:g} of what each "
         "configuration compresses. Accuracy: the suite's scores (0-100), mean over the two tasks of the task "
-        "means, BCa 95% intervals; *first*: the first question of each context, *later*: the other "
+        "means, 95% intervals over whole contexts (a context's questions are not independent: the values m "
+        "that a one-sample sign-flip test negating whole contexts' deviations from m does not reject, "
+        "`harness.analysis.stats.cell_interval`); "
+        "*first*: the first question of each context, *later*: the other "
         f"{QUESTIONS - 1}. KV blocks: blocks in use over the configuration's engine steps (the scheduler's ledger; "
         "a block the prefix cache holds for no running request is free).", "",
         "| configuration | first question | later questions | KV blocks peak | KV blocks mean | peak vs full | "
@@ -226,6 +254,11 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
     lines += ["", "Every compressing request holds its own compressed copy of its context (the copies are not "
               "shared between requests: README, \"One context, many questions\"), while full cache's questions share "
               "one copy of the context through the prefix cache. Timings are one run each on the 2-core CPU machine.", ""]
+    if families:
+        from harness.analysis.clustered import section
+
+        lines += section(families, f"one generated context: its {QUESTIONS} questions' requests ({contexts} contexts, "
+                         f"{contexts // 2} per task; on first questions every cluster holds one sample)")
     return "\n".join(lines)
 
 
@@ -244,7 +277,7 @@ def plot(table: list[dict], path: Path) -> None:
                   [line[f"{part}_high"] - v for v, line in zip(values, table)]]
         accuracy.bar([i + offset for i in x], values, 0.4, yerr=errors, capsize=3, label=f"{part} question")
     accuracy.set_xticks(list(x), names, rotation=30, ha="right")
-    accuracy.set_ylabel("score (0-100), BCa 95%")
+    accuracy.set_ylabel("score (0-100), 95% over contexts")
     accuracy.legend()
     for offset, key in ((-0.2, "peak"), (0.2, "mean")):
         memory.bar([i + offset for i in x], [line[f"kv_blocks_{key}"] for line in table], 0.4, label=key)
@@ -257,6 +290,48 @@ def plot(table: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def write_comparisons(families: dict[str, list[dict]], out: Path) -> None:
+    """``comparisons.csv``: every paired difference of ``comparisons``, one row each, with its part."""
+    import pandas as pd
+
+    frame = pd.DataFrame([dict(part=part, **entry) for part, table in families.items() for entry in table])
+    frame.to_csv(out / "comparisons.csv", index=False)
+
+
+def reanalyse(out: Path) -> int:
+    """The statistics again from what the engine run left (``requests.jsonl``; the timings, KV counts,
+    model and pool in ``summary.csv`` and ``summary.md``), no engine and no model: summary.md,
+    summary.csv and comparisons.csv rewritten, the plot redrawn."""
+    import re
+
+    import pandas as pd
+
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    previous = pd.read_csv(out / "summary.csv")
+    text = (out / "summary.md").read_text()
+    found = re.search(r"Command: `([^`]*)`", text), re.search(r"one engine \(([^,]+), prefix caching on, a pool of (\d+) ", text)
+    if not all(found):
+        raise SystemExit(f"{out}/summary.md: no command, model or pool to keep")
+    command, (model, pool) = found[0].group(1), found[1].groups()
+    runs = {}
+    for _, line in previous.iterrows():
+        ledger = {"kv_blocks_used_peak": int(line["kv_blocks_peak"]), "kv_blocks_used_mean": float(line["kv_blocks_mean"]),
+                  "evictions": {"prefill": int(line["prefill_evictions"])}, "evicted_tokens": int(line["evicted_tokens"])}
+        runs[line["configuration"]] = (float(line["wall_s"]), ledger)
+    table = summarize(rows, runs)
+    for line, old in zip(table, previous.to_dict("records")):  # wall time is kept rounded: keep its rate as printed
+        line["output_tokens_per_s"] = old["output_tokens_per_s"]
+    contexts = len({row["context"] for row in rows})
+    ratio = float(re.search(r"Compression ratio ([\d.]+)", text).group(1))
+    families = comparisons(rows)
+    (out / "summary.md").write_text(markdown(table, command, contexts, ratio, model, int(pool), families))
+    pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
+    write_comparisons(families, out)
+    plot(table, out / "shared_context.png")
+    print((out / "summary.md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, default=8)
@@ -265,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the KV pool: large enough by default that no configuration waits for blocks, so "
                              "its peak is what it asks for, not the pool's size")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--reanalyse", action="store_true",
+                        help="no engine: recompute the statistics from the committed requests.jsonl and the timings "
+                             "and KV counts in summary.csv, and rewrite summary.md and summary.csv")
     args = parser.parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(args.out)
     if args.contexts < 2 or not 0 < args.ratio < 1:
         parser.error("--contexts must be at least 2 and --ratio in (0, 1)")
 
@@ -306,14 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.close()
     table = summarize(rows, runs)
+    families = comparisons(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python experiments/shared_context.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("ratio", args.ratio),
                                            ("kv_cache_gib", args.kv_cache_gib)) if v != parser.get_default(k))
-    (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool))
+    (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
+                                                  families))
     import pandas as pd
 
     pd.DataFrame(table).to_csv(args.out / "summary.csv", index=False)
+    write_comparisons(families, args.out)
     with open(args.out / "requests.jsonl", "w") as handle:
         for row in rows:
             handle.write(json.dumps(row) + "\n")

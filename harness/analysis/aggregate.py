@@ -38,7 +38,7 @@ from harness.analysis.silence import silence_section
 from harness.analysis.labels import (ROW, budget_label, in_reading_order, markdown_table, variant_label,
                                      with_budget_label, with_interval)
 from harness.analysis.stats import (EXACT_OUTCOMES, EXACT_UP_TO, FLIPS, MAX_FLIPS, MAX_RESAMPLES, RESAMPLES, SECTIONS,
-                                    WIDTH, benjamini_hochberg, bca_interval, detectable_difference, holm,
+                                    WIDTH, benjamini_hochberg, cell_interval, detectable_difference, holm,
                                     inverted_interval, mc_target, settled_p_values)
 
 RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
@@ -323,16 +323,16 @@ not reject, ``harness.analysis.stats.inverted_interval``: excludes zero exactly 
             for run, by_task in values.items():
                 labels = labels_of(clusters[run], by_task)
                 for task, series in by_task.items():
-                    interval = bca_interval({task: series.to_numpy()}, scale=quantity.scale, digits=quantity.digits,
-                                            target=quantity.mc_target,
-                                            clusters=None if labels is None else {task: labels[task]})
+                    interval = cell_interval({task: series.to_numpy()}, scale=quantity.scale, digits=quantity.digits,
+                                             target=quantity.mc_target,
+                                             clusters=None if labels is None else {task: labels[task]})
                     if quantity is not SCORE:  # the score's own per-task column comes from scores.json
                         cell(run, task)[quantity.task_column] = interval.estimate
                     cell(run, task).update({f"{quantity.task_column}_low": interval.low,
                                             f"{quantity.task_column}_high": interval.high,
                                             f"{quantity.task_column}_mc": interval.mc_error})
-                average = bca_interval({t: s.to_numpy() for t, s in by_task.items()}, scale=quantity.scale,
-                                       digits=quantity.digits, target=quantity.mc_target, clusters=labels)
+                average = cell_interval({t: s.to_numpy() for t, s in by_task.items()}, scale=quantity.scale,
+                                        digits=quantity.digits, target=quantity.mc_target, clusters=labels)
                 if quantity is not SCORE:  # the score's average comes from scores.json
                     cell(run, "")[quantity.average_column] = average.estimate
                 cell(run, "").update({f"{quantity.average_column}_low": average.low,

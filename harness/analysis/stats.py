@@ -232,24 +232,9 @@ def _exact_bounds(support: np.ndarray, probabilities: np.ndarray, estimate: floa
     return support[np.minimum(positions, len(support) - 1)]
 
 
-def cluster_means(per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Per task, the mean of each cluster's samples (clusters in label order): what a bootstrap
-    resamples when samples share a context, so that a context is drawn whole. The mean of a task's
-    cluster means is its sample mean only when its clusters are equally large; with unequal sizes
-    it is not, and this refuses (such a workload needs a ratio estimator's bootstrap, not built)."""
-    means = {}
-    for task, values in per_task.items():
-        values, labels = np.asarray(values, dtype=float), np.asarray(clusters[task]).astype(str)
-        names, index, sizes = np.unique(labels, return_inverse=True, return_counts=True)
-        if len(set(sizes.tolist())) > 1:
-            raise ValueError(f"{task}: clusters of unequal sizes {sorted(set(sizes.tolist()))}")
-        means[task] = np.bincount(index, weights=values) / sizes
-    return means
-
-
 def bca_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digits: int = 2,
                  target: float | None = None, resamples: int = RESAMPLES,
-                 max_resamples: int = MAX_RESAMPLES, clusters: dict[str, np.ndarray] | None = None) -> Interval:
+                 max_resamples: int = MAX_RESAMPLES) -> Interval:
     """A bias-corrected and accelerated (BCa) 95% interval for the mean over tasks of the task
     means (x ``scale``, rounded to ``digits`` decimals), with the Monte Carlo error of its bounds.
 
@@ -265,13 +250,10 @@ def bca_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digit
     ``max_resamples``, the new draws added to the old. ``max_resamples`` = ``resamples`` gives a
     fixed count.
 
-    Used for one cell's value, which no test accompanies; a paired difference gets
-    ``inverted_interval``, which cannot disagree with its p-value. With ``clusters`` (per task, a
-    label per sample) whole clusters are resampled (``cluster_means``); ``samples`` still counts
-    samples."""
+    Used for one cell's value of independent samples, which no test accompanies
+    (``cell_interval``); a paired difference gets ``inverted_interval``, which cannot disagree with
+    its p-value."""
     samples = sum(len(np.asarray(v)) for v in per_task.values())
-    if clusters is not None:
-        per_task = cluster_means(per_task, clusters)
     tasks, values = _arrays(per_task, scale)
     estimate = float(np.mean([v.mean() for v in values]))
     acceleration = _acceleration(values)
@@ -301,6 +283,16 @@ def bca_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digit
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
+def t_975(df: int) -> float:
+    """Student's t 97.5% quantile: the table up to 10 degrees of freedom, above it the
+    Cornish-Fisher expansion in 1/df (within 0.001 of the exact quantile from 11 on)."""
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = _NORMAL.inv_cdf(0.975)
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) + (
+        3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
+
+
 def ratio_interval(ratios: list[float]) -> Interval:
     """A ratio measured once per trial (trials = independent engine processes run back to back):
     the geometric mean and a 95% t-interval on the log ratios. With 3 trials the t quantile is
@@ -314,6 +306,40 @@ def ratio_interval(ratios: list[float]) -> Interval:
     half = T_975[n - 2] * logs.std(ddof=1) / np.sqrt(n)
     mean = logs.mean()
     return Interval(float(np.exp(mean)), float(np.exp(mean - half)), float(np.exp(mean + half)), n)
+
+
+def trend_ratios(values: list[float], configurations: list[str], positions: list[float], baseline: str
+                 ) -> dict | None:
+    """Throughput measured in trials that drift: log(value) fitted by least squares as one level per
+    configuration plus a straight line in run position (the machine slowing or speeding up), so a
+    configuration that ran later is not charged with the drift. Returns each configuration's ratio
+    to ``baseline`` (exp of the level difference) and the drift per position step (a factor), each
+    with a 95% t-interval from the residual variance; None when the fit has no residual degree of
+    freedom. ``df``: residual degrees of freedom."""
+    names = sorted(set(configurations), key=lambda name: (name != baseline, configurations.index(name)))
+    y = np.log(np.asarray(values, dtype=float))
+    design = np.column_stack([[1.0 if c == name else 0.0 for c in configurations] for name in names]
+                             + [np.asarray(positions, dtype=float) - np.mean(positions)])
+    df = len(y) - design.shape[1]
+    if df < 1 or np.linalg.matrix_rank(design) < design.shape[1]:
+        return None
+    coefficients, *_ = np.linalg.lstsq(design, y, rcond=None)
+    residual = y - design @ coefficients
+    covariance = (residual @ residual / df) * np.linalg.inv(design.T @ design)
+    t = t_975(df)
+
+    def interval(vector: np.ndarray) -> Interval:
+        estimate, se = float(vector @ coefficients), float(np.sqrt(vector @ covariance @ vector))
+        return Interval(math.exp(estimate), math.exp(estimate - t * se), math.exp(estimate + t * se), len(y))
+
+    ratios = {}
+    for index, name in enumerate(names[1:], 1):
+        contrast = np.zeros(design.shape[1])
+        contrast[index], contrast[0] = 1.0, -1.0
+        ratios[name] = interval(contrast)
+    slope = np.zeros(design.shape[1])
+    slope[-1] = 1.0
+    return {"ratios": ratios, "drift": interval(slope), "df": df}
 
 
 # ---------------------------------------------------------------- tests over a table's comparisons
@@ -675,6 +701,24 @@ def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: floa
         error, used = error * scale, len(a)
     low, high = (_round_bound(scale * bound, digits) for bound in bounds)
     return Interval(_rounded(scale * estimate, digits), low, high, samples, round(error, digits + 2), used)
+
+
+def cell_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digits: int = 2,
+                  target: float | None = None, clusters: dict[str, np.ndarray] | None = None) -> Interval:
+    """A 95% interval for one cell's value (the mean over tasks of the task means, x ``scale``).
+
+    Independent samples: ``bca_interval``. Clustered samples (``clusters``, per task a label per
+    sample): a bootstrap would have to resample the clusters, and with the few a workload has (four
+    contexts per task in ``results/shared_context``) its distribution takes a handful of values and
+    its percentiles come out far too narrow. Instead the interval inverts the one-sample sign-flip
+    test over whole clusters (``inverted_interval`` of the values themselves: every m for which the
+    clusters' deviations from m are as likely negated), exact up to ``EXACT_UP_TO`` clusters; it
+    assumes the cluster means are spread symmetrically about their mean, which a mean over several
+    samples per cluster approaches."""
+    if clusters is None:
+        return bca_interval(per_task, scale=scale, digits=digits, target=target)
+    return inverted_interval(per_task, sign_flip_test(per_task, clusters=clusters), scale=scale, digits=digits,
+                             clusters=clusters, target=target)
 
 
 def holm(p_values: list[float]) -> list[float]:

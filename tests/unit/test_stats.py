@@ -380,17 +380,18 @@ def test_clusters_flip_together():
     assert sign_flip_p(d, clusters=pairs) > sign_flip_p(d)  # fewer independent units: less evidence
 
 
-def test_a_cluster_bootstrap_resamples_whole_clusters():
-    """A cell's interval with clusters resamples cluster means: eight clusters of five identical
-    answers give the interval of the eight means, not of 40 independent samples."""
-    from harness.analysis.stats import cluster_means
+def test_a_clustered_cell_interval_counts_clusters_not_samples():
+    """A cell's interval with clusters inverts the one-sample test over whole clusters: eight
+    clusters of five identical answers give the interval of the eight cluster means, not of 40
+    independent samples (a bootstrap over so few clusters would be far too narrow)."""
+    from harness.analysis.stats import cell_interval, inverted_interval
 
-    means = np.array([0, 1, 0, 1, 1, 0, 0, 1.0])
+    means = np.array([0, 1, 0, 1, 1, 0, 0.5, 1.0])
     values = np.repeat(means, 5)
     labels = np.repeat([f"c{i}" for i in range(8)], 5)
-    clustered = bca_interval({"t": values}, clusters={"t": labels})
-    assert (clustered.low, clustered.high) == (bca_interval({"t": means}).low, bca_interval({"t": means}).high)
-    assert clustered.samples == 40
-    assert clustered.high - clustered.low > bca_interval({"t": values}).high - bca_interval({"t": values}).low
-    with pytest.raises(ValueError, match="unequal"):
-        cluster_means({"t": np.ones(3)}, {"t": np.array(["a", "a", "b"])})
+    clustered = cell_interval({"t": values}, clusters={"t": labels})
+    alone = inverted_interval({"t": means}, sign_flip_test({"t": means}))
+    assert (clustered.estimate, clustered.low, clustered.high) == (alone.estimate, alone.low, alone.high)
+    assert clustered.samples == 40 and clustered.resamples == 0  # 8 clusters: exact
+    independent = cell_interval({"t": values})
+    assert clustered.high - clustered.low > independent.high - independent.low

@@ -1,0 +1,97 @@
+"""Paired comparisons of configurations whose samples come in clusters (issue 51, item 2).
+
+Where several samples share a context, a conversation or a generated document, their outcomes
+move together: a context the model reads badly fails all its questions. Treating its questions as
+independent samples overstates the evidence (``results/shared_context``'s 40 later questions come
+from 8 contexts). Here each sample carries a cluster key; the sign-flip test negates a whole
+cluster's differences together and the interval inverts that test
+(``harness.analysis.stats.inverted_interval``), so both say what the clusters, not the samples,
+support, and the interval excludes zero exactly when p < 0.05.
+
+Input: rows as ``experiments/shared_context.py`` writes them to ``requests.jsonl`` (one per
+request: ``configuration``, ``task``, ``question``, ``score`` and the cluster key, ``context``).
+A sample is identified by (task, cluster, question); two configurations are compared on the
+samples both have.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from harness.analysis.stats import (EXACT_UP_TO, LEVEL, SCALE, benjamini_hochberg, holm, inverted_interval,
+                                    settled_p_values)
+
+SIGNIFICANCE = 1 - LEVEL
+Rows = list[dict]
+
+
+def per_task(rows: Rows, configuration: str, keep: Callable[[dict], bool], cluster: str
+             ) -> dict[str, dict[tuple, tuple[float, str]]]:
+    """Per task, each kept sample of ``configuration``: (cluster, question) -> (score, cluster)."""
+    found: dict[str, dict[tuple, tuple[float, str]]] = {}
+    for row in rows:
+        if row["configuration"] == configuration and keep(row):
+            found.setdefault(row["task"], {})[(row[cluster], row["question"])] = (float(row["score"]), str(row[cluster]))
+    return found
+
+
+def differences(rows: Rows, a: str, b: str, keep: Callable[[dict], bool], cluster: str
+                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per task, ``a`` minus ``b`` on the samples both have (in a fixed order), and their clusters."""
+    mine, theirs = per_task(rows, a, keep, cluster), per_task(rows, b, keep, cluster)
+    values, labels = {}, {}
+    for task in sorted(set(mine) & set(theirs)):
+        common = sorted(set(mine[task]) & set(theirs[task]), key=str)
+        values[task] = np.array([mine[task][k][0] - theirs[task][k][0] for k in common])
+        labels[task] = np.array([mine[task][k][1] for k in common])
+    return values, labels
+
+
+def compare(rows: Rows, pairs: list[tuple[str, str]], keep: Callable[[dict], bool], cluster: str = "context",
+            scale: float = SCALE) -> list[dict]:
+    """One family: each pair's difference (x ``scale``), its interval and p-value with whole
+    clusters flipped, and Holm and Benjamini-Hochberg over the family."""
+    found = [(a, b, *differences(rows, a, b, keep, cluster)) for a, b in pairs]
+    p_values = settled_p_values([d for *_, d, _ in found], SIGNIFICANCE, clusters=[c for *_, c in found])
+    plain = [value.p for value in p_values]
+    table = []
+    for (a, b, d, labels), value, p_holm, p_bh in zip(found, p_values, holm(plain), benjamini_hochberg(plain)):
+        interval = inverted_interval(d, value, scale=scale, clusters=labels)
+        clusters = len({label for task in labels.values() for label in task})
+        table.append({"row": a, "column": b, "diff": interval.estimate, "low": interval.low, "high": interval.high,
+                      "mc": interval.mc_error, "p": value.p, "p_flips": value.flips, "p_settled": value.settled,
+                      "p_holm": p_holm, "p_bh": p_bh, "samples": interval.samples, "clusters": clusters})
+    return table
+
+
+def mark(entry: dict) -> str:
+    """``*`` Holm-adjusted p < 0.05, ``+`` Benjamini-Hochberg only, ``?`` unsettled (as the summaries)."""
+    if not entry["p_settled"]:
+        return " ?"
+    return " *" if entry["p_holm"] < SIGNIFICANCE else " +" if entry["p_bh"] < SIGNIFICANCE else ""
+
+
+def section(families: dict[str, list[dict]], what_a_cluster_is: str) -> list[str]:
+    """Markdown: what a cluster is and how many, the method, one table per family."""
+    lines = ["## Paired differences, whole clusters flipped together", "",
+             f"A cluster is {what_a_cluster_is}. Samples of one cluster are not independent, so the two-sided "
+             "paired sign-flip test negates a whole cluster's differences together (a cluster's value: its "
+             "samples' differences, each weighted as in the mean over tasks of the task means), exact (every "
+             f"pattern counted) where at most {EXACT_UP_TO} clusters differ; the 95% interval is the set of shifts "
+             "that test does not reject (`harness.analysis.stats.inverted_interval`), so it excludes zero exactly "
+             "when p < 0.05. Row minus column, points on the 0-100 scale; marks adjusted over each table's "
+             "comparisons: `*` Holm p < 0.05, `+` Benjamini-Hochberg q < 0.05 but not Holm; unmarked: undecided, "
+             "which is not the same as level.", ""]
+    for name, table in families.items():
+        decided = sum(entry["p_holm"] < SIGNIFICANCE and entry["p_settled"] for entry in table)
+        clusters = sorted({entry["clusters"] for entry in table})
+        samples = sorted({entry["samples"] for entry in table})
+        lines += [f"**{name}** ({'/'.join(map(str, samples))} samples in {'/'.join(map(str, clusters))} clusters; "
+                  f"Holm over {len(table)} comparisons, {decided} of {len(table)} decided):", "",
+                  "| row | minus | difference (95% interval) | p |", "|---|---|---|---|"]
+        for entry in table:
+            lines.append(f"| {entry['row']} | {entry['column']} | {entry['diff']:+.2f} ({entry['low']:+.2f}, "
+                         f"{entry['high']:+.2f}) | p={entry['p']:.4g}{mark(entry)} |")
+        lines.append("")
+    return lines
