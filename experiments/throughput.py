@@ -233,8 +233,9 @@ SETTINGS = {
 
 def with_trials(setting: Setting, trials: int) -> Setting:
     """The setting with each of its configurations run in ``trials`` trials, interleaved: trial k
-    runs every configuration once, in the setting's order, so each ratio compares engines that ran
-    close in time. The configurations are those of the setting's first trial (its own later
+    runs every configuration once, in the setting's order in odd trials and reversed in even ones
+    (``harness.bench.throughput.run_order``: drift over the run then falls on no configuration
+    alone), so each ratio compares engines that ran close in time. The configurations are those of the setting's first trial (its own later
     trials are copies of them)."""
     first = tuple(cell for cell in setting.cells if cell.trial == 1)
     cells = tuple(replace(cell, trial=trial) for trial in range(1, trials + 1) for cell in first)

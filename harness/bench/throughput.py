@@ -194,7 +194,7 @@ def run_setting(setting: Setting, out: Path, force: bool = False, progress=print
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
     results = {}
-    for index, cell in enumerate(setting.cells, 1):
+    for index, cell in enumerate(run_order(setting.cells), 1):
         path = cells_dir / f"{cell.slug}.json"
         stored = None if force else stored_cell(path, workload)
         if stored is not None:
@@ -205,12 +205,29 @@ def run_setting(setting: Setting, out: Path, force: bool = False, progress=print
                  f"x {workload.prompt_tokens} in x {workload.output_tokens} out ...")
         run = run_in_subprocess(engine_spec(setting, cell, prompts, model_path), out / "scratch")
         stored = {"setting": setting.name, "cell": asdict(cell), "workload": asdict(workload), "provenance": provenance(),
-                  "pool_blocks": run["pool_blocks"] - 1, "perf": run["perf"]}  # minus vLLM's null block
+                  "pool_blocks": run["pool_blocks"] - 1, "perf": run["perf"],  # minus vLLM's null block
+                  "position": index}  # where it ran in the setting's run order (``run_order``): drift's clock
         atomic_write_text(path, json.dumps(stored, indent=1) + "\n")
         results[cell] = stored
         progress(f"    {median_of(run['perf'], 'output_tokens_per_s'):.1f} output tok/s, "
                  f"{median_of(run['perf'], 'wall_s'):.0f} s")
-    return cell_table(setting, results)
+    return cell_table(setting, {cell: results[cell] for cell in setting.cells})  # the table in the setting's order
+
+
+def run_order(cells: tuple[Cell, ...]) -> list[Cell]:
+    """The order cells run in: trial by trial, each trial's configurations in the setting's order in
+    odd trials and reversed in even ones. The machine's speed drifts over a run (issue 51: output
+    tok/s of one configuration fell from 80.9 to 69.0 over ``layer_groups``' nine cells); with one
+    fixed order, the configuration run last in every trial absorbs the drift as if it were its own
+    cost. Reversing every other trial gives each configuration the same mean position over an even
+    number of trials, and lets the time trend be told apart from the configurations
+    (``drift_lines``)."""
+    trials = sorted({cell.trial for cell in cells})
+    ordered = []
+    for number, trial in enumerate(trials):
+        mine = [cell for cell in cells if cell.trial == trial]
+        ordered += mine[::-1] if number % 2 else mine
+    return ordered
 
 
 def stored_cell(path: Path, workload: Workload) -> dict | None:
@@ -257,6 +274,8 @@ def median_of(perf: list[dict], key: str, sub: str | None = None):
 
 def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
     rows = []
+    # Cells measured before positions were stored ran in the setting's order (one fixed order per trial).
+    fixed_order = {cell: index for index, cell in enumerate(setting.cells, 1)}
     for cell, stored in results.items():
         perf = stored["perf"]
         kv = perf[-1]["kv"] or {}
@@ -279,6 +298,7 @@ def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
             "tensor_parallel_size": cell.tensor_parallel_size, "enforce_eager": cell.enforce_eager,
             "layer_groups": cell.layer_groups, "budget_schedule": cell.budget_schedule,
             "evict_share_ranks": rank_shares(perf[-1].get("ranks") or []),
+            "position": stored.get("position", fixed_order.get(cell)),
         })
     table = pd.DataFrame(rows)
     for label, cell in (("x_baseline", setting.baseline), ("x_ceiling", setting.ceiling)):
@@ -504,6 +524,7 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
     lines += tensor_parallel_lines(table)
     lines += trial_lines(setting, table)
     lines += layer_group_lines(table)
+    lines += drift_lines(setting, table)
     lines += recompute_lines(setting)
     for cell in setting.cells:
         twin = replace(cell, prefix_caching=False)
@@ -621,12 +642,55 @@ def trials_text(table: pd.DataFrame) -> str:
         text = "Trials: " + "; ".join(", ".join(trials.index[trials == n]) + f" ran {ran(n)}" for n in counts)
     text += f" ({len(table)} cells, an engine process each"
     if counts[0] > 1:
-        text += "; trial k ran its configurations once each, in the table's order, after trial k - 1"
+        text += f"; trial k ran its configurations once each, {order_text(table)}, after trial k - 1"
     repeats = sorted(set(table["repeats"])) if "repeats" in table else [1]
     if repeats != [1]:
         times = " or ".join("once" if r == 1 else "twice" if r == 2 else f"{r} times" for r in repeats)
         text += f"; each process generated the batch {times}, medians reported"
     return text + ")."
+
+
+def order_text(table: pd.DataFrame) -> str:
+    """In which order each trial ran its configurations, read off the cells' positions."""
+    if "position" not in table or table["position"].isna().any():
+        return "in the table's order"  # cells from before positions were recorded: the one order there was
+    reversed_trials = []
+    for trial, cells in table.groupby("trial"):
+        ran = list(cells.sort_values("position")["cell"])
+        if ran != list(cells["cell"]):
+            if ran != list(cells["cell"])[::-1]:
+                return "in the order of the column `position`"
+            reversed_trials.append(int(trial))
+    if not reversed_trials:
+        return "in the table's order"
+    return f"in the table's order (reversed in trial{'s' if len(reversed_trials) > 1 else ''} " + ", ".join(
+        map(str, reversed_trials)) + ")"
+
+
+def drift_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
+    """The time trend of the run and each configuration's ratio to the baseline with the trend
+    taken out (``harness.analysis.stats.trend_ratios``: log output tok/s fitted as configuration
+    plus a straight line in run position), beside the trial-by-trial ratios above. Only for
+    settings whose every configuration ran in several trials."""
+    from harness.analysis.stats import trend_ratios
+
+    if setting.baseline is None or "position" not in table or table["position"].isna().any():
+        return []
+    configuration = table["cell"].str.replace(r" #\d+$", "", regex=True)
+    if configuration.value_counts().min() < 2 or setting.baseline.name not in set(configuration):
+        return []
+    fit = trend_ratios(table["output_tok_s"].astype(float).tolist(), configuration.tolist(),
+                       table["position"].astype(float).tolist(), setting.baseline.name)
+    if fit is None:
+        return []
+    slope = fit["drift"]
+    lines = [f"Drift: output tok/s changed by {100 * (slope.estimate - 1):+.2f}% per cell run (95% interval "
+             f"{100 * (slope.low - 1):+.2f}% to {100 * (slope.high - 1):+.2f}%; log output tok/s fitted as configuration "
+             f"plus a straight line in run order over {len(table)} cells, {fit['df']} residual degrees of freedom)"]
+    for name, ratio in fit["ratios"].items():
+        lines.append(f"{name} vs {setting.baseline.name}, the trend taken out: {ratio.estimate:.3f}x output tok/s "
+                     f"(95% interval {ratio.low:.3f}-{ratio.high:.3f})")
+    return lines
 
 
 def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str) -> str:

@@ -209,3 +209,37 @@ def test_layer_groups_are_stated_against_one_group_trial_by_trial():
     assert line == ("full with G=3 layer groups vs one, over 2 back-to-back trials: 0.900x output tok/s (95% interval "
                     "0.900-0.900); 1.111x time per output token (95% interval 1.111-1.111)")
     assert layer_group_lines(pd.DataFrame([row for row in rows if row["layer_groups"] == 1])) == []
+
+
+def test_trials_run_in_counterbalanced_order():
+    """Odd trials run the setting's order, even ones its reverse (issue 51: with one fixed order the
+    configuration run last absorbs the machine's slowing down); the summary says so."""
+    from harness.bench.throughput import order_text, run_order
+
+    setting = experiment.with_trials(experiment.SETTINGS["layer_groups"], 3)
+    names = [(cell.trial, cell.layer_groups) for cell in run_order(setting.cells)]
+    assert names == [(1, 1), (1, 3), (1, 6), (2, 6), (2, 3), (2, 1), (3, 1), (3, 3), (3, 6)]
+    table = pd.DataFrame({"cell": [c.name for c in setting.cells], "trial": [c.trial for c in setting.cells],
+                          "position": [run_order(setting.cells).index(c) + 1 for c in setting.cells]})
+    assert order_text(table) == "in the table's order (reversed in trial 2)"
+    assert order_text(table.assign(position=range(1, 10))) == "in the table's order"
+
+
+def test_drift_is_fitted_apart_from_the_configurations():
+    """A machine slowing by 2% per cell, run in one fixed order: trial-by-trial ratios charge the
+    later configurations with the drift, the fit with a time trend recovers the true ratios."""
+    import numpy as np
+
+    from harness.analysis.stats import trend_ratios
+
+    true = {"one": 1.0, "three": 1.0, "six": 0.97}
+    order = [name for _ in range(3) for name in ("one", "three", "six")]
+    noise = [0.004, -0.003, 0.002, -0.001, 0.003, -0.004, 0.001, 0.0, -0.002]
+    values = [80 * true[name] * 0.98 ** position * np.exp(e) for position, (name, e) in enumerate(zip(order, noise))]
+    fit = trend_ratios(values, order, list(range(9)), "one")
+    assert fit["df"] == 5 and fit["drift"].estimate == pytest.approx(0.98, abs=0.002)
+    assert fit["ratios"]["six"].estimate == pytest.approx(0.97, abs=0.01)
+    assert fit["ratios"]["three"].low < 1 < fit["ratios"]["three"].high
+    naive = np.mean([values[i + 2] / values[i] for i in (0, 3, 6)])  # same-trial ratio: drift included
+    assert naive < 0.945
+    assert trend_ratios(values[:4], order[:4], list(range(4)), "one") is None  # no residual degree of freedom
