@@ -11,21 +11,15 @@ def variant_label(config: dict) -> str:
     ``paged[layer_groups=3, budget_schedule=pyramid]``). Tables and plots key rows by it, so ablations read apart."""
     from policies import REGISTRY, default_options
 
-    policy = config.get("policy") or {}
-    name = policy.get("name", "?")
+    from harness.eviction.settings import EvictionSettings
+
+    settings = EvictionSettings.from_run_config(config)
+    name = settings.policy
     defaults = default_options(name) if name in REGISTRY else {}
     missing = object()
-    changed = [f"{key}={value}" for key, value in sorted((policy.get("options") or {}).items())
-               if defaults.get(key, missing) != value]
-    if config.get("compress") == "context" and name != "full":
-        changed.append("compress=context")  # the context compressed before the question (and only then)
-    elif config.get("decode_eviction") is False and name != "full":
-        changed.append("decode_eviction=False")  # the prompt compressed only
-    groups = (config.get("engine") or {}).get("layer_groups", 1)
-    if groups != 1 and name != "full":  # full cache generates the same at any G
-        changed.append(f"layer_groups={groups}")  # the layers as G KV cache groups, each its own budget
-    if config.get("budget_schedule", "uniform") != "uniform" and name != "full":
-        changed.append(f"budget_schedule={config['budget_schedule']}")
+    changed = [f"{key}={value}" for key, value in sorted(settings.options.items()) if defaults.get(key, missing) != value]
+    if name != "full":  # full cache generates the same at any layer groups and scope
+        changed += settings.variant_marks((config.get("engine") or {}).get("layer_groups", 1))
     engine_block = (config.get("engine") or {}).get("block_size")
     if engine_block is not None and config.get("block_size") not in (None, engine_block):
         changed.append(f"block_size={config['block_size']}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
-from harness.eviction.settings import (PYRAMID_BETA, EvictionSettings, budget_for_ratio, check_compress,
+from harness.eviction.settings import (RUN_FIELDS, EvictionSettings, budget_for_ratio, check_compress,
                                        check_layer_groups,
                                        check_policy_runs, check_ratio, check_schedule, check_schedule_runs,
                                        group_policies)
@@ -78,11 +78,11 @@ class DataSettings:
 @dataclass(frozen=True)
 class RunSettings:
     """One cell, checked and typed. ``resolved`` is the config exactly as Hydra resolved it: what
-    ``config.yaml`` records and what names the cell."""
+    ``config.yaml`` records and what names the cell. Its eviction settings are one record,
+    ``request`` (``harness.eviction.settings.EvictionSettings``: policy "full" for full cache),
+    whose fields read as the run's own (``run.policy``, ``run.budget_ratio``, ``run.compress``)."""
 
-    policy: str
-    options: dict
-    budget: int | None   # None with a budget_ratio
+    request: EvictionSettings
     block_size: int
     model: ModelSettings
     engine: EngineSettings
@@ -91,11 +91,13 @@ class RunSettings:
     output_dir: str
     force: bool
     resolved: dict = field(repr=False, compare=False)
-    budget_ratio: float | None = None  # instead of budget: each request keeps (1 - r) x its prompt
-    decode_eviction: bool = True       # False: compress the prompt only
     likelihood: bool = True            # also the teacher-forced measures (harness.run.likelihood)
-    compress: str = "prompt"           # "context": evict at each prompt's context boundary (query-agnostic)
-    budget_schedule: str = "uniform"   # the budget over engine.layer_groups: uniform, pyramid or attention
+
+    def __getattr__(self, name: str):
+        # only reached for names the run itself lacks: the eviction record's fields
+        if name in RECORD_FIELDS:
+            return getattr(self.request, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @property
     def policy_budget(self) -> int:
@@ -107,11 +109,7 @@ class RunSettings:
 
     @property
     def budget_text(self) -> str:
-        """``budget=512``, ``budget_ratio=0.5``, with `` prompt only`` when decode does not evict and
-        `` context only`` when the context alone is compressed."""
-        size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
-        size += "" if self.budget_schedule == "uniform" else f" {self.budget_schedule}"
-        return size + ("" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only")
+        return self.request.label()
 
     @property
     def evicts(self) -> bool:
@@ -120,10 +118,7 @@ class RunSettings:
     @property
     def eviction(self) -> EvictionSettings | None:
         """The engine-wide eviction settings this cell runs (None: full cache)."""
-        if not self.evicts:
-            return None
-        return EvictionSettings(self.policy, self.budget, self.options, self.budget_ratio, self.decode_eviction,
-                                self.compress, budget_schedule=self.budget_schedule)
+        return self.request if self.evicts else None
 
     @property
     def label(self) -> str:
@@ -146,28 +141,14 @@ class RunSettings:
             "data": self.resolved["data"],
             "engine": engine,
         }
-        # Added after cells were committed: named only away from their defaults, so earlier cells
-        # keep their names.
-        if self.evicts and self.budget_ratio is not None:
-            identity["budget_ratio"] = self.budget_ratio
-        if self.evicts and not self.decode_eviction:
-            identity["decode_eviction"] = False
-        if self.evicts and self.compress != "prompt":
-            identity["compress"] = self.compress
-        if self.evicts and self.budget_schedule != "uniform":
-            identity["budget_schedule"] = self.budget_schedule
+        if self.evicts:  # settings added after cells were committed, named only away from their defaults
+            identity.update(self.request.identity())
         return identity
 
     @property
     def cell_name(self) -> str:
         digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
-        if not self.evicts:
-            label = "full"
-        else:
-            label = f"{self.policy}_r{self.budget_ratio:g}" if self.budget_ratio is not None else f"{self.policy}_b{self.budget}"
-            label += "" if self.decode_eviction else "_context" if self.compress == "context" else "_prompt"
-            label += "" if self.budget_schedule == "uniform" else f"_{self.budget_schedule}"
-        return f"{label}_bs{self.block_size}_{digest}"
+        return f"{self.request.slug() if self.evicts else 'full'}_bs{self.block_size}_{digest}"
 
     @property
     def run_dir(self) -> Path:
@@ -176,8 +157,11 @@ class RunSettings:
     def full_cache_twin(self) -> "RunSettings":
         """The same cell with full cache: the reference a policy's fidelity is measured against."""
         resolved = dict(self.resolved, policy={"name": "full", "options": {}})
-        return replace(self, policy="full", options={}, resolved=resolved)
+        return replace(self, request=replace(self.request, policy="full", options={}), resolved=resolved)
 
+
+# The eviction record's fields a run reads as its own (RunSettings.__getattr__).
+RECORD_FIELDS = frozenset(("policy", "budget", "options", "group_budgets", "context_tokens", *RUN_FIELDS))
 
 # Engine settings added after cells were committed, with the value every earlier cell ran at: a
 # cell at that value keeps the name it had (one worker, vLLM's own executor choice).
@@ -212,12 +196,9 @@ def typed(cfg: DictConfig) -> RunSettings:
             raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
-    policy = resolved["policy"]
     try:
         return RunSettings(
-            policy=policy["name"],
-            options=policy.get("options") or {},
-            budget=resolved["budget"],
+            request=EvictionSettings.from_run_config(resolved),
             block_size=resolved["block_size"],
             model=section(ModelSettings, resolved["model"], "model"),
             engine=section(EngineSettings, resolved["engine"], "engine"),
@@ -226,11 +207,7 @@ def typed(cfg: DictConfig) -> RunSettings:
             output_dir=str(resolved["output_dir"]),
             force=bool(resolved.get("force", False)),
             resolved=resolved,
-            budget_ratio=resolved.get("budget_ratio"),
-            decode_eviction=resolved.get("decode_eviction", True),
             likelihood=resolved.get("likelihood", True),
-            compress=resolved.get("compress", "prompt"),
-            budget_schedule=resolved.get("budget_schedule", "uniform"),
         )
     except TypeError as error:  # a required key missing from a config group
         raise ConfigError(f"incomplete config: {error}") from None
@@ -253,7 +230,7 @@ def check_run_layer_groups(run: RunSettings) -> None:
     if not run.evicts:
         return
     try:
-        check_schedule(run.budget_schedule, PYRAMID_BETA, "the run")
+        check_schedule(run.budget_schedule, run.pyramid_beta, "the run")
         group_policies(run.eviction, run.block_size, layers or groups, groups)  # refused before a model loads
         # vLLM schedules asynchronously by default where the platform has it: on a GPU, not on CPU
         # (vllm/platforms/cpu.py:329-331)

@@ -39,7 +39,7 @@ eviction reads (the first one follows the measurement).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 import json
 import math
 
@@ -52,6 +52,15 @@ PYRAMID_BETA = 20.0  # kvpress 0.5.5's PyramidKVPress default
 
 @dataclass(frozen=True)
 class EvictionSettings:
+    """A request's eviction settings: the one record of them. It owns their forms: the dict that
+    ``extra_args`` / ``additional_config`` carry (``as_dict``, read back by ``parse_settings``), the
+    Hydra config a run gives (``from_run_config``), a label (``label``, ``describe``), a cell's name
+    (``slug``, ``identity``) and a table's variant (``variant_marks``). A new setting is a field
+    here, its check in ``parse_settings``, and the code that acts on it.
+
+    ``policy`` "full" is a run that keeps its whole cache (its budget is then only checked); a
+    request's settings are None for it (``parse_settings``)."""
+
     policy: str
     budget: int | None       # tokens kept per request; None with a budget_ratio until resolved
     options: dict = field(default_factory=dict)
@@ -66,28 +75,65 @@ class EvictionSettings:
     group_budgets: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict:
+        """The wire form: policy, budget and options, and every other setting away from its default."""
         raw = {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
-        if self.budget_ratio is not None:
-            raw["budget_ratio"] = self.budget_ratio
-        if not self.decode_eviction:
-            raw["decode_eviction"] = False
-        if self.compress != "prompt":
-            raw["compress"] = self.compress
-        if self.context_tokens is not None:
-            raw["context_tokens"] = self.context_tokens
-        if self.budget_schedule != "uniform":
-            raw["budget_schedule"] = self.budget_schedule
-        if self.pyramid_beta != PYRAMID_BETA:
-            raw["pyramid_beta"] = self.pyramid_beta
+        raw.update({name: getattr(self, name) for name in WIRE_FIELDS[3:] if getattr(self, name) != DEFAULTS[name]})
         return raw
 
+    @classmethod
+    def from_run_config(cls, resolved: dict) -> "EvictionSettings":
+        """The settings a run's Hydra config gives (``conf/config.yaml`` and the command line; a
+        committed cell's ``config.yaml``, which may predate a setting: then its default)."""
+        policy = resolved.get("policy") or {}
+        return cls(policy.get("name", "full"), resolved.get("budget"), dict(policy.get("options") or {}),
+                   **{name: resolved.get(name, DEFAULTS[name]) for name in RUN_FIELDS})
+
+    # --- names: every rule that turns settings into text lives here -------------------------------
+
+    def size_text(self) -> str:
+        return f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
+
+    def scope_text(self) -> str:
+        """What is compressed, where it is not the whole cache at every step."""
+        return "" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only"
+
+    def label(self) -> str:
+        """``budget=512``, ``budget_ratio=0.5 pyramid context only``: the budget and how it applies."""
+        schedule = "" if self.budget_schedule == "uniform" else f" {self.budget_schedule}"
+        beta = "" if self.pyramid_beta == PYRAMID_BETA else f" beta={self.pyramid_beta:g}"
+        return self.size_text() + schedule + beta + self.scope_text()
+
     def describe(self) -> str:
-        """``policy=paged budget=256``, ``policy=snapkv budget_ratio=0.5 prompt only``,
-        ``policy=snapkv budget_ratio=0.5 context only``."""
-        size = f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
-        scope = "" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only"
-        schedule = "" if self.budget_schedule == "uniform" else f" budget_schedule={self.budget_schedule}"
-        return f"policy={self.policy} {size}{scope}{schedule}"
+        """``policy=paged budget=256``, ``policy=snapkv budget_ratio=0.5 context only``."""
+        return f"policy={self.policy} {self.label()}"
+
+    def slug(self) -> str:
+        """The start of a cell's directory name: ``paged_b512``, ``snapkv_r0.5_context_pyramid``."""
+        slug = f"{self.policy}_r{self.budget_ratio:g}" if self.budget_ratio is not None else f"{self.policy}_b{self.budget}"
+        slug += "" if self.decode_eviction else "_context" if self.compress == "context" else "_prompt"
+        slug += "" if self.budget_schedule == "uniform" else f"_{self.budget_schedule}"
+        return slug + ("" if self.pyramid_beta == PYRAMID_BETA else f"_beta{self.pyramid_beta:g}")
+
+    def identity(self) -> dict:
+        """What names a cell beyond policy and budget: each setting away from its default (settings
+        added after cells were committed are named only there, so earlier cells keep their names)."""
+        return {name: getattr(self, name) for name in RUN_FIELDS if getattr(self, name) != DEFAULTS[name]}
+
+    def variant_marks(self, layer_groups: int = 1) -> list[str]:
+        """What a table's variant label adds for these settings (with the engine's layer groups,
+        which a schedule spreads the budget over): ``compress=context``, ``layer_groups=3``, ..."""
+        marks = []
+        if self.compress == "context":
+            marks.append("compress=context")  # the context compressed before the question (and only then)
+        elif self.decode_eviction is False:
+            marks.append("decode_eviction=False")  # the prompt compressed only
+        if layer_groups != 1:
+            marks.append(f"layer_groups={layer_groups}")  # the layers as G KV cache groups, each its own budget
+        if self.budget_schedule != "uniform":
+            marks.append(f"budget_schedule={self.budget_schedule}")
+        if self.pyramid_beta != PYRAMID_BETA:
+            marks.append(f"pyramid_beta={self.pyramid_beta:g}")
+        return marks
 
     def as_additional_config(self) -> dict:
         return {CONFIG_KEY: self.as_dict()}
@@ -144,6 +190,14 @@ class EvictionSettings:
         return resolved
 
 
+# The record's fields in their wire form (what a user may give), and those a run's Hydra config
+# gives beside policy, budget and options (a request's context boundary is its own, never a run's).
+WIRE_FIELDS = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens",
+               "budget_schedule", "pyramid_beta")
+RUN_FIELDS = tuple(name for name in WIRE_FIELDS[3:] if name != "context_tokens")
+DEFAULTS = {f.name: f.default for f in fields(EvictionSettings) if f.default is not MISSING}
+
+
 def budget_for_ratio(ratio: float, prompt_tokens: int, block_size: int) -> int:
     """(1 - ratio) x the prompt, rounded to the nearest whole block, at least two blocks (a
     budget's minimum: a first block and a recent one); ratio 0 keeps the whole prompt (rounded up,
@@ -173,8 +227,7 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
             raise ValueError(f"{where} is not valid JSON ({error.msg}): {raw!r}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a mapping with policy, budget and options; got {raw!r}")
-    allowed = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens",
-               "budget_schedule", "pyramid_beta")
+    allowed = WIRE_FIELDS
     unknown = set(raw) - set(allowed)
     if unknown:
         raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; valid: {', '.join(allowed)}")

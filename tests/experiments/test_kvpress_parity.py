@@ -339,7 +339,7 @@ def test_context_boundaries_are_refused_unless_every_cell_agrees(tmp_path, monke
     with pytest.raises(RuntimeError, match="leaves no question"):
         parity.with_boundaries(fake_samples(), whole)
     # one parity compresses one part: cells that mix prompt and context compression are refused
-    mixed = [replace(runs[0], compress="prompt"), *runs[1:]]
+    mixed = [replace(runs[0], request=replace(runs[0].request, compress="prompt")), *runs[1:]]
     with pytest.raises(RuntimeError, match="mix compress"):
         parity.jobs_from_cells(fake_samples(), labels, mixed, predictions, "/model", [2])
     # a kept count the recorded evictions contradict is refused (here: no prefill eviction recorded)
@@ -354,7 +354,8 @@ def test_the_context_experiment_composes_the_prompt_one_with_compress_context():
         parity.cell_overrides("snapkv", {"window": 64, "kernel": 5}, 0.5, [1024], 1, None, False),
         parity.cell_overrides("snapkv", {"window": 64, "kernel": 5}, 0.5, [1024], 1, None, False, parity.CONTEXT)])
     assert (prompt.compress, context.compress) == ("prompt", "context")
-    assert replace(context, compress="prompt", output_dir=prompt.output_dir, resolved=prompt.resolved) == prompt
+    assert replace(context, request=replace(context.request, compress="prompt"), output_dir=prompt.output_dir,
+                   resolved=prompt.resolved) == prompt
     assert context.run_dir.name.startswith("snapkv_r0.5_context_bs32_")
     assert context.run_dir.parent == parity.CONTEXT.harness_dir / "smollm2-135m" / "ruler"
 

@@ -36,7 +36,7 @@ ROOMS: dict[str, set[str]] = {
     "harness.scoring": {"harness.tasks", "harness.records"},
     "harness.config": {"policies", "harness.eviction", "harness.tasks"},
     "harness.engine": {"policies", "harness.eviction", "harness.records", "harness.config"},
-    "harness.analysis": {"policies", "harness.tasks", "harness.records", "harness.config"},
+    "harness.analysis": {"policies", "harness.eviction", "harness.tasks", "harness.records", "harness.config"},
     "harness.bench": {"policies", "harness.tasks", "harness.records", "harness.config", "harness.engine",
                       "harness.analysis"},
     "harness.run": {"harness.eviction", "harness.tasks", "harness.records", "harness.scoring", "harness.config",
