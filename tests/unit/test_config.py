@@ -212,3 +212,17 @@ def test_every_committed_cell_keeps_its_name():
     for path in configs:
         run = run_settings(OmegaConf.load(path), checked=False)
         assert run.cell_name == path.parent.name, path
+
+
+def test_the_pyramids_slope_is_a_run_setting_named_only_away_from_its_default():
+    """``pyramid_beta`` reaches a run through the settings record alone (its Hydra form): the
+    engine gets it, the cell is named by it only when it is not kvpress's 20, and a slope without
+    the pyramid is refused in one line."""
+    base = ("policy=paged", "budget=512", "engine.layer_groups=3", "budget_schedule=pyramid")
+    default, steep = run_settings(compose_cfg(*base)), run_settings(compose_cfg(*base, "pyramid_beta=5"))
+    assert (default.eviction.pyramid_beta, steep.eviction.pyramid_beta) == (20.0, 5)
+    assert steep.eviction.as_dict()["pyramid_beta"] == 5 and "pyramid_beta" not in default.eviction.as_dict()
+    assert "pyramid_beta" not in default.identity() and steep.identity()["pyramid_beta"] == 5
+    assert steep.cell_name.startswith("paged_b512_pyramid_beta5_bs32_") and steep.label == "paged budget=512 pyramid beta=5"
+    with pytest.raises(ConfigError, match="pyramid_beta shapes budget_schedule=pyramid; this one is uniform"):
+        run_settings(compose_cfg("policy=paged", "budget=512", "pyramid_beta=5"))
