@@ -9,6 +9,7 @@ from harness.analysis import report
 from tests.support import ROOT
 
 
+@pytest.mark.slow  # renders every committed summary
 def test_results_md_is_what_the_summaries_give():
     committed = (ROOT / report.OUT).read_text()
     assert committed == report.render(ROOT), "results/RESULTS.md is stale: run `python -m harness.analysis.report`"

@@ -77,6 +77,7 @@ def test_cli_writes_summary_and_plots(tmp_path, capsys):
     assert "## smollm2-135m on synthetic" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a Jupyter kernel runs the whole notebook
 def test_notebook_runs_top_to_bottom():
     import nbformat
     from nbclient import NotebookClient

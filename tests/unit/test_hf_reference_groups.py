@@ -74,6 +74,7 @@ def test_groups_refuse_what_they_cannot_hold():
         HFReferenceEngine(model_path("tiny"), [make_policy("paged", 64, BLOCK), make_policy("snapkv", 64, BLOCK)])
 
 
+@pytest.mark.slow  # SmolLM2 (135M) loaded three times a case: the reference, its attention weights, the plain reference
 @pytest.mark.parametrize("name", ["paged", "snapkv"])
 def test_the_attention_schedule_measures_what_the_models_attention_weights_say(name):
     """CAKE's preference of each layer from Hugging Face's own attention weights over the prompt

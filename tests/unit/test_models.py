@@ -29,6 +29,7 @@ def test_smollm2_checkpoint_is_a_float32_llama_without_quantization(smollm2):
     assert "<|im_start|>assistant" in (smollm2 / "chat_template.jinja").read_text()
 
 
+@pytest.mark.slow  # loads SmolLM2 (135M) and generates with it
 def test_smollm2_answers_a_simple_question(smollm2):
     """The conversion kept a working language model: greedy decoding knows a capital city."""
     import torch

@@ -66,7 +66,17 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block
         torch.testing.assert_close(left_values, values[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+# The model-level comparison takes seconds a case: two cases (a per-head rule reading queries, a block
+# rule) stay in the fast loop, every other case is marked slow (CI runs them all); the evictor test
+# above puts every case through the evictor against the plain rule in the fast loop.
+FAST_CASES = {("snapkv", ()), ("paged", ())}
+MODEL_CASES = [
+    pytest.param(name, options, id=case_id, marks=() if (name, tuple(options.items())) in FAST_CASES else pytest.mark.slow)
+    for (name, options), case_id in zip(MATRIX, MATRIX_IDS)
+]
+
+
+@pytest.mark.parametrize("name, options", MODEL_CASES)
 def test_plain_rule_equals_the_harness_reference(plain, name, options):
     prompts = text_prompts("tiny", [700, 1000], seed=2)
     rule = plain_policy(name, 128, BLOCK, options.get("granularity"))
