@@ -66,6 +66,7 @@ def test_tables_read_full_cache_first_and_budgets_in_numeric_order():
         assert retention[row] == pytest.approx(100 * averages[row] / averages[("full", "all")], abs=0.1)
 
 
+@pytest.mark.slow  # aggregates the CI baseline again (the frame fixture already has) and draws six plot files
 def test_cli_writes_summary_and_plots(tmp_path, capsys):
     assert aggregate_main([str(CI_BASELINE), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "summary.csv").read_text().count("\n") == CELLS * 3 + 1
