@@ -26,3 +26,18 @@ def case_id(name: str, options: dict) -> str:
 
 MATRIX = policy_matrix()
 MATRIX_IDS = [case_id(name, options) for name, options in MATRIX]
+
+
+# The cases a test comparing whole model generations keeps in the fast loop (a per-head rule reading
+# queries, a block rule); a model-level test marks every other case slow (seconds each: CI runs them,
+# and the evictor test puts every case against the plain rule in the fast loop).
+FAST_MODEL_CASES = ("snapkv", "paged")
+
+
+def model_cases() -> list:
+    """MATRIX as pytest params, every case but FAST_MODEL_CASES (at their defaults) marked slow."""
+    import pytest
+
+    return [pytest.param(name, options, id=case_id(name, options),
+                         marks=() if name in FAST_MODEL_CASES and not options else pytest.mark.slow)
+            for name, options in MATRIX]

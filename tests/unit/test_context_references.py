@@ -12,7 +12,7 @@ from harness.eviction.hf_reference import HFReferenceEngine
 from policies import make_policy
 from tests.support.engine_support import BLOCK, model_path, plain_policy, text_prompts
 from tests.support.plain_reference import PlainPolicy, PlainReference
-from tests.support.policy_matrix import MATRIX, MATRIX_IDS
+from tests.support.policy_matrix import model_cases
 
 PROMPT_TOKENS = 300
 CONTEXT = 210                          # 70% of the prompt is context, the rest the question
@@ -58,7 +58,7 @@ class Passes:
         self.handle.remove()
 
 
-@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+@pytest.mark.parametrize("name, options", model_cases())  # all but two cases slow
 def test_context_compression_plain_rule_equals_the_harness_reference(plain, prompt, name, options):
     """Token for token, and both references put the question at logical position CONTEXT, right
     after the policy's keep count for a CONTEXT-token prompt (the context's eviction was the prefill

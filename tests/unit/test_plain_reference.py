@@ -12,7 +12,7 @@ from harness.engine.backend_views import FlashAttnView
 from policies import make_policy
 from tests.support.engine_support import BLOCK, model_path, plain_policy, reference_outputs, text_prompts
 from tests.support.plain_reference import PlainReference
-from tests.support.policy_matrix import MATRIX, MATRIX_IDS
+from tests.support.policy_matrix import MATRIX, MATRIX_IDS, model_cases
 
 
 def test_the_plain_reference_imports_no_harness_code():
@@ -66,17 +66,7 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block
         torch.testing.assert_close(left_values, values[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
 
 
-# The model-level comparison takes seconds a case: two cases (a per-head rule reading queries, a block
-# rule) stay in the fast loop, every other case is marked slow (CI runs them all); the evictor test
-# above puts every case through the evictor against the plain rule in the fast loop.
-FAST_CASES = {("snapkv", ()), ("paged", ())}
-MODEL_CASES = [
-    pytest.param(name, options, id=case_id, marks=() if (name, tuple(options.items())) in FAST_CASES else pytest.mark.slow)
-    for (name, options), case_id in zip(MATRIX, MATRIX_IDS)
-]
-
-
-@pytest.mark.parametrize("name, options", MODEL_CASES)
+@pytest.mark.parametrize("name, options", model_cases())  # all but two cases slow
 def test_plain_rule_equals_the_harness_reference(plain, name, options):
     prompts = text_prompts("tiny", [700, 1000], seed=2)
     rule = plain_policy(name, 128, BLOCK, options.get("granularity"))
