@@ -42,7 +42,8 @@ import logging
 import numpy as np
 import torch
 
-from harness.eviction.evictor import Due, PolicyFailure, count_due, count_queries, evict_all, phase_due
+from harness.eviction.evictor import PolicyFailure
+from harness.eviction.step import StepRequest, evict_step
 from harness.eviction.shards import SINGLE, HeadShards
 from harness.eviction.state import PolicyState
 from harness.eviction.kv_view import KVView
@@ -375,17 +376,16 @@ def measure_schedules(runner, state: WorkerEviction, scheduler_output) -> dict[s
 
 
 def evict_after_step(runner, state: WorkerEviction, scheduler_output, failures: dict[str, PolicyFailure]) -> dict:
-    """Run the evictions this step calls for, all of a KV cache group together (``evict_all``: one
-    read and one write per layer for every request; each group on its own layers, block lists,
-    counts and budgets); returns ``{(request_id, group): Eviction}``, each carrying an equal share
-    of the step's eviction time (the batch has no per-request time). A request whose policy fails
-    goes to ``failures`` and is evicted no further (the scheduler ends it); the others go on."""
+    """Run the evictions this step calls for (``harness.eviction.step.evict_step``: each KV cache
+    group on its own layers, block lists, counts and budgets, every request of a group together);
+    returns ``{(request_id, group): Eviction}`` for those that changed something, each carrying an
+    equal share of the step's eviction time (the batch has no per-request time). A request whose
+    policy fails goes to ``failures`` and is evicted no further (the scheduler ends it)."""
     plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
     if plan is None or not plan.settings:
         return {}
     started = time.perf_counter()
-    dues = [[] for _ in range(state.groups)]
-    blocks_of = {}
+    requests = []
     for request_id, settings in plan.settings.items():
         request = runner.requests.get(request_id)
         if request is None:
@@ -394,51 +394,24 @@ def evict_after_step(runner, state: WorkerEviction, scheduler_output, failures: 
         if settings.measuring:
             continue  # nothing to evict before its measurement
         before = request.num_computed_tokens
-        after = before + scheduler_output.num_scheduled_tokens[request_id]
-        point = settings.eviction_point(request.num_prompt_tokens)  # the prompt's end, or the context's
-        counts = plan.evicted_tokens.get(request_id, (0,) * state.groups)
-        for group, policy in enumerate(state.policy_for(settings)):
-            evicted, policy_state = counts[group], state.policy_states[group]
-            phase = phase_due(policy, point, before, after, evicted)
-            block_ids = request.block_ids[group]
-            if request_id in failures:
-                break
-            if phase is None:
-                if count_due(policy, point, before, after, policy_state, request_id):
-                    try:
-                        count_queries(policy, state.views[group], block_ids, after - evicted, policy_state,
-                                      request_id, state.shards)
-                    except PolicyFailure as failure:
-                        failures[request_id] = failure
-                continue
-            targets = plan.copy_targets.get((request_id, group), ())
-            held = block_ids + [block for _, block in targets]  # copy targets follow the request's blocks
-            blocks_of[(request_id, group)] = (block_ids, held)
-            dues[group].append(Due(request_id, policy, held, after - evicted, phase,
-                                   tuple(position for position, _ in targets)))
-    if not any(dues):
+        requests.append(StepRequest(
+            request_id, state.policy_for(settings), request.block_ids,
+            settings.eviction_point(request.num_prompt_tokens),  # the prompt's end, or the context's
+            before, before + scheduler_output.num_scheduled_tokens[request_id],
+            plan.evicted_tokens.get(request_id, (0,) * state.groups),
+            {group: plan.copy_targets[(request_id, group)] for group in range(state.groups)
+             if (request_id, group) in plan.copy_targets}))
+    changed = evict_step(state.views, state.policy_states, requests, state.shards, failures)
+    if not changed:
         return {}
-    evictions = {}
-    for group, group_dues in enumerate(dues):
-        if group_dues:
-            group_dues = [due for due in group_dues if due.request_id not in failures]
-            done = evict_all(state.views[group], group_dues, state.policy_states[group], state.shards, failures)
-            evictions.update({(request_id, group): eviction for request_id, eviction in done.items()})
     state.synchronize()
-    share = (time.perf_counter() - started) / max(1, len(evictions))
+    share = (time.perf_counter() - started) / len(changed)
     batch = runner.input_batch
-    report = {}
-    for key, eviction in evictions.items():
-        if not (eviction.evicted_tokens or eviction.changes_blocks):
-            continue
-        block_ids, held = blocks_of[key]
-        block_ids[:] = [held[position] for position in eviction.kept_blocks]
-        report[key] = dataclasses.replace(eviction, seconds=share)
-    for request_id in {request_id for request_id, _ in report}:
+    for request_id in {request_id for request_id, _ in changed}:
         row = batch.req_id_to_index.get(request_id)
         if row is not None:
             batch.block_table.add_row(runner.requests[request_id].block_ids, row)
-    return report
+    return {key: dataclasses.replace(eviction, seconds=share) for key, eviction in changed.items()}
 
 
 # The runner's wrappers, each made from vLLM's own method (installed by ``harness.engine.patches``).

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from harness.eviction.evictor import count_due, count_queries, evict, phase_due
+from harness.eviction.step import StepRequest, evict_step
 from harness.eviction.layer_budgets import measured_settings, spread_and_shift
 from harness.eviction.settings import EvictionSettings, group_policies
 from harness.eviction.state import PolicyState
@@ -269,21 +269,19 @@ class HFReferenceEngine:
     def _after_step(self, cache, evict_at: int, before: int, computed: int, evicted: list[int]) -> list[int]:
         """The evictions or query counting due, in each group, after a pass that took the request
         from ``before`` to ``computed`` logical tokens, with ``evict_at`` standing for the prompt's
-        length (the engine's rule, ``phase_due``); returns each group's tokens evicted so far."""
+        length: the engine's own step driver (``harness.eviction.step``) over this contiguous cache,
+        whose "blocks" are its runs of ``block_size`` positions; returns each group's tokens
+        evicted so far."""
         if self.policy is None:
             return evicted
-        counts = []
-        for policy, layers, state, gone in zip(self.policies, self.group_layers, self.policy_states, evicted):
-            physical = computed - gone
-            view = DynamicCacheView(cache, policy.block_size, layers)
-            blocks = list(range(-(-physical // policy.block_size)))
-            phase = phase_due(policy, evict_at, before, computed, gone)
-            if phase is not None:
-                eviction = evict(policy, view, blocks, physical, phase, state, "request")
-                if eviction.evicted_tokens or eviction.changes_blocks:
-                    view.drop(eviction.dropped_blocks, physical - eviction.evicted_tokens)
-                gone += eviction.evicted_tokens
-            elif count_due(policy, evict_at, before, computed, state, "request"):
-                count_queries(policy, view, blocks, physical, state, "request")
-            counts.append(gone)
+        block = self.policies[0].block_size
+        views = [DynamicCacheView(cache, block, layers) for layers in self.group_layers]
+        blocks = [list(range(-(-(computed - gone) // block))) for gone in evicted]
+        changed = evict_step(views, self.policy_states, [StepRequest("request", self.policies, blocks, evict_at,
+                                                                     before, computed, tuple(evicted))])
+        counts = list(evicted)
+        for (_, group), eviction in sorted(changed.items()):
+            physical = computed - counts[group]
+            views[group].drop(eviction.dropped_blocks, physical - eviction.evicted_tokens)
+            counts[group] += eviction.evicted_tokens
         return counts

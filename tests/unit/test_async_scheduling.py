@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness.engine.backend_views import FlashAttnView
-from harness.eviction.evictor import Due, evict_all, phase_due
+from harness.eviction.step import StepRequest, evict_step
 from harness.eviction.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport, attach
 from harness.eviction.settings import CONFIG_KEY, group_policies, parse_settings
 from harness.eviction.state import PolicyState
@@ -93,12 +93,13 @@ def kv(request_id: str, position: int, layer: int) -> torch.Tensor:
 
 
 class Worker:
-    """What the patched model runner does with a step (harness/engine/worker_patch.py): block
-    lists from the scheduler's outputs (one per KV cache group), K/V written at physical slots
-    (logical position minus the plan's evicted count in that group), then the step's evictions
-    with the real evictor, group by group, reported back. At the attention schedule it "measures"
-    each request's group budgets from ``preferences(settings)`` (one per layer) in the step that
-    reaches its eviction point, evicts by them in that step and reports them."""
+    """The model runner's part of a step, without a model: block lists from the scheduler's
+    outputs (one per KV cache group) and K/V written at physical slots (logical position minus the
+    plan's evicted count in that group); then the worker's own step driver
+    (``harness.eviction.step.evict_step``, what ``worker_patch.evict_after_step`` runs) evicts, and
+    its evictions are reported back. At the attention schedule it "measures" each request's group
+    budgets from ``preferences(settings)`` (one per layer) in the step that reaches its eviction
+    point, evicts by them in that step and reports them."""
 
     def __init__(self, pool: int, groups: int = 1, preferences=None):
         self.groups = groups
@@ -135,7 +136,7 @@ class Worker:
         plan = output.__dict__[PLAN_ATTRIBUTE]
         for state in self.states:
             state.forget(plan.released)  # finished or preempted: cached scores go (worker_patch.to_physical)
-        dues, steps, budgets = [[] for _ in range(self.groups)], {}, {}
+        steps, budgets, requests = {}, {}, []
         for request_id, count in output.num_scheduled_tokens.items():
             request, before = self.requests[request_id], computed[request_id]
             counts = plan.evicted_tokens.get(request_id, (0,) * self.groups)
@@ -146,30 +147,20 @@ class Worker:
                     settings = self.measured[request_id] = settings.with_preferences(
                         self.preferences(settings), BLOCK, LAYERS * self.groups, self.groups)
                     budgets[request_id] = settings.group_budgets
-            policies = group_policies(settings, BLOCK, LAYERS * self.groups, self.groups)
             steps[request_id] = before + count
-            for group, (view, policy) in enumerate(zip(self.views, policies)):
+            for group, view in enumerate(self.views):
                 evicted, blocks = counts[group], request["blocks"][group]
                 for position in range(before, before + count):
                     slot = position - evicted
                     for layer, cache in enumerate(view.layers):
                         cache[blocks[slot // BLOCK], :, slot % BLOCK] = kv(request_id, position, group * LAYERS + layer)
                 request["tokens"][group] = before + count - evicted
-                point = settings.eviction_point(request["prompt"])  # the prompt's end or the context's
-                phase = phase_due(policy, point, before, before + count, evicted)
-                if phase is not None:
-                    dues[group].append(Due(request_id, policy, blocks, before + count - evicted, phase))
-        report = {}
-        for group, group_dues in enumerate(dues):
-            evictions = evict_all(self.views[group], group_dues, self.states[group]) if group_dues else {}
-            for request_id, eviction in evictions.items():
-                # An eviction that changes nothing is not reported (worker_patch.evict_after_step).
-                if not (eviction.evicted_tokens or eviction.changes_blocks):
-                    continue
-                request = self.requests[request_id]
-                request["blocks"][group] = [request["blocks"][group][position] for position in eviction.kept_blocks]
-                request["tokens"][group] -= eviction.evicted_tokens
-                report[(request_id, group)] = eviction
+            requests.append(StepRequest(request_id, group_policies(settings, BLOCK, LAYERS * self.groups, self.groups),
+                                        request["blocks"], settings.eviction_point(request["prompt"]),  # prompt's or context's end
+                                        before, before + count, counts))
+        report = evict_step(self.views, self.states, requests)
+        for (request_id, group), eviction in report.items():
+            self.requests[request_id]["tokens"][group] -= eviction.evicted_tokens
         ids = list(output.num_scheduled_tokens)
         result = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                    sampled_token_ids=[[TOKEN] if steps[rid] >= self.requests[rid]["prompt"] else []
