@@ -7,8 +7,9 @@ Accuracy studies (``ACCURACY``): from each folder's ``summary.csv`` (``harness.a
 each model and dataset, PagedEviction (the study's ``focus`` variant) minus every other variant at
 each budget or compression ratio and minus full cache, on the average over tasks of every
 quantity the runs recorded (task score; where present answer log-likelihood, top-1 agreement and
-KL to full cache), with the 95% BCa interval and the table-wide Holm adjustment ``summary.md``
-marks; then how many of those comparisons are decided either way.
+KL to full cache), with the 95% interval that inverts the comparison's sign-flip test and the
+table-wide Holm adjustment ``summary.md`` marks; then how many of those comparisons are decided
+either way.
 
 Throughput settings (``THROUGHPUT``): from each ``results/throughput/<setting>/summary.csv``, every
 cell's ratio of output tok/s against the setting's baseline cell of the same trial: the geometric
@@ -20,7 +21,9 @@ Every section names the code versions its cells ran at (``harness.records.proven
 commit for results older than it): a table is comparable with another only at one code version,
 and the last section says how many there are. ``tests/experiments/test_claims.py`` checks that
 the committed RESULTS.md is this module's output and that every number the README and
-``results/FINDINGS.md`` quote appears here.
+``results/FINDINGS.md`` quote appears here, beside the comparison it belongs to, taken the way
+round its sentence says (``direction``), and that every "N of M decided" count is of the
+comparisons its sentence describes (``miscounted``).
 """
 from __future__ import annotations
 
@@ -52,6 +55,12 @@ class AccuracyStudy:
     title: str
     made_by: str  # the sweep that wrote the cells (the aggregate command is in summary.md)
     focus: str  # the variant every other is compared with
+    # The study's primary signal (a ``Quantity.field``): the one its verdict rests on. Holm runs per
+    # table and per signal, nothing adjusts across the four signals, so a claim that cites whichever
+    # signal decides has four chances; the others are reported as secondary (issue 51, item 5). The
+    # task score for every study here: each was designed to ask what eviction costs in answers, and
+    # the signals that need no right answer were added later to see where the score cannot.
+    primary: str = "score"
 
 
 ACCURACY = (
@@ -178,7 +187,8 @@ def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
             decided = verdict["better"] + verdict["worse"]
             total = decided + verdict["undecided"]
             family = family_size(runs, quantity)
-            parts += [f"*{quantity.description}* ({quantity.units}, average over tasks; {direction}): "
+            role = "primary signal" if quantity.field == study.primary else "secondary signal"
+            parts += [f"*{quantity.description}* ({role}; {quantity.units}, average over tasks; {direction}): "
                       f"`{study.focus}` minus each; marks adjusted over the table's {family} comparisons.", ""]
             if len(full) and average in full:
                 reference = full.iloc[0]
@@ -189,6 +199,10 @@ def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
             parts += [f"Decided after Holm: {decided} of {total} (`{study.focus}` better in {verdict['better']}, "
                       f"worse in {verdict['worse']}); undecided: {verdict['undecided']}"
                       + (f" ({verdict['unsettled']} of them `?`)" if verdict["unsettled"] else "") + ".", ""]
+            if "compress=context" in study.focus:  # the leaderboard's own question: against its own loop alone
+                scope = decided_counts(study, root, quantity, SCOPES[0][1])
+                parts += [f"Of these, against the other variants compressing the context alone: {scope[0]} of "
+                          f"{scope[1]} decided (`{study.focus}` better in {scope[2]}).", ""]
     return parts
 
 
@@ -311,9 +325,13 @@ def render(root: Path = ROOT) -> str:
     parts = ["# Results", "",
              f"Written by `{COMMAND}` from the committed summaries: rerun their commands to change it, never edit "
              "it (`tests/experiments/test_claims.py` fails when it differs from what they give). "
-             "Intervals are 95%: BCa bootstrap over samples for accuracy, t over trials for throughput ratios. "
+             "Intervals are 95%: for an accuracy difference the shifts its own paired sign-flip test does not reject "
+             "(so it excludes zero exactly when the unadjusted p < 0.05), for a cell's score BCa bootstrap over "
+             "samples, t over trials for throughput ratios. "
              f"`*`: Holm-adjusted p < {SIGNIFICANCE:g}, adjusted over each table's whole family of comparisons; an "
-             "unmarked difference is undecided, not absent. "
+             "unmarked difference is undecided, not absent. Each study declares one primary signal (the task "
+             "score); Holm adjusts within a table and a signal, never across signals, so a verdict on a secondary "
+             "signal is a lead for another study, not a finding of this one. "
              "`?`: a comparison whose Holm or Benjamini-Hochberg decision is still unsettled after the Monte Carlo "
              f"refinement (random sign patterns up to {MAX_FLIPS:,}), given no mark and counted undecided. "
              "In words: [FINDINGS.md](FINDINGS.md).", "",
@@ -523,7 +541,7 @@ def misattributed(text: str, root: Path = ROOT, summaries: Printed | None = None
                 values = tuple(float(v) for v in triple.groups())
                 candidates = [q for f in folders for q in intervals[f] if matches(values, q)]
                 prefix, suffix = sentence[:triple.start()], sentence[triple.end():]
-                verdicts = [consistent(q, prefix, suffix, focus[q.study], summaries.budgets) for q in candidates]
+                verdicts = [consistent(q, prefix, suffix, focus[q.study], summaries.budgets, values) for q in candidates]
                 if False in verdicts and True not in verdicts:
                     found.append(f"{triple.group(0)} is {describe(candidates)}, not what its sentence names: "
                                  f"{sentence.strip()[:90]!r}")
@@ -565,10 +583,17 @@ def budgets_named(prefix: str, suffix: str, budgets: frozenset[str]) -> set[str]
     return last_group(prefix, found) if found else None
 
 
-def consistent(quoted: Quoted, prefix: str, suffix: str, focus: str, budgets: frozenset[str]) -> bool | None:
+def consistent(quoted: Quoted, prefix: str, suffix: str, focus: str, budgets: frozenset[str],
+               values: tuple[float, float, float] | None = None) -> bool | None:
     """Whether the sentence names ``quoted``'s policy last before it (for a difference: the other
-    policy, the focus's own name aside) and, if it names a budget for it (one of ``budgets``),
-    ``quoted``'s; None when it names no such policy (nothing to check)."""
+    policy, the focus's own name aside), if it names a budget for it (one of ``budgets``),
+    ``quoted``'s, and, where it says which way the difference is taken (``direction``), whether
+    ``values`` are printed that way; None when it names no such policy (nothing to check)."""
+    if values is not None and quoted.other is not None and values != (0.0, 0.0, 0.0):
+        expected = direction(prefix, base_name(focus), base_name(quoted.other))
+        taken = "printed" if values == quoted.values else "negated"
+        if expected is not None and expected != taken:
+            return False
     names = {quoted.variant, focus} | ({quoted.other} if quoted.other else set())
     mentions = mentions_in(prefix, names)
     if quoted.other is not None:
@@ -580,6 +605,104 @@ def consistent(quoted: Quoted, prefix: str, suffix: str, focus: str, budgets: fr
         return False
     named = budgets_named(re.split(r"[;:]", prefix)[-1], suffix, budgets)  # a budget named in this clause
     return named is None or quoted.budget in named or quoted.budget == "all"
+
+
+# A sentence that says which way a difference is taken: "A minus B", or A "ahead of", "above",
+# "behind", "below", "better than" or "worse than" B. Its last such phrase before a quoted
+# difference decides: "PagedEviction stays ahead of SnapKV ... (x)" quotes PagedEviction minus
+# SnapKV, so x must be printed that way round, not as SnapKV minus PagedEviction (issue 51: a
+# sentence quoted the reverse difference, and the check, which accepted either way, passed it).
+_DIRECTION = re.compile(r"\bminus\b|\b(?:ahead of|above|behind|below|better than|worse than)\b")
+
+
+def direction(prefix: str, focus: str, other: str) -> str | None:
+    """"printed" when the sentence's last direction phrase before the number takes the focus minus
+    ``other`` (the way the summaries print it), "negated" when it takes ``other`` minus the focus,
+    None when it has no such phrase or it names another pair (registry names, as ``base_name``)."""
+    phrases = list(_DIRECTION.finditer(prefix))
+    if not phrases:
+        return None
+    phrase = phrases[-1]
+    mentions = mentions_in(prefix, set())
+    before = [m for m in mentions if m[1] <= phrase.start()]
+    after = [m for m in mentions if m[0] >= phrase.end()]
+    if not before or not after:
+        return None  # "KeyDiff is ahead: x" names one side only
+    first, second = base_name(before[-1][2]), base_name(after[0][2])
+    if (first, second) == (focus, other):
+        return "printed"
+    if (first, second) == (other, focus):
+        return "negated"
+    return None
+
+
+# ---------------------------------------------------------------- "N of M decided" counts
+# A count of decided comparisons must be of the comparisons its sentence describes (issue 51:
+# "Against the other policies compressing the context alone, 15 of 56 comparisons are decided"
+# counted the whole table, full cache and the whole-prompt cells included; of the context-only
+# policies alone it was 6 of 24). The count is recomputed from the study's summary.csv for the
+# scope the sentence names and the quantity it speaks of.
+_DECIDED = re.compile(r"\b(?:decides?|decided:?)\s+(\d+) of (\d+)\b|\b(\d+) of (\d+)(?: comparisons)?(?: are)? decided\b")
+_BETTER = re.compile(r"(?:PagedEviction better in (\d+))|(?:(\d+) (?:with PagedEviction )?better and (\d+) worse)")
+QUANTITY_WORDS = (("log-likelihood", "answer_logprob"), ("likelihood", "answer_logprob"), ("agreement", "top1_agreement"),
+                  ("KL", "kl_to_full"), ("task score", "score"))
+SCOPES = (  # (words in the sentence before the count, which other variants it counts)
+    ("compressing the context alone", lambda variant: "compress=context" in variant and variant != "full"),
+    ("against full cache", lambda variant: variant == "full"),
+    ("other policies", lambda variant: variant != "full"),
+)
+
+
+def decided_counts(study: AccuracyStudy, root: Path, quantity: Quantity, counts) -> tuple[int, int, int]:
+    """(decided, comparisons, decided with the focus better) over the focus's comparisons of the
+    average whose other variant ``counts`` accepts, as RESULTS.md counts them."""
+    frame = study_cells(study, root)
+    focus = frame[frame["variant"] == study.focus]
+    decided = total = better = 0
+    prefix = quantity.versus("", average=True)
+    for _, run in focus.iterrows():
+        for column in run.index:
+            if not (column.startswith(prefix) and column.endswith("_p_holm")) or run[column] != run[column]:
+                continue
+            stem = column[:-len("_p_holm")]
+            if not counts(stem[len(prefix):]):
+                continue
+            total += 1
+            if run[column] < SIGNIFICANCE and settled(run, stem):
+                decided += 1
+                better += (run[f"{stem}_diff"] > 0) == quantity.higher_is_better
+    return decided, total, better
+
+
+def miscounted(text: str, root: Path = ROOT) -> list[str]:
+    """Each "N of M decided" of ``text`` (with "PagedEviction better in B" where given) that no
+    accuracy study its paragraph names gives for the scope and quantity its sentence names."""
+    found, heading = [], ""
+    studies = present(ACCURACY, root)
+    for paragraph in re.split(r"\n\s*\n", text):
+        if paragraph.lstrip().startswith("#"):
+            heading = paragraph
+        named = {name.rstrip(".,;:") for name in _NAMED.findall(heading + "\n" + paragraph)}
+        mine = [s for s in studies if any(n == f"results/{s.folder}" or n.startswith(f"results/{s.folder}/") for n in named)]
+        if not mine:
+            continue
+        flat = " ".join(paragraph.split())
+        for sentence in _SENTENCE.split(flat):
+            for match in _DECIDED.finditer(sentence):
+                n, m = (int(g) for g in (match.group(1, 2) if match.group(1) else match.group(3, 4)))
+                before, after = sentence[:match.start()], sentence[match.end():]
+                better = _BETTER.match(after.lstrip(" ,:(")) if after else None
+                b = None if better is None else int(better.group(1) or better.group(2))
+                words = [(before.rfind(word), field) for word, field in QUANTITY_WORDS if word in before]
+                field = max(words)[1] if words else "score"
+                quantity = next(q for q in QUANTITIES if q.field == field)
+                scope = next((counts for words, counts in SCOPES if words in before), lambda variant: True)
+                truths = [decided_counts(s, root, quantity, scope) for s in mine]
+                if not any((n, m) == t[:2] and b in (None, t[2]) for t in truths):
+                    found.append(f"{match.group(0)}{'' if b is None else f' ({b} better)'} is not what "
+                                 f"{', '.join(s.folder for s in mine)} give for its scope ({field}: "
+                                 + "; ".join(f"{d} of {t}, {g} better" for d, t, g in truths) + f"): {sentence[:90]!r}")
+    return found
 
 
 def describe(candidates: list[Quoted]) -> str:
@@ -598,6 +721,7 @@ def check_documents(root: Path = ROOT) -> list[str]:
         text = section((root / name).read_text(), heading)
         problems += [f"{name}: quoted but in no summary: {line}" for line in unsupported(text, root)]
         problems += [f"{name}: on the wrong comparison: {line}" for line in misattributed(text, root, summaries)]
+        problems += [f"{name}: miscounted: {line}" for line in miscounted(text, root)]
     return problems
 
 
@@ -617,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             return 1
         print(f"{OUT} matches the summaries; every number {', '.join(CHECKED_DOCUMENTS)} quote is in one, "
-              "every interval beside the comparison it belongs to")
+              "every interval beside the comparison it belongs to and taken its sentence's way round, every count "
+              "of decided comparisons of the ones it describes")
         return 0
     atomic_write_text(target, text)
     print(f"wrote {OUT}")

@@ -665,6 +665,10 @@ def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: floa
     ``target`` (default ``mc_target(scale)``). ``Interval.resamples`` is then the patterns used."""
     values, weights = _units(per_task, clusters)
     estimate = float(values.sum())
+    # Printed: the estimate as bca_interval computes it (scaled, then the mean over tasks of the task
+    # means), so a table's differences keep the last digit they had; ``estimate`` (the same up to
+    # rounding) centres the test.
+    printed = float(np.mean([v.mean() for v in _arrays(per_task, scale)[1]]))
     samples = sum(len(np.asarray(v)) for v in per_task.values())
     if not np.any(values != 0):  # nothing differs: the test never rejects a shift of 0 alone either
         return Interval(0.0, 0.0, 0.0, samples)
@@ -700,7 +704,7 @@ def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: floa
             a, b = np.concatenate([a, more[0]]), np.concatenate([b, more[1]])
         error, used = error * scale, len(a)
     low, high = (_round_bound(scale * bound, digits) for bound in bounds)
-    return Interval(_rounded(scale * estimate, digits), low, high, samples, round(error, digits + 2), used)
+    return Interval(_rounded(printed, digits), low, high, samples, round(error, digits + 2), used)
 
 
 def cell_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digits: int = 2,

@@ -299,6 +299,7 @@ def cell_table(setting: Setting, results: dict) -> pd.DataFrame:
             "layer_groups": cell.layer_groups, "budget_schedule": cell.budget_schedule,
             "evict_share_ranks": rank_shares(perf[-1].get("ranks") or []),
             "position": stored.get("position", fixed_order.get(cell)),
+            "position_recorded": "position" in stored,
         })
     table = pd.DataFrame(rows)
     for label, cell in (("x_baseline", setting.baseline), ("x_ceiling", setting.ceiling)):
@@ -686,7 +687,10 @@ def drift_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
     slope = fit["drift"]
     lines = [f"Drift: output tok/s changed by {100 * (slope.estimate - 1):+.2f}% per cell run (95% interval "
              f"{100 * (slope.low - 1):+.2f}% to {100 * (slope.high - 1):+.2f}%; log output tok/s fitted as configuration "
-             f"plus a straight line in run order over {len(table)} cells, {fit['df']} residual degrees of freedom)"]
+             f"plus a straight line in run order over {len(table)} cells, {fit['df']} residual degrees of freedom"
+             + ("" if table.get("position_recorded", pd.Series([True])).all() else
+                "; cells that recorded no position are taken to have run in the setting's order, as the code then "
+                "ran them: a cell rerun later breaks that") + ")"]
     for name, ratio in fit["ratios"].items():
         lines.append(f"{name} vs {setting.baseline.name}, the trend taken out: {ratio.estimate:.3f}x output tok/s "
                      f"(95% interval {ratio.low:.3f}-{ratio.high:.3f})")

@@ -3,6 +3,8 @@ every number the README's Results section and FINDINGS.md quote appears in RESUL
 summary its paragraph names (``harness.analysis.report``)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.analysis import report
@@ -130,3 +132,50 @@ def test_budget_words_are_the_budget_labels_the_summaries_have():
 def test_the_intro_defines_every_mark_the_tables_use():
     intro = (ROOT / report.OUT).read_text().split("\n## ", 1)[0]
     assert "`*`: Holm-adjusted p < 0.05" in intro and "`?`: a comparison whose" in intro
+
+
+def planted(tmp_path, monkeypatch, text: str) -> list[str]:
+    """``report --check``'s document problems with ``text`` as the only checked document."""
+    document = tmp_path / "planted.md"
+    document.write_text(text)
+    monkeypatch.setattr(report, "CHECKED_DOCUMENTS", {str(document): None})
+    return report.check_documents(ROOT)
+
+
+@pytest.mark.slow  # runs the whole documents check twice
+def test_a_difference_quoted_the_wrong_way_round_fails_the_check(tmp_path, monkeypatch, capsys):
+    """FINDINGS once quoted SnapKV minus PagedEviction at `r0.75` in a sentence reading PagedEviction
+    ahead of SnapKV (issue 51): every number was in the summary, and the check, accepting either
+    direction, passed it. Planted again, --check fails; the right way round it passes."""
+    paged, snapkv = "paged[decode_eviction=False, layer_groups=3]", "snapkv[decode_eviction=False, layer_groups=3]"
+    right = interval_of("layer_budgets", "score", snapkv, "r0.75", variant=paged)
+    estimate, low, high = (float(v) for v in re.match(r"(\S+) \((\S+), (\S+)\)", right).groups())
+    reverse = report.interval_text(-estimate, -high, -low, 2)
+    sentence = ("## Budgets (`results/layer_budgets`)\n\nPagedEviction stays ahead of SnapKV at `r0.5`; at `r0.75` "
+                "the difference is undecided ({} uniform).\n")
+    assert planted(tmp_path, monkeypatch, sentence.format(right)) == []
+    problems = planted(tmp_path, monkeypatch, sentence.format(reverse))
+    assert len(problems) == 1 and "on the wrong comparison" in problems[0] and reverse in problems[0], problems
+    assert report.main(["--check"]) == 1 and reverse in capsys.readouterr().err
+    # Stated the other way round, the reversed numbers are right.
+    assert planted(tmp_path, monkeypatch, sentence.replace("PagedEviction stays ahead of SnapKV",
+                                                           "SnapKV stays behind PagedEviction").format(reverse)) == []
+
+
+def test_a_count_of_decided_comparisons_over_the_wrong_scope_fails_the_check(tmp_path, monkeypatch, capsys):
+    """FINDINGS once gave the whole table's count, full cache and the whole-prompt cells included,
+    for "the other policies compressing the context alone" (issue 51). Planted again, --check fails;
+    the scope's own count passes."""
+    study = next(s for s in report.ACCURACY if s.folder == "ruler_context")
+    everything = report.decided_counts(study, ROOT, report.QUANTITIES[0], lambda variant: True)
+    scope = report.decided_counts(study, ROOT, report.QUANTITIES[0],
+                                  lambda variant: "compress=context" in variant and variant != "full")
+    assert everything != scope and scope[1] < everything[1]
+    sentence = ("## Context (`results/ruler_context`)\n\nAgainst the other policies compressing the context alone, "
+                "{} of {} comparisons are decided, PagedEviction better in {}.\n")
+    assert planted(tmp_path, monkeypatch, sentence.format(*scope)) == []
+    problems = planted(tmp_path, monkeypatch, sentence.format(*everything))
+    assert len(problems) == 1 and "miscounted" in problems[0], problems
+    assert report.main(["--check"]) == 1 and "miscounted" in capsys.readouterr().err
+    wrong_better = (scope[0], scope[1], scope[2] - 1)
+    assert planted(tmp_path, monkeypatch, sentence.format(*wrong_better))

@@ -45,19 +45,22 @@ FIELDS = {"score": ("", 100), "answer_logprob": ("answer_logprob_", 1), "top1_ag
 
 # ---------------------------------------------------------------- agreement of committed intervals and p
 def summaries(root: Path = ROOT) -> list[Path]:
-    """Every machine-readable summary under results/ (run directories left out)."""
-    return sorted(p for p in (root / "results").rglob("summary.csv") if "runs" not in p.relative_to(root).parts)
+    """Every machine-readable summary of comparisons under results/: each summary.csv and
+    comparisons.csv (run directories left out)."""
+    return sorted(p for name in ("summary.csv", "comparisons.csv") for p in (root / "results").rglob(name)
+                  if "runs" not in p.relative_to(root).parts)
 
 
 def comparisons(frame: pd.DataFrame) -> list[tuple[str, str]]:
     """(row index, stem) of every comparison the frame prints with an interval and a p-value:
-    columns ``<stem>_low``, ``<stem>_high`` and ``<stem>_p`` all present. A summary.csv has a row
+    columns ``<stem>low``, ``<stem>high`` and ``<stem>p`` all present (a stem ends in "_" or is empty). A summary.csv has a row
     per (run, task) and repeats a run's average-level columns (``avg_`` in the stem) in each of its
     rows: those are counted once per run."""
-    stems = [c[:-2] for c in frame.columns if c.endswith("_p") and f"{c[:-2]}_low" in frame and f"{c[:-2]}_high" in frame]
+    stems = [c[:-1] for c in frame.columns if c.endswith("p") and f"{c[:-1]}low" in frame and f"{c[:-1]}high" in frame
+             and (c == "p" or c.endswith("_p"))]  # "p": a comparisons.csv's one comparison per row
     found = []
     for stem in stems:
-        rows = frame[frame[f"{stem}_p"].notna()]
+        rows = frame[frame[f"{stem}p"].notna()]
         if "avg_vs_" in stem and "run_dir" in frame:
             rows = rows.drop_duplicates("run_dir")
         found += [(index, stem) for index in rows.index]
@@ -72,12 +75,12 @@ def disagreements(root: Path = ROOT) -> tuple[int, list[str]]:
     for path in summaries(root):
         frame = pd.read_csv(path, low_memory=False)
         for index, stem in comparisons(frame):
-            low, high, p = (float(frame.at[index, f"{stem}_{part}"]) for part in ("low", "high", "p"))
+            low, high, p = (float(frame.at[index, f"{stem}{part}"]) for part in ("low", "high", "p"))
             total += 1
             if (low > 0 or high < 0) != (p < ALPHA):
                 where = frame.at[index, "run_dir"] if "run_dir" in frame else index
                 task = f" {frame.at[index, 'task']}" if "task" in frame and "avg_vs_" not in stem else ""
-                found.append(f"{path.relative_to(root)}: {where}{task} {stem}: ({low}, {high}) p={p:.4g}")
+                found.append(f"{path.relative_to(root)}: {where}{task} {stem.rstrip('_')}: ({low}, {high}) p={p:.4g}")
     return total, found
 
 
