@@ -670,8 +670,8 @@ def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: floa
     # rounding) centres the test.
     printed = float(np.mean([v.mean() for v in _arrays(per_task, scale)[1]]))
     samples = sum(len(np.asarray(v)) for v in per_task.values())
-    if not np.any(values != 0):  # nothing differs: the test never rejects a shift of 0 alone either
-        return Interval(0.0, 0.0, 0.0, samples)
+    if not np.any(values != 0):  # two runs equal on every sample: p = 1, and the interval is the point 0
+        return Interval(0.0, 0.0, 0.0, samples)  # (as before: nothing to shift; it contains zero, as p says)
     span = float(np.max(np.abs(values / weights)) + abs(estimate)) or 1.0
     bounds: list[float]
     if len(values) <= EXACT_UP_TO:
