@@ -1,6 +1,6 @@
 """Run one cell, or a sweep with -m:  python run.py policy=paged budget=1024
 
-Configuration lives in conf/ (Hydra); see README.md for the common command lines.
+Configuration lives in conf/ (Hydra); see docs/configuration.md for the common command lines.
 """
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ class Pair:
 # protect_edges=false and per_head=true (their default).
 PAIRS = (
     Pair("knorm", {"protect_edges": False}, "knorm", {},
-         "none in the rule; ranking precision (see README: scores within 2^-11 tie to the earlier token)"),
+         "none in the rule; ranking precision (see docs/results.md: scores within 2^-11 tie to the earlier token)"),
     Pair("streaming", {"n_sink": 4}, "streaming_llm", {"n_sink": 4}, "none: positions alone decide"),
     Pair("snapkv", {"window": 64, "kernel": 5}, "snapkv", {"window_size": 64, "kernel_size": 5},
          "none in the rule (window votes summed where kvpress averages them: the same order)"),

@@ -28,7 +28,7 @@ ledger), the requests' wall time and output tokens per second. Writes ``results/
 ``--reanalyse`` rewrites the statistics from a committed ``requests.jsonl`` with no engine.
 
 Each request compresses its own copy of the context: the compressed blocks of one request are
-not reused by the next (README, "One context, many questions", says why vLLM's prefix cache
+not reused by the next (docs/results.md, "One context, many questions", says why vLLM's prefix cache
 cannot hold them and what sharing them would take).
 """
 from __future__ import annotations
@@ -252,7 +252,7 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
                   "peak is the pool's size, not what the configuration asks for (rerun with a larger "
                   "`--kv-cache-gib`)."]
     lines += ["", "Every compressing request holds its own compressed copy of its context (the copies are not "
-              "shared between requests: README, \"One context, many questions\"), while full cache's questions share "
+              "shared between requests: docs/results.md, \"One context, many questions\"), while full cache's questions share "
               "one copy of the context through the prefix cache. Timings are one run each on the 2-core CPU machine.", ""]
     if families:
         from harness.analysis.clustered import section

@@ -20,7 +20,7 @@ time.
 Every section names the code versions its cells ran at (``harness.records.provenance.code_version``; the
 commit for results older than it): a table is comparable with another only at one code version,
 and the last section says how many there are. ``tests/experiments/test_claims.py`` checks that
-the committed RESULTS.md is this module's output and that every number the README and
+the committed RESULTS.md is this module's output and that every number ``docs/results.md`` (its Results section) and
 ``results/FINDINGS.md`` quote appears here, beside the comparison it belongs to, taken the way
 round its sentence says (``direction``), and that every "N of M decided" count is of the
 comparisons its sentence describes (``miscounted``).
@@ -353,7 +353,7 @@ def render(root: Path = ROOT) -> str:
 # "N of M" count. Integers elsewhere are budgets, sample sizes and names, not findings. A ratio
 # may carry its "x" (1.65x, and the range 0.89x-0.95x): the number is read without it, and found
 # in a summary that writes it either way (``appears``).
-CHECKED_DOCUMENTS = {"README.md": "## Results", "results/FINDINGS.md": None}  # None: the whole file
+CHECKED_DOCUMENTS = {"docs/results.md": "## Results", "results/FINDINGS.md": None}  # None: the whole file
 _CODE = re.compile(r"`[^`]*`")
 _LINK_TARGET = re.compile(r"\]\([^)]*\)")
 # Not after a letter and a hyphen (Llama-3.1), unless that letter is a ratio's x (0.89x-0.95x).

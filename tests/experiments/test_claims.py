@@ -1,5 +1,5 @@
 """The documents' numbers come from the committed summaries: RESULTS.md is generated from them, and
-every number the README's Results section and FINDINGS.md quote appears in RESULTS.md or in the
+every number the Results section of docs/results.md and FINDINGS.md quote appears in RESULTS.md or in the
 summary its paragraph names (``harness.analysis.report``)."""
 from __future__ import annotations
 
