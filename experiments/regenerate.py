@@ -25,8 +25,9 @@ another code version are deleted before their step reruns (they are in git histo
 ends by rewriting its folder's summary; the last rewrites ``results/RESULTS.md``
 (``python -m harness.analysis.report``).
 
-The steps and their sample counts are the plan of record (``STEPS``); ``minutes`` is what a step
-took on the 2-core CPU machine, or the estimate it is planned with where it has not run yet.
+The steps are the studies of ``harness.analysis.studies`` (the one table RESULTS.md reads too), in
+its order; ``minutes`` is what a step took on the 2-core CPU machine, or the estimate it is planned
+with where it has not run yet.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from harness.analysis.studies import Study, planned, views_of  # noqa: E402
 from harness.records.provenance import code_version  # noqa: E402
 
 PYTHON = sys.executable
@@ -66,19 +68,18 @@ class Step:
                       and (path.parent / "perf.json").exists())
 
 
-def accuracy(name: str, experiment: str, minutes: float, *overrides: str, measured: bool = False,
-             views: tuple[tuple[str, tuple[str, ...]], ...] = (), beside: tuple[str, ...] = ()) -> Step:
-    """A sweep and its summary; ``views``: further summaries of the same cells (a subfolder and the
-    aggregate's options, e.g. the table without a task); ``beside``: other studies' folders whose
-    cells the summaries show next to this one's (a cell both have counts once)."""
-    folder = f"results/{name}"
-    roots = (folder, *beside)
-    return Step(name, name, (
-        (PYTHON, "run.py", "-m", f"+experiment={experiment}", f"output_dir={folder}", *overrides),
+def accuracy(study: Study) -> Step:
+    """A sweep and its summary, and its views' summaries (further summaries of the same cells: a
+    subfolder and the aggregate's options, e.g. the table without a task); ``beside``: other
+    studies' folders whose cells the summaries show next to this one's (a cell both have counts once)."""
+    folder = f"results/{study.folder}"
+    roots = (folder, *study.beside)
+    return Step(study.folder, study.folder, (
+        (PYTHON, "run.py", "-m", f"+experiment={study.experiment}", f"output_dir={folder}"),
         (PYTHON, "-m", "harness.analysis.aggregate", *roots, "--out", folder),
-        *((PYTHON, "-m", "harness.analysis.aggregate", *roots, "--out", f"{folder}/{sub}", *options)
-          for sub, options in views),
-    ), minutes, measured)
+        *((PYTHON, "-m", "harness.analysis.aggregate", *roots, "--out", f"results/{view.folder}", *view.view_options)
+          for view in views_of(study)),
+    ), study.minutes, study.measured)
 
 
 def throughput(setting: str, minutes: float, trials: int = 3, measured: bool = False) -> Step:
@@ -86,43 +87,9 @@ def throughput(setting: str, minutes: float, trials: int = 3, measured: bool = F
                 ((PYTHON, "experiments/throughput.py", setting, "--trials", str(trials)),), minutes, measured)
 
 
-# Sample counts: the embedded suite and the ablation at 20 per task, as committed (the
-# sample-size plans in results/*/sample_size.md say what deciding every headline comparison would
-# take: more than these sessions hold); RULER at kvpress's four compression ratios, 12 samples per
-# task (6 per length), prompt-only compression (conf/experiment/ruler_ratios.yaml's own defaults).
-# Throughput: three interleaved trials of every configuration. `quick` is a subset of `cpu`,
-# `cpu_tight` repeats `cpu` on a smaller pool: not committed (they stay runnable). Minutes marked
-# measured are the regeneration's at code version 114c4ea051a4. The proxy study and the
-# eviction-cost benchmark are analyses of the method, not of its accuracy or throughput in the
-# engine, and record no provenance yet: outside the plan; so is the shared-context workload
-# (experiments/shared_context.py), one engine run of its own.
-STEPS = (
-    accuracy("cpu_accuracy", "cpu_accuracy", 68.3, measured=True),
-    accuracy("ablation", "ablation", 69.1, measured=True),
-    # RULER's variable tracking scores 0 under full cache (its answers copy the filler) and rewards
-    # evicting the filler: the table is also summarised without it.
-    accuracy("ruler", "ruler_ratios", 73.8, measured=True,
-             views=(("without_vt", ("--drop-task", "vt", "--no-plots")),)),
-    # The same RULER samples compressed before the question is seen (the leaderboard's main loop),
-    # summarised beside the query-aware cells above (its --compress_questions loop).
-    accuracy("ruler_context", "ruler_context", 74, beside=("results/ruler",),
-             views=(("without_vt", ("--drop-task", "vt", "--no-plots")),)),
-    throughput("cpu", 42.4, measured=True),
-    throughput("attention", 33.1, measured=True),
-    throughput("overhead", 13),
-    throughput("latency", 10),
-    throughput("shared_prefix", 10),
-    throughput("tensor_parallel", 8.8, measured=True),
-    throughput("layer_groups", 9),   # 522 s at 956a13d (full cache with the layers as 1, 3, 6 KV cache groups)
-    # Budgets per layer at equal total KV memory: three layer groups, uniform vs pyramid vs attention schedule.
-    # The uniform and pyramid cells took 42 min at 95e0e30 (unit tests running beside them), the
-    # attention schedule's four at 7ede7d3 (see results/layer_budgets' cells).
-    accuracy("layer_budgets", "layer_budgets", 62, measured=True),
-    throughput("budget_schedules", 17, trials=5, measured=True),  # trials 1-2 at 95e0e30 (464 s), 3-5 at 2a15c74 (560 s)
-    throughput("group_overhead", 10, trials=10, measured=True),  # 597 s at e00299d, this setting not yet committed (+dirty)
-    # The same schedules on the embedded suite (40 min at 24e8f3f: generation, then the likelihood passes).
-    accuracy("layer_budgets_suite", "layer_budgets_suite", 40, measured=True),
-)
+# The plan of record: every study of harness.analysis.studies with its minutes, in its order.
+STEPS = tuple(throughput(study.folder.split("/", 1)[1], study.minutes, study.trials, study.measured)
+              if study.throughput else accuracy(study) for study in planned())
 
 
 def version_of(path: Path) -> str | None:

@@ -42,6 +42,7 @@ from harness.analysis.labels import budget_label
 from harness.analysis.silence import dead_samples
 from harness.records.results import atomic_write_text, read_json
 from harness.analysis.stats import MAX_FLIPS, ratio_interval
+from harness.analysis.studies import Study, accuracy_studies, throughput_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("results")
@@ -49,41 +50,9 @@ OUT = RESULTS / "RESULTS.md"
 COMMAND = "python -m harness.analysis.report"
 
 
-@dataclass(frozen=True)
-class AccuracyStudy:
-    folder: str
-    title: str
-    made_by: str  # the sweep that wrote the cells (the aggregate command is in summary.md)
-    focus: str  # the variant every other is compared with
-    # The study's primary signal (a ``Quantity.field``): the one its verdict rests on. Holm runs per
-    # table and per signal, nothing adjusts across the four signals, so a claim that cites whichever
-    # signal decides has four chances; the others are reported as secondary (issue 51, item 5). The
-    # task score for every study here: each was designed to ask what eviction costs in answers, and
-    # the signals that need no right answer were added later to see where the score cannot.
-    primary: str = "score"
-
-
-ACCURACY = (
-    AccuracyStudy("cpu_accuracy", "The policies on the embedded suite",
-                  "python run.py -m +experiment=cpu_accuracy", "paged"),
-    AccuracyStudy("ruler", "RULER at kvpress's compression ratios (prompt only)",
-                  "python experiments/regenerate.py --only ruler", "paged[decode_eviction=False]"),
-    AccuracyStudy("ruler/without_vt", "The same RULER cells without variable tracking (full cache scores 0 on it)",
-                  "python experiments/regenerate.py --only ruler", "paged[decode_eviction=False]"),
-    AccuracyStudy("ruler_context", "RULER compressed before the question is seen (query-agnostic, kvpress's "
-                  "leaderboard loop) beside the whole prompt compressed (query-aware, its --compress_questions loop)",
-                  "python experiments/regenerate.py --only ruler_context", "paged[compress=context]"),
-    AccuracyStudy("ablation", "PagedEviction's score and granularity apart",
-                  "python run.py -m +experiment=ablation", "paged"),
-    AccuracyStudy("layer_budgets", "Budgets per layer at equal total KV memory: three KV cache groups at the uniform, "
-                  "pyramid and attention schedules (RULER, prompt only)",
-                  "python run.py -m +experiment=layer_budgets", "paged[decode_eviction=False, layer_groups=3]"),
-    AccuracyStudy("layer_budgets_suite", "Budgets per layer on the embedded suite: three KV cache groups at the "
-                  "uniform, pyramid and attention schedules", "python run.py -m +experiment=layer_budgets_suite",
-                  "paged[layer_groups=3]"),
-)
-THROUGHPUT = ("quick", "cpu", "cpu_tight", "attention", "overhead", "latency", "shared_prefix", "tensor_parallel",
-              "layer_groups", "budget_schedules", "group_overhead")
+# The studies, from their one table (``harness.analysis.studies``).
+ACCURACY = accuracy_studies()
+THROUGHPUT = throughput_settings()
 
 
 def short(commit: str | None) -> str:
@@ -158,7 +127,7 @@ def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], qua
     return lines, {**verdict, "undecided": counts["undecided"], "unsettled": counts["unsettled"]}
 
 
-def accuracy_section(study: AccuracyStudy, root: Path) -> list[str]:
+def accuracy_section(study: Study, root: Path) -> list[str]:
     folder = root / RESULTS / study.folder
     frame = read_summary(folder)
     parts = [f"### {study.title}", "",
@@ -265,7 +234,7 @@ def percent(cells: pd.DataFrame, column: str) -> str:
 
 
 # ---------------------------------------------------------------- the document
-def present(studies: tuple[AccuracyStudy, ...], root: Path) -> list[AccuracyStudy]:
+def present(studies: tuple[Study, ...], root: Path) -> list[Study]:
     """The studies with a committed summary (a study not run yet, or retired, is left out)."""
     return [study for study in studies if (root / RESULTS / study.folder / "summary.csv").exists()]
 
@@ -465,12 +434,12 @@ def base_name(variant: str) -> str:
     return variant.split("[", 1)[0]
 
 
-def study_cells(study: AccuracyStudy, root: Path) -> pd.DataFrame:
+def study_cells(study: Study, root: Path) -> pd.DataFrame:
     """An accuracy study's cells: its summary.csv, one row per run."""
     return read_summary(root / RESULTS / study.folder).drop_duplicates("run_dir")
 
 
-def study_intervals(study: AccuracyStudy, root: Path, frame: pd.DataFrame | None = None) -> list[Quoted]:
+def study_intervals(study: Study, root: Path, frame: pd.DataFrame | None = None) -> list[Quoted]:
     """Every interval an accuracy study's summaries print: each cell's average and the focus's
     paired differences, per quantity, as printed (``Quantity.decimals``). ``frame``: its cells
     (``study_cells``), if already read."""
@@ -653,7 +622,7 @@ SCOPES = (  # (words in the sentence before the count, which other variants it c
 )
 
 
-def decided_counts(study: AccuracyStudy, root: Path, quantity: Quantity, counts) -> tuple[int, int, int]:
+def decided_counts(study: Study, root: Path, quantity: Quantity, counts) -> tuple[int, int, int]:
     """(decided, comparisons, decided with the focus better) over the focus's comparisons of the
     average whose other variant ``counts`` accepts, as RESULTS.md counts them."""
     frame = study_cells(study, root)

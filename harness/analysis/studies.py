@@ -1,0 +1,120 @@
+"""The committed studies, one record each: what ``results/RESULTS.md`` gathers
+(``harness.analysis.report``) and what ``experiments/regenerate.py`` remakes and verifies.
+
+A study is an accuracy sweep (its cells made by ``conf/experiment/<experiment>.yaml`` and
+summarised by ``harness.analysis.aggregate``) or a throughput setting (``experiments/throughput.py
+<setting>``). Its record says where it lives, what it asks, the variant every other is compared
+with, the signal its verdict rests on, and how long it takes to make on the 2-core CPU machine
+(``measured``: as it took there; otherwise the estimate it is planned with). A view is a further
+summary of another study's cells (RULER without variable tracking). A new study is one record here
+and its sweep's config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Study:
+    folder: str                  # under results/
+    title: str = ""
+    focus: str = ""              # accuracy: the variant every other is compared with
+    # The signal the verdict rests on (a ``Quantity.field``). Holm runs per table and per signal,
+    # nothing adjusts across the four signals, so a claim that cites whichever signal decides has
+    # four chances; the others are reported as secondary (issue 51, item 5). The task score for
+    # every study here: each asks what eviction costs in answers; the signals that need no right
+    # answer were added later to see where the score cannot.
+    primary: str = "score"
+    experiment: str | None = None  # accuracy: the conf/experiment sweep that makes its cells
+    minutes: float | None = None   # to make it here (None: not part of the regeneration plan)
+    measured: bool = False
+    view_of: str | None = None     # a further summary of that study's cells ...
+    view_options: tuple[str, ...] = ()  # ... with these aggregate options
+    beside: tuple[str, ...] = ()   # other studies' folders whose cells its summaries show beside its own
+    trials: int = 3                # throughput: interleaved trials of every configuration
+    command: str | None = None     # the command RESULTS.md names for its cells, where not its sweep's
+
+    @property
+    def throughput(self) -> bool:
+        return self.folder.startswith("throughput/")
+
+    @property
+    def name(self) -> str:
+        return self.folder
+
+    @property
+    def made_by(self) -> str:
+        """The command that makes its cells (and, for a view, the study it views)."""
+        if self.command is not None:
+            return self.command
+        if self.view_of is not None or self.beside:
+            return f"python experiments/regenerate.py --only {self.view_of or self.folder}"
+        if self.throughput:
+            return f"python experiments/throughput.py {self.folder.split('/', 1)[1]} --trials {self.trials}"
+        return f"python run.py -m +experiment={self.experiment}"
+
+
+def throughput(setting: str, minutes: float | None = None, trials: int = 3, measured: bool = False) -> Study:
+    return Study(f"throughput/{setting}", minutes=minutes, trials=trials, measured=measured)
+
+
+# In RESULTS.md's order, which the regeneration also follows. Sample counts: the embedded suite and
+# the ablation at 20 per task, as committed (results/*/sample_size.md say what deciding every
+# headline comparison would take); RULER at kvpress's four compression ratios, 12 samples per task
+# (6 per length), prompt-only compression (conf/experiment/ruler_ratios.yaml). Throughput:
+# interleaved trials of every configuration. Outside the plan (no minutes): ``quick`` (a subset of
+# ``cpu``) and ``cpu_tight`` (``cpu`` on a smaller pool), runnable but not remade; also the proxy
+# study, the eviction-cost benchmark and the shared-context workload, which record no provenance yet.
+STUDIES: tuple[Study, ...] = (
+    Study("cpu_accuracy", "The policies on the embedded suite", "paged", experiment="cpu_accuracy",
+          minutes=68.3, measured=True),
+    Study("ruler", "RULER at kvpress's compression ratios (prompt only)", "paged[decode_eviction=False]",
+          experiment="ruler_ratios", minutes=73.8, measured=True, command="python experiments/regenerate.py --only ruler"),
+    # RULER's variable tracking scores 0 under full cache (its answers copy the filler) and rewards
+    # evicting the filler: the table is also summarised without it.
+    Study("ruler/without_vt", "The same RULER cells without variable tracking (full cache scores 0 on it)",
+          "paged[decode_eviction=False]", view_of="ruler", view_options=("--drop-task", "vt", "--no-plots")),
+    # The same RULER samples compressed before the question is seen (the leaderboard's main loop),
+    # summarised beside the query-aware cells above (its --compress_questions loop).
+    Study("ruler_context", "RULER compressed before the question is seen (query-agnostic, kvpress's "
+          "leaderboard loop) beside the whole prompt compressed (query-aware, its --compress_questions loop)",
+          "paged[compress=context]", experiment="ruler_context", minutes=74, beside=("results/ruler",)),
+    Study("ruler_context/without_vt", view_of="ruler_context", view_options=("--drop-task", "vt", "--no-plots")),
+    Study("ablation", "PagedEviction's score and granularity apart", "paged", experiment="ablation",
+          minutes=69.1, measured=True),
+    Study("layer_budgets", "Budgets per layer at equal total KV memory: three KV cache groups at the uniform, "
+          "pyramid and attention schedules (RULER, prompt only)", "paged[decode_eviction=False, layer_groups=3]",
+          experiment="layer_budgets", minutes=62, measured=True),
+    Study("layer_budgets_suite", "Budgets per layer on the embedded suite: three KV cache groups at the "
+          "uniform, pyramid and attention schedules", "paged[layer_groups=3]", experiment="layer_budgets_suite",
+          minutes=40, measured=True),
+    throughput("quick"),
+    throughput("cpu", 42.4, measured=True),
+    throughput("cpu_tight"),
+    throughput("attention", 33.1, measured=True),
+    throughput("overhead", 13),
+    throughput("latency", 10),
+    throughput("shared_prefix", 10),
+    throughput("tensor_parallel", 8.8, measured=True),
+    throughput("layer_groups", 9),
+    throughput("budget_schedules", 17, trials=5, measured=True),
+    throughput("group_overhead", 10, trials=10, measured=True),
+)
+
+
+def accuracy_studies() -> tuple[Study, ...]:
+    """What RESULTS.md gathers of accuracy: every study and view with a title."""
+    return tuple(study for study in STUDIES if not study.throughput and study.title)
+
+
+def throughput_settings() -> tuple[str, ...]:
+    return tuple(study.folder.split("/", 1)[1] for study in STUDIES if study.throughput)
+
+
+def planned() -> tuple[Study, ...]:
+    """The studies the regeneration makes, in order (views ride with the study they view)."""
+    return tuple(study for study in STUDIES if study.minutes is not None)
+
+
+def views_of(study: Study) -> tuple[Study, ...]:
+    return tuple(view for view in STUDIES if view.view_of == study.folder)
