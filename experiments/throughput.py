@@ -32,7 +32,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from harness.analysis.studies import refuse_uncommitted
 from harness.bench.throughput import Cell, Setting, Workload, run_setting, summarize_setting, write_report
+from harness.records.provenance import code_version
 
 POLICIES = ("paged", "streaming", "knorm")
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary_only and args.force:
         parser.error("--summary-only reads the cells on disk; --force would rerun them")
     out = args.out or ROOT / "results" / "throughput" / setting.name
+    if not args.summary_only:
+        try:  # a committed setting's cells only from committed code
+            refuse_uncommitted(out, code_version())
+        except ValueError as error:
+            parser.error(str(error))
     # The command that measures these cells, also when --summary-only rewrites their summary.
     measuring = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--summary-only"]
     command = "python experiments/throughput.py " + " ".join(shlex.quote(a) for a in measuring)

@@ -12,6 +12,9 @@ and its sweep's config.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -118,3 +121,20 @@ def planned() -> tuple[Study, ...]:
 
 def views_of(study: Study) -> tuple[Study, ...]:
     return tuple(view for view in STUDIES if view.view_of == study.folder)
+
+
+def refuse_uncommitted(out: Path | str, version: str | None) -> None:
+    """A committed study's cells come from committed code only: writing into a study's folder
+    (``results/<folder>``, its subfolders included) at a code version with uncommitted changes
+    (``harness.records.provenance.code_version`` ending ``+dirty``) is refused with a ``ValueError``
+    saying so, before any engine starts. Anywhere else (``results/runs``, a scratch folder) is free."""
+    if not (version or "").endswith("+dirty"):
+        return
+    target = Path(out).resolve()
+    for study in STUDIES:
+        folder = (ROOT / "results" / study.folder).resolve()
+        if target == folder or folder in target.parents:
+            raise ValueError(
+                f"results/{study.folder} holds a committed study (harness/analysis/studies.py): its cells are made "
+                f"only from committed code, and this checkout's code has uncommitted changes (code version "
+                f"{version}): commit them first, or write to another folder (output_dir=results/runs/...)")

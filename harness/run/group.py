@@ -22,7 +22,9 @@ from pathlib import Path
 from harness.config import RunSettings
 from harness.config.models import resolve_model_path
 from harness.eviction.counters import EvictionCounters
+from harness.analysis.studies import refuse_uncommitted
 from harness.records.console import engine_output_to, tail
+from harness.records.provenance import LOADED
 from harness.records.results import RunWriter
 from harness.run.cell import CellRecord, CellWork, prepare_cell, publish, record_cell
 from harness.run.likelihood import cells_likelihood
@@ -74,6 +76,9 @@ def run_grouped(runs: list[RunSettings]) -> list[str]:
 def run_group(runs: list[RunSettings], name: str) -> dict[str, str]:
     """One engine for cells differing only in policy and budget; returns run dir -> outcome."""
     from transformers import AutoTokenizer
+
+    for run in runs:  # a committed study's cells only from committed code, refused before anything loads
+        refuse_uncommitted(run.output_dir, LOADED["code_version"])
 
     model_path = resolve_model_path(runs[0].model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

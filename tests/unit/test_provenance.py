@@ -1,6 +1,8 @@
 """The code version names what runs, not the whole tree (``harness.records.provenance.code_version``)."""
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 from pathlib import Path
 
@@ -49,3 +51,17 @@ def test_a_result_records_the_code_its_process_loaded(monkeypatch):
     recorded = module.provenance()
     assert recorded["code_version"] == module.LOADED["code_version"] != "changed-after-loading"
     assert recorded["git_commit"] == module.LOADED["git_commit"] != "changed-after-loading"
+
+
+def test_a_committed_studys_folder_takes_cells_only_from_committed_code(tmp_path):
+    """Writing into a study's folder (or below it) at a +dirty code version is refused before any
+    engine starts; a clean version, or another folder, is free (issue 51: no cell from code no
+    commit holds)."""
+    from harness.analysis.studies import ROOT, refuse_uncommitted
+
+    for folder in ("results/cpu_accuracy", "results/ruler/without_vt", "results/throughput/layer_groups"):
+        with pytest.raises(ValueError, match="has uncommitted changes .code version 0123abcd4567\\+dirty."):
+            refuse_uncommitted(ROOT / folder, "0123abcd4567+dirty")
+        refuse_uncommitted(ROOT / folder, "0123abcd4567")
+    for elsewhere in (ROOT / "results" / "runs", tmp_path, ROOT / "results" / "cpu_accuracy_scratch"):
+        refuse_uncommitted(elsewhere, "0123abcd4567+dirty")
