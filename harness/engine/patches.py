@@ -14,7 +14,9 @@ How a name is touched:
 * ``overridden``: a subclass of the harness redefines it (vLLM's hook installs the subclass: the
   scheduler through ``scheduler_cls``; the KV managers by swapping an instance's class);
 * ``replaced on an instance``: one object's method, set on that object only (the scheduler's own
-  KV cache manager).
+  KV cache manager);
+* ``called``: not changed, but called by the harness where vLLM itself calls it (its parameters
+  are a contract all the same).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ MANAGER = "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager"
 class Patch:
     owner: str                      # "module:Class" in vLLM
     name: str                       # the attribute touched
-    how: str                        # wrapped, added, overridden, replaced on an instance
+    how: str                        # wrapped, added, overridden, replaced on an instance, called
     parameters: tuple[str, ...]     # vLLM 0.32.0's own (empty for an added name)
     why: str
     by: str                         # the harness code that does it
@@ -94,7 +96,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(SCHEDULER, "update_from_output", "overridden", ("self", "scheduler_output", "model_runner_output"),
           "settle the worker's eviction report, return released blocks, end requests whose policy failed",
           "harness.engine.scheduler.EvictionScheduler"),
-    Patch(SCHEDULER, "finish_requests", "overridden", ("self", "request_ids", "finished_status"),
+    Patch(SCHEDULER, "finish_requests", "called", ("self", "request_ids", "finished_status"),
           "called (not redefined) to end a failed request with FINISHED_ERROR, as vLLM ends its own",
           "harness.engine.scheduler.EvictionScheduler._end_failed"),
     Patch(SCHEDULER, "_reserve_prefill_lookahead", "overridden", ("self", "request", "num_computed_tokens", "num_new_tokens"),
