@@ -18,10 +18,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
-from harness.eviction.settings import (RUN_FIELDS, EvictionSettings, budget_for_ratio, check_compress,
-                                       check_layer_groups,
-                                       check_policy_runs, check_ratio, check_schedule, check_schedule_runs,
-                                       group_policies)
+from harness.eviction.settings import (RUN_FIELDS, EvictionSettings, admit, budget_for_ratio, check_compress,
+                                       check_layer_groups, check_policy_runs, check_ratio, check_schedule,
+                                       scheduling_is_async)
 from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
@@ -231,13 +230,17 @@ def check_run_layer_groups(run: RunSettings) -> None:
         return
     try:
         check_schedule(run.budget_schedule, run.pyramid_beta, "the run")
-        group_policies(run.eviction, run.block_size, layers or groups, groups)  # refused before a model loads
-        # vLLM schedules asynchronously by default where the platform has it: on a GPU, not on CPU
-        # (vllm/platforms/cpu.py:329-331)
-        asynchronous = run.engine.async_scheduling if run.engine.async_scheduling is not None else run.engine.device == "cuda"
-        check_schedule_runs(run.eviction, run.engine.enforce_eager, asynchronous)
+        admit_run(run, layers or groups)  # refused before a model loads
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def admit_run(run: RunSettings, num_layers: int, budget: int | None = None):
+    """The run's eviction settings through the engine's admission (``harness.eviction.settings.admit``),
+    at its own budget or ``budget`` (the largest a ratio gives, for the memory prediction)."""
+    settings = run.eviction if budget is None else replace(run.eviction, budget=budget)
+    return admit(settings, run.block_size, num_layers, run.engine.layer_groups, enforce_eager=run.engine.enforce_eager,
+                 async_scheduling=scheduling_is_async(run.engine.async_scheduling, run.engine.device))
 
 
 def check(run: RunSettings) -> None:
@@ -371,8 +374,7 @@ def check_memory(run: RunSettings) -> None:
     else:
         return
     policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)
-    groups = group_policies(replace(run.eviction, budget=run.policy_budget), run.block_size, shape.layers,
-                            run.engine.layer_groups)
+    groups = admit_run(run, shape.layers, budget=run.policy_budget)
     memory = predict(policy, shape, run.engine.max_num_seqs, run.model.max_model_len, JOINT_READ_BYTES["cpu"], groups)
     available, need = available_memory(), weights + pool + memory.total * ranks
     if available is not None and need > available:

@@ -15,8 +15,7 @@ from __future__ import annotations
 import functools
 
 from harness.engine.compatibility import check_compatible, layer_groups_of
-from harness.eviction.settings import (CONFIG_KEY, build_policy, check_policy_runs, check_schedule_runs, group_policies,
-                                       request_settings, settings_from)
+from harness.eviction.settings import CONFIG_KEY, admit, request_settings, settings_from
 
 
 def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = None) -> dict | None:
@@ -40,16 +39,14 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
         settings = request_settings(extra, default, block_size)
         if settings is not None:
             check_compatible(vllm_config)
-            check_policy_runs(build_policy(settings, block_size), vllm_config.model_config.enforce_eager)
-            check_schedule_runs(settings, vllm_config.model_config.enforce_eager,
-                                bool(vllm_config.scheduler_config.async_scheduling))
             if prompt_tokens is not None:
                 settings = settings.for_prompt(prompt_tokens, block_size)
             # the budget spread over the engine's layer groups: a schedule that cannot apply (any but
             # uniform on a one-group engine) is refused here, not by the scheduler's backstop
             groups = layer_groups_of(vllm_config)
             layers = vllm_config.model_config.hf_text_config.num_hidden_layers if groups > 1 else 1
-            group_policies(settings, block_size, layers, groups)
+            admit(settings, block_size, layers, groups, enforce_eager=vllm_config.model_config.enforce_eager,
+                  async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 

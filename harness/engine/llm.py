@@ -184,14 +184,16 @@ class Engine:
         from harness.eviction.memory import predict
         from dataclasses import replace
 
-        from harness.eviction.settings import budget_for_ratio, build_policy, group_policies
+        from harness.eviction.settings import admit, budget_for_ratio, build_policy, scheduling_is_async
         from harness.config.models import model_shape
 
         shape = model_shape(model_path, model.dtype)
         if shape is None:
             return utilization
         budget = eviction.budget or budget_for_ratio(eviction.budget_ratio, model.max_model_len, block_size)
-        groups = group_policies(replace(eviction, budget=budget), block_size, shape.layers, engine.layer_groups)
+        groups = admit(replace(eviction, budget=budget), block_size, shape.layers, engine.layer_groups,
+                       enforce_eager=engine.enforce_eager,
+                       async_scheduling=scheduling_is_async(engine.async_scheduling, engine.device))
         memory = predict(build_policy(eviction, block_size), shape, engine.max_num_seqs, model.max_model_len,
                          FlashAttnView.joint_read_bytes, groups)
         total = torch.cuda.mem_get_info()[1]

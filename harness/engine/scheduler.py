@@ -71,8 +71,7 @@ from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
 from harness.engine.compatibility import check_compatible, layer_groups_of
-from harness.eviction.settings import (EvictionSettings, build_policy, check_policy_runs, check_schedule_runs,
-                                       group_policies, request_settings, settings_from)
+from harness.eviction.settings import EvictionSettings, admit, build_policy, request_settings, settings_from
 from policies import BlockPolicy, Policy
 
 
@@ -275,7 +274,6 @@ class EvictionScheduler(Scheduler):
         self.kv_ledger.groups = len(self.kv_cache_manager.coordinator.single_type_managers)
         self.kv_request_settings: dict[str, EvictionSettings] = {}  # live requests that evict
         self.kv_request_counters: OrderedDict[str, RequestCounters] = OrderedDict()
-        self.kv_policies: dict[tuple, tuple[Policy, ...]] = {}  # one per group
         self.kv_whole_policies: dict[tuple, Policy] = {}
         # Per (request, KV cache group): one group, or G with engine.layer_groups, each its own
         # block list, evicted count and budget (harness.engine.layer_groups).
@@ -325,14 +323,9 @@ class EvictionScheduler(Scheduler):
         return policy
 
     def group_policies(self, settings: EvictionSettings) -> tuple[Policy, ...]:
-        policies = self.kv_policies.get(settings.key)
-        if policies is None:
-            check_schedule_runs(settings, self.vllm_config.model_config.enforce_eager, isinstance(self, AsyncScheduler))
-            policies = group_policies(settings, self.kv_block_size, self.kv_layers, self.kv_groups)
-            for policy in {id(policy): policy for policy in policies}.values():
-                check_policy_runs(policy, self.vllm_config.model_config.enforce_eager)
-            self.kv_policies[settings.key] = policies
-        return policies
+        return admit(settings, self.kv_block_size, self.kv_layers, self.kv_groups,
+                     enforce_eager=self.vllm_config.model_config.enforce_eager,
+                     async_scheduling=isinstance(self, AsyncScheduler))
 
     def group_policy(self, settings: EvictionSettings, group: int) -> Policy:
         return self.group_policies(settings)[group]

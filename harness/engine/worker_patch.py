@@ -53,7 +53,7 @@ from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
 )
 from harness.eviction.layer_budgets import measured_settings, spread_and_shift
-from harness.eviction.settings import CONFIG_KEY, EvictionSettings, group_policies, settings_from
+from harness.eviction.settings import CONFIG_KEY, EvictionSettings, admit, settings_from
 from harness.engine.compatibility import SCHEDULER_CLS, check_compatible
 from policies import Policy
 from policies.budget_schedules import ATTENTION_WINDOW
@@ -83,7 +83,9 @@ class WorkerEviction:
         self.measured: dict[str, EvictionSettings] = {}
         self.lengths = GroupLengths(runner) if self.groups > 1 else None
         self.shards = SINGLE
-        self.compiled_cuda = runner.device.type == "cuda" and not runner.model_config.enforce_eager
+        self.enforce_eager = runner.model_config.enforce_eager
+        self.async_scheduling = bool(runner.vllm_config.scheduler_config.async_scheduling)
+        self.compiled_cuda = runner.device.type == "cuda" and not self.enforce_eager
         # This rank's own seconds (the scheduler sees rank 0's reports only): model steps that
         # evicted or captured, evictions, query capture; read through the worker extension.
         self.seconds = {"model_s": 0.0, "evict_s": 0.0, "capture_s": 0.0}
@@ -108,7 +110,8 @@ class WorkerEviction:
         policies = self.policies.get(settings.key)
         if policies is None:
             layers = sum(view.num_layers for view in self.views) or self.groups
-            policies = group_policies(settings, self.block_size, layers, self.groups)
+            policies = admit(settings, self.block_size, layers, self.groups, enforce_eager=self.enforce_eager,
+                             async_scheduling=self.async_scheduling)
             if len({policy.budget for policy in policies}) > 1 and self.compiled_cuda:
                 # Full CUDA graphs replay the seq_lens buffer they captured (layer_groups_verification.md
                 # B5.6); a group's own lengths would not reach them.

@@ -406,6 +406,36 @@ def check_layer_groups(groups: object, num_layers: int | None = None) -> int:
     return groups
 
 
+_ADMITTED: dict[tuple, tuple[Policy, ...]] = {}
+
+
+def admit(settings: EvictionSettings, block_size: int, num_layers: int, groups: int, *, enforce_eager: bool,
+          async_scheduling: bool) -> tuple[Policy, ...]:
+    """The one admission of eviction settings on an engine: what the engine needs of them (an
+    attention schedule synchronous scheduling and eager mode, an attention-reading policy eager
+    mode), their budget spread over the engine's ``groups`` KV cache groups, and the policy each
+    group runs; ``ValueError`` says what cannot run and why. The run's config check, the frontend's
+    request check, the scheduler, the worker and the memory predictions all ask here; the answer
+    is cached per settings and engine."""
+    key = (settings.key, block_size, num_layers, groups, bool(enforce_eager), bool(async_scheduling))
+    policies = _ADMITTED.get(key)
+    if policies is None:
+        check_schedule_runs(settings, enforce_eager, async_scheduling)
+        policies = group_policies(settings, block_size, num_layers, groups)
+        for policy in {id(policy): policy for policy in policies}.values():
+            check_policy_runs(policy, enforce_eager)
+        if len(_ADMITTED) >= 4096:  # ratio budgets differ per prompt length: bounded, not a leak
+            _ADMITTED.clear()
+        _ADMITTED[key] = policies
+    return policies
+
+
+def scheduling_is_async(async_scheduling: bool | None, device: str) -> bool:
+    """Whether vLLM will schedule asynchronously: as asked, or by default where the platform has
+    it: on a GPU, not on CPU (vllm/platforms/cpu.py:329-331)."""
+    return async_scheduling if async_scheduling is not None else device == "cuda"
+
+
 def least_blocks(settings: EvictionSettings, block_size: int) -> int:
     """The fewest blocks a group's budget may have: two (a first block and a recent one), or more
     where the policy needs them (SnapKV's window inside its budget); at most the whole budget."""
