@@ -242,7 +242,7 @@ def digest(text: str) -> str:
 GOLDEN_BUILD_JOBS = "7ae1cd9497431dc3578fde1825e785ba952c4822b6f9389d2eb52dcdc4d14f28"
 GOLDEN_PROMPT = {
     "jobs": "eca58e38704253b9610eb406776894f91f1f87ff769952695a6a116d30a3a4b5",
-    "summary.md": "e34f07acaab90258d70fbf3af4aa20019a04431155773ae3c10cc0ea2ea6ffc2",
+    "summary.md": "901754e0ceb7f9a96990e42c264e59e7f2dd2eba0db399edda3744e94a4eb09d",
     "comparison.jsonl": "61aeea7f51e3eaf933fb4cf980650768ea71c4f778375afdba099ed0c7f13b3c",
     "counts.csv": "2021c8eaa7571fa4a02d7faebcaa7cb7fcce1318aefdab4ac96fe2174c558a01",
 }
