@@ -366,7 +366,7 @@ def evict_group(view: KVView, dues: list[Due], state: PolicyState | None, shards
 
     evictions, moves, remembered = {}, [], []
     for due, job in zip(dues, jobs):
-        policy, rid, tokens, block_size = due.policy, due.request_id, due.tokens, due.policy.block_size
+        policy, rid = due.policy, due.request_id
         fresh = next(scored) if job is not None else None
         if failures is not None and rid in failures:
             continue  # its policy failed: nothing of it is written
