@@ -59,11 +59,11 @@ def comparisons(frame: pd.DataFrame) -> list[tuple[str, str]]:
     stems = [c[:-1] for c in frame.columns if c.endswith("p") and f"{c[:-1]}low" in frame and f"{c[:-1]}high" in frame
              and (c == "p" or c.endswith("_p"))]  # "p": a comparisons.csv's one comparison per row
     found = []
-    for stem in stems:
-        rows = frame[frame[f"{stem}p"].notna()]
+    for stem in stems:  # row labels only: a summary has a thousand columns, not worth copying per stem
+        rows = frame.index[frame[f"{stem}p"].notna()]
         if "avg_vs_" in stem and "run_dir" in frame:
-            rows = rows.drop_duplicates("run_dir")
-        found += [(index, stem) for index in rows.index]
+            rows = rows[~frame.loc[rows, "run_dir"].duplicated().to_numpy()]
+        found += [(index, stem) for index in rows]
     return found
 
 
