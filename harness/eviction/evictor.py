@@ -50,17 +50,39 @@ class PolicyFailure(RuntimeError):
         self.policy = policy
 
 
-def checked_scores(policy: Policy, scores, keys: torch.Tensor) -> torch.Tensor:
-    """A layer's scores as the selections need them, or ``PolicyFailure`` saying what is wrong:
-    ``[kv_heads, tokens]`` of the K/V it was given, finite (a NaN would silently decide by index)."""
+NOT_FINITE = "its score returned NaN or infinite values"
+
+
+def checked_shape(policy: Policy, scores, keys: torch.Tensor) -> torch.Tensor:
+    """A layer's scores if they are ``[kv_heads, tokens]`` of the K/V it was given, else
+    ``PolicyFailure`` saying what is wrong. Shapes only: no device synchronisation."""
     expected = (keys.shape[1], keys.shape[0])
     if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
         shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise PolicyFailure(policy.name, f"its score returned {shape}; a score returns [kv_heads, tokens] = "
                                          f"{list(expected)} for K/V of {keys.shape[0]} tokens and {keys.shape[1]} heads")
-    if not torch.isfinite(scores).all():
-        raise PolicyFailure(policy.name, "its score returned NaN or infinite values")
     return scores
+
+
+def checked_scores(policy: Policy, scores, keys: torch.Tensor) -> torch.Tensor:
+    """A layer's scores as the selections need them, or ``PolicyFailure`` saying what is wrong:
+    ``[kv_heads, tokens]`` of the K/V it was given (``checked_shape``), finite (a NaN would
+    silently decide by index). Reads the device once: for one layer alone (admission's try);
+    ``score_together`` checks shapes per layer and finiteness once per step."""
+    checked_shape(policy, scores, keys)
+    if not torch.isfinite(scores).all():
+        raise PolicyFailure(policy.name, NOT_FINITE)
+    return scores
+
+
+def not_finite(policy: Policy, scores: torch.Tensor, layers: list[int]) -> PolicyFailure | None:
+    """A job's failure if its scores ``[scored layers, heads, tokens]`` (``layers`` the layer of
+    each row) hold a NaN or an infinity, naming the first such layer; None if all are finite. For
+    a failure's message or a row already known to fail: it reads the device."""
+    finite = torch.isfinite(scores).flatten(1).all(dim=1)
+    if bool(finite.all()):
+        return None
+    return PolicyFailure(policy.name, f"{NOT_FINITE}, first in layer {layers[int((~finite).nonzero()[0])]}")
 
 
 def as_failure(policy: Policy, error: Exception) -> PolicyFailure:
@@ -182,7 +204,8 @@ def score_together(view: KVView, jobs: list[ScoreJob], failed: dict[int, PolicyF
     each job's policy scores its part (an attention-aware one with that layer's query window).
 
     A job whose policy fails (``PolicyFailure``) raises, or, given ``failed``, is recorded there by
-    its index and scored no further (zeros stand in, so the jobs' shapes stay as every rank expects)."""
+    its index and scored no further (zeros stand in, so the jobs' shapes stay as every rank expects).
+    Shapes are checked per layer; finiteness once, for every job together, after the last layer."""
     if not jobs:
         return []
     slots = view.locate([(job.block_ids, job.start, job.end) for job in jobs])
@@ -203,14 +226,31 @@ def score_together(view: KVView, jobs: list[ScoreJob], failed: dict[int, PolicyF
             job_values = values[part] if job.policy.score.reads_values else None
             try:
                 window = () if job.windows is None else (job.windows[layer],)
-                rows[index].append(checked_scores(job.policy, job.policy.layer_scores(job_keys, job_values, *window),
-                                                  job_keys))
+                rows[index].append(checked_shape(job.policy, job.policy.layer_scores(job_keys, job_values, *window),
+                                                 job_keys))
             except Exception as error:  # the policy's own code: its request fails, not the step
+                failure = as_failure(job.policy, error)
+                if rows[index]:  # a NaN in an earlier layer came first: that is its failure
+                    failure = not_finite(job.policy, torch.stack(rows[index]), sorted(scored[index])) or failure
                 if failed is None:
-                    raise as_failure(job.policy, error) from error
-                failed[index] = as_failure(job.policy, error)
+                    raise failure from error
+                failed[index] = failure
                 rows[index].append(torch.zeros(job_keys.shape[1], job_keys.shape[0], device=job_keys.device))
-    return [torch.stack(row) for row in rows]
+    stacked = [torch.stack(row) for row in rows]
+    # Finite, checked once for the whole step: one flag per job, read from the device together
+    # (per layer it was a synchronisation per layer and job on a GPU).
+    checking = [index for index in range(len(jobs)) if failed is None or index not in failed]
+    if checking:
+        finite = torch.stack([torch.isfinite(stacked[index]).all() for index in checking]).tolist()
+        for index, ok in zip(checking, finite):
+            if ok:
+                continue
+            failure = not_finite(jobs[index].policy, stacked[index], sorted(scored[index]))
+            if failed is None:
+                raise failure
+            failed[index] = failure
+            stacked[index] = torch.zeros_like(stacked[index])
+    return stacked
 
 
 @dataclass

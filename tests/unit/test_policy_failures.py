@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from harness.eviction.evictor import Due, PolicyFailure, evict_all
+from harness.eviction.evictor import Due, PolicyFailure, evict_all, not_finite
 from harness.eviction.settings import parse_settings, request_settings
 from harness.eviction.state import PolicyState
 from harness.engine.backend_views import FlashAttnView
@@ -50,7 +50,7 @@ def test_a_score_that_fails_on_real_input_passes_admission(faulty):
 
 @pytest.mark.parametrize("name, message", [
     ("faulty_late", "policy faulty_late failed: ZeroDivisionError: a bug that only long prompts reach"),
-    ("faulty_nan", "policy faulty_nan failed: its score returned NaN or infinite values"),
+    ("faulty_nan", "policy faulty_nan failed: its score returned NaN or infinite values, first in layer 0"),
 ])
 def test_a_policy_failing_in_a_step_fails_its_own_request_only(faulty, name, message):
     gen = torch.Generator().manual_seed(3)
@@ -72,3 +72,14 @@ def test_a_policy_failing_in_a_step_fails_its_own_request_only(faulty, name, mes
     assert all(torch.equal(x, y) for x, y in zip(with_bad.layers, without_bad.layers)), "nothing of it was written"
     with pytest.raises(PolicyFailure, match=message):
         run([bad], None)  # without a failures dict (the Hugging Face reference) it raises
+
+
+def test_a_non_finite_score_is_found_once_per_step_and_named_by_its_first_layer():
+    """``score_together`` checks finiteness once after the last layer (no device read per layer):
+    the failure still names the first layer with a NaN or an infinity."""
+    policy = make_policy("knorm", 128, B)
+    scores = torch.zeros(3, HEADS, 16)
+    assert not_finite(policy, scores, [0, 2, 5]) is None
+    scores[2, 1, 3], scores[1, 0, 0] = float("nan"), float("inf")
+    assert str(not_finite(policy, scores, [0, 2, 5])) == \
+        "policy knorm failed: its score returned NaN or infinite values, first in layer 2"
