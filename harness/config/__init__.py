@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
 from harness.eviction.settings import (RUN_FIELDS, EvictionSettings, admit, budget_for_ratio, check_compress,
-                                       check_layer_groups, check_policy_runs, check_ratio, check_schedule,
+                                       check_layer_groups, check_ratio, check_schedule,
                                        scheduling_is_async)
 from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
@@ -230,9 +230,17 @@ def check_run_layer_groups(run: RunSettings) -> None:
         return
     try:
         check_schedule(run.budget_schedule, run.pyramid_beta, "the run")
-        admit_run(run, layers or groups)  # refused before a model loads
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    try:
+        # The run's one admission (its policy, options, schedule and what they need of the engine),
+        # refused before a model loads: at the budget the policy was always checked at (a ratio's
+        # largest), which check_memory's prediction then finds admitted.
+        admit_run(run, layers or groups, budget=run.policy_budget)
+    except (TypeError, ValueError) as error:  # (a TypeError: an option of the wrong type)
+        message = str(error)
+        named = message.startswith(("policy ", f"{run.policy} "))
+        raise ConfigError(message if named else f"policy {run.policy}: {message}") from None
 
 
 def admit_run(run: RunSettings, num_layers: int, budget: int | None = None):
@@ -276,15 +284,8 @@ def check(run: RunSettings) -> None:
         raise ConfigError(str(error)) from None
     if not isinstance(run.likelihood, bool):
         raise ConfigError(f"likelihood must be true or false, got {run.likelihood!r}")
-    if run.evicts:
-        try:
-            policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)
-        except (TypeError, ValueError) as error:
-            raise ConfigError(f"policy {run.policy}: {error}") from None
-        try:
-            check_policy_runs(policy, run.engine.enforce_eager)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    # (the policy, its options and what it needs of the engine: admitted once, with the engine's
+    # layer groups, in check_run_layer_groups)
     if run.policy_budget > run.model.max_model_len:
         raise ConfigError(
             f"budget={run.policy_budget} is above model {run.model.name}'s context of "
