@@ -47,6 +47,10 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
             layers = vllm_config.model_config.hf_text_config.num_hidden_layers if groups > 1 else 1
             admit(settings, block_size, layers, groups, enforce_eager=vllm_config.model_config.enforce_eager,
                   async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
+            if settings.share_context and not vllm_config.cache_config.enable_prefix_caching:
+                # (the scheduler's backstop says the same: harness.engine.scheduler.unshared_reason)
+                raise ValueError("share_context=true, but compressed contexts are shared through vLLM's prefix-cache "
+                                 "hits, which this engine does not take: start it with prefix caching on")
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 

@@ -88,7 +88,7 @@ PATCHES: tuple[Patch, ...] = (
           "let a client read the scheduler's eviction ledger and per-request counters in any process layout",
           "harness.engine.frontend.kv_eviction_state",
           lambda _absent: importlib.import_module("harness.engine.frontend").kv_eviction_state),
-    # The scheduler, through scheduler_cls: public methods extended, two private ones overridden.
+    # The scheduler, through scheduler_cls: public methods extended, three private ones overridden.
     Patch(SCHEDULER, "add_request", "overridden", ("self", "request"),
           "resolve and keep each request's eviction settings", "harness.engine.scheduler.EvictionScheduler"),
     Patch(SCHEDULER, "schedule", "overridden", ("self", "throttle_prefills"),
@@ -103,8 +103,14 @@ PATCHES: tuple[Patch, ...] = (
           "stop a prefill chunk exactly at the eviction point (private in vLLM)",
           "harness.engine.scheduler.EvictionScheduler"),
     Patch(SCHEDULER, "_free_request_blocks", "overridden", ("self", "request"),
-          "forget a request's evicted counts and expected evictions with its blocks (private in vLLM)",
+          "forget a request's evicted counts and expected evictions with its blocks; let go of shared "
+          "compressed contexts no request holds (private in vLLM)",
           "harness.engine.scheduler.EvictionScheduler"),
+    Patch(SCHEDULER, "_handle_blocked_waiting_request", "overridden", ("self", "request"),
+          "hold back a request whose context another request is compressing now (private in vLLM)",
+          "harness.engine.scheduler.EvictionScheduler"),
+    Patch(SCHEDULER, "reset_prefix_cache", "overridden", ("self", "reset_running_requests", "reset_connector"),
+          "drop the shared compressed contexts with the prefix cache", "harness.engine.scheduler.EvictionScheduler"),
     # The scheduler's KV managers: each instance's class swapped to a subclass sized by physical length.
     Patch(MANAGER, "get_num_blocks_to_allocate", "overridden",
           ("self", "request_id", "num_tokens", "new_computed_blocks", "total_computed_tokens",
@@ -114,14 +120,25 @@ PATCHES: tuple[Patch, ...] = (
     Patch(MANAGER, "allocate_new_blocks", "overridden", ("self", "request_id", "num_tokens", "num_tokens_main_model"),
           "allocate by physical length, and the copy targets compaction writes under prefix caching",
           "harness.engine.scheduler.PhysicalLengthManager"),
+    Patch(MANAGER, "add_local_computed_blocks", "overridden",
+          ("self", "request_id", "new_computed_blocks", "num_local_computed_tokens", "num_external_computed_tokens"),
+          "decide a shared compressed context's partial-block copy by the tokens its blocks hold",
+          "harness.engine.scheduler.PhysicalLengthManager"),
     Patch(MANAGER, "cache_blocks", "overridden", ("self", "request", "num_tokens", "retention_interval",
                                                    "replay_boundaries"),
           "register no block of a request once it evicted (its blocks no longer hold what their hashes say)",
           "harness.engine.scheduler.PhysicalLengthManager"),
     Patch("vllm.v1.core.kv_cache_manager:KVCacheManager", "get_computed_blocks", "replaced on an instance",
           ("self", "request"),
-          "cap an evicting request's prefix-cache hits before its eviction point",
+          "cap an evicting request's prefix-cache hits before its eviction point; hand a request a shared "
+          "compressed context",
           "harness.engine.scheduler.EvictionScheduler._cap_replayed_cache_hits"),
+    Patch("vllm.v1.core.block_pool:BlockPool", "unpin_blocks", "called", ("self", "blocks", "on_reuse"),
+          "called to release an idle shared compressed context: free, readable until the pool reuses a block",
+          "harness.engine.shared_contexts.ContextCache"),
+    Patch("vllm.v1.core.block_pool:BlockPool", "touch", "called", ("self", "blocks"),
+          "called to hold a shared compressed context's blocks while requests use them",
+          "harness.engine.shared_contexts.ContextCache"),
 )
 
 _INSTALLED = "_kv_eviction_patched"

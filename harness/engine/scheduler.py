@@ -71,7 +71,9 @@ from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
 from harness.engine.compatibility import check_compatible, layer_groups_of
-from harness.eviction.settings import EvictionSettings, admit, build_policy, request_settings, settings_from
+from harness.engine.shared_contexts import ContextCache, ContextStats, Entry, context_key
+from harness.eviction.settings import (EvictionSettings, admit, build_policy, request_settings, settings_from,
+                                       unshareable)
 from policies import BlockPolicy, Policy
 
 
@@ -101,12 +103,14 @@ class Ledger:
     model_s: float = 0.0
     capture_s: float = 0.0
     state_bytes_peak: int = 0      # per-request policy state held by the worker (scores, windows)
+    # the compressed-context cache's figures (``harness.engine.shared_contexts``), where it runs
+    contexts: ContextStats | None = None
 
     def reset_measurements(self) -> None:
         """Start counting afresh (between repeats of a benchmark on one engine); the live
         requests' evicted counts are state, not measurements, and stay."""
         fresh = Ledger(self.policy_name, self.budget, evicted=self.evicted, pool_blocks=self.pool_blocks,
-                       groups=self.groups)
+                       groups=self.groups, contexts=ContextStats() if self.contexts is not None else None)
         self.__dict__.update(fresh.__dict__)
 
     def add_step(self, report) -> None:
@@ -142,10 +146,16 @@ class Ledger:
             # only with several groups, so that one group's records keep their keys
             **({"kv_cache_groups": self.groups, "evicting_group_blocks_peak": self.evicting_group_blocks_peak}
                if self.groups > 1 else {}),
+            # only where a context was shared or compressed to be, so that other records keep their keys
+            **({"shared_contexts": self.contexts.as_dict()}
+               if self.contexts is not None and (self.contexts.published or self.contexts.hits) else {}),
         }
 
 
 KEPT_REQUEST_COUNTERS = 100_000  # finished requests' stats kept for the harness (oldest dropped)
+# The most steps a request waits for another to compress its context (a long context compresses in
+# as many chunks as it has: far fewer); then it compresses its own, and the figures count it.
+CONTEXT_WAIT_STEPS = 256
 
 
 @dataclass(frozen=True)
@@ -217,14 +227,29 @@ class PhysicalLengthManager(FullAttentionManager):
         surplus = expected.surplus * self.block_size if expected is not None else 0
         return num_tokens - self.kv_scheduler.evicted(request_id, self.kv_group) + surplus
 
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, apply_admission_cap: bool = False, **kwargs):
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   num_local_computed_tokens, *args, apply_admission_cap: bool = False, **kwargs):
         if apply_admission_cap:
             # vLLM's admission gate: can the whole sequence fit (vllm/v1/core/kv_cache_manager.py:522-538,
             # sched/scheduler.py:3060-3076)? An evicting request never holds more than its peak.
             num_tokens = self.kv_scheduler.peak_tokens(request_id, num_tokens, self.kv_group)
-        blocks = super().get_num_blocks_to_allocate(request_id, self._physical(request_id, num_tokens), *args,
-                                                    apply_admission_cap=apply_admission_cap, **kwargs)
+        if new_computed_blocks:
+            # A shared compressed context (its blocks hold fewer tokens than it stands for): whether its
+            # last block is partial, and so copied (single_type_kv_cache_manager.py:163-173, 261-264),
+            # is decided by the tokens the blocks hold.
+            num_local_computed_tokens = self._physical(request_id, num_local_computed_tokens)
+        blocks = super().get_num_blocks_to_allocate(
+            request_id, self._physical(request_id, num_tokens), new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, *args, apply_admission_cap=apply_admission_cap, **kwargs)
         return blocks + len(self.kv_scheduler.copy_targets(request_id, num_tokens, self.kv_group))
+
+    def add_local_computed_blocks(self, request_id, new_computed_blocks, num_local_computed_tokens,
+                                  num_external_computed_tokens):
+        # as above: a partial last block of a shared compressed context is copied before the
+        # request's question is written into it (single_type_kv_cache_manager.py:318-324, 388-397)
+        super().add_local_computed_blocks(request_id, new_computed_blocks,
+                                          self._physical(request_id, num_local_computed_tokens),
+                                          num_external_computed_tokens)
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         blocks = super().allocate_new_blocks(
@@ -290,6 +315,15 @@ class EvictionScheduler(Scheduler):
         self.kv_uncached: set[str] = set()
         self.kv_released: set[str] = set()  # freed since the last plan
         self.kv_unsupported = self._unsupported_reason()
+        # Compressed contexts shared between requests (harness.engine.shared_contexts): where vLLM
+        # adopts cached blocks at all (prefix caching on: single_type_kv_cache_manager.py:298-304)
+        # and no KV connector would take a compressed hit for a pristine one.
+        self.kv_contexts = ContextCache(self.kv_cache_manager.block_pool) if self._shares_contexts() else None
+        self.kv_ledger.contexts = self.kv_contexts.stats if self.kv_contexts is not None else None
+        self.kv_context_keys: dict[str, tuple] = {}    # live requests that may share: their context's key
+        self.kv_context_taking: dict[str, Entry] = {}  # took an entry in this schedule(), not yet scheduled
+        self.kv_context_compressing: dict[str, tuple] = {}  # compressing a context others wait for
+        self.kv_context_waits: dict[str, int] = {}     # steps a request has waited for its context
         if self.kv_unsupported is None:
             for group, manager in enumerate(managers):
                 manager.__class__ = PhysicalLengthManager  # this engine's managers only, same state
@@ -311,6 +345,23 @@ class EvictionScheduler(Scheduler):
         if len(managers) != layer_groups_of(self.vllm_config) or any(type(m) is not FullAttentionManager for m in managers):
             return ("KV eviction supports models whose every layer is full attention (one KV cache group, or "
                     f"engine.layer_groups of them); this model has {[type(m).__name__ for m in managers]}")
+        return None
+
+    def _shares_contexts(self) -> bool:
+        return self.kv_unsupported is None and bool(self.cache_config.enable_prefix_caching) and self.connector is None
+
+    def unshared_reason(self, request, settings: EvictionSettings) -> str | None:
+        """Why this request's compressed context is not shared (None: it is)."""
+        if settings.share_context is False:
+            return "share_context=false"
+        reason = unshareable(settings.compress, settings.budget_schedule)
+        if reason:
+            return reason
+        if self.kv_contexts is None:
+            return ("compressed contexts are shared through vLLM's prefix-cache hits, which this engine does not take "
+                    "(prefix caching off, or a KV connector configured): turn prefix caching on")
+        if request.skip_reading_prefix_cache:
+            return "the request skips the prefix cache (prompt log-probabilities)"
         return None
 
     def policy_for(self, settings: EvictionSettings) -> Policy:
@@ -346,10 +397,17 @@ class EvictionScheduler(Scheduler):
             if self.kv_unsupported is not None:
                 raise ValueError(f"request {request.request_id} asks for KV eviction: {self.kv_unsupported}")
             self.group_policies(settings)
+            unshared = self.unshared_reason(request, settings) if settings.compress == "context" else None
+            if unshared is not None and settings.share_context:
+                raise ValueError(f"request {request.request_id}: share_context=true, but {unshared}")
             self.kv_request_settings[request.request_id] = settings
             self._counters(request.request_id, settings)
             if self.cache_config.enable_prefix_caching and (settings.measuring or not self._copies_fit(request, settings)):
                 self.kv_uncached.add(request.request_id)
+            key = context_key(request, settings, self.kv_cache_manager.block_pool.hash_block_size) \
+                if settings.compress == "context" and unshared is None else None
+            if key is not None:
+                self.kv_context_keys[request.request_id] = key
         super().add_request(request)
 
     def _copies_fit(self, request, settings: EvictionSettings) -> bool:
@@ -386,6 +444,9 @@ class EvictionScheduler(Scheduler):
         find = manager.get_computed_blocks
 
         def get_computed_blocks(request):
+            shared = self._take_context(request)
+            if shared is not None:
+                return shared
             if request.request_id in self.kv_uncached:
                 return manager.empty_kv_cache_blocks, 0, 0
             blocks, hit, boundary = find(request)
@@ -400,6 +461,101 @@ class EvictionScheduler(Scheduler):
             return capped, keep * self.kv_block_size, 0
 
         manager.get_computed_blocks = get_computed_blocks
+
+    def _take_context(self, request):
+        """A request about a context compressed and kept already takes its blocks as a prefix-cache
+        hit of the context's logical length (its evicted counts set first, so its KV manager sizes
+        it by what the blocks hold, and its question is prefilled at its logical positions); one
+        that compresses the context itself is recorded, so that others asking about it wait."""
+        key = self.kv_context_keys.get(request.request_id)
+        if key is None:
+            return None
+        length = self.kv_request_settings[request.request_id].context_tokens
+        entry = self.kv_contexts.take(key) if length <= request.num_tokens - 1 else None
+        if entry is None:
+            policies = self.group_policies(self.kv_request_settings[request.request_id])
+            if any(policy.needs_prefill_eviction(length) for policy in policies):
+                # the first compresses for everyone (the others wait: _handle_blocked_waiting_request)
+                self.kv_contexts.owners.setdefault(key, request.request_id)
+                self.kv_context_compressing[request.request_id] = key
+            return None
+        self.kv_ledger.evicted[request.request_id] = [entry.length - kept for kept in entry.kept]
+        self.kv_context_taking[request.request_id] = entry
+        blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(list(group) for group in entry.blocks))
+        return blocks, entry.length, 0
+
+    def _handle_blocked_waiting_request(self, request) -> bool:
+        """A request whose context another request is compressing now waits for it (skipped this
+        step, keeping its place: vllm/v1/core/sched/scheduler.py:904-910, 929-931), at most
+        ``CONTEXT_WAIT_STEPS`` steps; then it compresses its own."""
+        ready = super()._handle_blocked_waiting_request(request)
+        key = self.kv_context_keys.get(request.request_id)
+        if not ready or key is None or request.num_computed_tokens:
+            return ready
+        owner = self.kv_contexts.owners.get(key)
+        if owner is None or owner == request.request_id or key in self.kv_contexts.entries:
+            return True
+        waited = self.kv_context_waits[request.request_id] = self.kv_context_waits.get(request.request_id, 0) + 1
+        if waited > CONTEXT_WAIT_STEPS:
+            if waited == CONTEXT_WAIT_STEPS + 1:
+                self.kv_contexts.stats.waits_given_up += 1
+            return True
+        self.kv_contexts.stats.wait_steps += 1
+        counters = self.kv_request_counters.get(request.request_id)
+        if counters is not None:
+            counters.context_wait_steps += 1
+        return False
+
+    def _settle_contexts(self) -> None:
+        """After a schedule: the requests that took an entry and were scheduled hold its blocks
+        (counted as hits); those that could not be (no room) give their claim back, as do
+        compressing requests that were not scheduled."""
+        stats = self.kv_contexts.stats
+        for request_id, entry in self.kv_context_taking.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                stats.hits += 1
+                stats.blocks_shared += entry.block_count
+                counters = self.kv_request_counters.get(request_id)
+                if counters is not None:
+                    counters.context = "shared"
+            else:
+                self.kv_ledger.evicted.pop(request_id, None)
+        self.kv_context_taking.clear()
+        for request_id, key in list(self.kv_context_compressing.items()):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                self._stop_compressing(request_id)
+
+    def _stop_compressing(self, request_id: str) -> None:
+        key = self.kv_context_compressing.pop(request_id, None)
+        if key is not None and self.kv_contexts.owners.get(key) == request_id:
+            del self.kv_contexts.owners[key]
+
+    def _publish_contexts(self) -> None:
+        """Keep the contexts whose compression every group has reported (the worker wrote the kept
+        blocks), under their keys; the requests that waited for them take them next."""
+        for request_id, key in list(self.kv_context_compressing.items()):
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                self._stop_compressing(request_id)
+                continue
+            length = self.kv_request_settings[request_id].context_tokens
+            if request.num_computed_tokens < length or any((request_id, g) in self.kv_expected for g in range(self.kv_groups)):
+                continue
+            self._stop_compressing(request_id)
+            evicted = self.kv_ledger.evicted.get(request_id)
+            if not evicted or not any(evicted):
+                continue  # nothing compressed (a policy that failed, or a context within its budgets)
+            kept = tuple(length - count for count in evicted)
+            managers = self.kv_cache_manager.coordinator.single_type_managers
+            blocks = tuple(manager.req_to_blocks[request_id][: cdiv(count, self.kv_block_size)]
+                           for manager, count in zip(managers, kept))
+            self.kv_contexts.stats.misses += 1
+            if self.kv_contexts.publish(key, request_id, length, kept, blocks):
+                counters = self.kv_request_counters.get(request_id)
+                if counters is not None:
+                    counters.context = "compressed"
 
     def eviction_point(self, request) -> int:
         """Where an evicting request's prefill eviction runs: the end of its prompt, or of its
@@ -432,8 +588,8 @@ class EvictionScheduler(Scheduler):
         settings = self.kv_request_settings.get(request_id)
         request = self.requests.get(request_id)
         if settings is None or request is None or not self.cache_config.enable_prefix_caching or \
-                request_id in self.kv_uncached:
-            return ()
+                request_id in self.kv_uncached or request_id in self.kv_context_taking:
+            return ()  # (a request taking a compressed context: its prefill eviction is the context's, done)
         policy = self.group_policy(settings, group)
         evicted = self.evicted(request_id, group)
         phase = phase_due(policy, self.eviction_point(request), request.num_computed_tokens, num_tokens, evicted)
@@ -456,6 +612,8 @@ class EvictionScheduler(Scheduler):
         per-request stats of ``requests`` (handed over once: they leave the scheduler)."""
         if reset:
             self.kv_ledger.reset_measurements()
+            if self.kv_contexts is not None:
+                self.kv_contexts.stats = self.kv_ledger.contexts
         settings = self.kv_settings
         return {
             "settings": settings.as_dict() if settings else None,
@@ -493,7 +651,11 @@ class EvictionScheduler(Scheduler):
         return min(num_new_tokens, 1)
 
     def schedule(self, *args, **kwargs):
+        if self.kv_contexts is not None:
+            self.kv_contexts.release_idle()
         output = super().schedule(*args, **kwargs)
+        if self.kv_contexts is not None:
+            self._settle_contexts()
         ledger = self.kv_ledger
         scheduled = output.num_scheduled_tokens
         settings = {rid: self.kv_request_settings[rid] for rid in scheduled if rid in self.kv_request_settings}
@@ -528,9 +690,23 @@ class EvictionScheduler(Scheduler):
                     if ledger.groups > 1 and request.request_id in self.kv_request_settings:
                         peaks = ledger.evicting_group_blocks_peak or [0] * ledger.groups
                         ledger.evicting_group_blocks_peak = [max(a, b) for a, b in zip(peaks, blocks)]
+        if self.kv_contexts is not None and self.kv_contexts.of_block:
+            self._check_writes(scheduled)
         # after the step's blocks were counted: the step uses the blocks its evictions leave
         self._expect_evictions(settings, scheduled, planned)
         return output
+
+    def _check_writes(self, scheduled: dict[str, int]) -> None:
+        """No step writes a block a shared compressed context holds (the blocks of its tokens'
+        physical positions, before this step's eviction)."""
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        for request_id, count in scheduled.items():
+            after = self.requests[request_id].num_computed_tokens
+            for group, manager in enumerate(managers):
+                evicted = self.evicted(request_id, group)
+                first, last = (after - count - evicted) // self.kv_block_size, (after - 1 - evicted) // self.kv_block_size
+                self.kv_contexts.check_writes(request_id, group, manager.req_to_blocks.get(request_id, ()), first, last,
+                                              self.kv_block_size)
 
     def _expect_evictions(self, settings: dict[str, EvictionSettings], scheduled: dict[str, int], planned) -> None:
         """Count the evictions this plan schedules as done (the plan itself carries the counts
@@ -594,6 +770,8 @@ class EvictionScheduler(Scheduler):
                 self._fix_budgets(request_id, budgets, plan.step)
             for (request_id, group), eviction in report.evictions.items():
                 self._settle(request_id, group, eviction, plan.step)
+            if self.kv_context_compressing:
+                self._publish_contexts()
             for (request_id, _), expected in list(self.kv_expected.items()):
                 if expected.step == plan.step and self._live(request_id):
                     what = "measure the attention schedule of" if isinstance(expected, Undecided) else "evict"
@@ -671,7 +849,20 @@ class EvictionScheduler(Scheduler):
             if request.is_finished():
                 del self.kv_request_settings[request_id]
                 self.kv_uncached.discard(request_id)
+                self.kv_context_keys.pop(request_id, None)
+                self.kv_context_waits.pop(request_id, None)
+        self.kv_context_taking.pop(request_id, None)
+        self._stop_compressing(request_id)
         super()._free_request_blocks(request)
+        if self.kv_contexts is not None:
+            self.kv_contexts.release_idle()  # an entry no request holds now counts as free
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        # Compressed contexts go with the prefix cache (weights may have changed): the cache lets go
+        # of them first, so that vLLM's reset finds every block free (block_pool.py:837-844).
+        if self.kv_contexts is not None:
+            self.kv_contexts.clear()
+        return super().reset_prefix_cache(*args, **kwargs)
 
     def _settle(self, request_id: str, group: int, eviction, step: int) -> None:
         """A reported eviction (of one KV cache group): checked against what its plan expected; a

@@ -95,11 +95,15 @@ class RequestCounters(EvictionCounters):
     budget: int
     group_budgets: list[int] | None = None  # budget_schedule=attention: each layer group's, as measured
     failure: str | None = None              # its policy failed: the request ended with this error
+    # compress=context with sharing (harness.engine.shared_contexts): "shared" (it took a context
+    # another request compressed) or "compressed" (it compressed one and kept it for others)
+    context: str | None = None
+    context_wait_steps: int = 0             # steps it waited for another request compressing its context
 
     def as_dict(self) -> dict:
         record = asdict(self)
-        if record["group_budgets"] is None:
-            del record["group_budgets"]  # only the attention schedule measures them: other records keep their keys
-        if record["failure"] is None:
-            del record["failure"]
+        # only where they say something, so that other records keep their keys
+        for name, unset in (("group_budgets", None), ("failure", None), ("context", None), ("context_wait_steps", 0)):
+            if record[name] == unset:
+                del record[name]
         return record

@@ -70,6 +70,9 @@ class EvictionSettings:
     context_tokens: int | None = None  # the request's context, in token ids (compress="context")
     budget_schedule: str = "uniform"   # how the budget is spread over the engine's layer groups
     pyramid_beta: float = PYRAMID_BETA  # the pyramid's slope (1 is flat)
+    # compress=context: hand the compressed context to later requests asking about it (None: where
+    # sharing is exact; True: that, or refuse the request; False: never; ``harness.engine.shared_contexts``)
+    share_context: bool | None = None
     # budget_schedule=attention: this request's group budgets, once measured from its prompt (the
     # engine's, never a user's: parse_settings does not take it)
     group_budgets: tuple[int, ...] | None = None
@@ -193,7 +196,7 @@ class EvictionSettings:
 # The record's fields in their wire form (what a user may give), and those a run's Hydra config
 # gives beside policy, budget and options (a request's context boundary is its own, never a run's).
 WIRE_FIELDS = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens",
-               "budget_schedule", "pyramid_beta")
+               "budget_schedule", "pyramid_beta", "share_context")
 RUN_FIELDS = tuple(name for name in WIRE_FIELDS[3:] if name != "context_tokens")
 DEFAULTS = {f.name: f.default for f in fields(EvictionSettings) if f.default is not MISSING}
 
@@ -253,8 +256,9 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
         raise ValueError(f"{where}: options must be a mapping, got {options!r}")
     compress, context = check_compress(raw.get("compress", "prompt"), raw.get("context_tokens"), decode, where)
     schedule, beta = check_schedule(raw.get("budget_schedule", "uniform"), raw.get("pyramid_beta", PYRAMID_BETA), where)
+    share = check_share(raw.get("share_context"), compress, schedule, where)
     return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode,
-                            compress, context, schedule, beta)
+                            compress, context, schedule, beta, share)
 
 
 
@@ -279,6 +283,26 @@ def check_schedule(schedule, beta, where: str) -> tuple[str, float]:
 
 
 COMPRESS = ("prompt", "context")
+
+
+def unshareable(compress: str, schedule: str) -> str | None:
+    """Why settings' compressed contexts cannot be shared exactly, or None where they can."""
+    if compress != "context":
+        return ("compress=prompt keeps what the question attends to (query-aware): the kept set is the "
+                "request's own, so no other request can take it")
+    if schedule == "attention":
+        return ("budget_schedule=attention measures each request's layer budgets from its own prompt "
+                "(its eviction step's report), which a request taking a shared context would not have")
+    return None
+
+
+def check_share(share, compress: str, schedule: str, where: str) -> bool | None:
+    if share is not None and not isinstance(share, bool):
+        raise ValueError(f"{where}: share_context must be true, false or null (share where exact), got {share!r}")
+    reason = unshareable(compress, schedule) if share else None
+    if reason:
+        raise ValueError(f"{where}: share_context=true, but {reason}")
+    return share
 
 
 def check_compress(compress, context_tokens, decode_eviction: bool, where: str) -> tuple[str, int | None]:

@@ -105,7 +105,8 @@ def run_group(runs: list[RunSettings], name: str) -> dict[str, str]:
 def generate_and_record(works: list[CellWork], model_path: str, name: str, log: Path) -> list[CellRecord]:
     """Every cell's generations on one engine, recorded (scored, compared, checked) before any is
     published. One cell gets the engine to itself: its eviction settings are the engine's own
-    (checked when it starts), no prefix cache, its timings isolated."""
+    (checked when it starts), no prefix cache (unless it asks to share compressed contexts), its
+    timings isolated."""
     from harness.engine.llm import Engine
     from harness.engine.shared_prefill import CellRequest, generate_shared
 
@@ -117,8 +118,10 @@ def generate_and_record(works: list[CellWork], model_path: str, name: str, log: 
           f"{len(prompts)} prompts{'' if alone else ', each prompt prefilled once'} "
           f"(its log: {works[0].target / ENGINE_LOG})", flush=True)
     with engine_output_to(log) as terminal:
+        # (one cell asking for shared compressed contexts gets the prefix cache they are shared through)
         engine = Engine(model_path, run.model, run.engine, run.block_size, seed=run.seed,
-                        eviction=run.eviction if alone else None, prefix_caching=not alone)
+                        eviction=run.eviction if alone else None,
+                        prefix_caching=not alone or bool(run.evicts and run.eviction.share_context))
         try:
             started = time.perf_counter()
             results, engine_ids = generate_shared(engine, prompts, cells, progress=terminal)

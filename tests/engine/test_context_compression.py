@@ -3,10 +3,13 @@ its prefill reaches the end of its context, before any question token is compute
 question is prefilled on top of the compressed cache (kvpress's ``pipeline(context, question=...)``).
 
 One context asked three questions, as separate requests, by every registered policy at every
-granularity it runs at (``tests/support/policy_matrix.py``) at a ratio of the context, and by SnapKV
-compressing the whole prompt for contrast. Two engines run the same requests, without and
-with prefix caching (the context prefilled once, its cached blocks never written); both equal the
-plain reference (no code shared with policies/ or harness/) evicting at the same boundary."""
+granularity it runs at (``tests/support/policy_matrix.py``; two questions each) at a ratio of the
+context, and by SnapKV compressing the whole prompt for contrast. Two engines run the same requests,
+without and with prefix caching. With it, the context is prefilled once, its cached blocks never
+written, and each policy compresses it once: the requests that ask about it after the first take the
+compressed context (``harness.engine.shared_contexts``) and generate what they generate computing
+their own. Both equal the plain reference (no code shared with policies/ or harness/) evicting at
+the same boundary."""
 from __future__ import annotations
 
 import pytest
@@ -34,12 +37,12 @@ def context_settings(name: str, options: dict, context_tokens: int) -> dict:
 @pytest.fixture(scope="module")
 def requests():
     """(prompt, settings) per request: one 620-token context and three questions of 40-90 tokens
-    cut from elsewhere in the corpus; the policy matrix asks them in turn, then SnapKV asks each
-    compressing the context, then each compressing the whole prompt."""
+    cut from elsewhere in the corpus; each policy of the matrix asks two of them in turn, then SnapKV
+    asks each compressing the context, then each compressing the whole prompt."""
     context = text_prompts("smollm2", [620], seed=8)[0]
     prompts = [context + question for question in text_prompts("smollm2", [40, 65, 90], seed=9)]
-    asked = [(prompts[index % 3], context_settings(name, options, len(context)))
-             for index, (name, options) in enumerate(MATRIX)]
+    asked = [(prompts[(index + second) % 3], context_settings(name, options, len(context)))
+             for second in (0, 1) for index, (name, options) in enumerate(MATRIX)]
     asked += [(prompt, context_settings("snapkv", {}, len(context))) for prompt in prompts]
     asked += [(prompt, {"policy": "snapkv", "budget": None, "budget_ratio": RATIO, "decode_eviction": False})
               for prompt in prompts]
@@ -64,18 +67,35 @@ def kept_and_evicted(prompt: list[int], raw: dict) -> tuple[int, int]:
     return kept, point - kept
 
 
+def first_asked(requests) -> list[int]:
+    """The requests that compress their context: the first of each context and settings, and every
+    whole-prompt one (each its own question's)."""
+    seen, first = set(), []
+    for index, (_, raw) in enumerate(requests):
+        key = (raw["policy"], str(raw["options"])) if raw.get("compress") == "context" else index
+        if key not in seen:
+            seen.add(key)
+            first.append(index)
+    return first
+
+
 def test_each_request_evicts_at_its_context_boundary_before_any_question_token(engine_runs, requests):
     """The first eviction of a request runs at its physical length, which before it equals the
     tokens computed: evicting exactly (context - kept) tokens means the eviction ran when the
     context, and nothing of the question, had been computed; whole-prompt compression evicts
-    (prompt - kept) instead."""
+    (prompt - kept) instead. With prefix caching, a context is compressed once per policy: every
+    later request about it takes it (none computes or holds a copy of its own)."""
     without, cached = engine_runs
-    expected = sum(kept_and_evicted(prompt, raw)[1] for prompt, raw in requests)
-    for run in (without, cached):
+    first = first_asked(requests)
+    for run, evicting in ((without, range(len(requests))), (cached, first)):
         ledger = run["ledger"]
-        assert ledger["evictions"] == {"prefill": len(requests), "decode": 0}
-        assert ledger["evicted_tokens"] == expected
+        assert ledger["evictions"] == {"prefill": len(evicting), "decode": 0}
+        assert ledger["evicted_tokens"] == sum(kept_and_evicted(*requests[index])[1] for index in evicting)
         assert run["free_blocks_after"] == run["free_blocks_before"] == ledger["kv_pool_blocks"]
+    shared = cached["ledger"]["shared_contexts"]
+    later = len(requests) - len(first)  # all about the context, none compressing the whole prompt
+    assert (shared["published"], shared["hits"], shared["waits_given_up"]) == (len(first) - 3, later, 0)
+    assert "shared_contexts" not in without["ledger"]  # no prefix caching: every request its own copy
     # The budget is the ratio of the context (620 tokens: 310, rounded to 10 whole blocks), not of
     # the prompt; a block policy keeps the context's partial last block beside it.
     for prompt, raw in requests:
@@ -89,7 +109,8 @@ def test_context_compression_equals_the_plain_reference(engine_runs, requests):
 
     plain = PlainReference(model_path("smollm2"))
     reference = []
-    for prompt, raw in requests:
+    chosen = first_asked(requests)  # (the others ask the same contexts other questions: compared below)
+    for prompt, raw in [requests[index] for index in chosen]:
         settings = EvictionSettings(**raw).for_prompt(len(prompt), BLOCK)
         policy = plain_policy(raw["policy"], settings.budget, BLOCK, raw.get("options", {}).get("granularity"))
         policy.decode_eviction = False
@@ -97,7 +118,7 @@ def test_context_compression_equals_the_plain_reference(engine_runs, requests):
         assert counts["prefill"] == 1 and counts["decode"] == 0
         reference.append(ids)
     without, _ = engine_runs
-    assert_mostly_equal(without["outputs"], reference)
+    assert_mostly_equal([without["outputs"][index] for index in chosen], reference)
     # The query-agnostic SnapKV differs from the query-aware one on the same prompts: where the
     # observation window sits (the context's end, or the question) is not a detail.
     context_mode, prompt_mode = without["outputs"][-6:-3], without["outputs"][-3:]
@@ -105,6 +126,9 @@ def test_context_compression_equals_the_plain_reference(engine_runs, requests):
 
 
 def test_a_shared_context_is_cached_once_and_never_written(engine_runs):
+    """Every request's output with prefix caching, and so with compressed contexts shared, equals
+    the same request computed alone; no cached block changed (and the scheduler refuses any step
+    that would write a block a shared context holds: ``ContextCache.check_writes``)."""
     without, cached = engine_runs
     assert_same_outputs(without, cached)
     blocks = cached["cached_blocks"]
@@ -114,14 +138,17 @@ def test_a_shared_context_is_cached_once_and_never_written(engine_runs):
 
 def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tmp_path, requests):
     """A pool too small for every request at once: vLLM preempts requests that had already
-    compressed their context; each recomputes its prompt, compresses the context again at the same
-    boundary and generates what it generated without preemption."""
-    chosen = [(p, s) for p, s in requests if s.get("compress") == "context" and s["policy"] in ("paged", "snapkv")]
+    compressed their context or taken a shared one; each takes the shared context again (or, where
+    the pool reclaimed it, compresses the context again at the same boundary) and generates what it
+    generated, computing its own, without preemption."""
+    context = [(p, s) for p, s in requests if s.get("compress") == "context"]
+    chosen = [(p, s) for p, s in context if s["policy"] == "paged"] + context[-3:]  # two, and three SnapKV questions
     prompts, settings = [p for p, _ in chosen], [s for _, s in chosen]
     roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings)
     tight = run_engine(tmp_path / "tight", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings,
-                       kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN)
+                       kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN, prefix_caching=True)
     assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
     assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding a compressed context"
+    assert tight["ledger"]["shared_contexts"]["hits"] > 0
     assert_same_outputs(roomy, tight)
     assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]

@@ -1,0 +1,181 @@
+"""Compress once, serve many: a context compressed by one request, shared by every later request
+that asks about it with the same settings (``compress=context``).
+
+vLLM's prefix cache cannot hold a compressed context: a block is named by the hash of the tokens it
+logically holds (``vllm/v1/core/kv_cache_utils.py:695-725``), and a compressed block holds some of
+them. This cache, kept by the scheduler (``harness.engine.scheduler``), names an entry by what
+decides the compressed context instead:
+
+* the context's logical tokens: vLLM's own chained hash of its last whole block (which covers every
+  block before it, and the request's LoRA, cache salt and multimodal keys: ``kv_cache_utils.py:625-663``)
+  and the token ids of its partial last block, which no hash covers without question tokens;
+* every setting that decides what is kept (``EvictionSettings.key``: policy and options, budget or
+  ratio, schedule); the block size, layer groups, model and dtype are the engine's, one per cache.
+
+An entry is, per KV cache group, the blocks the first request kept and how many tokens they hold
+(``kept``), standing for ``length`` logical tokens. A later request takes them as vLLM takes a
+prefix-cache hit (``get_computed_blocks``: their references go up, its computed tokens are the
+context's logical length) and prefills its question only, at the logical positions it would have
+had; a partial last kept block is copied into the request's own by vLLM's copy-on-write of a partial
+hit (``single_type_kv_cache_manager.py:163-173, 318-324, 388-397, 454-473``) before its question is
+written, so no entry block is ever written after it is published (the first request's own partial
+block excepted: it writes its question past the kept slots, which readers copy and overwrite).
+
+References. While a request holds an entry's blocks the cache holds one reference more (``touch``),
+so nothing reclaims them. Once no request holds them, the cache lets them go as vLLM's prefix cache
+lets its blocks go: ``unpin_blocks`` puts them at the free queue's tail (they count as free, and are
+reclaimed least recently used, after blocks nobody can find), and its watcher drops the entry when
+vLLM hands one of them out (``block_pool.py:683-684, 702-727``). A later hit pins them again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Entry:
+    """A compressed context: per KV cache group, its kept blocks and the tokens they hold."""
+
+    key: tuple
+    owner: str                        # the request that compressed it (it writes its question on)
+    length: int                       # the logical tokens it stands for (the context)
+    kept: tuple[int, ...]             # per group, the tokens its blocks hold
+    blocks: tuple[tuple, ...]         # per group, the KVCacheBlocks
+    pinned: bool = True               # the cache holds a reference on each block
+
+    def all_blocks(self):
+        return [block for group in self.blocks for block in group]
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(group) for group in self.blocks)
+
+
+@dataclass
+class ContextStats:
+    """The cache's figures for a run: entries published, hits, misses (a request that compressed
+    its context itself), waits (steps a request waited for another to compress its context), waits
+    given up, blocks a hit took instead of computing and holding its own, entries reclaimed by the
+    pool, and the most blocks the cache held pinned at once."""
+
+    published: int = 0
+    hits: int = 0
+    misses: int = 0
+    wait_steps: int = 0
+    waits_given_up: int = 0
+    blocks_shared: int = 0
+    reclaimed: int = 0
+    pinned_blocks_peak: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def context_key(request, settings, hash_block_size: int) -> tuple | None:
+    """The entry a request's context would be under (None where a context has no whole block: no
+    policy compresses one, a budget being at least two blocks)."""
+    length = settings.context_tokens
+    whole = length // hash_block_size
+    if whole == 0 or len(request.block_hashes) < whole:
+        return None
+    tail = tuple(request.all_token_ids[whole * hash_block_size: length])
+    return request.block_hashes[whole - 1], tail, settings.key
+
+
+class ContextCache:
+    """Entries by key (least recently used first), the requests compressing a context now (others
+    asking about it wait for them), and the figures."""
+
+    def __init__(self, block_pool):
+        self.pool = block_pool
+        self.entries: OrderedDict[tuple, Entry] = OrderedDict()
+        self.owners: dict[tuple, str] = {}   # key -> the request compressing that context now
+        self.pins: dict[int, int] = {}       # block id -> pinned entries holding it
+        self.of_block: dict[int, set] = {}   # block id -> keys of the entries holding it
+        self.stats = ContextStats()
+
+    def take(self, key: tuple) -> Entry | None:
+        """The entry under ``key``, pinned, for a request about to hold its blocks."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        self.entries.move_to_end(key)
+        if not entry.pinned:
+            self._pin(entry)
+        return entry
+
+    def publish(self, key: tuple, owner: str, length: int, kept: tuple[int, ...], blocks: tuple[tuple, ...]) -> bool:
+        """Keep a context compressed by ``owner``, which holds ``blocks``; False if one is kept already."""
+        if key in self.entries:
+            return False
+        entry = Entry(key, owner, length, tuple(kept), tuple(tuple(group) for group in blocks), pinned=False)
+        self.entries[key] = entry
+        for block in entry.all_blocks():
+            self.of_block.setdefault(block.block_id, set()).add(key)
+        self._pin(entry)
+        self.stats.published += 1
+        return True
+
+    def release_idle(self) -> None:
+        """Let go of the entries no request holds: their blocks become free, found again until the
+        pool hands them out (then the entry is dropped)."""
+        for entry in self.entries.values():
+            if entry.pinned and all(block.ref_cnt == self.pins[block.block_id] for block in entry.all_blocks()):
+                self._unpin(entry)
+
+    def pinned_blocks(self) -> int:
+        return len(self.pins)
+
+    def check_writes(self, request_id: str, group: int, blocks, first: int, last: int, block_size: int) -> None:
+        """Refuse a step that writes a kept block (positions ``first``..``last`` of a request's
+        ``blocks`` in ``group``): only the request that compressed an entry writes on, past the kept
+        tokens of its partial last block."""
+        for index in range(first, min(last, len(blocks) - 1) + 1):
+            for key in self.of_block.get(blocks[index].block_id, ()):
+                entry = self.entries[key]
+                own_tail = (entry.owner == request_id and index == len(entry.blocks[group]) - 1
+                            and entry.kept[group] % block_size and entry.blocks[group][index] is blocks[index])
+                if not own_tail:
+                    raise RuntimeError(f"request {request_id} would write block {blocks[index].block_id} (group "
+                                       f"{group}, position {index}), which a shared compressed context holds")
+
+    def clear(self) -> None:
+        """Drop every entry (a prefix-cache reset: the weights may have changed)."""
+        for entry in list(self.entries.values()):
+            if entry.pinned:
+                self._unpin(entry)
+        self.entries.clear()
+        self.of_block.clear()
+
+    def _pin(self, entry: Entry) -> None:
+        blocks = entry.all_blocks()
+        self.pool.touch(blocks)
+        for block in blocks:
+            self.pins[block.block_id] = self.pins.get(block.block_id, 0) + 1
+        entry.pinned = True
+        self.stats.pinned_blocks_peak = max(self.stats.pinned_blocks_peak, len(self.pins))
+
+    def _unpin(self, entry: Entry) -> None:
+        blocks = entry.all_blocks()
+        for block in blocks:
+            count = self.pins.pop(block.block_id) - 1
+            if count:
+                self.pins[block.block_id] = count
+        entry.pinned = False
+        # One watcher for every block (vLLM keeps one per block id): it finds the entries itself.
+        self.pool.unpin_blocks(blocks, self._reused)
+
+    def _reused(self, block) -> None:
+        """vLLM handed out (or reset) a block an unpinned entry held: that entry is gone."""
+        for key in self.of_block.pop(block.block_id, ()):
+            entry = self.entries.pop(key, None)
+            if entry is None:
+                continue
+            self.stats.reclaimed += 1
+            for other in entry.all_blocks():
+                keys = self.of_block.get(other.block_id)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self.of_block[other.block_id]
