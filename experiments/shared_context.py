@@ -1,7 +1,8 @@
 """One context, many questions: each asked as its own request over one cached context (SCBench's
 shared-context, multi-request workloads; KVzip's setting), in the real engine with prefix caching.
 
-    flock /tmp/engine.lock .venv/bin/python experiments/shared_context.py [--contexts 8] [--ratio 0.5] [--kv-cache-gib 4]
+    flock /tmp/engine.lock .venv/bin/python experiments/shared_context.py [--contexts 8] [--questions 6] [--ratio 0.5]
+        [--kv-cache-gib 4] [--out results/shared_context]
 
 The workload (generated here from the embedded suite's vocabulary, ``harness.tasks.embedded``):
 half the contexts a long text hiding one access code per person (key_retrieval's needle, several
@@ -10,26 +11,31 @@ asked ``QUESTIONS`` questions, one per person, with the suite's own templates an
 requests go to one engine at once, as a server would take them; between configurations the
 prefix cache is emptied, so each starts cold and caches each context as its first request computes it.
 
-Configurations, PagedEviction and SnapKV at one compression ratio (of what each compresses):
+Configurations, at one compression ratio (of what each compresses):
 
 * ``full``: full cache; the context's blocks are shared by every question of it (prefix caching).
-* ``context``: query-agnostic (``compress=context``): each request compresses the context before
-  its question is seen; every question meets the same compressed context.
+* ``context``: query-agnostic (``compress=context``), PagedEviction, StreamingLLM, KeyDiff and
+  SnapKV: the context is compressed before any question is seen, once, by its first request, and
+  every later question takes that compressed context (``harness.engine.shared_contexts``).
+* ``context unshared``: PagedEviction the same way with ``share_context=false``: each request
+  compresses the context again and holds its own copy (how every compressing configuration ran
+  before contexts were shared), measured beside the shared one.
 * ``prompt``: query-aware, each request compresses context and its own question together.
 * ``first question``: query-aware for the first question only, the cache then reused for the
   others (SCBench's multi-request failure mode): the later questions' requests compress context +
   the first question (the boundary is put after it) and get their own question on top.
 
+``prompt`` cannot share: what each request keeps depends on its own question, so each holds its own
+copy. ``first question``'s later requests all compress the same tokens (the context and the first
+question), so they share one compressed copy like ``context``.
+
 Per configuration: accuracy on the first question and on the later ones (95% intervals over
 whole contexts, ``harness.analysis.stats.cell_interval``; paired differences with whole contexts
 flipped together, ``harness.analysis.clustered``), the KV blocks in use (peak and mean over steps, from the scheduler's
-ledger), the requests' wall time and output tokens per second. Writes ``results/shared_context/``:
+ledger), the prefill evictions run and the requests that took a shared context, the requests' wall
+time and output tokens per second. Writes ``results/shared_context/``:
 ``summary.md``, ``summary.csv``, ``comparisons.csv``, ``requests.jsonl``, ``shared_context.png``;
 ``--reanalyse`` rewrites the statistics from a committed ``requests.jsonl`` with no engine.
-
-Each request compresses its own copy of the context: the compressed blocks of one request are
-not reused by the next (docs/results.md, "One context, many questions", says why vLLM's prefix cache
-cannot hold them and what sharing them would take).
 """
 from __future__ import annotations
 
@@ -50,8 +56,16 @@ from harness.tasks.embedded.dataset import CITIES, JOBS, filler, people  # noqa:
 OUT = ROOT / "results" / "shared_context"
 QUESTIONS = 6
 WORDS = 1400          # about 2,000 of SmolLM2's tokens per context
-POLICIES = ("paged", "snapkv")
+POLICIES = ("paged", "snapkv")          # every mode
 MODES = ("context", "prompt", "first question")
+CONTEXT_ONLY = ("streaming", "keydiff")  # the context mode alone
+UNSHARED = "context unshared"            # PagedEviction's context mode with share_context=false
+
+
+def configurations() -> list[tuple[str, str | None]]:
+    """(mode, policy) in the order they run and print."""
+    return ([("full", None)] + [(mode, policy) for policy in POLICIES for mode in MODES]
+            + [("context", policy) for policy in CONTEXT_ONLY] + [(UNSHARED, "paged")])
 
 
 @dataclass(frozen=True)
@@ -64,34 +78,34 @@ class Shared:
     questions: tuple[tuple[str, tuple[str, ...]], ...]
 
 
-def access_codes(rng: random.Random, index: int) -> Shared:
+def access_codes(rng: random.Random, index: int, questions: int = QUESTIONS) -> Shared:
     """A long text with one access code per person, spread from 10% to 90% of its depth."""
-    names = people(rng, QUESTIONS)
-    codes = [str(code) for code in rng.sample(range(10000, 100000), QUESTIONS)]
+    names = people(rng, questions)
+    codes = [str(code) for code in rng.sample(range(10000, 100000), questions)]
     sentences = filler(rng, WORDS)
     for k, (name, code) in reversed(list(enumerate(zip(names, codes)))):
-        depth = 0.1 + 0.8 * k / (QUESTIONS - 1)
+        depth = 0.1 + 0.8 * k / (questions - 1)
         sentences.insert(round(depth * len(sentences)), f"The access code of {name} is {code}. Remember it: {code}.")
     questions = tuple((f"What is the access code of {name}? Answer with the number only.", (code,))
                       for name, code in zip(names, codes))
     return Shared("key_retrieval", f"codes-{index}", " ".join(sentences), questions)
 
 
-def birthplaces(rng: random.Random, index: int) -> Shared:
-    """Passages about ``QUESTIONS`` people, each born in a different city."""
-    names, cities = people(rng, QUESTIONS), rng.sample(CITIES, QUESTIONS)
+def birthplaces(rng: random.Random, index: int, questions: int = QUESTIONS) -> Shared:
+    """Passages about ``questions`` people, each born in a different city."""
+    names, cities = people(rng, questions), rng.sample(CITIES, questions)
     passages = []
     for k, (name, city) in enumerate(zip(names, cities), start=1):
-        body = filler(rng, WORDS // QUESTIONS - 20)
+        body = filler(rng, WORDS // questions - 20)
         body.insert(rng.randrange(len(body) + 1), f"{name} was born in {city} and worked as a {rng.choice(JOBS)}.")
         passages.append(f"Passage {k}:\n{name}\n{' '.join(body)}")
     questions = tuple((f"In which city was {name} born?", (city,)) for name, city in zip(names, cities))
     return Shared("multi_doc_qa", f"births-{index}", "\n".join(passages), questions)
 
 
-def workload(contexts: int, seed: int = 0) -> list[Shared]:
+def workload(contexts: int, seed: int = 0, questions: int = QUESTIONS) -> list[Shared]:
     rng = random.Random(seed)
-    return [(access_codes if index % 2 == 0 else birthplaces)(rng, index) for index in range(contexts)]
+    return [(access_codes if index % 2 == 0 else birthplaces)(rng, index, questions) for index in range(contexts)]
 
 
 @dataclass(frozen=True)
@@ -152,8 +166,10 @@ def requests_for(configuration: tuple[str, str | None], workload_prompts, ratio:
                 settings = {"policy": policy, "budget_ratio": ratio, "decode_eviction": False}
                 if mode == "first question" and q > 0:
                     tokens, boundary = after_first_question(prompts[0], prompt, footer)
-                if mode == "context" or (mode == "first question" and q > 0):
+                if mode in ("context", UNSHARED) or (mode == "first question" and q > 0):
                     settings.update(compress="context", context_tokens=boundary)
+                if mode == UNSHARED:
+                    settings.update(share_context=False)
             made.append(Request(shared, q, list(tokens), settings))
     return made
 
@@ -183,7 +199,8 @@ def summarize(rows: list[dict], runs: dict) -> list[dict]:
         line = {"configuration": name, "requests": len(mine), "wall_s": round(wall, 2),
                 "output_tokens_per_s": round(sum(r["output_tokens"] for r in mine) / wall, 2),
                 "kv_blocks_peak": ledger["kv_blocks_used_peak"], "kv_blocks_mean": round(ledger["kv_blocks_used_mean"], 1),
-                "prefill_evictions": ledger["evictions"]["prefill"], "evicted_tokens": ledger["evicted_tokens"]}
+                "prefill_evictions": ledger["evictions"]["prefill"], "evicted_tokens": ledger["evicted_tokens"],
+                "shared_hits": (ledger.get("shared_contexts") or {}).get("hits", 0)}
         for part, keep in (("first", lambda r: r["question"] == 0), ("later", lambda r: r["question"] > 0)):
             per_task = {}
             for row in mine:
@@ -207,7 +224,7 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
     per policy, its modes against each other."""
     from harness.analysis.clustered import compare
 
-    names = [f"{policy} {mode}" for policy in POLICIES for mode in MODES]
+    names = [f"{policy} {mode}" for policy in POLICIES for mode in MODES] + [f"{p} context" for p in CONTEXT_ONLY]
     pairs = [(name, "full") for name in names]
     for policy in POLICIES:
         pairs += [(f"{policy} context", f"{policy} prompt"), (f"{policy} first question", f"{policy} prompt"),
@@ -219,13 +236,13 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int,
-             families: dict[str, list[dict]] | None = None) -> str:
+             families: dict[str, list[dict]] | None = None, questions: int = QUESTIONS) -> str:
     full = next(line for line in table if line["configuration"] == "full")
     lines = [
         "# One context, many questions", "",
         f"Command: `{command}`", "",
         f"{contexts} contexts (half access codes in a long text, half passages about people; about 2,000 tokens "
-        f"each) x {QUESTIONS} questions, each question its own request, all {contexts * QUESTIONS} requests of a "
+        f"each) x {questions} questions, each question its own request, all {contexts * questions} requests of a "
         f"configuration sent at once to one engine ({model}, prefix caching on, a pool of {pool} blocks of 32 "
         f"tokens, the prefix cache emptied between configurations). Compression ratio {ratio:g} of what each "
         "configuration compresses. Accuracy: the suite's scores (0-100), mean over the two tasks of the task "
@@ -233,31 +250,35 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
         "that a one-sample sign-flip test negating whole contexts' deviations from m does not reject, "
         "`harness.analysis.stats.cell_interval`); "
         "*first*: the first question of each context, *later*: the other "
-        f"{QUESTIONS - 1}. KV blocks: blocks in use over the configuration's engine steps (the scheduler's ledger; "
-        "a block the prefix cache holds for no running request is free).", "",
+        f"{questions - 1}. KV blocks: blocks in use over the configuration's engine steps (the scheduler's ledger; "
+        "a block the prefix cache, or the compressed-context cache, holds for no running request is free). "
+        "Evictions: prefill evictions run; shared: requests that took a context another request compressed.", "",
         "| configuration | first question | later questions | KV blocks peak | KV blocks mean | peak vs full | "
-        "mean vs full | output tok/s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "mean vs full | evictions | shared | output tok/s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for line in table:
         lines.append(
             f"| {line['configuration']} | {line['first']:.1f} ({line['first_low']:.1f}, {line['first_high']:.1f}) | "
             f"{line['later']:.1f} ({line['later_low']:.1f}, {line['later_high']:.1f}) | {line['kv_blocks_peak']} | "
             f"{line['kv_blocks_mean']:.1f} | {line['kv_blocks_peak'] / full['kv_blocks_peak']:.2f} | "
-            f"{line['kv_blocks_mean'] / full['kv_blocks_mean']:.2f} | "
-            f"{line['output_tokens_per_s']:.1f} | {line['wall_s']:.1f} |")
+            f"{line['kv_blocks_mean'] / full['kv_blocks_mean']:.2f} | {line['prefill_evictions']} | "
+            f"{line.get('shared_hits', 0)} | {line['output_tokens_per_s']:.1f} | {line['wall_s']:.1f} |")
     full_pool = [line["configuration"] for line in table if line["kv_blocks_peak"] >= 0.99 * pool]
     if full_pool:
         lines += ["", f"The pool was full in {', '.join(full_pool)}: requests waited for blocks there, and the "
                   "peak is the pool's size, not what the configuration asks for (rerun with a larger "
                   "`--kv-cache-gib`)."]
-    lines += ["", "Every compressing request holds its own compressed copy of its context (the copies are not "
-              "shared between requests: docs/results.md, \"One context, many questions\"), while full cache's questions share "
-              "one copy of the context through the prefix cache. Timings are one run each on the 2-core CPU machine.", ""]
+    lines += ["", "Full cache's questions share one copy of each context through vLLM's prefix cache. A context "
+              "compressed before its questions (`context`; and `first question`'s later requests, which compress "
+              "the context with the first question) is compressed once, by the first request about it, and kept; "
+              "the others take it (`harness.engine.shared_contexts`). A query-aware request (`prompt`) keeps what "
+              "its own question attends to, so it holds its own copy, as `context unshared` does by setting. "
+              "Timings are one run each on the 2-core CPU machine.", ""]
     if families:
         from harness.analysis.clustered import section
 
-        lines += section(families, f"one generated context: its {QUESTIONS} questions' requests ({contexts} contexts, "
+        lines += section(families, f"one generated context: its {questions} questions' requests ({contexts} contexts, "
                          f"{contexts // 2} per task; on first questions every cluster holds one sample)")
     return "\n".join(lines)
 
@@ -316,7 +337,8 @@ def reanalyse(out: Path) -> int:
     runs = {}
     for _, line in previous.iterrows():
         ledger = {"kv_blocks_used_peak": int(line["kv_blocks_peak"]), "kv_blocks_used_mean": float(line["kv_blocks_mean"]),
-                  "evictions": {"prefill": int(line["prefill_evictions"])}, "evicted_tokens": int(line["evicted_tokens"])}
+                  "evictions": {"prefill": int(line["prefill_evictions"])}, "evicted_tokens": int(line["evicted_tokens"]),
+                  "shared_contexts": {"hits": int(line.get("shared_hits", 0))}}
         runs[line["configuration"]] = (float(line["wall_s"]), ledger)
     table = summarize(rows, runs)
     for line, old in zip(table, previous.to_dict("records")):  # wall time is kept rounded: keep its rate as printed
@@ -324,7 +346,8 @@ def reanalyse(out: Path) -> int:
     contexts = len({row["context"] for row in rows})
     ratio = float(re.search(r"Compression ratio ([\d.]+)", text).group(1))
     families = comparisons(rows)
-    (out / "summary.md").write_text(markdown(table, command, contexts, ratio, model, int(pool), families))
+    questions = 1 + max(row["question"] for row in rows)
+    (out / "summary.md").write_text(markdown(table, command, contexts, ratio, model, int(pool), families, questions))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     write_comparisons(families, out)
     plot(table, out / "shared_context.png")
@@ -335,6 +358,7 @@ def reanalyse(out: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, default=8)
+    parser.add_argument("--questions", type=int, default=QUESTIONS, help="questions per context")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0,
                         help="the KV pool: large enough by default that no configuration waits for blocks, so "
@@ -346,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reanalyse:
         return reanalyse(args.out)
-    if args.contexts < 2 or not 0 < args.ratio < 1:
-        parser.error("--contexts must be at least 2 and --ratio in (0, 1)")
+    if args.contexts < 2 or args.questions < 2 or not 0 < args.ratio < 1:
+        parser.error("--contexts and --questions must be at least 2 and --ratio in (0, 1)")
 
     from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer
@@ -360,16 +384,15 @@ def main(argv: list[str] | None = None) -> int:
         run = run_settings(compose(config_name="config", overrides=["model=smollm2-135m"]))
     model_path = resolve_model_path(run.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    shared = workload(args.contexts)
+    shared = workload(args.contexts, questions=args.questions)
     workload_prompts = [(s, prompts_of(s, tokenizer, run.model.max_prompt_tokens)) for s in shared]
-    configurations = [("full", None)] + [(mode, policy) for policy in POLICIES for mode in MODES]
     from dataclasses import replace
 
     engine_settings = replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=None)
     engine = Engine(model_path, run.model, engine_settings, run.block_size, seed=run.seed, prefix_caching=True)
     rows, runs = [], {}
     try:
-        for configuration in configurations:
+        for configuration in configurations():
             name = "full" if configuration[0] == "full" else f"{configuration[1]} {configuration[0]}"
             requests = requests_for(configuration, workload_prompts, args.ratio, tokenizer)
             results, wall, ledger = run_configuration(engine, requests)
@@ -389,10 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     families = comparisons(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python experiments/shared_context.py" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("ratio", args.ratio),
-                                           ("kv_cache_gib", args.kv_cache_gib)) if v != parser.get_default(k))
+        f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("questions", args.questions),
+                                                     ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib))
+        if v != parser.get_default(k)) + ("" if args.out == OUT else f" --out {args.out}")
     (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
-                                                  families))
+                                                  families, args.questions))
     import pandas as pd
 
     pd.DataFrame(table).to_csv(args.out / "summary.csv", index=False)
