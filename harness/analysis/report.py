@@ -322,7 +322,7 @@ def render(root: Path = ROOT) -> str:
 # "N of M" count. Integers elsewhere are budgets, sample sizes and names, not findings. A ratio
 # may carry its "x" (1.65x, and the range 0.89x-0.95x): the number is read without it, and found
 # in a summary that writes it either way (``appears``).
-CHECKED_DOCUMENTS = {"docs/results.md": "## Results", "results/FINDINGS.md": None}  # None: the whole file
+CHECKED_DOCUMENTS = {"docs/results.md": None, "results/FINDINGS.md": None}  # None: the whole file, a heading: its section
 _CODE = re.compile(r"`[^`]*`")
 _LINK_TARGET = re.compile(r"\]\([^)]*\)")
 # Not after a letter and a hyphen (Llama-3.1), unless that letter is a ratio's x (0.89x-0.95x).
@@ -356,7 +356,10 @@ def sources_of(paragraph: str, root: Path) -> str:
 
 
 def quoted(paragraph: str) -> list[str]:
-    """The numbers a paragraph quotes as findings (``CHECKED_DOCUMENTS``' rule)."""
+    """The numbers a paragraph quotes as findings (``CHECKED_DOCUMENTS``' rule): none in code, a
+    `span` or a block of commands (every line indented four spaces: options and versions)."""
+    if all(line.startswith(("    ", "\t")) for line in paragraph.strip("\n").splitlines()):
+        return []
     prose = _LINK_TARGET.sub("]", _CODE.sub("", paragraph))
     return _DECIMAL.findall(prose) + _COUNT.findall(prose)
 

@@ -56,6 +56,11 @@ def test_identifiers_and_code_are_not_claims():
     assert report.quoted("It reached 2.04x, 11.13% and 6 of 36.") == ["2.04", "11.13", "6 of 36"]
 
 
+def test_a_block_of_commands_quotes_nothing():
+    assert report.quoted("    tool.sh    # version 0.5.5 (it pins x < 5.3)\n    run.py --ratios 0.5 0.75\n") == []
+    assert report.quoted("Prose at 2.5,\n    indented in a list at 3.5\n") == ["2.5", "3.5"]
+
+
 def test_section_reads_to_the_next_heading_of_its_level():
     text = "# T\n\n## Results\n\nSee 1.5.\n\n### Sub\n\n2.5\n\n## Next\n\n3.5\n"
     assert report.quoted(report.section(text, "## Results")) == ["1.5", "2.5"]
