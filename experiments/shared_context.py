@@ -62,9 +62,11 @@ CONTEXT_ONLY = ("streaming", "keydiff")  # the context mode alone
 UNSHARED = "context unshared"            # PagedEviction's context mode with share_context=false
 
 
-def configurations() -> list[tuple[str, str | None]]:
-    """(mode, policy) in the order they run and print."""
-    return ([("full", None)] + [(mode, policy) for policy in POLICIES for mode in MODES]
+def configurations(context_only: bool = False) -> list[tuple[str, str | None]]:
+    """(mode, policy) in the order they run and print (``context_only``: full cache and the
+    context modes alone)."""
+    modes = ("context",) if context_only else MODES
+    return ([("full", None)] + [(mode, policy) for policy in POLICIES for mode in modes]
             + [("context", policy) for policy in CONTEXT_ONLY] + [(UNSHARED, "paged")])
 
 
@@ -224,11 +226,14 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
     per policy, its modes against each other."""
     from harness.analysis.clustered import compare
 
+    present = {row["configuration"] for row in rows}
     names = [f"{policy} {mode}" for policy in POLICIES for mode in MODES] + [f"{p} context" for p in CONTEXT_ONLY]
     pairs = [(name, "full") for name in names]
     for policy in POLICIES:
         pairs += [(f"{policy} context", f"{policy} prompt"), (f"{policy} first question", f"{policy} prompt"),
                   (f"{policy} context", f"{policy} first question")]
+    pairs.append(("paged context", f"paged {UNSHARED}"))  # the same requests, each compressing its own: zero
+    pairs = [pair for pair in pairs if set(pair) <= present]
     # On first questions the "first question" configuration is the prompt one (the same requests): left out there.
     first = [pair for pair in pairs if not any(name.endswith("first question") for name in pair)]
     return {"First question": compare(rows, first, lambda r: r["question"] == 0),
@@ -359,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, default=8)
     parser.add_argument("--questions", type=int, default=QUESTIONS, help="questions per context")
+    parser.add_argument("--context-only", action="store_true",
+                        help="full cache and the context-compressing configurations only (no query-aware ones)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0,
                         help="the KV pool: large enough by default that no configuration waits for blocks, so "
@@ -392,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model_path, run.model, engine_settings, run.block_size, seed=run.seed, prefix_caching=True)
     rows, runs = [], {}
     try:
-        for configuration in configurations():
+        for configuration in configurations(args.context_only):
             name = "full" if configuration[0] == "full" else f"{configuration[1]} {configuration[0]}"
             requests = requests_for(configuration, workload_prompts, args.ratio, tokenizer)
             results, wall, ledger = run_configuration(engine, requests)
@@ -414,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python experiments/shared_context.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("questions", args.questions),
                                                      ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib))
-        if v != parser.get_default(k)) + ("" if args.out == OUT else f" --out {args.out}")
+        if v != parser.get_default(k)) + (" --context-only" if args.context_only else "") + (
+        "" if args.out == OUT else f" --out {args.out}")
     (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
                                                   families, args.questions))
     import pandas as pd
