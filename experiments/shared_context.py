@@ -217,6 +217,12 @@ def summarize(rows: list[dict], runs: dict) -> list[dict]:
             line.update({f"{part}": interval.estimate, f"{part}_low": interval.low, f"{part}_high": interval.high,
                          f"{part}_samples": interval.samples})
         table.append(line)
+    shared = [row["prediction"] for row in rows if row["configuration"] == "paged context"]
+    unshared = [row["prediction"] for row in rows if row["configuration"] == f"paged {UNSHARED}"]
+    for line in table:
+        if line["configuration"] == f"paged {UNSHARED}" and shared:
+            # the same requests, computing their own compressed context: the same answers, or sharing broke something
+            line["same_as_shared"] = sum(a == b for a, b in zip(shared, unshared))
     return table
 
 
@@ -232,7 +238,6 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
     for policy in POLICIES:
         pairs += [(f"{policy} context", f"{policy} prompt"), (f"{policy} first question", f"{policy} prompt"),
                   (f"{policy} context", f"{policy} first question")]
-    pairs.append(("paged context", f"paged {UNSHARED}"))  # the same requests, each compressing its own: zero
     pairs = [pair for pair in pairs if set(pair) <= present]
     # On first questions the "first question" configuration is the prompt one (the same requests): left out there.
     first = [pair for pair in pairs if not any(name.endswith("first question") for name in pair)]
@@ -280,6 +285,11 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
               "the others take it (`harness.engine.shared_contexts`). A query-aware request (`prompt`) keeps what "
               "its own question attends to, so it holds its own copy, as `context unshared` does by setting. "
               "Timings are one run each on the 2-core CPU machine.", ""]
+    unshared = next((line for line in table if line.get("same_as_shared") is not None), None)
+    if unshared is not None:
+        lines[-1:-1] = [f"`{unshared['configuration']}` asks the requests of `paged context`, each compressing its "
+                        f"own copy: {unshared['same_as_shared']} of its {unshared['requests']} answers are the same "
+                        "text as with the context shared.", ""]
     if families:
         from harness.analysis.clustered import section
 
