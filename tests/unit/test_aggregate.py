@@ -66,9 +66,22 @@ def test_tables_read_full_cache_first_and_budgets_in_numeric_order():
         assert retention[row] == pytest.approx(100 * averages[row] / averages[("full", "all")], abs=0.1)
 
 
-@pytest.mark.slow  # aggregates the CI baseline again (the frame fixture already has) and draws six plot files
-def test_cli_writes_summary_and_plots(tmp_path, capsys):
+@pytest.mark.slow  # draws six plot files
+def test_cli_writes_summary_and_plots(frame, tmp_path, capsys, monkeypatch):
+    """The command line over the CI baseline. Its aggregation is the frame fixture's, load_runs of the
+    same root with no task dropped (a pure function of the committed files, tested above): the CLI
+    is handed a copy of it instead of aggregating the baseline a second time."""
+    from harness.analysis import aggregate
+
+    calls = []
+
+    def loaded(roots, drop_tasks=()):
+        calls.append((list(roots), tuple(drop_tasks)))
+        return frame.copy(deep=True)
+
+    monkeypatch.setattr(aggregate, "load_runs", loaded)
     assert aggregate_main([str(CI_BASELINE), "--out", str(tmp_path)]) == 0
+    assert calls == [([CI_BASELINE], ())], "the CLI aggregates the root it was given, no task dropped"
     assert (tmp_path / "summary.csv").read_text().count("\n") == CELLS * 3 + 1
     markdown = (tmp_path / "summary.md").read_text()
     assert "Produced by `python -m harness.analysis.aggregate" in markdown and re.search(r"\| paged +\| 256 +\|", markdown)
