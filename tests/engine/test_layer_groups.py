@@ -202,3 +202,30 @@ def test_the_attention_schedule_holds_the_measured_blocks_and_returns_every_bloc
     assert all(low <= peak <= high for low, peak, high in zip(most(1), peaks, most(2))), (most(1), peaks, most(2))
     assert 0 < ledger["evictions"]["prefill"] <= sum(n > b[g] for b, n in zip(budgets, lengths) for g in range(GROUPS))
     assert attention_run["free_blocks_after"] == attention_run["free_blocks_before"]
+
+
+# A context compressed once and shared, with three groups at the pyramid schedule (each group its
+# own budget, so its own kept count; PagedEviction keeps the context's partial last block in each,
+# which a request taking the context copies before writing its question): the first and the last
+# prompt share their first 250 tokens (``prompts``). The same requests with share_context=false,
+# in the same engine, compute their own.
+SHARED_CONTEXT = {"policy": "paged", "budget": None, "budget_ratio": 0.5, "decode_eviction": False,
+                  "compress": "context", "context_tokens": 250, "budget_schedule": "pyramid"}
+
+
+@pytest.fixture(scope="module")
+def shared_context_run(tmp_path_factory, prompts):
+    settings = [SHARED_CONTEXT] * len(prompts) + [{**SHARED_CONTEXT, "share_context": False}] * len(prompts)
+    return run_engine(tmp_path_factory.mktemp("shared"), "smollm2", prompts * 2, NEW_TOKENS, prefix_caching=True,
+                      layer_groups=GROUPS, request_eviction=settings)
+
+
+def test_a_context_shared_across_three_groups_generates_what_each_request_computing_its_own_does(
+        shared_context_run, prompts):
+    count = len(prompts)
+    assert_same_outputs(part(shared_context_run, 1, count), part(shared_context_run, 0, count))
+    ledger = shared_context_run["ledger"]
+    assert ledger["shared_contexts"]["hits"] == 1 and ledger["shared_contexts"]["published"] == 3
+    # every request but the one that took a context evicts in each group, once
+    assert ledger["evictions"]["prefill"] == GROUPS * (2 * count - 1)
+    assert shared_context_run["free_blocks_after"] == shared_context_run["free_blocks_before"]
