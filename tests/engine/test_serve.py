@@ -172,9 +172,10 @@ def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
 
 def test_a_shared_context_compressed_before_each_question_and_a_boundary_past_the_prompt_gets_400(server):
     """Query-agnostic compression through the API: each request gives its context boundary
-    (``compress: context``, ``context_tokens``); three questions on one context, served
-    concurrently over the prefix cache, equal the Hugging Face reference evicting at that boundary;
-    a boundary past the prompt's end is refused with HTTP 400."""
+    (``compress: context``, ``context_tokens``); four questions on one context, served
+    concurrently over the prefix cache, equal the Hugging Face reference evicting at that boundary
+    (the fourth asks SnapKV again: it takes the context the first compressed, which the reference
+    computes anew); a boundary past the prompt's end is refused with HTTP 400."""
     import openai
 
     from harness.eviction.hf_reference import HFReferenceEngine
@@ -183,7 +184,8 @@ def test_a_shared_context_compressed_before_each_question_and_a_boundary_past_th
     context = text_prompts("tiny", [600], seed=31)[0]
     prompts = [context + question for question in text_prompts("tiny", [40, 70, 55], seed=32)]
     asked = [{"policy": name, "budget_ratio": 0.5, "decode_eviction": False, "compress": "context",
-              "context_tokens": len(context)} for name in ("snapkv", "paged", "h2o")]
+              "context_tokens": len(context)} for name in ("snapkv", "paged", "h2o", "snapkv")]
+    prompts.insert(3, prompts[1])
     prompts.append(prompts[0])
     asked.append(dict(asked[0], context_tokens=len(prompts[0]) + 1))
 
