@@ -25,21 +25,27 @@ pytestmark = pytest.mark.engine
 BUDGET, NEW_TOKENS = 256, 64
 PREEMPTED = ["paged", "knorm", "h2o"]  # cached scores, compacted tokens, attention totals and windows: what a replay rebuilds
 PREEMPT_BUDGET, PREEMPT_TOKENS = 512, 300
-# Query-agnostic compression (compress=context): half of each prompt's first 70% evicted before the rest is computed.
+# Query-agnostic compression (compress=context): half of a context (the first prompt's first 70%) evicted
+# before the rest is computed; two questions ask about it, so that with prefix caching the second
+# takes the compressed context the first kept (harness.engine.shared_contexts).
 CONTEXT = ["paged", "snapkv", "h2o"]
 
 
 @pytest.fixture(scope="module")
 def requests():
     """Per request: prompt, new tokens, eviction settings. The matrix first (two prompts each),
-    then the preemption set (four prompts each)."""
+    then the context-compressing policies (one context, two questions each), then the preemption set
+    (four prompts each)."""
     matrix_prompts = text_prompts("tiny", mixed_lengths(2, 500, 900, seed=3), seed=3)
     long_prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
     matrix = [(prompt, NEW_TOKENS, {"policy": name, "budget": BUDGET, "options": options})
               for name, options in MATRIX for prompt in matrix_prompts]
+    first, other = matrix_prompts
+    context = 7 * len(first) // 10
+    questions = [first, first[:context] + other[7 * len(other) // 10:]]
     matrix += [(prompt, NEW_TOKENS, {"policy": name, "budget": None, "budget_ratio": 0.5, "decode_eviction": False,
-                                     "compress": "context", "context_tokens": 7 * len(prompt) // 10})
-               for name in CONTEXT for prompt in matrix_prompts]
+                                     "compress": "context", "context_tokens": context})
+               for name in CONTEXT for prompt in questions]
     preempted = [(prompt, PREEMPT_TOKENS, {"policy": name, "budget": PREEMPT_BUDGET})
                  for name in PREEMPTED for prompt in long_prompts]
     return matrix, preempted
@@ -109,6 +115,9 @@ def test_with_prefix_caching_no_cached_block_is_written_on_either_rank(two_worke
     ledger, cached = two_workers_prefix_cached["ledger"], two_workers_prefix_cached["cached_blocks"]
     assert ledger["copy_target_blocks"] > 0, "requests compacted into copies of cached blocks"
     assert cached["registered_before"] >= 20 and cached["changed"] == 0
+    # each context policy's second question took the first's compressed context on both ranks (and
+    # generated what one worker computing its own did: test_two_workers_generate_what_one_generates)
+    assert ledger["shared_contexts"]["hits"] >= len(CONTEXT)
 
 
 def test_under_preemption_one_or_two_workers_generate_what_one_generates_without(one_worker, preempted_run):
