@@ -176,17 +176,37 @@ def requests_for(configuration: tuple[str, str | None], workload_prompts, ratio:
     return made
 
 
-def run_configuration(engine, requests: list[Request]) -> tuple[list, float, dict]:
+ARRIVALS = ("together", "rounds")
+
+
+def arrival_rounds(requests: list[Request], arrivals: str) -> list[list[int]]:
+    """The requests' indices in the batches they arrive in: all at once (``together``), or one
+    question of every context per round, each round sent when the one before has finished
+    (``rounds``: a context's later questions come after its first has been answered, so they find
+    its compressed context kept but held by no running request)."""
+    if arrivals == "together":
+        return [list(range(len(requests)))]
+    rounds: dict[int, list[int]] = {}
+    for index, request in enumerate(requests):
+        rounds.setdefault(request.question, []).append(index)
+    return [rounds[question] for question in sorted(rounds)]
+
+
+def run_configuration(engine, requests: list[Request], arrivals: str = "together") -> tuple[list, float, dict]:
     from harness.eviction.settings import CONFIG_KEY
     from harness.tasks import task_spec
 
     engine.llm.reset_prefix_cache()  # every configuration starts cold
     engine.ledger(reset=True)
     specs = [task_spec(r.shared.task) for r in requests]
+    results = [None] * len(requests)
     started = time.perf_counter()
-    results = engine.generate([r.token_ids for r in requests], [s.max_new_tokens for s in specs],
-                              [tuple(s.stop) for s in specs], settings=[{CONFIG_KEY: r.settings} for r in requests],
-                              top_logprobs=0, progress=False)
+    for batch in arrival_rounds(requests, arrivals):
+        done = engine.generate([requests[i].token_ids for i in batch], [specs[i].max_new_tokens for i in batch],
+                               [tuple(specs[i].stop) for i in batch],
+                               settings=[{CONFIG_KEY: requests[i].settings} for i in batch], top_logprobs=0, progress=False)
+        for index, result in zip(batch, done):
+            results[index] = result
     return results, time.perf_counter() - started, engine.ledger()
 
 
@@ -246,14 +266,18 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int,
-             families: dict[str, list[dict]] | None = None, questions: int = QUESTIONS) -> str:
+             families: dict[str, list[dict]] | None = None, questions: int = QUESTIONS,
+             arrivals: str = "together") -> str:
     full = next(line for line in table if line["configuration"] == "full")
     lines = [
         "# One context, many questions", "",
         f"Command: `{command}`", "",
         f"{contexts} contexts (half access codes in a long text, half passages about people; about 2,000 tokens "
         f"each) x {questions} questions, each question its own request, all {contexts * questions} requests of a "
-        f"configuration sent at once to one engine ({model}, prefix caching on, a pool of {pool} blocks of 32 "
+        + ("configuration sent at once" if arrivals == "together" else
+           f"configuration sent in {questions} rounds (one question of every context per round, each round once the "
+           "one before has finished)")
+        + f" to one engine ({model}, prefix caching on, a pool of {pool} blocks of 32 "
         f"tokens, the prefix cache emptied between configurations). Compression ratio {ratio:g} of what each "
         "configuration compresses. Accuracy: the suite's scores (0-100), mean over the two tasks of the task "
         "means, 95% intervals over whole contexts (a context's questions are not independent: the values m "
@@ -362,7 +386,9 @@ def reanalyse(out: Path) -> int:
     ratio = float(re.search(r"Compression ratio ([\d.]+)", text).group(1))
     families = comparisons(rows)
     questions = 1 + max(row["question"] for row in rows)
-    (out / "summary.md").write_text(markdown(table, command, contexts, ratio, model, int(pool), families, questions))
+    arrivals = "rounds" if "--arrivals rounds" in command else "together"
+    (out / "summary.md").write_text(markdown(table, command, contexts, ratio, model, int(pool), families, questions,
+                                             arrivals))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     write_comparisons(families, out)
     plot(table, out / "shared_context.png")
@@ -374,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, default=8)
     parser.add_argument("--questions", type=int, default=QUESTIONS, help="questions per context")
+    parser.add_argument("--arrivals", choices=ARRIVALS, default="together",
+                        help="together: every request at once; rounds: one question of each context per round, "
+                             "each round once the one before has finished")
     parser.add_argument("--context-only", action="store_true",
                         help="full cache and the context-compressing configurations only (no query-aware ones)")
     parser.add_argument("--ratio", type=float, default=0.5)
@@ -412,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         for configuration in configurations(args.context_only):
             name = "full" if configuration[0] == "full" else f"{configuration[1]} {configuration[0]}"
             requests = requests_for(configuration, workload_prompts, args.ratio, tokenizer)
-            results, wall, ledger = run_configuration(engine, requests)
+            results, wall, ledger = run_configuration(engine, requests, args.arrivals)
             runs[name] = (wall, ledger)
             for request, result in zip(requests, results):
                 text, answers = request.shared.questions[request.question]
@@ -432,9 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("questions", args.questions),
                                                      ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib))
         if v != parser.get_default(k)) + (" --context-only" if args.context_only else "") + (
+        f" --arrivals {args.arrivals}" if args.arrivals != "together" else "") + (
         "" if args.out == OUT else f" --out {args.out}")
     (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
-                                                  families, args.questions))
+                                                  families, args.questions, args.arrivals))
     import pandas as pd
 
     pd.DataFrame(table).to_csv(args.out / "summary.csv", index=False)

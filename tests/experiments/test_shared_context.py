@@ -60,3 +60,14 @@ def test_each_mode_evicts_where_it_says(experiment, prompts):
         # question's own part follows, unchanged
         assert request.token_ids[:boundary] == questions[0].token_ids[:len(questions[0].token_ids) - footer]
         assert request.token_ids[boundary:] == own.token_ids[own.context_tokens:]
+
+
+def test_rounds_send_one_question_of_every_context_at_a_time_in_order(experiment, prompts):
+    tokenizer, asked = prompts
+    requests = experiment.requests_for(("context", "paged"), asked, 0.5, tokenizer)
+    assert experiment.arrival_rounds(requests, "together") == [list(range(len(requests)))]
+    rounds = experiment.arrival_rounds(requests, "rounds")
+    assert len(rounds) == experiment.QUESTIONS and sorted(i for batch in rounds for i in batch) == list(range(len(requests)))
+    for question, batch in enumerate(rounds):
+        assert [requests[i].question for i in batch] == [question] * len(asked)
+        assert len({requests[i].shared.id for i in batch}) == len(asked)  # one question of every context
