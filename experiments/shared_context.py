@@ -265,9 +265,18 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
             "Later questions": compare(rows, pairs, lambda r: r["question"] > 0)}
 
 
+def dead_questions(rows: list[dict]) -> tuple[int, int]:
+    """How many questions score 0 in every configuration, of how many (a question no configuration
+    answers tells nothing about the configurations' differences)."""
+    scores: dict[tuple, list[float]] = {}
+    for row in rows:
+        scores.setdefault((row["context"], row["question"]), []).append(row["score"])
+    return sum(not any(values) for values in scores.values()), len(scores)
+
+
 def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int,
              families: dict[str, list[dict]] | None = None, questions: int = QUESTIONS,
-             arrivals: str = "together") -> str:
+             arrivals: str = "together", dead: tuple[int, int] | None = None) -> str:
     full = next(line for line in table if line["configuration"] == "full")
     lines = [
         "# One context, many questions", "",
@@ -286,7 +295,8 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
         "*first*: the first question of each context, *later*: the other "
         f"{questions - 1}. KV blocks: blocks in use over the configuration's engine steps (the scheduler's ledger; "
         "a block the prefix cache, or the compressed-context cache, holds for no running request is free). "
-        "Evictions: prefill evictions run; shared: requests that took a context another request compressed.", "",
+        "Evictions: prefill evictions run; shared: requests that took a context another request compressed."
+        + (f" Dead questions: {dead[0]} of the {dead[1]} questions score 0 in every configuration." if dead else ""), "",
         "| configuration | first question | later questions | KV blocks peak | KV blocks mean | peak vs full | "
         "mean vs full | evictions | shared | output tok/s | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -388,7 +398,7 @@ def reanalyse(out: Path) -> int:
     questions = 1 + max(row["question"] for row in rows)
     arrivals = "rounds" if "--arrivals rounds" in command else "together"
     (out / "summary.md").write_text(markdown(table, command, contexts, ratio, model, int(pool), families, questions,
-                                             arrivals))
+                                             arrivals, dead_questions(rows)))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     write_comparisons(families, out)
     plot(table, out / "shared_context.png")
@@ -464,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         f" --arrivals {args.arrivals}" if args.arrivals != "together" else "") + (
         "" if args.out == OUT else f" --out {args.out}")
     (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
-                                                  families, args.questions, args.arrivals))
+                                                  families, args.questions, args.arrivals, dead_questions(rows)))
     import pandas as pd
 
     pd.DataFrame(table).to_csv(args.out / "summary.csv", index=False)
