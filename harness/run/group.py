@@ -192,5 +192,6 @@ def cell_kv(ledger: dict | None, run: RunSettings, requests: list[dict | None]) 
         "budget_ratio": run.budget_ratio if run.evicts else None,
         "decode_eviction": run.decode_eviction,
         "shared_figures": ["kv_pool_blocks", "steps", "kv_blocks_used_peak", "kv_blocks_used_mean",
-                           "running_requests_peak", "decode_blocks_peak", "model_s", "evict_share_of_step"],
+                           "running_requests_peak", "decode_blocks_peak", "model_s", "evict_share_of_step",
+                           *(["shared_contexts"] if "shared_contexts" in ledger else [])],
     }
