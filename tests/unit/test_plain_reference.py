@@ -10,7 +10,7 @@ from harness.eviction.evictor import evict
 from harness.eviction.state import PolicyState
 from harness.engine.backend_views import FlashAttnView
 from policies import make_policy
-from tests.support.engine_support import BLOCK, model_path, plain_policy, reference_outputs, text_prompts
+from tests.support.engine_support import BLOCK, model_path, plain_policy, text_prompts
 from tests.support.plain_reference import PlainReference
 from tests.support.policy_matrix import MATRIX, MATRIX_IDS, model_cases
 
@@ -66,10 +66,24 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block
         torch.testing.assert_close(left_values, values[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
 
 
+# 40 new tokens at budget 128 and block 32: every rule's cache reaches C + B = 160 in decode (a token
+# rule holds 128 after the prefill and gets there after 32 decode passes, a block rule holds 136 or 156
+# and sooner), so each prompt sees a decode eviction and outputs generated after it; each prompt's
+# final cache, compared layer by layer, then shows both references kept the same K/V after it.
+NEW_TOKENS = 40
+
+
 @pytest.mark.parametrize("name, options", model_cases())  # all but two cases slow
 def test_plain_rule_equals_the_harness_reference(plain, name, options):
+    from harness.eviction.hf_reference import HFReferenceEngine
+
     prompts = text_prompts("tiny", [700, 1000], seed=2)
     rule = plain_policy(name, 128, BLOCK, options.get("granularity"))
-    ours = [plain.generate(prompt, 64, rule) for prompt in prompts]
-    assert all(counts["prefill"] == 1 and counts["decode"] >= 1 for _, counts in ours), "both phases evict"
-    assert [ids for ids, _ in ours] == reference_outputs("tiny", make_policy(name, 128, BLOCK, **options), prompts, 64)
+    engine = HFReferenceEngine(model_path("tiny"), make_policy(name, 128, BLOCK, **options))
+    for prompt in prompts:
+        ids, counts = plain.generate(prompt, NEW_TOKENS, rule)
+        assert counts["prefill"] == 1 and counts["decode"] >= 1, "both phases evict"
+        assert ids == engine.generate(prompt, NEW_TOKENS)
+        for mine, theirs in zip(plain.cache.layers, engine.cache.layers, strict=True):
+            torch.testing.assert_close(theirs.keys, mine.keys, rtol=0, atol=0)
+            torch.testing.assert_close(theirs.values, mine.values, rtol=0, atol=0)
