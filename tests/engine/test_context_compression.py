@@ -152,3 +152,22 @@ def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tm
     assert tight["ledger"]["shared_contexts"]["hits"] > 0
     assert_same_outputs(roomy, tight)
     assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
+
+
+def test_a_kept_context_no_request_holds_is_taken_again_by_the_next_question(tmp_path, requests):
+    """Questions that come one at a time (each sent when the one before has finished): between
+    them the compressed context is held by no running request, so the cache lets its blocks go
+    (free, and found again until the pool reuses them); the next question takes them again. Each
+    output equals the same request computing its own (``share_context=false``, in the same engine,
+    after them); the context is compressed once for three questions; every block comes back."""
+    paged = next(raw for _, raw in requests if raw.get("compress") == "context" and raw["policy"] == "paged")
+    prompts = [prompt for prompt, _ in requests[-3:]] * 2  # the context's three questions, twice
+    settings = [paged] * 3 + [{**paged, "share_context": False}] * 3
+    run = run_engine(tmp_path, "smollm2", prompts, NEW_TOKENS, request_eviction=settings, prefix_caching=True,
+                     one_by_one=True)
+    shared, own = ({key: run[key][cut] for key in ("outputs", "top_logprobs")} for cut in (slice(0, 3), slice(3, 6)))
+    assert_same_outputs(own, shared)
+    contexts = run["ledger"]["shared_contexts"]
+    assert (contexts["published"], contexts["hits"], contexts["reclaimed"]) == (1, 2, 0)
+    assert run["ledger"]["evictions"]["prefill"] == 1 + 3
+    assert run["free_blocks_after"] == run["ledger"]["kv_pool_blocks"]
