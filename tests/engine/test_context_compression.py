@@ -24,9 +24,9 @@ pytestmark = pytest.mark.engine
 NEW_TOKENS = 32
 RATIO = 0.5
 # Preemption: vLLM admits a request when its peak as the scheduler predicts it fits (the 620-token
-# context before its eviction: 20 blocks), and 400 outputs then grow two admitted requests past the
-# pool of 40 (kept context, question and outputs: about 26 blocks each).
-PREEMPT_TOKENS, PREEMPT_POOL, PREEMPT_LEN = 400, 40, 1200
+# context before its eviction: 20 blocks), and 250 outputs then grow two admitted requests past the
+# pool of 40 (kept context, question and outputs: about 21 blocks each; the kept context shared).
+PREEMPT_TOKENS, PREEMPT_POOL, PREEMPT_LEN = 250, 40, 1200
 
 
 def context_settings(name: str, options: dict, context_tokens: int) -> dict:
