@@ -110,8 +110,10 @@ class Ledger:
         """Start counting afresh (between repeats of a benchmark on one engine); the live
         requests' evicted counts are state, not measurements, and stay."""
         fresh = Ledger(self.policy_name, self.budget, evicted=self.evicted, pool_blocks=self.pool_blocks,
-                       groups=self.groups, contexts=ContextStats() if self.contexts is not None else None)
+                       groups=self.groups, contexts=self.contexts)
         self.__dict__.update(fresh.__dict__)
+        if self.contexts is not None:  # the cache's own figures, reset where it keeps them
+            self.contexts.__dict__.update(ContextStats().__dict__)
 
     def add_step(self, report) -> None:
         """The worker's time and policy state of one step that ran an evicting request (its
@@ -612,8 +614,6 @@ class EvictionScheduler(Scheduler):
         per-request stats of ``requests`` (handed over once: they leave the scheduler)."""
         if reset:
             self.kv_ledger.reset_measurements()
-            if self.kv_contexts is not None:
-                self.kv_contexts.stats = self.kv_ledger.contexts
         settings = self.kv_settings
         return {
             "settings": settings.as_dict() if settings else None,

@@ -42,7 +42,6 @@ class Entry:
     length: int                       # the logical tokens it stands for (the context)
     kept: tuple[int, ...]             # per group, the tokens its blocks hold
     blocks: tuple[tuple, ...]         # per group, the KVCacheBlocks
-    pinned: bool = True               # the cache holds a reference on each block
 
     def all_blocks(self):
         return [block for group in self.blocks for block in group]
@@ -90,6 +89,9 @@ class ContextCache:
     def __init__(self, block_pool):
         self.pool = block_pool
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()
+        # the entries whose blocks the cache holds a reference on (the others' blocks are free):
+        # what ``release_idle`` looks at, after every request's free, so not every entry kept
+        self.pinned: dict[tuple, Entry] = {}
         self.owners: dict[tuple, str] = {}   # key -> the request compressing that context now
         self.pins: dict[int, int] = {}       # block id -> pinned entries holding it
         self.of_block: dict[int, set] = {}   # block id -> keys of the entries holding it
@@ -101,7 +103,7 @@ class ContextCache:
         if entry is None:
             return None
         self.entries.move_to_end(key)
-        if not entry.pinned:
+        if key not in self.pinned:
             self._pin(entry)
         return entry
 
@@ -109,7 +111,7 @@ class ContextCache:
         """Keep a context compressed by ``owner``, which holds ``blocks``; False if one is kept already."""
         if key in self.entries:
             return False
-        entry = Entry(key, owner, length, tuple(kept), tuple(tuple(group) for group in blocks), pinned=False)
+        entry = Entry(key, owner, length, tuple(kept), tuple(tuple(group) for group in blocks))
         self.entries[key] = entry
         for block in entry.all_blocks():
             self.of_block.setdefault(block.block_id, set()).add(key)
@@ -120,12 +122,9 @@ class ContextCache:
     def release_idle(self) -> None:
         """Let go of the entries no request holds: their blocks become free, found again until the
         pool hands them out (then the entry is dropped)."""
-        for entry in self.entries.values():
-            if entry.pinned and all(block.ref_cnt == self.pins[block.block_id] for block in entry.all_blocks()):
+        for entry in list(self.pinned.values()):
+            if all(block.ref_cnt == self.pins[block.block_id] for block in entry.all_blocks()):
                 self._unpin(entry)
-
-    def pinned_blocks(self) -> int:
-        return len(self.pins)
 
     def check_writes(self, request_id: str, group: int, blocks, first: int, last: int, block_size: int) -> None:
         """Refuse a step that writes a kept block (positions ``first``..``last`` of a request's
@@ -142,9 +141,8 @@ class ContextCache:
 
     def clear(self) -> None:
         """Drop every entry (a prefix-cache reset: the weights may have changed)."""
-        for entry in list(self.entries.values()):
-            if entry.pinned:
-                self._unpin(entry)
+        for entry in list(self.pinned.values()):
+            self._unpin(entry)
         self.entries.clear()
         self.of_block.clear()
 
@@ -153,7 +151,7 @@ class ContextCache:
         self.pool.touch(blocks)
         for block in blocks:
             self.pins[block.block_id] = self.pins.get(block.block_id, 0) + 1
-        entry.pinned = True
+        self.pinned[entry.key] = entry
         self.stats.pinned_blocks_peak = max(self.stats.pinned_blocks_peak, len(self.pins))
 
     def _unpin(self, entry: Entry) -> None:
@@ -162,7 +160,7 @@ class ContextCache:
             count = self.pins.pop(block.block_id) - 1
             if count:
                 self.pins[block.block_id] = count
-        entry.pinned = False
+        del self.pinned[entry.key]
         # One watcher for every block (vLLM keeps one per block id): it finds the entries itself.
         self.pool.unpin_blocks(blocks, self._reused)
 

@@ -32,10 +32,10 @@ def test_an_entry_is_held_while_a_request_holds_it_and_free_but_found_once_none_
     assert cache.publish("ctx", "first", 10, (10,), (kept,))
     assert [block.ref_cnt for block in kept] == [2, 2, 2]  # the request's and the cache's
     cache.release_idle()
-    assert cache.entries["ctx"].pinned, "the first request still holds its blocks"
+    assert "ctx" in cache.pinned, "the first request still holds its blocks"
     pool.free_blocks(kept)  # the request finishes
     cache.release_idle()
-    assert not cache.entries["ctx"].pinned and pool.get_num_free_blocks() == free  # counted as free, like the prefix cache's
+    assert "ctx" not in cache.pinned and pool.get_num_free_blocks() == free  # counted as free, like the prefix cache's
     entry = cache.take("ctx")  # a later request finds it and pins it again
     assert entry.blocks == (tuple(kept),) and [block.ref_cnt for block in kept] == [1, 1, 1]
     assert pool.get_num_free_blocks() == free - 3
@@ -63,10 +63,10 @@ def test_two_entries_sharing_a_block_are_let_go_together_and_each_dropped_when_i
     cache.publish("b", "rb", 8, (8,), (shared + own_b,))
     pool.free_blocks(shared + own_a)
     cache.release_idle()
-    assert cache.entries["a"].pinned and cache.entries["b"].pinned  # the second request holds the shared block
+    assert "a" in cache.pinned and "b" in cache.pinned  # the second request holds the shared block
     pool.free_blocks(shared + own_b)  # both requests gone
     cache.release_idle()
-    assert not cache.entries["a"].pinned and not cache.entries["b"].pinned
+    assert "a" not in cache.pinned and "b" not in cache.pinned
     assert pool.get_num_free_blocks() == 9
     pool.get_new_blocks(9)
     assert not cache.entries and cache.stats.reclaimed == 2
