@@ -40,6 +40,7 @@ time and output tokens per second. Writes ``results/shared_context/``:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -210,6 +211,69 @@ def run_configuration(engine, requests: list[Request], arrivals: str = "together
     return results, time.perf_counter() - started, engine.ledger()
 
 
+def trial_orders(names: list[str], trials: int) -> list[list[str]]:
+    """Each trial's order of the configurations: the listed order in odd trials, reversed in even
+    ones (``harness.bench.throughput.run_order``'s rule), so over an even number of trials every
+    configuration has the same mean position and a machine slowing down through the run is not
+    charged to whichever configuration runs last."""
+    return [names[::-1] if trial % 2 else list(names) for trial in range(trials)]
+
+
+def throughput_table(trials: list[dict]) -> list[dict]:
+    """Per configuration, over the trials (``trials``: one entry per configuration and trial with
+    its position in the run and output tok/s): tok/s per trial, the ratio to full cache of the same
+    trial as a geometric mean with a 95% t-interval over trials (``ratio_interval``), the same ratio
+    from a fit with a straight time trend in run position (``trend_ratios``), the requests running at
+    once at the peak and the preemptions."""
+    from harness.analysis.stats import ratio_interval, trend_ratios
+
+    names = list(dict.fromkeys(t["configuration"] for t in trials))
+    by = {(t["configuration"], t["trial"]): t for t in trials}
+    numbers = sorted({t["trial"] for t in trials})
+    trend = trend_ratios([t["output_tok_s"] for t in trials], [t["configuration"] for t in trials],
+                         [t["position"] for t in trials], "full")
+    table = []
+    for name in names:
+        mine = [by[name, n] for n in numbers]
+        line = {"configuration": name, "tok_s": [t["output_tok_s"] for t in mine],
+                "running_peak": max(t["running_peak"] for t in mine), "preemptions": mine[0]["preemptions"],
+                "same_outputs": all(t["outputs_digest"] == mine[0]["outputs_digest"] for t in mine)}
+        if name != "full":
+            interval = ratio_interval([by[name, n]["output_tok_s"] / by["full", n]["output_tok_s"] for n in numbers])
+            line.update(ratio=interval.estimate, ratio_low=interval.low, ratio_high=interval.high)
+            if trend is not None:
+                fitted = trend["ratios"][name]
+                line.update(trend_ratio=fitted.estimate, trend_low=fitted.low, trend_high=fitted.high)
+        table.append(line)
+    return table
+
+
+def throughput_markdown(table: list[dict], trials: list[dict], pool: int) -> list[str]:
+    numbers = sorted({t["trial"] for t in trials})
+    orders = [" > ".join(t["configuration"] for t in sorted((t for t in trials if t["trial"] == n),
+                                                           key=lambda t: t["position"])) for n in numbers]
+    lines = ["", f"## Throughput at a pool of {pool} blocks", "",
+             f"{len(numbers)} trials on one engine, each running every configuration's requests once, in the "
+             "listed order in odd trials and reversed in even ones (" + "; ".join(
+                 f"trial {n}: {order}" for n, order in zip(numbers, orders)) + "). Ratio: output tokens per "
+             "second over full cache's in the same trial, geometric mean with a 95% t-interval over trials; "
+             "trend-fitted: the same ratio from log tok/s fitted as one level per configuration plus a straight "
+             "line in run position (`harness.analysis.stats.trend_ratios`). Running at peak: the most requests "
+             "the scheduler ran at once (the ledger's `running_requests_peak`). Same outputs: every trial "
+             "generated the same tokens for every request.", "",
+             "| configuration | output tok/s per trial | vs full (95%) | trend-fitted vs full (95%) | running at peak | "
+             "preemptions | same outputs |", "|---|---|---|---|---|---|---|"]
+    for line in table:
+        ratio = (f"{line['ratio']:.2f}x ({line['ratio_low']:.2f}-{line['ratio_high']:.2f})"
+                 if "ratio" in line else "1.00x")
+        trend = (f"{line['trend_ratio']:.2f}x ({line['trend_low']:.2f}-{line['trend_high']:.2f})"
+                 if "trend_ratio" in line else ("1.00x" if line["configuration"] == "full" else "-"))
+        lines.append(f"| {line['configuration']} | {', '.join(f'{v:.1f}' for v in line['tok_s'])} | {ratio} | "
+                     f"{trend} | {line['running_peak']} | {line['preemptions']} | "
+                     f"{'yes' if line['same_outputs'] else 'no'} |")
+    return lines
+
+
 def summarize(rows: list[dict], runs: dict) -> list[dict]:
     import numpy as np
 
@@ -276,7 +340,8 @@ def dead_questions(rows: list[dict]) -> tuple[int, int]:
 
 def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int,
              families: dict[str, list[dict]] | None = None, questions: int = QUESTIONS,
-             arrivals: str = "together", dead: tuple[int, int] | None = None) -> str:
+             arrivals: str = "together", dead: tuple[int, int] | None = None,
+             trials: list[dict] | None = None) -> str:
     full = next(line for line in table if line["configuration"] == "full")
     lines = [
         "# One context, many questions", "",
@@ -311,14 +376,15 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
     full_pool = [line["configuration"] for line in table if line["kv_blocks_peak"] >= 0.99 * pool]
     if full_pool:
         lines += ["", f"The pool was full in {', '.join(full_pool)}: requests waited for blocks there, and the "
-                  "peak is the pool's size, not what the configuration asks for (rerun with a larger "
-                  "`--kv-cache-gib`)."]
+                  "peak is the pool's size, not what the configuration asks for" + (
+                      "." if "--pool-blocks" in command else " (rerun with a larger `--kv-cache-gib`).")]
     lines += ["", "Full cache's questions share one copy of each context through vLLM's prefix cache. A context "
               "compressed before its questions (`context`; and `first question`'s later requests, which compress "
               "the context with the first question) is compressed once, by the first request about it, and kept; "
               "the others take it (`harness.engine.shared_contexts`). A query-aware request (`prompt`) keeps what "
               "its own question attends to, so it holds its own copy, as `context unshared` does by setting. "
-              "Timings are one run each on the 2-core CPU machine.", ""]
+              + ("Wall time and tok/s in this table are the first trial's; every trial's are below."
+                 if trials else "Timings are one run each on the 2-core CPU machine."), ""]
     unshared = next((line for line in table if line.get("same_as_shared") is not None), None)
     if unshared is not None:
         lines[-1:-1] = [f"`{unshared['configuration']}` asks the requests of `paged context`, each compressing its "
@@ -329,6 +395,8 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
 
         lines += section(families, f"one generated context: its {questions} questions' requests ({contexts} contexts, "
                          f"{contexts // 2} per task; on first questions every cluster holds one sample)")
+    if trials:
+        lines += throughput_markdown(throughput_table(trials), trials, pool)
     return "\n".join(lines)
 
 
@@ -397,8 +465,9 @@ def reanalyse(out: Path) -> int:
     families = comparisons(rows)
     questions = 1 + max(row["question"] for row in rows)
     arrivals = "rounds" if "--arrivals rounds" in command else "together"
+    trials = (pd.read_csv(out / "trials.csv").to_dict("records") if (out / "trials.csv").exists() else None)
     (out / "summary.md").write_text(markdown(table, command, contexts, ratio, model, int(pool), families, questions,
-                                             arrivals, dead_questions(rows)))
+                                             arrivals, dead_questions(rows), trials))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     write_comparisons(families, out)
     plot(table, out / "shared_context.png")
@@ -419,6 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=4.0,
                         help="the KV pool: large enough by default that no configuration waits for blocks, so "
                              "its peak is what it asks for, not the pool's size")
+    parser.add_argument("--pool-blocks", type=int, default=None,
+                        help="the KV pool in blocks instead (small enough that full cache must queue: the requests "
+                             "run at once and the throughput are then what the pool allows)")
+    parser.add_argument("--trials", type=int, default=1,
+                        help="run every configuration this many times on the one engine, in the listed order in odd "
+                             "trials and reversed in even ones; throughput ratios with intervals over trials")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--reanalyse", action="store_true",
                         help="no engine: recompute the statistics from the committed requests.jsonl and the timings "
@@ -428,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         return reanalyse(args.out)
     if args.contexts < 2 or args.questions < 2 or not 0 < args.ratio < 1:
         parser.error("--contexts and --questions must be at least 2 and --ratio in (0, 1)")
+    if args.trials < 1 or args.trials == 2 or (args.pool_blocks is not None and args.pool_blocks < 1):
+        parser.error("--trials must be 1 or at least 3 (an interval over two trials says nothing), --pool-blocks positive")
 
     from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer
@@ -444,23 +521,38 @@ def main(argv: list[str] | None = None) -> int:
     workload_prompts = [(s, prompts_of(s, tokenizer, run.model.max_prompt_tokens)) for s in shared]
     from dataclasses import replace
 
-    engine_settings = replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=None)
+    # vLLM keeps one null block out of the pool: one more than the blocks asked for
+    blocks = None if args.pool_blocks is None else args.pool_blocks + 1
+    engine_settings = replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=blocks)
     engine = Engine(model_path, run.model, engine_settings, run.block_size, seed=run.seed, prefix_caching=True)
-    rows, runs = [], {}
+    named = {("full" if c[0] == "full" else f"{c[1]} {c[0]}"): c for c in configurations(args.context_only)}
+    rows, runs, trials = [], {}, []
     try:
-        for configuration in configurations(args.context_only):
-            name = "full" if configuration[0] == "full" else f"{configuration[1]} {configuration[0]}"
-            requests = requests_for(configuration, workload_prompts, args.ratio, tokenizer)
-            results, wall, ledger = run_configuration(engine, requests, args.arrivals)
-            runs[name] = (wall, ledger)
-            for request, result in zip(requests, results):
-                text, answers = request.shared.questions[request.question]
-                rows.append({"configuration": name, "task": request.shared.task, "context": request.shared.id,
-                             "question": request.question, "prompt_tokens": result.prompt_tokens,
-                             "context_tokens": request.settings.get("context_tokens"),
-                             "prediction": result.text, "answers": list(answers), "output_tokens": result.output_tokens,
-                             "score": score_sample(request.shared.task, result.text, list(answers))})
-            print(f"[shared_context] {name}: {wall:.1f}s, peak {ledger['kv_blocks_used_peak']} blocks", flush=True)
+        for trial, order in enumerate(trial_orders(list(named), args.trials), start=1):
+            for position, name in enumerate(order):
+                requests = requests_for(named[name], workload_prompts, args.ratio, tokenizer)
+                results, wall, ledger = run_configuration(engine, requests, args.arrivals)
+                output_tokens = sum(r.output_tokens for r in results)
+                trials.append({"configuration": name, "trial": trial, "position": (trial - 1) * len(order) + position,
+                               "wall_s": round(wall, 3), "output_tokens": output_tokens,
+                               "output_tok_s": round(output_tokens / wall, 3),
+                               "running_peak": ledger["running_requests_peak"],
+                               "kv_blocks_peak": ledger["kv_blocks_used_peak"],
+                               "kv_blocks_mean": round(ledger["kv_blocks_used_mean"], 1),
+                               "preemptions": sum(r.preemptions for r in results),
+                               "outputs_digest": hashlib.sha1(json.dumps([r.token_ids for r in results]).encode()).hexdigest()})
+                print(f"[shared_context] trial {trial} {name}: {wall:.1f}s, peak {ledger['kv_blocks_used_peak']} blocks, "
+                      f"{ledger['running_requests_peak']} running at peak", flush=True)
+                if trial > 1:
+                    continue  # accuracy, blocks and counts from the first trial (later trials check the outputs are the same)
+                runs[name] = (wall, ledger)
+                for request, result in zip(requests, results):
+                    text, answers = request.shared.questions[request.question]
+                    rows.append({"configuration": name, "task": request.shared.task, "context": request.shared.id,
+                                 "question": request.question, "prompt_tokens": result.prompt_tokens,
+                                 "context_tokens": request.settings.get("context_tokens"),
+                                 "prediction": result.text, "answers": list(answers), "output_tokens": result.output_tokens,
+                                 "score": score_sample(request.shared.task, result.text, list(answers))})
         pool = engine.facts()["kv_pool_blocks"]
     finally:
         engine.close()
@@ -469,13 +561,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python experiments/shared_context.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("questions", args.questions),
-                                                     ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib))
+                                                     ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib),
+                                                     ("pool_blocks", args.pool_blocks), ("trials", args.trials))
         if v != parser.get_default(k)) + (" --context-only" if args.context_only else "") + (
         f" --arrivals {args.arrivals}" if args.arrivals != "together" else "") + (
         "" if args.out == OUT else f" --out {args.out}")
-    (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
-                                                  families, args.questions, args.arrivals, dead_questions(rows)))
     import pandas as pd
+
+    trials = trials if args.trials > 1 else None
+    if trials:
+        pd.DataFrame(trials).to_csv(args.out / "trials.csv", index=False)
+    (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
+                                                  families, args.questions, args.arrivals, dead_questions(rows), trials))
 
     pd.DataFrame(table).to_csv(args.out / "summary.csv", index=False)
     write_comparisons(families, args.out)

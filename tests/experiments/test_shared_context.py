@@ -71,3 +71,24 @@ def test_rounds_send_one_question_of_every_context_at_a_time_in_order(experiment
     for question, batch in enumerate(rounds):
         assert [requests[i].question for i in batch] == [question] * len(asked)
         assert len({requests[i].shared.id for i in batch}) == len(asked)  # one question of every context
+
+
+def test_trials_alternate_their_order_and_ratios_pair_configurations_within_a_trial(experiment):
+    orders = experiment.trial_orders(["full", "a", "b"], 4)
+    assert orders == [["full", "a", "b"], ["b", "a", "full"], ["full", "a", "b"], ["b", "a", "full"]]
+    # every configuration at the same mean position over an even number of trials
+    assert len({sum(order.index(name) for order in orders) for name in ("full", "a", "b")}) == 1
+    # a machine slowing by 2% per position, "a" really 0.8x full: the per-trial ratios move with
+    # the order, the fit with a time trend recovers 0.8
+    trials, position = [], 0
+    for trial, order in enumerate(orders, start=1):
+        for name in order:
+            level = {"full": 10.0, "a": 8.0, "b": 10.0}[name] * 0.98 ** position
+            trials.append({"configuration": name, "trial": trial, "position": position, "output_tok_s": level,
+                           "running_peak": 3, "preemptions": 0, "outputs_digest": name})
+            position += 1
+    table = {line["configuration"]: line for line in experiment.throughput_table(trials)}
+    assert abs(table["a"]["trend_ratio"] - 0.8) < 1e-9 and table["a"]["trend_low"] < 0.8 < table["a"]["trend_high"] + 1e-9
+    assert table["a"]["ratio_low"] < 0.8 < table["a"]["ratio_high"] and all(line["same_outputs"] for line in table.values())
+    text = "\n".join(experiment.throughput_markdown(list(table.values()), trials, 300))
+    assert "trial 2: b > a > full" in text and "| a | 7.8, " in text
