@@ -49,6 +49,9 @@ class GenerationResult:
     tpot_s: float | None = None
     latency_s: float | None = None
     preemptions: int | None = None
+    # Prompt tokens vLLM did not compute: found in its prefix cache (vllm/outputs.py RequestOutput),
+    # or a compressed context taken whole (its logical length, harness.engine.shared_contexts).
+    cached_tokens: int | None = None
 
 
 def configure_environment(engine: "EngineSettings") -> None:
@@ -395,6 +398,7 @@ def result_of(output, top_logprobs: int = TOP_LOGPROBS) -> GenerationResult:
         token_logprobs=[entry.logprob for entry in emitted],
         token_ranks=[entry.rank for entry in emitted],
         request_id=output.request_id,
+        cached_tokens=getattr(output, "num_cached_tokens", None),
         # a policy that failed ends its request with FinishReason.ERROR and its message as the stop
         # reason (harness.engine.scheduler.EvictionScheduler._end_failed)
         error=str(completion.stop_reason) if completion.finish_reason == "error" else None,
