@@ -1,0 +1,276 @@
+"""Multi-turn conversations: each turn's prompt is the previous turn's prompt, its answer and a new
+question, so the history grows turn by turn, in the real engine with prefix caching.
+
+    flock /tmp/engine.lock .venv/bin/python experiments/multi_turn.py [--conversations 8] [--turns 6]
+        [--ratio 0.5] [--out results/multi_turn]
+
+The conversations (generated here, ``experiments/shared_context.py``'s contexts): half a long text
+hiding one access code per person, half passages about people; turn 1 asks about the first person
+with the suite's own prompt, each later turn asks about the next person in a new user message after
+the model's own answer (SmolLM2's chat template: the answer's end of turn, the user's header, the
+suite's question text, the assistant's header). Each turn's answer is scored by the suite's rules
+against its own question's answer. All conversations of a configuration run at once, turn by turn
+(turn k+1 needs turn k's answers); the prefix cache is emptied between configurations.
+
+Configurations, at one compression ratio:
+
+* ``full``: full cache; vLLM's prefix cache keeps the history's blocks, so a turn computes only its
+  new tokens.
+* ``<policy> context`` (PagedEviction, SnapKV, StreamingLLM, KeyDiff): every turn compresses its
+  whole history (everything before its new user message: ``compress=context``, the boundary at the
+  new message) from the pristine history, again: the pristine history's blocks are in vLLM's prefix
+  cache (a compressing request writes its compacted copy into blocks of its own), so a turn computes
+  its answer's and new message's tokens and the history's unfinished last block, then compresses
+  the whole history.
+* ``paged context, history not cached``: PagedEviction the same way with the prefix cache emptied
+  before every turn, as when the pool has reclaimed the history's blocks: every turn prefills its
+  whole history again.
+
+Per configuration and turn: the tokens each request computed (its prompt minus what vLLM found
+cached: ``RequestOutput.num_cached_tokens``), the time to first token (median over the turn's
+requests; they arrive together, so it includes queueing), the KV blocks in use over the turn's steps
+(peak and mean, the scheduler's ledger), the prefill evictions and the score. Writes
+``results/multi_turn/``: ``summary.md``, ``turns.csv``, ``requests.jsonl``, ``multi_turn.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+OUT = ROOT / "results" / "multi_turn"
+TURNS = 6
+POLICIES = ("paged", "snapkv", "streaming", "keydiff")
+COLD = "paged context, history not cached"
+
+
+def shared_context_module():
+    """``experiments/shared_context.py`` (its contexts and prompts), loaded from its file."""
+    spec = importlib.util.spec_from_file_location("shared_context", ROOT / "experiments" / "shared_context.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def configurations() -> list[tuple[str, str | None, bool]]:
+    """(name, policy or None for full cache, whether the prefix cache is emptied before every turn)."""
+    return ([("full", None, False)] + [(f"{policy} context", policy, False) for policy in POLICIES]
+            + [(COLD, "paged", True)])
+
+
+def next_turn_tokens(tokenizer, question_text: str, answer_ids: list[int]) -> list[int]:
+    """What follows the model's answer ``answer_ids`` in the next turn's prompt: the end of the
+    assistant's turn (unless the answer already ends with it), the user's header, ``question_text``,
+    the end of the user's turn and the assistant's header, as the chat template renders a
+    conversation (its rendering around a marker answer, tokenized alone: special tokens tokenize
+    alone)."""
+    marker = "\x00answer\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker},
+                                          {"role": "user", "content": question_text}], tokenize=False,
+                                         add_generation_prompt=True)
+    if text.count(marker) != 1:
+        raise RuntimeError("the chat template does not write the answer once and verbatim")
+    glue = tokenizer(text.split(marker)[1], add_special_tokens=False)["input_ids"]
+    if answer_ids and glue and answer_ids[-1] == glue[0] == tokenizer.eos_token_id:
+        glue = glue[1:]  # the answer ended with the end-of-turn token itself
+    return glue
+
+
+def question_texts(prompts: list, tokenizer, footer: int) -> list[str]:
+    """Each question's own part of its single-turn prompt (the suite's template after the context,
+    without the chat template's footer), as text for a later user message."""
+    return [tokenizer.decode(p.token_ids[p.context_tokens:len(p.token_ids) - footer]).strip() for p in prompts]
+
+
+def run_configuration(engine, configuration, conversations, turns: int, ratio: float, tokenizer, progress=print):
+    """Every conversation of one configuration, turn by turn. Returns one row per request and one
+    per turn (its ledger and timings)."""
+    from harness.eviction.settings import CONFIG_KEY
+    from harness.tasks import task_spec
+    from harness.tasks.metrics import score_sample
+
+    name, policy, cold = configuration
+    engine.llm.reset_prefix_cache()
+    prompts = [list(first.token_ids) for _, first, _ in conversations]
+    boundaries = [first.context_tokens for _, first, _ in conversations]
+    specs = [task_spec(shared.task) for shared, _, _ in conversations]
+    rows, turn_rows = [], []
+    for turn in range(turns):
+        if cold and turn:
+            engine.llm.reset_prefix_cache()
+        settings = [{CONFIG_KEY: {"policy": "full"} if policy is None else
+                     {"policy": policy, "budget_ratio": ratio, "decode_eviction": False, "compress": "context",
+                      "context_tokens": boundary}} for boundary in boundaries]
+        engine.ledger(reset=True)
+        started = time.perf_counter()
+        results = engine.generate(prompts, [s.max_new_tokens for s in specs], [tuple(s.stop) for s in specs],
+                                  settings=settings, top_logprobs=0, progress=False)
+        wall = time.perf_counter() - started
+        ledger = engine.ledger()
+        for index, ((shared, _, questions), result) in enumerate(zip(conversations, results)):
+            answers = list(shared.questions[turn][1])
+            rows.append({"configuration": name, "conversation": shared.id, "task": shared.task, "turn": turn + 1,
+                         "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
+                         "computed_tokens": result.prompt_tokens - (result.cached_tokens or 0),
+                         "history_tokens": boundaries[index], "ttft_s": result.ttft_s, "prediction": result.text,
+                         "answers": answers, "output_tokens": result.output_tokens,
+                         "score": score_sample(shared.task, result.text, answers)})
+        mine = rows[-len(results):]
+        turn_rows.append({"configuration": name, "turn": turn + 1, "wall_s": round(wall, 3),
+                          "history_tokens": round(statistics.mean(r["history_tokens"] for r in mine), 1),
+                          "computed_tokens": round(statistics.mean(r["computed_tokens"] for r in mine), 1),
+                          "ttft_s": round(statistics.median(r["ttft_s"] for r in mine), 3),
+                          "kv_blocks_peak": ledger["kv_blocks_used_peak"],
+                          "kv_blocks_mean": round(ledger["kv_blocks_used_mean"], 1),
+                          "prefill_evictions": ledger["evictions"]["prefill"],
+                          "score": round(100 * statistics.mean(r["score"] for r in mine), 1)})
+        progress(f"[multi_turn] {name} turn {turn + 1}: {wall:.1f}s, {turn_rows[-1]['computed_tokens']:.0f} tokens "
+                 f"computed per request, peak {ledger['kv_blocks_used_peak']} blocks")
+        if turn + 1 < turns:  # the next turn: this prompt, its answer, the next question
+            for index, ((_, _, questions), result) in enumerate(zip(conversations, results)):
+                boundaries[index] = len(prompts[index]) + len(result.token_ids)
+                prompts[index] = prompts[index] + result.token_ids + next_turn_tokens(
+                    tokenizer, questions[turn + 1], result.token_ids)
+    return rows, turn_rows
+
+
+def markdown(turn_rows: list[dict], command: str, conversations: int, turns: int, ratio: float, model: str,
+             pool: int) -> str:
+    import pandas as pd
+
+    frame = pd.DataFrame(turn_rows)
+    names = list(dict.fromkeys(frame["configuration"]))
+    full = frame[frame["configuration"] == "full"].set_index("turn")
+    lines = [
+        "# Multi-turn conversations", "", f"Command: `{command}`", "",
+        f"{conversations} conversations x {turns} turns (half access codes in a long text, half passages about "
+        "people, about 2,000 tokens of context; each turn a new question after the model's own answer), every "
+        f"conversation of a configuration at once, turn by turn, on one engine ({model}, prefix caching on, a pool "
+        f"of {pool} blocks of 32 tokens, the prefix cache emptied between configurations). Compression ratio "
+        f"{ratio:g} of each turn's history (everything before its new question), compressed again every turn. "
+        "Computed: prompt tokens per request that vLLM computed (not found cached); TTFT: median over the turn's "
+        "requests (they arrive together); KV blocks: in use over the turn's engine steps (a block the prefix "
+        "cache holds for no running request is free); score: the suite's, mean over the turn's requests (0-100; "
+        "one answer per conversation and turn: read the per-turn scores as counts, not estimates). "
+        "Timings are one run on the 2-core CPU machine.", "",
+        "| configuration | turn | history tokens | computed tokens | TTFT s | TTFT vs full | KV blocks peak | "
+        "KV blocks mean | mean vs full | evictions | score |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        for _, row in frame[frame["configuration"] == name].iterrows():
+            base = full.loc[row["turn"]]
+            lines.append(f"| {name} | {row['turn']} | {row['history_tokens']:.0f} | {row['computed_tokens']:.0f} | "
+                         f"{row['ttft_s']:.2f} | {row['ttft_s'] / base['ttft_s']:.2f} | {row['kv_blocks_peak']} | "
+                         f"{row['kv_blocks_mean']:.1f} | {row['kv_blocks_mean'] / base['kv_blocks_mean']:.2f} | "
+                         f"{row['prefill_evictions']} | {row['score']:.1f} |")
+    lines += ["", "## Over turns 2 and later", "",
+              "Turn 1 is a single-turn request (the whole context is new to every configuration); from turn 2 the "
+              "history is what the conversation already holds. Means over turns 2 to "
+              f"{turns} of the per-turn figures above.", "",
+              "| configuration | computed tokens | TTFT s | TTFT vs full | KV blocks mean vs full | score |",
+              "|---|---|---|---|---|---|"]
+    later = frame[frame["turn"] > 1]
+    full_later = later[later["configuration"] == "full"]
+    for name in names:
+        mine = later[later["configuration"] == name]
+        lines.append(f"| {name} | {mine['computed_tokens'].mean():.0f} | {mine['ttft_s'].mean():.2f} | "
+                     f"{mine['ttft_s'].mean() / full_later['ttft_s'].mean():.2f} | "
+                     f"{mine['kv_blocks_mean'].mean() / full_later['kv_blocks_mean'].mean():.2f} | "
+                     f"{mine['score'].mean():.1f} |")
+    return "\n".join(lines)
+
+
+def plot(turn_rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    frame = pd.DataFrame(turn_rows)
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for name in dict.fromkeys(frame["configuration"]):
+        mine = frame[frame["configuration"] == name]
+        for axis, column in zip(axes, ("computed_tokens", "ttft_s", "kv_blocks_mean")):
+            axis.plot(mine["turn"], mine[column], marker="o", label=name)
+    for axis, label in zip(axes, ("prompt tokens computed per request", "TTFT, median (s)", "KV blocks in use, mean")):
+        axis.set_xlabel("turn")
+        axis.set_ylabel(label)
+    axes[0].set_yscale("log")
+    axes[-1].legend(fontsize=7)
+    figure.suptitle("Multi-turn conversations: each turn recompresses its history")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=TURNS)
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    if args.conversations < 2 or args.turns < 2 or not 0 < args.ratio < 1:
+        parser.error("--conversations and --turns must be at least 2 and --ratio in (0, 1)")
+
+    from dataclasses import replace
+
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
+
+    from harness.config import resolve_model_path, run_settings
+    from harness.engine.llm import Engine
+
+    shared_context = shared_context_module()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        run = run_settings(compose(config_name="config", overrides=["model=smollm2-135m"]))
+    model_path = resolve_model_path(run.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    conversations = []
+    for shared in shared_context.workload(args.conversations, questions=args.turns):
+        prompts = shared_context.prompts_of(shared, tokenizer, run.model.max_prompt_tokens)
+        footer = shared_context.footer_tokens(tokenizer, prompts)
+        conversations.append((shared, prompts[0], question_texts(prompts, tokenizer, footer)))
+    engine = Engine(model_path, run.model, replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=None),
+                    run.block_size, seed=run.seed, prefix_caching=True)
+    rows, turn_rows = [], []
+    try:
+        for configuration in configurations():
+            mine, turns = run_configuration(engine, configuration, conversations, args.turns, args.ratio, tokenizer)
+            rows += mine
+            turn_rows += turns
+        pool = engine.facts()["kv_pool_blocks"]
+    finally:
+        engine.close()
+    command = "python experiments/multi_turn.py" + "".join(
+        f" --{k.replace('_', '-')} {v}" for k, v in (("conversations", args.conversations), ("turns", args.turns),
+                                                     ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib))
+        if v != parser.get_default(k)) + ("" if args.out == OUT else f" --out {args.out}")
+    import pandas as pd
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(turn_rows).to_csv(args.out / "turns.csv", index=False)
+    with open(args.out / "requests.jsonl", "w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    (args.out / "summary.md").write_text(markdown(turn_rows, command, args.conversations, args.turns, args.ratio,
+                                                  run.model.name, pool))
+    plot(turn_rows, args.out / "multi_turn.png")
+    print((args.out / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
