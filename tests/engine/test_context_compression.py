@@ -146,7 +146,7 @@ def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tm
     prompts, settings = [p for p, _ in chosen], [s for _, s in chosen]
     roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings)
     tight = run_engine(tmp_path / "tight", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings,
-                       kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN, prefix_caching=True)
+                       num_kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN, prefix_caching=True)
     assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
     assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding a compressed context"
     assert tight["ledger"]["shared_contexts"]["hits"] > 0

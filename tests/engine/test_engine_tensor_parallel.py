@@ -72,7 +72,7 @@ def two_workers(tmp_path_factory, requests):
 def two_workers_prefix_cached(tmp_path_factory, requests):
     matrix, _ = requests
     return run(tmp_path_factory, "tp2_prefix", matrix, tensor_parallel_size=2, prefix_caching=True, warm_cache=True,
-               kv_blocks=40, max_model_len=1024)
+               num_kv_blocks=40, max_model_len=1024)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_worker", "two_workers"])
@@ -81,7 +81,7 @@ def preempted_run(tmp_path_factory, requests, request):
     already evicted."""
     _, preempted = requests
     return run(tmp_path_factory, f"tp{request.param}_preempt", preempted, tensor_parallel_size=request.param,
-               kv_blocks=30, max_model_len=900)
+               num_kv_blocks=30, max_model_len=900)
 
 
 def part(result: dict, indices: range) -> dict:
@@ -218,7 +218,7 @@ def grouped_preempted(tmp_path_factory, requests):
     prompts = [prompt for prompt, _, settings in preempted if settings["policy"] == PREEMPTED[0]]
     asked = [(prompt, PREEMPT_TOKENS, {"policy": name, "budget": PREEMPT_BUDGET, "budget_schedule": schedule})
              for name, schedule in GROUPED_PREEMPTED for prompt in prompts]
-    result = run(tmp_path_factory, "groups_preempt", asked, layer_groups=GROUPS, kv_blocks=GROUPS * 30,
+    result = run(tmp_path_factory, "groups_preempt", asked, layer_groups=GROUPS, num_kv_blocks=GROUPS * 30,
                  max_model_len=900)
     return prompts, result
 

@@ -75,7 +75,7 @@ def test_prefix_caching_under_preemption(workdir, policy):
     settings = [{"policy": policy, "budget": 384}] * 6 + [{"policy": policy, "budget": 256}] * 2
     roomy = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings)
     tight = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings, prefix_caching=True,
-                       kv_blocks=30, max_model_len=900)
+                       num_kv_blocks=30, max_model_len=900)
     assert sum(tight["preemptions"]) > 0 and tight["ledger"]["preempted_after_eviction"] > 0
     assert_same_outputs(roomy, tight)
     assert tight["free_blocks_after"] == tight["free_blocks_before"]
@@ -87,7 +87,7 @@ def test_requests_whose_copies_cannot_fit_stay_out_of_the_prefix_cache(workdir):
     prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
     settings = {"policy": "paged", "budget": 512}
     roomy = run_engine(workdir, "tiny", prompts, 300, eviction=settings)
-    tight = run_engine(workdir, "tiny", prompts, 300, eviction=settings, prefix_caching=True, kv_blocks=30,
+    tight = run_engine(workdir, "tiny", prompts, 300, eviction=settings, prefix_caching=True, num_kv_blocks=30,
                        max_model_len=900)
     assert sum(tight["preemptions"]) > 0
     assert_same_outputs(roomy, tight)

@@ -23,9 +23,25 @@ def test_pools_are_sized_in_full_length_requests():
     assert TINY.blocks_per_request == 16
     assert s.pool_blocks(FULL) == 16 and s.pool_blocks(CEILING) == 64
     spec = engine_spec(s, PAGED, [[1, 2]], "/m")
-    assert spec["kv_blocks"] == 17, "one more for vLLM's null block"
+    assert spec["engine"]["num_kv_blocks"] == 17, "one more for vLLM's null block"
     assert spec["eviction"] == {"policy": "paged", "budget": 64} and "eviction" not in engine_spec(s, FULL, [[1]], "/m")
     assert engine_spec(s, Cell("full", stock=True), [[1]], "/m")["stock"] is True
+
+
+def test_a_cpu_cell_starts_the_engine_every_committed_cell_ran():
+    """The bench's engine is cpu.yaml's with the cell's changes (harness.config.engine_settings);
+    written out here, it is the engine batch_run's own defaults gave before, 4 GiB for KV included,
+    so a committed cell replays (harness.bench.replay) on the same engine."""
+    from dataclasses import asdict
+
+    from harness.config import EngineSettings
+
+    spec = engine_spec(setting(FULL, PAGED, CEILING), PAGED, [[1, 2]], "/m")
+    assert spec["engine"] == asdict(EngineSettings(
+        device="cpu", block_size=32, kv_cache_gib=4.0, num_kv_blocks=17, threads=None, enforce_eager=True,
+        async_scheduling=None, max_num_seqs=4, max_num_batched_tokens=8192, in_process=True, tensor_parallel_size=1,
+        distributed_executor_backend=None, layer_groups=1, gpu_memory_utilization=None))
+    assert engine_spec(setting(FULL, CEILING), CEILING, [[1]], "/m")["engine"]["num_kv_blocks"] == 65
 
 
 def test_a_pool_sized_at_a_budget_holds_every_request_there():

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import asdict, fields
 from functools import cache
 from pathlib import Path
 
 from harness.tasks.embedded.token_prompts import token_prompts
 from harness.engine.batch_run import run_in_subprocess
+from harness.config import EngineSettings, engine_defaults, engine_settings
 from harness.config.models import EMBEDDED_PREFIX, resolve_model_path
 from harness.analysis.regression import TIE_NATS, first_difference, parting
 
-BLOCK = 32
+BLOCK = engine_defaults("cpu")["block_size"]  # the engine tests' block size: cpu.yaml's (32)
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineSettings))
 MODELS = {"tiny": "tiny-llama", "smollm2": "smollm2-135m-instruct"}
 
 
@@ -30,10 +33,14 @@ def text_prompts(model: str, lengths: list[int], seed: int = 0) -> list[list[int
 
 
 def run_engine(tmp_path: Path, model: str, prompts, max_new_tokens: int, **spec) -> dict:
-    """One engine configuration in a fresh process (python -m harness.engine.batch_run)."""
+    """One engine configuration in a fresh process (python -m harness.engine.batch_run). Keywords
+    that name ``EngineSettings`` fields (num_kv_blocks, layer_groups, device, ...) change the
+    engine from its device's defaults (``conf/engine/<device>.yaml``, as Hydra runs use them); the
+    rest are batch_run's own spec keys."""
+    engine = {name: spec.pop(name) for name in list(spec) if name in ENGINE_FIELDS}
     spec = {
         "model_path": model_path(model), "prompts": prompts, "max_new_tokens": max_new_tokens,
-        "block_size": BLOCK, "max_model_len": 4096, "top_logprobs": 3, **spec,
+        "max_model_len": 4096, "top_logprobs": 3, **spec, "engine": asdict(engine_settings(**engine)),
     }
     return run_in_subprocess(spec, tmp_path, timeout_s=1800)
 
