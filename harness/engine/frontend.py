@@ -8,11 +8,21 @@
   is refused at admission (HTTP 400 from ``vllm serve``) and the engine keeps serving the others.
   vLLM's per-request hook for custom arguments, a logits processor's ``validate_params``
   (``vllm/v1/sample/logits_processor/interface.py:62``), sees the sampling parameters but not the
-  engine's block size, which a budget must be a multiple of.
+  engine's block size, which a budget must be a multiple of;
+* the policy's message on the HTTP error of a request whose policy failed while it ran: the
+  scheduler ends it with ``FinishReason.ERROR`` and the message as its stop reason
+  (``harness.engine.scheduler.EvictionScheduler._end_failed``), but vLLM's server answers every
+  such request with a fixed "Internal server error" (``GenerateBaseServing._raise_if_error``,
+  vllm/entrypoints/generate/base/serving.py:200-207, which is given the finish reason and the
+  request's id, not its output). The frontend's ``RequestState.make_request_output``
+  (vllm/v1/engine/output_processor.py:307) sees the stop reason: it notes the message under the
+  request's id, and ``_raise_if_error`` raises it (still HTTP 500: the request was valid, its
+  policy failed).
 """
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 from harness.engine.compatibility import check_compatible, layer_groups_of
 from harness.eviction.settings import CONFIG_KEY, admit, request_settings, settings_from
@@ -70,3 +80,54 @@ def wrap_process_inputs(original):
         return request
 
     return process_inputs
+
+
+# Policy failures noted by the frontend, by the request id its output carries (the id the server
+# gave the request, with "-<prompt index>" for a completion's prompts), until the server answers
+# them; offline runs read the message from the output itself and never take these, so only the
+# latest FAILURES_KEPT are kept.
+_FAILURES: OrderedDict[str, str] = OrderedDict()
+FAILURES_KEPT = 1024
+POLICY_FAILURE = "policy "  # how a policy failure's message starts (harness.eviction.evictor.PolicyFailure)
+
+
+def wrap_make_request_output(original):
+    """Note a policy failure's message under its request's id as its final output is made."""
+
+    @functools.wraps(original)
+    def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs):
+        from vllm.v1.engine import FinishReason
+
+        if (finish_reason == FinishReason.ERROR and isinstance(stop_reason, str)
+                and stop_reason.startswith(POLICY_FAILURE)):
+            _FAILURES[self.external_req_id] = stop_reason
+            while len(_FAILURES) > FAILURES_KEPT:
+                _FAILURES.popitem(last=False)
+        return original(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs)
+
+    return make_request_output
+
+
+def failure_of(request_id: str) -> str | None:
+    """The policy failure noted for the server's request ``request_id`` (or one of its prompts),
+    taken out of the notes."""
+    for key in [key for key in _FAILURES if key == request_id or key.startswith(f"{request_id}-")]:
+        return _FAILURES.pop(key)
+    return None
+
+
+def wrap_raise_if_error(original):
+    """A request that ended with an error raises its policy's message when it has one, vLLM's own
+    fixed error otherwise."""
+
+    @functools.wraps(original)
+    def _raise_if_error(self, finish_reason, request_id):
+        if finish_reason == "error":
+            message = failure_of(request_id)
+            if message is not None:
+                from vllm.exceptions import GenerationError
+
+                raise GenerationError(message)
+        return original(self, finish_reason, request_id)
+
+    return _raise_if_error

@@ -83,6 +83,16 @@ PATCHES: tuple[Patch, ...] = (
            "kv_hints"),
           "refuse a request whose eviction settings cannot run, with its prompt's length (HTTP 400)",
           "harness.engine.frontend.wrap_process_inputs", _lazy("harness.engine.frontend", "wrap_process_inputs")),
+    # The server: a request ended by its policy's failure gets a fixed error text.
+    Patch("vllm.v1.engine.output_processor:RequestState", "make_request_output", "wrapped",
+          ("self", "new_token_ids", "pooling_output", "finish_reason", "stop_reason", "kv_transfer_params",
+           "ec_transfer_params", "error"),
+          "note a failed policy's message (the request's stop reason) under the request's id",
+          "harness.engine.frontend.wrap_make_request_output", _lazy("harness.engine.frontend", "wrap_make_request_output")),
+    Patch("vllm.entrypoints.generate.base.serving:GenerateBaseServing", "_raise_if_error", "wrapped",
+          ("self", "finish_reason", "request_id"),
+          "answer a request whose policy failed with the policy's message instead of a fixed text (HTTP 500)",
+          "harness.engine.frontend.wrap_raise_if_error", _lazy("harness.engine.frontend", "wrap_raise_if_error")),
     # The engine core: utilities are looked up by name (vllm/v1/engine/core.py, call_utility).
     Patch("vllm.v1.engine.core:EngineCore", "kv_eviction_state", "added", (),
           "let a client read the scheduler's eviction ledger and per-request counters in any process layout",

@@ -205,8 +205,8 @@ def test_a_failing_policy_fails_only_its_own_requests_and_the_server_goes_on(ser
     """Scores written as a user would (``tests/support/faulty_scores.py``) beside eight good
     requests in flight: a score that raises or returns the wrong shape on any input is refused
     with HTTP 400 and its message; one that raises or gives NaN only on a long prompt ends its
-    own request with an error (HTTP 500: vLLM's frontend gives FinishReason.ERROR a fixed text,
-    the server log has the policy's message); every good request equals itself sent alone, the
+    own request with an error (HTTP 500, with the policy's message: ``harness.engine.frontend``
+    replaces vLLM's fixed text); every good request equals itself sent alone, the
     server keeps serving and every block is back in the pool."""
     import openai
 
@@ -220,8 +220,9 @@ def test_a_failing_policy_fails_only_its_own_requests_and_the_server_goes_on(ser
     for name, message in (("faulty_raises", "policy faulty_raises failed: RuntimeError: this score is broken"),
                           ("faulty_shape", "policy faulty_shape failed: its score returned")):
         assert isinstance(by_policy[name], openai.BadRequestError) and message in str(by_policy[name]), name
-    for name in ("faulty_late", "faulty_nan"):
-        assert isinstance(by_policy[name], openai.InternalServerError), (name, by_policy[name])
+    for name, message in (("faulty_late", "policy faulty_late failed: ZeroDivisionError: a bug that only long prompts reach"),
+                          ("faulty_nan", "policy faulty_nan failed: its score returned NaN or infinite values")):
+        assert isinstance(by_policy[name], openai.InternalServerError) and message in str(by_policy[name]), name
     for index, raw in enumerate(asked):
         if raw not in faulty:
             assert served[index] == complete_concurrently(server, [prompts[index]], [raw], 24)[0], raw

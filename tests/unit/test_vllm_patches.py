@@ -47,3 +47,38 @@ def test_every_patch_in_the_engine_room_is_listed():
                    for line in path.read_text().splitlines()
                    if re.match(rf"\s*({'|'.join(vllm_classes)})\.\w+\s*=", line)]
     assert assignments == []
+
+
+def test_a_failed_policy_s_message_reaches_the_server_s_error_for_its_request_only():
+    """The frontend notes a policy failure under the request id the output carries and the
+    server's error check raises it for that request (a completion's prompts carry "-<index>");
+    any other error keeps vLLM's own text, and a note is taken once."""
+    from vllm.exceptions import GenerationError
+    from vllm.v1.engine import FinishReason
+
+    from harness.engine import frontend
+
+    made = []
+
+    class State:
+        external_req_id = "cmpl-7-1"
+
+        def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *rest):
+            made.append(stop_reason)
+
+    def raise_if_error(self, finish_reason, request_id):
+        if finish_reason == "error":
+            raise GenerationError("Internal server error")
+
+    make = frontend.wrap_make_request_output(State.make_request_output)
+    check = frontend.wrap_raise_if_error(raise_if_error)
+    make(State(), [], None, FinishReason.ERROR, "policy faulty_late failed: ZeroDivisionError: boom")
+    make(State(), [], None, FinishReason.ERROR, "an engine error")  # not a policy's: not noted
+    assert made == ["policy faulty_late failed: ZeroDivisionError: boom", "an engine error"]
+    check(None, "stop", "cmpl-7")
+    with pytest.raises(GenerationError, match="Internal server error"):
+        check(None, "error", "cmpl-8")
+    with pytest.raises(GenerationError, match="policy faulty_late failed: ZeroDivisionError: boom"):
+        check(None, "error", "cmpl-7")
+    with pytest.raises(GenerationError, match="Internal server error"):
+        check(None, "error", "cmpl-7")  # taken once
