@@ -21,8 +21,9 @@ changed; needs engine.in_process), forced (per prompt, the tokens that request m
 teacher forcing, ``harness.engine.forced_decoding``), ignore_eos (default true). Any other key is
 refused with one line.
 OUT holds each request's output ids, the model's log-probability and rank of each emitted token
-(when logprobs were asked for or forced) and preemptions, the free blocks before and after, and the
-scheduler's ledger (null for stock vLLM).
+(when logprobs were asked for or forced), preemptions and eviction counters (request_counters:
+``harness.eviction.counters.RequestCounters`` as a dict, null for a request that did not evict),
+the free blocks before and after, and the scheduler's ledger (null for stock vLLM).
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ def run(spec: dict) -> dict:
         ]
         wall = time.perf_counter() - started
         ledger = engine.ledger()
+        counters = engine.request_counters([r.request_id for r in results])  # handed over: this repeat's alone
         perf.append(summarize_perf(results, wall, engine.facts(), ledger))
         perf[-1]["ranks"] = engine.rank_seconds() if not spec.get("stock") else []
     return {
@@ -105,6 +107,7 @@ def run(spec: dict) -> dict:
         "free_blocks_before": free_before,
         "free_blocks_after": engine.free_blocks(),
         "ledger": ledger,
+        "request_counters": [counters.get(r.request_id) for r in results],
         "pool_blocks": engine.facts()["kv_pool_blocks"],
         "kv_cache_groups": engine.kv_cache_groups(),
         "eviction_status": engine.eviction_status() if eviction is not None else None,

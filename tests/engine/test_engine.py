@@ -1,6 +1,8 @@
 """The eviction engine inside vLLM 0.32 against stock vLLM and the Hugging Face reference.
 
-Every engine runs in its own process (harness.engine.batch_run); the reference runs here.
+Every engine runs in its own process (harness.engine.batch_run); the reference runs here. The
+policies share one engine per model (``every_policy``): each is checked on its own requests, by
+their outputs and their own eviction counters (batch_run's request_counters).
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 
 import pytest
 
+from harness.eviction.counters import EvictionCounters
 from policies import make_policy
 from tests.support.engine_support import (
     BLOCK, assert_mostly_equal, assert_same_outputs, mixed_lengths, reference_outputs, run_engine,
@@ -45,19 +48,39 @@ def test_full_cache_equals_stock_vllm(workdir, model):
         assert_same_outputs(stock, off)
 
 
+def every_policy(workdir, model: str, **spec) -> tuple[list[list[int]], dict]:
+    """One engine for every policy of POLICIES: each prompt once per policy in one batch, the
+    policies one after another; ``paged`` is the engine's default (additional_config), the others
+    are each request's own settings (extra_args)."""
+    case = CASES[model]
+    prompts = text_prompts(model, mixed_lengths(case["prompts"], 600, 1500, seed=2), seed=2)
+    default = {"policy": POLICIES[0], "budget": case["budget"]}
+    settings = [None if policy == default["policy"] else {"policy": policy, "budget": case["budget"]}
+                for policy in POLICIES for _ in prompts]
+    return prompts, run_engine(workdir, model, prompts * len(POLICIES), NEW_TOKENS, eviction=default,
+                               request_eviction=settings, **spec)
+
+
+def of_policy(run: dict, policy: str, count: int) -> tuple[list[list[int]], list[dict | None]]:
+    """A policy's requests in an ``every_policy`` run: their outputs and eviction counters."""
+    at = POLICIES.index(policy) * count
+    return run["outputs"][at:at + count], run["request_counters"][at:at + count]
+
+
 @pytest.fixture(scope="module")
 def policy_runs(workdir):
-    """Each (model, policy): the patched engine's run and the reference's outputs, computed once."""
-    runs = {}
+    """Each model: the prompts, its ``every_policy`` run, and (per policy, computed once) the
+    reference's outputs."""
+    runs, references = {}, {}
 
     def get(model: str, policy: str):
-        if (model, policy) not in runs:
-            case = CASES[model]
-            prompts = text_prompts(model, mixed_lengths(case["prompts"], 600, 1500, seed=2), seed=2)
-            engine = run_engine(workdir, model, prompts, NEW_TOKENS, eviction={"policy": policy, "budget": case["budget"]})
-            reference = reference_outputs(model, make_policy(policy, case["budget"], BLOCK), prompts, NEW_TOKENS)
-            runs[model, policy] = (prompts, engine, reference)
-        return runs[model, policy]
+        if model not in runs:
+            runs[model] = every_policy(workdir, model)
+        prompts, engine = runs[model]
+        if (model, policy) not in references:
+            references[model, policy] = reference_outputs(model, make_policy(policy, CASES[model]["budget"], BLOCK),
+                                                          prompts, NEW_TOKENS)
+        return prompts, engine, references[model, policy]
 
     return get
 
@@ -66,22 +89,29 @@ def policy_runs(workdir):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_policy_equals_reference(policy_runs, model, policy):
     prompts, engine, reference = policy_runs(model, policy)
-    assert_mostly_equal(engine["outputs"], reference)
-    ledger = engine["ledger"]
-    assert ledger["evictions"]["prefill"] == len(prompts), "every prompt was pruned after prefill"
-    assert ledger["evictions"]["decode"] >= len(prompts), "and evicted again while decoding"
+    outputs, counters = of_policy(engine, policy, len(prompts))
+    assert all(c is not None and (c["policy"], c["budget"]) == (policy, CASES[model]["budget"]) for c in counters), \
+        "each request evicted with its own policy and budget"
+    assert EvictionCounters.over(engine["request_counters"]).evictions == engine["ledger"]["evictions"], \
+        "the requests' counters are the engine's"
+    assert_mostly_equal(outputs, reference)
+    evictions = EvictionCounters.over(counters).evictions
+    assert evictions["prefill"] == len(prompts), "every prompt was pruned after prefill"
+    assert evictions["decode"] >= len(prompts), "and evicted again while decoding"
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_memory_is_really_returned(policy_runs, policy):
-    _, engine, _ = policy_runs("tiny", policy)
+    prompts, engine, _ = policy_runs("tiny", policy)
     budget = CASES["tiny"]["budget"]
     ledger = engine["ledger"]
+    # The engine's figures cover every policy's requests, all at one budget, all attention-free.
     assert ledger["capture_s"] == 0, "no query is captured for attention-free policies"
     assert ledger["decode_blocks_peak"] <= math.ceil((budget + BLOCK) / BLOCK) + 1
-    assert ledger["freed_blocks"] > 0
     assert engine["free_blocks_after"] == engine["free_blocks_before"] == ledger["kv_pool_blocks"], "every block is back"
-    copied = ledger["copied_tokens"]
+    counters = EvictionCounters.over(of_policy(engine, policy, len(prompts))[1])
+    assert counters.freed_blocks > 0
+    copied = counters.copied_tokens
     assert copied["prefill"] > 0, "prompt compaction copies the kept tokens into the first slots"
     if policy == "paged":
         assert copied["decode"] == 0, "a block policy drops whole blocks in decode: no copies"
@@ -91,12 +121,15 @@ def test_memory_is_really_returned(policy_runs, policy):
 
 def test_engine_core_in_its_own_process_gives_the_same_outputs(policy_runs, workdir):
     """The plugin patches every vLLM process: scheduler and worker in their own processes agree
-    with the in-process engine on the same concurrent batch."""
-    prompts, in_process, _ = policy_runs("tiny", "paged")
-    separate = run_engine(workdir, "tiny", prompts, NEW_TOKENS, in_process=False,
-                          eviction={"policy": "paged", "budget": CASES["tiny"]["budget"]})
+    with the in-process engine on the same concurrent batch (every policy, the engine's default and
+    per-request settings)."""
+    _, in_process, _ = policy_runs("tiny", "paged")
+    _, separate = every_policy(workdir, "tiny", in_process=False)
     assert_same_outputs(in_process, separate)
-    # The ledger comes back through an engine-core utility call when the core is in another process.
+    # The ledger and each request's counters come back through an engine-core utility call when
+    # the core is in another process.
     assert separate["ledger"]["evictions"] == in_process["ledger"]["evictions"]
     assert separate["ledger"]["freed_blocks"] == in_process["ledger"]["freed_blocks"] > 0
+    assert [c and (c["policy"], c["evictions"]) for c in separate["request_counters"]] == \
+        [c and (c["policy"], c["evictions"]) for c in in_process["request_counters"]]
     assert separate["free_blocks_after"] == separate["ledger"]["kv_pool_blocks"]

@@ -65,32 +65,58 @@ def test_prefix_caching_changes_no_output_and_writes_no_cached_block(workdir, sh
     assert with_cache["free_blocks_after"] == with_cache["free_blocks_before"]
 
 
+def preempted_requests(policy: str) -> tuple[list[list[int]], list[dict]]:
+    """Eight requests on four short prompts (each asked twice), six at budget 384 and two at 256."""
+    prompts = text_prompts("tiny", [100, 130, 100, 130], seed=3)
+    return prompts + prompts, [{"policy": policy, "budget": 384}] * 6 + [{"policy": policy, "budget": 256}] * 2
+
+
+def uncopyable_requests() -> tuple[list[list[int]], list[dict]]:
+    """Two 600-token prompts at budget 512 (and two of 100 tokens that never evict)."""
+    return text_prompts("tiny", [100, 600, 100, 600], seed=3), [{"policy": "paged", "budget": 512}] * 4
+
+
+@pytest.fixture(scope="module")
+def roomy(workdir):
+    """What the tight pools below must reproduce: every one of their requests, each with its own
+    settings, in one batch on one engine without prefix caching whose pool (cpu.yaml's) never
+    preempts. Per test (the preemption test's two policies, the uncopyable requests): its requests'
+    outputs and top log-probabilities."""
+    parts = {"paged": preempted_requests("paged"), "knorm": preempted_requests("knorm"),
+             "uncopyable": uncopyable_requests()}
+    prompts = [prompt for part_prompts, _ in parts.values() for prompt in part_prompts]
+    settings = [each for _, part_settings in parts.values() for each in part_settings]
+    run = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings)
+    assert sum(run["preemptions"]) == 0
+    assert run["ledger"]["preempted_after_eviction"] == 0
+    slices, at = {}, 0
+    for name, (part_prompts, _) in parts.items():
+        slices[name] = {key: run[key][at:at + len(part_prompts)] for key in ("outputs", "top_logprobs")}
+        at += len(part_prompts)
+    return slices
+
+
 @pytest.mark.parametrize("policy", ["paged", "knorm"])
-def test_prefix_caching_under_preemption(workdir, policy):
+def test_prefix_caching_under_preemption(workdir, roomy, policy):
     """Eight requests on four short prompts (each asked twice) growing to 13 blocks in a 30-block
     pool: the scheduler preempts requests that had evicted; they replay from the cached prompt
     (hits stop at the prompt's end) and meet the same evictions again."""
-    prompts = text_prompts("tiny", [100, 130, 100, 130], seed=3)
-    prompts = prompts + prompts
-    settings = [{"policy": policy, "budget": 384}] * 6 + [{"policy": policy, "budget": 256}] * 2
-    roomy = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings)
+    prompts, settings = preempted_requests(policy)
     tight = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings, prefix_caching=True,
                        num_kv_blocks=30, max_model_len=900)
     assert sum(tight["preemptions"]) > 0 and tight["ledger"]["preempted_after_eviction"] > 0
-    assert_same_outputs(roomy, tight)
+    assert_same_outputs(roomy[policy], tight)
     assert tight["free_blocks_after"] == tight["free_blocks_before"]
 
 
-def test_requests_whose_copies_cannot_fit_stay_out_of_the_prefix_cache(workdir):
+def test_requests_whose_copies_cannot_fit_stay_out_of_the_prefix_cache(workdir, roomy):
     """A 600-token prompt at budget 512 needs 19 + 17 blocks to compact into copies, more than a
     30-block pool: such requests neither take nor leave cached blocks and compact in place."""
-    prompts = text_prompts("tiny", [100, 600, 100, 600], seed=3)
-    settings = {"policy": "paged", "budget": 512}
-    roomy = run_engine(workdir, "tiny", prompts, 300, eviction=settings)
-    tight = run_engine(workdir, "tiny", prompts, 300, eviction=settings, prefix_caching=True, num_kv_blocks=30,
+    prompts, settings = uncopyable_requests()
+    tight = run_engine(workdir, "tiny", prompts, 300, eviction=settings[0], prefix_caching=True, num_kv_blocks=30,
                        max_model_len=900)
     assert sum(tight["preemptions"]) > 0
-    assert_same_outputs(roomy, tight)
+    assert_same_outputs(roomy["uncopyable"], tight)
     assert tight["free_blocks_after"] == tight["free_blocks_before"]
 
 
