@@ -192,6 +192,21 @@ def test_every_ablation_cell_composes_and_validates():
     assert len(names) == 21
 
 
+def test_the_private_hydra_name_the_sweep_expansion_asks_still_exists():
+    """``expand_sweep`` asks Hydra's own basic sweeper (a private name): its parameters as in
+    Hydra 1.3.2, and a sweep expands to the cells in Hydra's order."""
+    import inspect
+
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    from harness.run.sweep import expand_sweep
+
+    assert list(inspect.signature(BasicSweeper.split_arguments).parameters) == ["overrides", "max_batch_size"]
+    assert expand_sweep(["policy=paged,knorm", "budget=256,512", "seed=1"]) == [
+        ["policy=paged", "budget=256", "seed=1"], ["policy=paged", "budget=512", "seed=1"],
+        ["policy=knorm", "budget=256", "seed=1"], ["policy=knorm", "budget=512", "seed=1"]]
+
+
 def test_a_run_whose_eviction_state_cannot_fit_is_refused_before_any_weight_loads():
     """PagedEviction keeps one float per token per request; a hundred million concurrent requests'
     state cannot fit this machine's memory, and the refusal gives the numbers."""
