@@ -37,11 +37,12 @@ def test_the_walk_catches_a_planted_disagreement(tmp_path: Path):
 
 
 @pytest.mark.parametrize("folder, field, variant, budget, other, task", [
-    ("results/layer_budgets_suite", "score", "paged[layer_groups=3, budget_schedule=attention]", "512",
-     "paged[layer_groups=3]", None),                                        # 40 samples: exact
+    pytest.param("results/layer_budgets_suite", "score", "paged[layer_groups=3, budget_schedule=attention]", "512",
+                 "paged[layer_groups=3]", None, marks=pytest.mark.slow),    # 40 samples: exact (about 10 s)
     ("results/cpu_accuracy", "score", "paged", "256", "knorm", "single_doc_qa"),  # one task, 20 samples: exact
     ("results/cpu_accuracy", "score", "paged", "512", "streaming", None),          # 80 samples: random patterns
-    ("results/ruler", "answer_logprob", "paged[decode_eviction=False]", "r0.5", "snapkv[decode_eviction=False]", None),
+    pytest.param("results/ruler", "answer_logprob", "paged[decode_eviction=False]", "r0.5", "snapkv[decode_eviction=False]",
+                 None, marks=pytest.mark.slow),
 ])
 def test_the_committed_intervals_are_recomputed_without_harness_code(folder, field, variant, budget, other, task):
     """The recomputation's bounds equal the committed ones where both are exact (to the kept

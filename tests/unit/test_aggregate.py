@@ -28,6 +28,7 @@ def frame():
     return load_runs([CI_BASELINE])
 
 
+@pytest.mark.slow  # the CI baseline's frame: 607 exact test-inverting intervals (about 18 s)
 def test_one_row_per_run_and_task_with_every_config_key(frame):
     assert frame["run_dir"].nunique() == CELLS
     assert {"policy.name", "budget", "model.name", "data.name", "block_size", "engine.device", "policy.options.n_sink"} <= set(frame.columns)
@@ -41,6 +42,7 @@ def test_one_row_per_run_and_task_with_every_config_key(frame):
     assert (evicting["kv_blocks_peak"] <= full["kv_blocks_peak"].max()).all(), "eviction never holds more KV"
 
 
+@pytest.mark.slow  # the CI baseline's frame: 607 exact test-inverting intervals (about 18 s)
 def test_score_table_is_policy_by_budget(frame):
     table = score_table(frame)
     assert list(table.index) == [("full", "all")] + [(name, budget) for name in SWEPT if name != "full"
@@ -155,6 +157,7 @@ def textbook_bca(by_task: dict[str, np.ndarray], scale: float = 100) -> tuple[fl
     return low, high, exact
 
 
+@pytest.mark.slow  # the CI baseline's frame: 607 exact test-inverting intervals (about 18 s)
 def test_intervals_recomputed_from_the_per_sample_scores_match(frame):
     """The documented intervals, for one task, the average and one paired difference, recomputed
     from predictions.jsonl: a cell's BCa interval with numpy and the textbook formula, equal where
@@ -195,6 +198,7 @@ def test_intervals_recomputed_from_the_per_sample_scores_match(frame):
     assert row["avg_vs_streaming_diff"] == pytest.approx(100 * np.mean([d.mean() for d in differences.values()]), abs=0.006)
 
 
+@pytest.mark.slow  # the CI baseline's frame: 607 exact test-inverting intervals (about 18 s)
 def test_every_score_and_paired_difference_has_its_interval_and_p_values(frame):
     assert frame[["score_low", "score_high", "score_mc", "average_low", "average_high", "average_mc"]].notna().all().all()
     evicting = frame[frame["policy.name"] != "full"]
@@ -223,6 +227,7 @@ def test_every_score_and_paired_difference_has_its_interval_and_p_values(frame):
             assert streaming[part.format("paged")] == row[part.format("streaming")]
 
 
+@pytest.mark.slow  # the CI baseline's frame: 607 exact test-inverting intervals (about 18 s)
 def test_a_table_is_one_family_adjusted_by_holm_and_bh(frame):
     from harness.analysis.aggregate import table_comparisons
     from harness.analysis.stats import benjamini_hochberg, holm
@@ -246,6 +251,7 @@ def test_a_table_is_one_family_adjusted_by_holm_and_bh(frame):
     assert list(adjusted) == pytest.approx(holm(list(p)))
 
 
+@pytest.mark.slow  # the CI baseline's frame: 607 exact test-inverting intervals (about 18 s)
 def test_summary_marks_only_adjusted_significance_and_says_how(frame, tmp_path):
     from harness.analysis.aggregate import differences_table, p_digits, table_comparisons, to_markdown
 

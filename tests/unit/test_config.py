@@ -131,12 +131,12 @@ def run_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     "overrides, message",
     [
         (["policy=oracle"], "Could not find 'policy/oracle'"),
-        (["model=gpt5"], "Could not find 'model/gpt5'"),
-        (["data=squad"], "Could not find 'data/squad'"),
-        (["engine=tpu"], "Could not find 'engine/tpu'"),
+        pytest.param(["model=gpt5"], "Could not find 'model/gpt5'", marks=pytest.mark.slow),
+        pytest.param(["data=squad"], "Could not find 'data/squad'", marks=pytest.mark.slow),
+        pytest.param(["engine=tpu"], "Could not find 'engine/tpu'", marks=pytest.mark.slow),
         (["policy=paged", "budget=100"], "error: budget=100 is not a multiple of block_size=32"),
-        (["data=jsonl", "data.path=missing.jsonl"], "error: data.path missing.jsonl does not exist"),
-        (["engine.kv_cache_gib=0.05"], "error: the KV pool of engine.kv_cache_gib=0.05"),
+        pytest.param(["data=jsonl", "data.path=missing.jsonl"], "error: data.path missing.jsonl does not exist", marks=pytest.mark.slow),
+        pytest.param(["engine.kv_cache_gib=0.05"], "error: the KV pool of engine.kv_cache_gib=0.05", marks=pytest.mark.slow),
     ],
 )
 def test_run_py_refuses_bad_input_without_leaving_a_run_directory(tmp_path, overrides, message):

@@ -65,6 +65,7 @@ def without_chat(spec: TaskSpec) -> TaskSpec:
     return replace(spec, chat=False)
 
 
+@pytest.mark.slow  # every task's prompts tokenized (about 8 s)
 def test_embedded_suite_every_task(tokenizer):
     """Seed 0, every task (record_listing too); code_completion has no chat template and its
     question part is lcc's "Next line of code:" (its input is empty)."""

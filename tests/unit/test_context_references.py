@@ -85,7 +85,7 @@ def test_context_compression_plain_rule_equals_the_harness_reference(plain, prom
         torch.testing.assert_close(theirs.values, mine.values, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["paged", "snapkv", "h2o"])
+@pytest.mark.parametrize("name", ["paged", pytest.param("snapkv", marks=pytest.mark.slow), pytest.param("h2o", marks=pytest.mark.slow)])
 def test_context_tokens_at_the_prompt_end_is_prompt_compression(plain, prompt, name):
     """``context_tokens=len(prompt)`` runs today's path exactly, decode evictions included."""
     policy = make_policy(name, BUDGET, BLOCK)

@@ -9,6 +9,8 @@ import pytest
 from harness.records import interrupts
 
 
+# The finalizer's swallowed KeyboardInterrupt is the point of the test: pytest would report it as a warning.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_sigint_swallowed_by_a_finalizer_is_still_raised_before_publishing(monkeypatch):
     import weakref
 

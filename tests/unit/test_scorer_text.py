@@ -41,6 +41,7 @@ def test_sentences_are_cut_at_stops_and_line_breaks_normalised_and_short_pieces_
     assert found == {"the grass is green", "who keeps the key then", "stock tin kettle 3 count"}
 
 
+@pytest.mark.slow  # builds every evaluation family's text (about 28 s)
 def test_the_training_text_shares_no_sentence_and_no_answer_with_any_evaluation_family(training, evaluation):
     # The evaluation side is all there: the embedded suite at 200 per task and the committed
     # configs' sizes, RULER at 1k-8k tokens, every family's templates, the generators' word lists.
@@ -56,6 +57,7 @@ def test_the_training_text_shares_no_sentence_and_no_answer_with_any_evaluation_
     text.require_disjoint(training, None, evaluation=evaluation)  # what the script runs: no refusal
 
 
+@pytest.mark.slow  # the same corpora
 def test_the_check_finds_evaluation_text_planted_in_training_text(training, evaluation):
     from harness.tasks.embedded import dataset as embedded
 
@@ -79,6 +81,7 @@ def test_the_check_finds_evaluation_text_planted_in_training_text(training, eval
     assert len(problems) == 2 and "tregarthen" in problems[0] and "it rained all day long" in problems[1]
 
 
+@pytest.mark.slow  # the evaluation corpora
 def test_the_old_training_text_fails_the_check(evaluation):
     from harness.tasks import task_spec
     from harness.tasks.embedded import dataset as embedded

@@ -156,8 +156,8 @@ def committed(study: str) -> pd.DataFrame:
 
 @pytest.mark.parametrize("study, dead, total, per_task", [
     ("cpu_accuracy", 32, 80, {"code_completion": 8, "key_retrieval": 1, "multi_doc_qa": 16, "single_doc_qa": 7}),
-    ("ruler", 36, 144, {"niah_multikey_1_generated": 2, "niah_multikey_2": 10, "niah_multikey_3": 11,
-                        "qa_generated": 8, "vt": 5}),
+    pytest.param("ruler", 36, 144, {"niah_multikey_1_generated": 2, "niah_multikey_2": 10, "niah_multikey_3": 11,
+                                    "qa_generated": 8, "vt": 5}, marks=pytest.mark.slow),  # 144 runs' records (3 s)
     ("ablation", 33, 80, {"code_completion": 8, "key_retrieval": 1, "multi_doc_qa": 17, "single_doc_qa": 7}),
 ])
 def test_committed_studies_dead_counts(study, dead, total, per_task):
