@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from harness.analysis.regression import compare
+from harness.analysis.regression import cells, compare, parting
 from harness.records.results import read_jsonl
 from tests.support import ROOT
 from tests.support.ci_baseline import CI_BASELINE, baseline_policies, coverage_problems, swept_policies
@@ -77,10 +77,20 @@ runpy.run_path("run.py", run_name="__main__")
 
 def test_a_broken_policy_fails_the_comparison(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-c", BROKEN, "+experiment=ci_regression", "policy=paged", "budget=256", f"output_dir={tmp_path}"],
+        # four samples per task (the first four of the baseline's ten, the same samples): enough to catch it
+        [sys.executable, "-c", BROKEN, "+experiment=ci_regression", "policy=paged", "budget=256", "data.limit=4",
+         f"output_dir={tmp_path}"],
         capture_output=True, text=True, timeout=1800, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    moved = [p for p in compare(CI_BASELINE, tmp_path) if "missing from" not in p]
-    assert moved and all(p.startswith("smollm2-135m/synthetic/paged_b256_") for p in moved), moved
+    # Its cell is named by its config, data.limit included, so it is compared with the baseline's
+    # paged_b256 cell sample by sample under the rule compare() applies (parting).
+    (name, run), = cells(tmp_path).items()
+    assert name.startswith("smollm2-135m/synthetic/paged_b256_"), name
+    reference = next(path for cell, path in cells(CI_BASELINE).items() if cell.split("/")[-1].startswith("paged_b256_"))
+    expected = {row["id"]: row for row in read_jsonl(reference / "predictions.jsonl")}
+    measured = read_jsonl(run / "predictions.jsonl")
+    assert len(measured) == 12 and all(row["id"] in expected for row in measured), "the baseline's first four per task"
+    moved = [row["id"] for row in measured if parting(expected[row["id"]]["output_token_ids"], row["output_token_ids"],
+                                                       expected[row["id"]]["top_logprobs"], row["top_logprobs"])]
     assert len(moved) >= 3, f"evicting the newest block changes many samples, not {len(moved)}"
