@@ -4,6 +4,7 @@ real run showing the mechanism the paper's claim rests on: tests/engine/test_thr
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -123,6 +124,20 @@ def test_every_shipped_setting_is_valid():
     for s in experiment.SETTINGS.values():
         check_setting(s)
         assert s.baseline in s.cells and (s.ceiling is None or s.ceiling in s.cells), s.name
+
+
+def test_every_setting_measures_its_own_configurations():
+    """Two settings with the same cells on the same workload measure one thing twice under two
+    names (a pool sized differently aside): `overhead` once ran group_overhead's PagedEviction cells
+    (a module constant reused) while its description and FINDINGS spoke of stock vLLM."""
+    seen = {}
+    for s in experiment.SETTINGS.values():
+        key = (s.workload, frozenset(replace(cell, trial=1) for cell in s.cells))
+        assert key not in seen, f"{s.name} runs the same cells on the same workload as {seen.get(key)}"
+        seen[key] = s.name
+    overhead = experiment.SETTINGS["overhead"].cells
+    assert {cell.stock for cell in overhead} == {True, False}
+    assert {cell.policy for cell in overhead} == {"full"}
 
 
 def test_the_gpu_setting_is_refused_without_a_gpu(capsys):
