@@ -3,6 +3,7 @@ every number the Results section of docs/results.md and FINDINGS.md quote appear
 summary its paragraph names (``harness.analysis.report``)."""
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -11,10 +12,35 @@ from harness.analysis import report
 from tests.support import ROOT
 
 
+RENDER, PRINTED = report.render, report.printed  # the real functions, whatever a test patches
+
+
+@functools.cache
+def rendered() -> str:
+    """``report.render(ROOT)``: a pure function of the committed summaries, rendered once for the
+    session (the check below and ``report --check`` in the planted test both need it)."""
+    return RENDER(ROOT)
+
+
+@functools.cache
+def committed_printed() -> report.Printed:
+    """``report.printed(ROOT)``: every accuracy summary's intervals, a pure function of the committed
+    files, read once for the session instead of once per ``misattributed``/``check_documents`` call."""
+    return PRINTED(ROOT)
+
+
+@pytest.fixture(autouse=True)
+def summaries_read_once(monkeypatch):
+    """Every check of this module reads the committed summaries through ``report.printed(ROOT)``: it
+    gets the one reading ``committed_printed`` made with the real ``report.printed`` (another root
+    still reads its own files). What the checks do with it runs in full every time."""
+    monkeypatch.setattr(report, "printed", lambda root=ROOT: committed_printed() if root == ROOT else PRINTED(root))
+
+
 @pytest.mark.slow  # renders every committed summary
 def test_results_md_is_what_the_summaries_give():
     committed = (ROOT / report.OUT).read_text()
-    assert committed == report.render(ROOT), "results/RESULTS.md is stale: run `python -m harness.analysis.report`"
+    assert committed == rendered(), "results/RESULTS.md is stale: run `python -m harness.analysis.report`"
 
 
 def test_every_quoted_number_is_in_a_summary():
@@ -161,6 +187,11 @@ def test_a_difference_quoted_the_wrong_way_round_fails_the_check(tmp_path, monke
     assert planted(tmp_path, monkeypatch, sentence.format(right)) == []
     problems = planted(tmp_path, monkeypatch, sentence.format(reverse))
     assert len(problems) == 1 and "on the wrong comparison" in problems[0] and reverse in problems[0], problems
+    # report --check over the planted document. Its first step compares RESULTS.md with the committed
+    # summaries' rendering: the same text test_results_md_is_what_the_summaries_give checks, rendered
+    # once (a stale RESULTS.md still fails here, with no planted number in stderr); its documents
+    # check then runs in full and must fail on the planted sentence.
+    monkeypatch.setattr(report, "render", lambda root=ROOT: rendered() if root == ROOT else RENDER(root))
     assert report.main(["--check"]) == 1 and reverse in capsys.readouterr().err
     # Stated the other way round, the reversed numbers are right.
     assert planted(tmp_path, monkeypatch, sentence.replace("PagedEviction stays ahead of SnapKV",
