@@ -61,6 +61,9 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
                 # (the scheduler's backstop says the same: harness.engine.scheduler.unshared_reason)
                 raise ValueError("share_context=true, but compressed contexts are shared through vLLM's prefix-cache "
                                  "hits, which this engine does not take: start it with prefix caching on")
+            if settings.chain and not vllm_config.cache_config.enable_prefix_caching:
+                raise ValueError("chain=true, but a turn's compressed cache reaches the next turn through vLLM's "
+                                 "prefix-cache hits, which this engine does not take: start it with prefix caching on")
     except ValueError as error:
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 

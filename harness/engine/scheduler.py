@@ -36,7 +36,10 @@ ledger of each request's *evicted token count* (logical length minus physical le
 * a request compressing its context alone (``compress=context``) runs its prefill eviction at
   its context boundary instead of its prompt's end (``eviction_point``): its chunk ends there, the
   eviction's count is fixed by the policy and the context's length as above (so asynchronous
-  plans count it the same way), and the question's tokens are then scheduled like any prefill.
+  plans count it the same way), and the question's tokens are then scheduled like any prefill;
+* a request with ``chain=true`` (a turn of a conversation) takes the previous turn's whole kept
+  cache as a hit (``harness.engine.shared_contexts``: published when that turn finished) and runs its
+  prefill eviction at its own context boundary on that cache plus its new tokens.
 
 With prefix caching on, eviction never writes a block the prefix cache may hand to someone else:
 * a step that compacts a request allocates, inside vLLM's own ``allocate_slots`` (so admission
@@ -71,7 +74,7 @@ from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
 from harness.engine.compatibility import check_compatible, layer_groups_of
-from harness.engine.shared_contexts import ContextCache, ContextStats, Entry, context_key
+from harness.engine.shared_contexts import ContextCache, ContextStats, Entry, chain_entry_key, context_key
 from harness.eviction.settings import (EvictionSettings, admit, build_policy, request_settings, settings_from,
                                        unshareable)
 from policies import BlockPolicy, Policy
@@ -366,6 +369,16 @@ class EvictionScheduler(Scheduler):
             return "the request skips the prefix cache (prompt log-probabilities)"
         return None
 
+    def unchained_reason(self, request) -> str | None:
+        """Why a ``chain=true`` request cannot continue its conversation's compressed cache here
+        (None: it can; the settings themselves are checked by ``parse_settings`` and ``admit``)."""
+        if self.kv_contexts is None:
+            return ("a turn's compressed cache reaches the next turn through vLLM's prefix-cache hits, which this "
+                    "engine does not take (prefix caching off, or a KV connector configured): turn prefix caching on")
+        if request.skip_reading_prefix_cache:
+            return "the request skips the prefix cache (prompt log-probabilities), through which the chain is taken"
+        return None
+
     def policy_for(self, settings: EvictionSettings) -> Policy:
         """The policy of the settings' whole budget (what is the same in every group: its kind,
         window, phases); each group's own budget is ``group_policy``'s."""
@@ -402,6 +415,9 @@ class EvictionScheduler(Scheduler):
             unshared = self.unshared_reason(request, settings) if settings.compress == "context" else None
             if unshared is not None and settings.share_context:
                 raise ValueError(f"request {request.request_id}: share_context=true, but {unshared}")
+            unchained = self.unchained_reason(request) if settings.chain else None
+            if unchained is not None:
+                raise ValueError(f"request {request.request_id}: chain=true, but {unchained}")
             self.kv_request_settings[request.request_id] = settings
             self._counters(request.request_id, settings)
             if self.cache_config.enable_prefix_caching and (settings.measuring or not self._copies_fit(request, settings)):
@@ -470,16 +486,26 @@ class EvictionScheduler(Scheduler):
         it by what the blocks hold, and its question is prefilled at its logical positions); one
         that compresses the context itself is recorded, so that others asking about it wait."""
         key = self.kv_context_keys.get(request.request_id)
-        if key is None:
+        settings = self.kv_request_settings.get(request.request_id)
+        chained = settings is not None and settings.chain and request.request_id not in self.kv_uncached
+        if key is None and not chained:
             return None
-        length = self.kv_request_settings[request.request_id].context_tokens
-        entry = self.kv_contexts.take(key) if length <= request.num_tokens - 1 else None
-        if entry is None:
-            policies = self.group_policies(self.kv_request_settings[request.request_id])
-            if any(policy.needs_prefill_eviction(length) for policy in policies):
+        length = settings.context_tokens
+        entry = self.kv_contexts.take(key) if key is not None and length <= request.num_tokens - 1 else None
+        if entry is None and chained:
+            # The previous turn's kept cache (the longest chain entry shorter than this context: a
+            # turn's boundary comes after that cache's last token, so what is left is computed here
+            # and compressed with it). Never for a request kept out of the prefix cache: it would
+            # compact in place, into the entry's blocks.
+            found = self.kv_contexts.find_chain(request, settings, length, self.kv_cache_manager.block_pool.hash_block_size)
+            entry = self.kv_contexts.take(found) if found is not None else None
+        if entry is None or entry.chain:
+            policies = self.group_policies(settings)
+            if key is not None and any(policy.needs_prefill_eviction(length) for policy in policies):
                 # the first compresses for everyone (the others wait: _handle_blocked_waiting_request)
                 self.kv_contexts.owners.setdefault(key, request.request_id)
                 self.kv_context_compressing[request.request_id] = key
+        if entry is None:
             return None
         self.kv_ledger.evicted[request.request_id] = [entry.length - kept for kept in entry.kept]
         self.kv_context_taking[request.request_id] = entry
@@ -516,9 +542,18 @@ class EvictionScheduler(Scheduler):
         for request_id, entry in self.kv_context_taking.items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
+                counters = self.kv_request_counters.get(request_id)
+                if entry.chain:
+                    # held until the request finishes: a preempted turn finds the same cache again
+                    self.kv_contexts.hold(entry.key, request_id)
+                    stats.chain_hits += 1
+                    stats.chain_reused_tokens += entry.length
+                    if counters is not None:
+                        counters.chain_hits += 1
+                        counters.chain_reused_tokens += entry.length
+                    continue
                 stats.hits += 1
                 stats.blocks_shared += entry.block_count
-                counters = self.kv_request_counters.get(request_id)
                 if counters is not None:
                     counters.context = "shared"
             else:
@@ -589,17 +624,28 @@ class EvictionScheduler(Scheduler):
         by this very allocation: ``allocate_slots`` caches the step's full blocks) or shared."""
         settings = self.kv_request_settings.get(request_id)
         request = self.requests.get(request_id)
+        taking = self.kv_context_taking.get(request_id)
         if settings is None or request is None or not self.cache_config.enable_prefix_caching or \
-                request_id in self.kv_uncached or request_id in self.kv_context_taking:
+                request_id in self.kv_uncached or (taking is not None and not taking.chain):
             return ()  # (a request taking a compressed context: its prefill eviction is the context's, done)
         policy = self.group_policy(settings, group)
         evicted = self.evicted(request_id, group)
-        phase = phase_due(policy, self.eviction_point(request), request.num_computed_tokens, num_tokens, evicted)
+        # A request taking a chain entry is still waiting: vLLM sets its computed tokens after this
+        # allocation (vllm/v1/core/sched/scheduler.py:1369), so they are the entry's length here.
+        before = taking.length if taking is not None else request.num_computed_tokens
+        phase = phase_due(policy, self.eviction_point(request), before, num_tokens, evicted)
         if phase is None or (phase == "decode" and isinstance(policy, BlockPolicy)):
             return ()  # nothing written (a block eviction only drops a block)
-        kept = kept_tokens(policy, phase, num_tokens)
-        if phase == "prefill" and kept == num_tokens:
+        kept = kept_tokens(policy, phase, num_tokens - evicted)  # of the physical tokens it holds then
+        if phase == "prefill" and kept == num_tokens - evicted:
             return ()
+        if taking is not None:
+            # Every position the entry's blocks hold is shared (the cache's reference and this
+            # request's), the copied partial last block too until its copy has run
+            # (single_type_kv_cache_manager.py:454-473 takes an extra reference): the same count
+            # whether vLLM asks before adding the hit (get_num_blocks_to_allocate,
+            # kv_cache_manager.py:522-538) or after (allocate_new_blocks).
+            return tuple(range(min(cdiv(kept, self.kv_block_size), len(taking.blocks[group]))))
         registering = num_tokens // self.kv_block_size if not evicted else 0
         held = self.kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks.get(request_id, [])
         return tuple(
@@ -833,6 +879,9 @@ class EvictionScheduler(Scheduler):
         # evicted count goes with them, and its settings once it is finished.
         request_id = request.request_id
         ledger = self.kv_ledger
+        if self.kv_contexts is not None and request.is_finished():
+            self._publish_chain(request)
+            self.kv_contexts.let_go(request_id)
         if any(ledger.evicted.pop(request_id, ())) and not request.is_finished():
             ledger.totals.preempted_after_eviction += 1
             if request_id in self.kv_request_counters:
@@ -856,6 +905,33 @@ class EvictionScheduler(Scheduler):
         super()._free_request_blocks(request)
         if self.kv_contexts is not None:
             self.kv_contexts.release_idle()  # an entry no request holds now counts as free
+
+    def _publish_chain(self, request) -> None:
+        """A finished ``chain=true`` request that compressed (or continued a compressed cache)
+        leaves its whole kept cache for the next turn: per group its first ``cdiv(kept, block)``
+        blocks, standing for the logical tokens it computed (``prompt + output - 1``: the last
+        output token's K/V is never computed). Called before vLLM frees its blocks (the entry's
+        reference keeps them). Not after an error, nor with an eviction not yet settled."""
+        request_id = request.request_id
+        settings = self.kv_request_settings.get(request_id)
+        if settings is None or not settings.chain or request.status == RequestStatus.FINISHED_ERROR:
+            return
+        evicted = self.kv_ledger.evicted.get(request_id)
+        if not evicted or not any(evicted) or any((request_id, g) in self.kv_expected for g in range(self.kv_groups)):
+            return
+        length = min(request.num_computed_tokens, request.num_tokens - 1)
+        if length < self.eviction_point(request):
+            return  # ended before its boundary (an abort): the previous turn's entry still stands
+        key = chain_entry_key(request, settings, length, self.kv_cache_manager.block_pool.hash_block_size)
+        if key is None:
+            return
+        kept = tuple(length - count for count in evicted)
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        held = [manager.req_to_blocks.get(request_id, []) for manager in managers]
+        if any(len(blocks) < cdiv(count, self.kv_block_size) for blocks, count in zip(held, kept)):
+            return
+        blocks = tuple(blocks[: cdiv(count, self.kv_block_size)] for blocks, count in zip(held, kept))
+        self.kv_contexts.publish(key, request_id, length, kept, blocks)
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
         # Compressed contexts go with the prefix cache (weights may have changed): the cache lets go

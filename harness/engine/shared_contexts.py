@@ -21,6 +21,20 @@ hit (``single_type_kv_cache_manager.py:163-173, 318-324, 388-397, 454-473``) bef
 written, so no entry block is ever written after it is published (the first request's own partial
 block excepted: it writes its question past the kept slots, which readers copy and overwrite).
 
+Chains (``chain=true``, multi-turn conversations). A chained request that compressed its context
+publishes, when it finishes, its whole kept cache (kept context, question and answer: per group its
+first ``cdiv(kept, block)`` blocks) as a *chain entry* standing for the ``prompt + output - 1``
+logical tokens it computed (the last output token's K/V is never computed), keyed like a context
+entry by those tokens (``chain_entry_key``) and ``EvictionSettings.chain_key`` (a ratio's budget
+unresolved: the next turn resolves it against its own history). The next turn, whose prompt begins
+with those tokens, finds it (``ContextCache.find_chain``: the longest entry shorter than its context
+boundary) and takes it as a context hit of that logical length; it prefills its new tokens up to its
+boundary, and its prefill eviction there compresses the kept history with them, writing compaction
+copies instead of any entry block (the scheduler's copy targets). A request that took a chain entry
+holds it (``hold``) until it finishes, so that after a preemption it finds the same entry again.
+The key names the tokens, not where earlier turns put their boundaries: in a conversation the
+template's turn headers, which the tokens hold, fix them.
+
 References. While a request holds an entry's blocks the cache holds one reference more (``touch``),
 so nothing reclaims them. Once no request holds them, the cache lets them go as vLLM's prefix cache
 lets its blocks go: ``unpin_blocks`` puts them at the free queue's tail (they count as free, and are
@@ -42,6 +56,7 @@ class Entry:
     length: int                       # the logical tokens it stands for (the context)
     kept: tuple[int, ...]             # per group, the tokens its blocks hold
     blocks: tuple[tuple, ...]         # per group, the KVCacheBlocks
+    chain: bool = False               # a finished turn's whole cache (no one writes on: its owner ended)
 
     def all_blocks(self):
         return [block for group in self.blocks for block in group]
@@ -56,7 +71,7 @@ class ContextStats:
     """The cache's figures for a run: entries published, hits, misses (a request that compressed
     its context itself), waits (steps a request waited for another to compress its context), waits
     given up, blocks a hit took instead of computing and holding its own, entries reclaimed by the
-    pool, and the most blocks the cache held pinned at once."""
+    pool, the most blocks the cache held pinned at once, and the chain's entries and hits."""
 
     published: int = 0
     hits: int = 0
@@ -66,6 +81,11 @@ class ContextStats:
     blocks_shared: int = 0
     reclaimed: int = 0
     pinned_blocks_peak: int = 0
+    # chain=true: finished turns' caches kept for the next turn, hits on them, and the logical tokens
+    # those hits did not compute
+    chain_published: int = 0
+    chain_hits: int = 0
+    chain_reused_tokens: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -82,6 +102,16 @@ def context_key(request, settings, hash_block_size: int) -> tuple | None:
     return request.block_hashes[whole - 1], tail, settings.key
 
 
+def chain_entry_key(request, settings, length: int, hash_block_size: int) -> tuple | None:
+    """The chain entry a request's first ``length`` logical tokens would be under (None where they
+    hold no whole block, or its hash is not computed yet)."""
+    whole = length // hash_block_size
+    if whole == 0 or len(request.block_hashes) < whole:
+        return None
+    tail = tuple(request.all_token_ids[whole * hash_block_size: length])
+    return "chain", request.block_hashes[whole - 1], tail, settings.chain_key
+
+
 class ContextCache:
     """Entries by key (least recently used first), the requests compressing a context now (others
     asking about it wait for them), and the figures."""
@@ -95,6 +125,9 @@ class ContextCache:
         self.owners: dict[tuple, str] = {}   # key -> the request compressing that context now
         self.pins: dict[int, int] = {}       # block id -> pinned entries holding it
         self.of_block: dict[int, set] = {}   # block id -> keys of the entries holding it
+        # chain entries by (their last whole block's hash, settings): what find_chain looks up
+        self.chains: dict[tuple, set] = {}
+        self.holders: dict[tuple, set] = {}  # chain key -> requests holding it until they finish
         self.stats = ContextStats()
 
     def take(self, key: tuple) -> Entry | None:
@@ -108,22 +141,55 @@ class ContextCache:
         return entry
 
     def publish(self, key: tuple, owner: str, length: int, kept: tuple[int, ...], blocks: tuple[tuple, ...]) -> bool:
-        """Keep a context compressed by ``owner``, which holds ``blocks``; False if one is kept already."""
+        """Keep a context compressed by ``owner``, which holds ``blocks``; False if one is kept already.
+        A chain key (``chain_entry_key``) keeps a finished turn's cache for the next turn."""
         if key in self.entries:
             return False
-        entry = Entry(key, owner, length, tuple(kept), tuple(tuple(group) for group in blocks))
+        chain = key[0] == "chain"
+        entry = Entry(key, owner, length, tuple(kept), tuple(tuple(group) for group in blocks), chain)
         self.entries[key] = entry
         for block in entry.all_blocks():
             self.of_block.setdefault(block.block_id, set()).add(key)
+        if chain:
+            self.chains.setdefault((key[1], key[3]), set()).add(key)
+            self.stats.chain_published += 1
+        else:
+            self.stats.published += 1
         self._pin(entry)
-        self.stats.published += 1
         return True
+
+    def find_chain(self, request, settings, limit: int, hash_block_size: int) -> tuple | None:
+        """The key of the longest chain entry under these settings whose logical tokens begin
+        ``request`` and are fewer than ``limit`` (its context boundary: what it must still compute
+        and compress), or None."""
+        chain_key = settings.chain_key
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        for whole in range(min((limit - 1) // hash_block_size, len(hashes)), 0, -1):
+            found = [self.entries[key] for key in self.chains.get((hashes[whole - 1], chain_key), ())
+                     if key in self.entries]
+            found = [entry for entry in found if entry.length < limit and
+                     tuple(tokens[whole * hash_block_size: entry.length]) == entry.key[2]]
+            if found:
+                return max(found, key=lambda entry: entry.length).key
+        return None
+
+    def hold(self, key: tuple, request_id: str) -> None:
+        """``request_id`` took this entry: it stays pinned until the request finishes (a preempted
+        request takes it again when it is scheduled again)."""
+        self.holders.setdefault(key, set()).add(request_id)
+
+    def let_go(self, request_id: str) -> None:
+        for key, holders in list(self.holders.items()):
+            holders.discard(request_id)
+            if not holders:
+                del self.holders[key]
 
     def release_idle(self) -> None:
         """Let go of the entries no request holds: their blocks become free, found again until the
         pool hands them out (then the entry is dropped)."""
         for entry in list(self.pinned.values()):
-            if all(block.ref_cnt == self.pins[block.block_id] for block in entry.all_blocks()):
+            if entry.key not in self.holders and \
+                    all(block.ref_cnt == self.pins[block.block_id] for block in entry.all_blocks()):
                 self._unpin(entry)
 
     def check_writes(self, request_id: str, group: int, blocks, first: int, last: int, block_size: int) -> None:
@@ -141,10 +207,12 @@ class ContextCache:
 
     def clear(self) -> None:
         """Drop every entry (a prefix-cache reset: the weights may have changed)."""
+        self.holders.clear()
         for entry in list(self.pinned.values()):
             self._unpin(entry)
         self.entries.clear()
         self.of_block.clear()
+        self.chains.clear()
 
     def _pin(self, entry: Entry) -> None:
         blocks = entry.all_blocks()
@@ -171,6 +239,12 @@ class ContextCache:
             if entry is None:
                 continue
             self.stats.reclaimed += 1
+            if entry.chain:
+                siblings = self.chains.get((key[1], key[3]))
+                if siblings is not None:
+                    siblings.discard(key)
+                    if not siblings:
+                        del self.chains[(key[1], key[3])]
             for other in entry.all_blocks():
                 keys = self.of_block.get(other.block_id)
                 if keys is not None:

@@ -99,11 +99,16 @@ class RequestCounters(EvictionCounters):
     # another request compressed) or "compressed" (it compressed one and kept it for others)
     context: str | None = None
     context_wait_steps: int = 0             # steps it waited for another request compressing its context
+    # chain=true: how often it took the previous turn's compressed cache (a replay after preemption takes
+    # it again), and the logical tokens that cache stood for, which it did not compute
+    chain_hits: int = 0
+    chain_reused_tokens: int = 0
 
     def as_dict(self) -> dict:
         record = asdict(self)
         # only where they say something, so that other records keep their keys
-        for name, unset in (("group_budgets", None), ("failure", None), ("context", None), ("context_wait_steps", 0)):
+        for name, unset in (("group_budgets", None), ("failure", None), ("context", None), ("context_wait_steps", 0),
+                            ("chain_hits", 0), ("chain_reused_tokens", 0)):
             if record[name] == unset:
                 del record[name]
         return record

@@ -117,13 +117,15 @@ class Eviction:
 def phase_due(policy: Policy, prompt_len: int, computed_before: int, computed_after: int, evicted: int) -> Phase | None:
     """Whether this step ends with an eviction, from the request's logical counts.
 
-    Prefill eviction follows the step that completes the prompt (attention ran over all of it);
-    decode eviction follows a generation step after which the newest block is full past budget.
+    Prefill eviction follows the step that completes the prompt (attention ran over all of it),
+    where the tokens held there (``prompt_len - evicted``: the prompt, or under ``chain`` the
+    previous turn's kept cache and the new tokens) exceed the budget; decode eviction follows a
+    generation step after which the newest block is full past budget.
     """
     if not policy.evicts:
         return None
     if computed_before < prompt_len <= computed_after:
-        return "prefill" if policy.needs_prefill_eviction(prompt_len) else None
+        return "prefill" if policy.needs_prefill_eviction(prompt_len - evicted) else None
     if computed_before >= prompt_len and policy.needs_decode_eviction(computed_after - evicted):
         return "decode"
     return None

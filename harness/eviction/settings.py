@@ -27,6 +27,15 @@ context's tokens. The boundary is the request's own (the data families mark it,
 Context compression evicts once: it needs ``decode_eviction: false`` (a decode eviction after it
 would also drop question tokens, which is query-aware again).
 
+Multi-turn conversations (``chain``, ``compress=context`` only, off by default): a request that
+compressed its context leaves, when it finishes, its whole kept cache (kept context, question and
+answer) to the next turn, whose prompt starts with its prompt and answer: that turn prefills only its
+new tokens up to its own context boundary, on top of it, and compresses the already-compressed history
+and those tokens at the boundary (``harness.engine.shared_contexts``). Its budget is the one the turn
+would have recompressing: a ratio applies to the turn's whole logical history (its context boundary),
+so chain and recompression hold the same number of tokens at every turn and differ only in which:
+what one turn dropped, no later turn can keep.
+
 How the budget is spread over the layers (``budget_schedule``, on an engine whose layers run as G
 KV cache groups, ``engine.layer_groups``): ``uniform`` (every group the request's budget),
 ``pyramid`` (PyramidKV's linear schedule, more in the lower layers; ``pyramid_beta`` its slope, 20 as
@@ -73,6 +82,9 @@ class EvictionSettings:
     # compress=context: hand the compressed context to later requests asking about it (None: where
     # sharing is exact; True: that, or refuse the request; False: never; ``harness.engine.shared_contexts``)
     share_context: bool | None = None
+    # compress=context: carry a finished turn's compressed cache into the next turn of its conversation
+    # instead of compressing the pristine history again (``harness.engine.shared_contexts``, chain entries)
+    chain: bool = False
     # budget_schedule=attention: this request's group budgets, once measured from its prompt (the
     # engine's, never a user's: parse_settings does not take it)
     group_budgets: tuple[int, ...] | None = None
@@ -98,7 +110,8 @@ class EvictionSettings:
 
     def scope_text(self) -> str:
         """What is compressed, where it is not the whole cache at every step."""
-        return "" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only"
+        scope = "" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only"
+        return scope + (" chained" if self.chain else "")
 
     def label(self) -> str:
         """``budget=512``, ``budget_ratio=0.5 pyramid context only``: the budget and how it applies."""
@@ -115,7 +128,8 @@ class EvictionSettings:
         slug = f"{self.policy}_r{self.budget_ratio:g}" if self.budget_ratio is not None else f"{self.policy}_b{self.budget}"
         slug += "" if self.decode_eviction else "_context" if self.compress == "context" else "_prompt"
         slug += "" if self.budget_schedule == "uniform" else f"_{self.budget_schedule}"
-        return slug + ("" if self.pyramid_beta == PYRAMID_BETA else f"_beta{self.pyramid_beta:g}")
+        slug += "" if self.pyramid_beta == PYRAMID_BETA else f"_beta{self.pyramid_beta:g}"
+        return slug + ("_chain" if self.chain else "")
 
     def identity(self) -> dict:
         """What names a cell beyond policy and budget: each setting away from its default (settings
@@ -136,6 +150,8 @@ class EvictionSettings:
             marks.append(f"budget_schedule={self.budget_schedule}")
         if self.pyramid_beta != PYRAMID_BETA:
             marks.append(f"pyramid_beta={self.pyramid_beta:g}")
+        if self.chain:
+            marks.append("chain=true")  # each turn compresses the previous turn's compressed cache
         return marks
 
     def as_additional_config(self) -> dict:
@@ -151,7 +167,13 @@ class EvictionSettings:
         request's boundary is not part of it (the policy does not depend on it)."""
         return (self.policy, self.budget, json.dumps(self.options, sort_keys=True),  # options may nest (hybrid's weights)
                 self.budget_ratio, self.decode_eviction, self.compress, self.budget_schedule, self.pyramid_beta,
-                self.group_budgets)
+                self.group_budgets, self.chain)
+
+    @property
+    def chain_key(self) -> tuple:
+        """What a chain entry is kept under beside its logical tokens: the settings' key with a
+        ratio's budget left unresolved (each turn resolves it against its own, longer, history)."""
+        return replace(self, budget=None).key if self.budget_ratio is not None else self.key
 
     @property
     def measuring(self) -> bool:
@@ -196,7 +218,7 @@ class EvictionSettings:
 # The record's fields in their wire form (what a user may give), and those a run's Hydra config
 # gives beside policy, budget and options (a request's context boundary is its own, never a run's).
 WIRE_FIELDS = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens",
-               "budget_schedule", "pyramid_beta", "share_context")
+               "budget_schedule", "pyramid_beta", "share_context", "chain")
 RUN_FIELDS = tuple(name for name in WIRE_FIELDS[3:] if name != "context_tokens")
 DEFAULTS = {f.name: f.default for f in fields(EvictionSettings) if f.default is not MISSING}
 
@@ -257,8 +279,9 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
     compress, context = check_compress(raw.get("compress", "prompt"), raw.get("context_tokens"), decode, where)
     schedule, beta = check_schedule(raw.get("budget_schedule", "uniform"), raw.get("pyramid_beta", PYRAMID_BETA), where)
     share = check_share(raw.get("share_context"), compress, schedule, where)
+    chain = check_chain(raw.get("chain", False), compress, schedule, where)
     return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode,
-                            compress, context, schedule, beta, share)
+                            compress, context, schedule, beta, share, chain=chain)
 
 
 
@@ -303,6 +326,30 @@ def check_share(share, compress: str, schedule: str, where: str) -> bool | None:
     if reason:
         raise ValueError(f"{where}: share_context=true, but {reason}")
     return share
+
+
+def check_chain(chain, compress: str, schedule: str, where: str) -> bool:
+    """``chain`` against the settings it carries a turn's state under (the policy's own limits:
+    ``check_chain_policy``; the engine's: the scheduler and the frontend)."""
+    if not isinstance(chain, bool):
+        raise ValueError(f"{where}: chain must be true or false, got {chain!r}")
+    if chain and compress != "context":
+        raise ValueError(f"{where}: chain=true carries a turn's compressed context into the next turn; it needs "
+                         "compress=context (the history compressed before each new message)")
+    if chain and schedule == "attention":
+        raise ValueError(f"{where}: chain=true, but budget_schedule=attention measures each request's layer budgets "
+                         "from its own prompt's queries, which a turn continuing a compressed history does not have")
+    return chain
+
+
+def check_chain_policy(policy: Policy) -> None:
+    """What a chained turn cannot give a policy: the next request holds the previous turn's kept K/V,
+    not its queries, so a rule reading a window of queries before the boundary (SnapKV, TOVA) or
+    summing every query (H2O, LRU) would see only the new tokens' few."""
+    if policy.query_window or policy.accumulates:
+        raise ValueError(f"chain=true, but {policy.name} reads attention queries (a window before the boundary or "
+                         "every query so far); a chained turn carries the previous turn's kept K/V, not its queries: "
+                         "use an attention-free policy or chain=false")
 
 
 def check_compress(compress, context_tokens, decode_eviction: bool, where: str) -> tuple[str, int | None]:
@@ -448,6 +495,8 @@ def admit(settings: EvictionSettings, block_size: int, num_layers: int, groups: 
         policies = group_policies(settings, block_size, num_layers, groups)
         for policy in {id(policy): policy for policy in policies}.values():
             check_policy_runs(policy, enforce_eager)
+            if settings.chain:
+                check_chain_policy(policy)
         if len(_ADMITTED) >= 4096:  # ratio budgets differ per prompt length: bounded, not a leak
             _ADMITTED.clear()
         _ADMITTED[key] = policies

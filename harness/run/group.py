@@ -118,10 +118,10 @@ def generate_and_record(works: list[CellWork], model_path: str, name: str, log: 
           f"{len(prompts)} prompts{'' if alone else ', each prompt prefilled once'} "
           f"(its log: {works[0].target / ENGINE_LOG})", flush=True)
     with engine_output_to(log) as terminal:
-        # (one cell asking for shared compressed contexts gets the prefix cache they are shared through)
+        # (one cell asking for shared compressed contexts or chained turns gets the prefix cache they go through)
         engine = Engine(model_path, run.model, run.engine, run.block_size, seed=run.seed,
                         eviction=run.eviction if alone else None,
-                        prefix_caching=not alone or bool(run.evicts and run.eviction.share_context))
+                        prefix_caching=not alone or bool(run.evicts and (run.eviction.share_context or run.eviction.chain)))
         try:
             started = time.perf_counter()
             results, engine_ids = generate_shared(engine, prompts, cells, progress=terminal)

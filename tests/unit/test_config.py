@@ -241,3 +241,20 @@ def test_the_pyramids_slope_is_a_run_setting_named_only_away_from_its_default():
     assert steep.cell_name.startswith("paged_b512_pyramid_beta5_bs32_") and steep.label == "paged budget=512 pyramid beta=5"
     with pytest.raises(ConfigError, match="pyramid_beta shapes budget_schedule=pyramid; this one is uniform"):
         run_settings(compose_cfg("policy=paged", "budget=512", "pyramid_beta=5"))
+
+
+def test_a_chain_is_a_run_setting_named_only_when_on_and_refused_without_context_compression():
+    """``chain`` reaches a run through the settings record alone (its Hydra form): the engine gets it,
+    the cell is named by it only when it is on (committed cells keep their names), and a chain without
+    compress=context is refused in one line."""
+    base = ("policy=paged", "budget=null", "budget_ratio=0.5", "compress=context")
+    off, on = run_settings(compose_cfg(*base)), run_settings(compose_cfg(*base, "chain=true"))
+    assert (off.eviction.chain, on.eviction.chain) == (False, True)
+    assert on.eviction.as_dict()["chain"] is True and "chain" not in off.eviction.as_dict()
+    assert "chain" not in off.identity() and on.identity()["chain"] is True
+    assert on.cell_name.startswith("paged_r0.5_context_chain_bs32_") and on.cell_name != off.cell_name
+    with pytest.raises(ConfigError, match="chain=true carries a turn's compressed context into the next turn; it needs "
+                                          "compress=context"):
+        run_settings(compose_cfg("policy=paged", "budget=512", "chain=true"))
+    with pytest.raises(ConfigError, match="chain must be true or false"):
+        run_settings(compose_cfg(*base, "chain=3"))
