@@ -153,7 +153,8 @@ class Ledger:
                if self.groups > 1 else {}),
             # only where a context was shared or compressed to be, so that other records keep their keys
             **({"shared_contexts": self.contexts.as_dict()}
-               if self.contexts is not None and (self.contexts.published or self.contexts.hits) else {}),
+               if self.contexts is not None and (self.contexts.published or self.contexts.hits
+                                                 or self.contexts.chain_published) else {}),
         }
 
 

@@ -21,6 +21,12 @@ own keys (Hugging Face builds one mask, for the first layer's length). With ``sc
 ``budget_schedule=attention``) the groups' budgets are measured from each prompt's last queries when
 the prefill reaches the eviction point, as the engine's worker measures them
 (``harness.eviction.layer_budgets``), and that eviction follows them.
+
+Chained turns (``resume``, ``chain=true``): the next turn of a conversation continues the cache the
+previous request left (its prompt and every output but the last, as evicted), computes its tokens
+up to its context boundary at their logical positions, and the prefill eviction there runs, through
+the same step driver, on the kept history and those tokens, by the turn's own policy (``use``: a
+ratio's budget is each turn's own history's), as the engine's scheduler continues a chain entry.
 """
 from __future__ import annotations
 
@@ -177,17 +183,28 @@ class HFReferenceEngine:
             queries = torch.stack([self.step_queries[layer][-self.window:] for layer in layers])
             state.observe(request_id, queries, self.window)
 
+    def use(self, policy: Policy | list[Policy] | tuple[Policy, ...]) -> None:
+        """Evict by ``policy`` (one, or one per KV cache group) from the next request on: a chained
+        turn's own budget. Attention-free policies (what a chain admits), the same group count."""
+        policies = tuple(policy) if isinstance(policy, (list, tuple)) else (policy,)
+        if len(policies) != len(self.group_layers) or any(p.query_window for p in policies) or self.window:
+            raise ValueError("use: one attention-free policy per KV cache group, as the reference was built with")
+        self.policies = self.unmeasured = policies
+        self.policy = policies[0]
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
-                 context_tokens: int | None = None) -> list[int]:
+                 context_tokens: int | None = None, resume: bool = False) -> list[int]:
         return self.generate_with_top_logprobs(prompt_ids, max_new_tokens, eos_token_id,
-                                               context_tokens=context_tokens)[0]
+                                               context_tokens=context_tokens, resume=resume)[0]
 
     def generate_with_top_logprobs(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
-                                   top: int = 3, context_tokens: int | None = None) -> tuple[list[int], list[list[list]]]:
+                                   top: int = 3, context_tokens: int | None = None, resume: bool = False
+                                   ) -> tuple[list[int], list[list[list]]]:
         """Output ids and, per position, the ``top`` best ``[token, logprob]`` pairs (the engine
         runs' format, for the near-tie rule). ``context_tokens``: evict after the prompt's first
-        ``context_tokens`` tokens, before the question (the rest) is computed; None: after the prompt."""
-        output, best, _ = self._decode(prompt_ids, max_new_tokens, eos_token_id, top, None, context_tokens)
+        ``context_tokens`` tokens, before the question (the rest) is computed; None: after the prompt.
+        ``resume``: a chained turn, continuing the previous request's cache (the module's docstring)."""
+        output, best, _ = self._decode(prompt_ids, max_new_tokens, eos_token_id, top, None, context_tokens, resume)
         return output, best
 
     def forced_logprobs(self, prompt_ids: list[int], forced: list[int], context_tokens: int | None = None) -> list[float]:
@@ -197,7 +214,7 @@ class HFReferenceEngine:
 
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None, top: int,
-                forced: list[int] | None, context_tokens: int | None = None
+                forced: list[int] | None, context_tokens: int | None = None, resume: bool = False
                 ) -> tuple[list[int], list[list[list]], list[float]]:
         from transformers import DynamicCache
 
@@ -208,15 +225,31 @@ class HFReferenceEngine:
         if evict_at < prompt_len and any(p is not None and p.evicts and p.decode_eviction for p in self.policies):
             # A decode eviction would drop question tokens too: the setting compresses the context once.
             raise ValueError("context compression evicts the context only: the policy needs decode_eviction=False")
-        cache = DynamicCache(config=self.model.config)
+        if resume:
+            # The previous turn's cache, as it ended (the engine's chain entry of the same tokens)
+            held = getattr(self, "chain_tokens", None)
+            if held is None:
+                raise ValueError("resume continues the previous request's cache: there is none")
+            if list(prompt_ids[: len(held)]) != held:
+                raise ValueError("a chained turn's prompt begins with the previous turn's prompt and output")
+            if not len(held) < evict_at:
+                raise ValueError(f"a chained turn computes at least one token before its boundary ({evict_at}); "
+                                 f"the previous turn's cache holds {len(held)}")
+            if self.window or self.schedule is not None:
+                raise ValueError("chained turns: attention-free policies at a fixed schedule only")
+            cache, computed, evicted = self.cache, len(held), list(self.chain_evicted)
+        else:
+            cache, computed = DynamicCache(config=self.model.config), 0
+            evicted = [0] * len(self.policies)  # per group
+        self.chain_tokens = None
         self.policies, self.measured_budgets, self.prompt_tokens = self.unmeasured, None, prompt_len
-        # One request at a time: each starts with empty policy state (per group: its layers' scales).
+        # One request at a time: each starts with empty policy state (per group: its layers' scales), a
+        # chained turn too (the engine's request taking a chain entry has none either).
         self.policy_states = [PolicyState(scales=[float(self.attention_layers[layer].scaling) for layer in layers])
                               for layers in self.group_layers]
-        inputs = torch.tensor([prompt_ids[:evict_at]], device=self.device)
-        positions = torch.arange(evict_at, device=self.device).unsqueeze(0)
-        computed, output, best, chosen = 0, [], [], []
-        evicted = [0] * len(self.policies)  # per group
+        inputs = torch.tensor([prompt_ids[computed:evict_at]], device=self.device)
+        positions = torch.arange(computed, evict_at, device=self.device).unsqueeze(0)
+        output, best, chosen = [], [], []
         while len(output) < max_new_tokens:
             # the first group's physical positions (with several groups each layer's own mask
             # replaces the one Hugging Face builds from them; the cache itself only appends)
@@ -250,6 +283,8 @@ class HFReferenceEngine:
             inputs = torch.tensor([[token]], device=self.device)
             positions = torch.tensor([[computed]], device=self.device)
         self.cache = cache  # the last request's cache as it ended, for a test to look into
+        # what it holds, for a chained next turn: the prompt and every output but the last (never computed)
+        self.chain_tokens, self.chain_evicted = list(prompt_ids) + output[:-1], evicted
         return output, best, chosen
 
     def _measure(self, cache, tokens: int) -> None:

@@ -20,7 +20,15 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
   window), the harness's documented semantics;
 * layer groups: given one rule per group of contiguous layers (group 0 the first), each group evicts
   on its own layers, at its own length and budget, so layers hold different numbers of tokens: each
-  layer's attention then gets its own causal mask, built from that layer's own cache length.
+  layer's attention then gets its own causal mask, built from that layer's own cache length;
+* chained turns (``resume``, a multi-turn conversation with ``chain=true``): a turn's prompt is the
+  previous turn's prompt, its output and a new message; the turn continues the cache the previous
+  turn left (its prompt and all but its last output token, as evicted then: nothing of it is computed
+  again), computes the tokens from there to its own context boundary at their logical positions, and
+  the prefill eviction at the boundary runs on what the cache then holds (the kept history and those
+  tokens), when that exceeds the turn's budget. The same evictions applied, turn by turn, to the
+  concatenated turns: what one turn dropped no later turn holds. Attention-free rules only (a rule
+  reading queries would need the previous turn's, which a chained turn does not have).
 """
 from __future__ import annotations
 
@@ -294,6 +302,7 @@ class PlainReference:
         # After generate: the request's cache, and per layer the logical positions it holds [heads, tokens].
         self.cache = None
         self.positions: list[torch.Tensor] = []
+        self.chain_tokens: list[int] | None = None  # the logical tokens the cache holds after generate
         for index, layer in enumerate(self.model.model.layers):
             layer.self_attn.register_forward_pre_hook(self._query_recorder(index), with_kwargs=True)
             layer.self_attn.register_forward_pre_hook(self._own_mask(index), with_kwargs=True)
@@ -327,7 +336,7 @@ class PlainReference:
 
     @torch.no_grad()
     def generate(self, prompt: list[int], new_tokens: int, policy: PlainPolicy | Sequence[PlainPolicy],
-                 context_tokens: int | None = None) -> tuple[list[int], dict]:
+                 context_tokens: int | None = None, resume: bool = False) -> tuple[list[int], dict]:
         """Greedy output ids, and how many passes each phase's evictions followed. ``context_tokens``:
         the prefill eviction runs after the prompt's first ``context_tokens`` tokens (the
         context), before the rest (the question) is computed; None: after the whole prompt.
@@ -336,7 +345,10 @@ class PlainReference:
         each group its own rule object): group g's rule evicts layers [g L/G, (g + 1) L/G) by
         its own budget, when its own layers' length calls for it. The counts add, per group,
         ``groups[g]`` ({"prefill", "decode", "decode_at": the logical lengths its decode evictions
-        followed}), and ``lengths``: each layer's cached tokens at the end."""
+        followed}), and ``lengths``: each layer's cached tokens at the end.
+
+        ``resume``: the next turn of a conversation (see the module's "chained turns"): ``prompt``
+        begins with the previous call's prompt and output; the previous call's cache is continued."""
         from transformers import DynamicCache
 
         policies = [policy] if isinstance(policy, PlainPolicy) else list(policy)
@@ -357,18 +369,36 @@ class PlainReference:
         if evict_at < len(prompt) and any(rule.decode_eviction for rule in policies):
             # A decode eviction would drop question tokens too: the setting compresses the context once.
             raise ValueError("context compression evicts the context only: the rule needs decode_eviction=False")
-        cache = DynamicCache(config=self.model.config)
         for rule in policies:
             rule.reset()
         self.queries = []
         heads = self.model.config.num_key_value_heads
-        self.positions = [torch.zeros(heads, 0, dtype=torch.long) for _ in range(layers)]
+        if resume:
+            held = self.chain_tokens
+            if held is None or self.cache is None:
+                raise ValueError("resume continues the previous turn's cache: there is none")
+            if list(prompt[: len(held)]) != held:
+                raise ValueError("a chained turn's prompt begins with the previous turn's prompt and output")
+            if not len(held) < evict_at:
+                raise ValueError(f"a chained turn computes at least one token before its boundary ({evict_at}); the "
+                                 f"previous turn's cache holds {len(held)}")
+            if any(reads_queries(rule) for rule in policies):
+                raise ValueError("chained turns: attention-free rules only (a rule reading queries would need the "
+                                 "previous turn's)")
+            cache = self.cache
+            # physical: each group's cached tokens, as the previous turn left them
+            logical, physical = len(held), [cache.get_seq_length(members.start) for members in groups]
+        else:
+            cache = DynamicCache(config=self.model.config)
+            self.positions = [torch.zeros(heads, 0, dtype=torch.long) for _ in range(layers)]
+            logical, physical = 0, [0] * len(policies)
+        self.chain_tokens = None
         # One group: Hugging Face's own mask, as ever. Several: each layer's own (see _own_mask), even
         # while the lengths still agree, so a wrong layer mask shows against one group's output.
         self.per_layer_masks = len(policies) > 1
-        logical, physical, out = 0, [0] * len(policies), []  # physical: each group's cached tokens
+        out = []
         counts = {"prefill": 0, "decode": 0, "groups": [{"prefill": 0, "decode": 0, "decode_at": []} for _ in policies]}
-        step = torch.tensor([prompt[:evict_at]])
+        step = torch.tensor([prompt[logical:evict_at]])
         try:
             while len(out) < new_tokens:
                 width = step.shape[1]
@@ -412,6 +442,8 @@ class PlainReference:
         finally:
             self.per_layer_masks = False
         self.cache = cache
+        # what the cache holds: the prompt and every output but the last (never computed)
+        self.chain_tokens = list(prompt) + out[:-1]
         counts["lengths"] = [cache.get_seq_length(l) for l in range(layers)]
         return out, counts
 
