@@ -330,6 +330,7 @@ class EvictionScheduler(Scheduler):
         self.kv_context_taking: dict[str, Entry] = {}  # took an entry in this schedule(), not yet scheduled
         self.kv_context_compressing: dict[str, tuple] = {}  # compressing a context others wait for
         self.kv_context_waits: dict[str, int] = {}     # steps a request has waited for its context
+        self.kv_chain_missed: set[str] = set()        # chained, found no chain entry in this schedule()
         if self.kv_unsupported is None:
             for group, manager in enumerate(managers):
                 manager.__class__ = PhysicalLengthManager  # this engine's managers only, same state
@@ -500,6 +501,8 @@ class EvictionScheduler(Scheduler):
             # compact in place, into the entry's blocks.
             found = self.kv_contexts.find_chain(request, settings, length, self.kv_cache_manager.block_pool.hash_block_size)
             entry = self.kv_contexts.take(found) if found is not None else None
+            if entry is None:
+                self.kv_chain_missed.add(request.request_id)  # counted if it is scheduled so (_settle_contexts)
         if entry is None or entry.chain:
             policies = self.group_policies(settings)
             if key is not None and any(policy.needs_prefill_eviction(length) for policy in policies):
@@ -560,6 +563,16 @@ class EvictionScheduler(Scheduler):
             else:
                 self.kv_ledger.evicted.pop(request_id, None)
         self.kv_context_taking.clear()
+        for request_id in self.kv_chain_missed:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                # a first turn, or a later one whose previous turn's entry was reclaimed (it compresses the
+                # pristine history again): the run's records tell them apart by turn
+                stats.chain_misses += 1
+                counters = self.kv_request_counters.get(request_id)
+                if counters is not None:
+                    counters.chain_misses += 1
+        self.kv_chain_missed.clear()
         for request_id, key in list(self.kv_context_compressing.items()):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -703,6 +716,14 @@ class EvictionScheduler(Scheduler):
         output = super().schedule(*args, **kwargs)
         if self.kv_contexts is not None:
             self._settle_contexts()
+            if not output.total_num_scheduled_tokens and not self.running and self.waiting and \
+                    self.kv_contexts.holders:
+                # Nothing runs and nothing could be admitted: the chain entries held for preempted turns
+                # may be what fills the pool. They are let go (free, found again until reclaimed; a turn
+                # whose entry is reclaimed compresses the pristine history again), so the engine goes on.
+                self.kv_contexts.holders.clear()
+                self.kv_contexts.stats.chain_holds_dropped += 1
+                self.kv_contexts.release_idle()
         ledger = self.kv_ledger
         scheduled = output.num_scheduled_tokens
         settings = {rid: self.kv_request_settings[rid] for rid in scheduled if rid in self.kv_request_settings}

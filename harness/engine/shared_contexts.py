@@ -86,6 +86,8 @@ class ContextStats:
     chain_published: int = 0
     chain_hits: int = 0
     chain_reused_tokens: int = 0
+    chain_misses: int = 0  # chained requests scheduled without an entry (first turns; reclaimed ones)
+    chain_holds_dropped: int = 0  # times nothing could run and the entries held for preempted turns were let go
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

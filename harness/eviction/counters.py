@@ -103,12 +103,13 @@ class RequestCounters(EvictionCounters):
     # it again), and the logical tokens that cache stood for, which it did not compute
     chain_hits: int = 0
     chain_reused_tokens: int = 0
+    chain_misses: int = 0  # scheduled without a chain entry: a first turn, or one whose entry was reclaimed
 
     def as_dict(self) -> dict:
         record = asdict(self)
         # only where they say something, so that other records keep their keys
         for name, unset in (("group_budgets", None), ("failure", None), ("context", None), ("context_wait_steps", 0),
-                            ("chain_hits", 0), ("chain_reused_tokens", 0)):
+                            ("chain_hits", 0), ("chain_reused_tokens", 0), ("chain_misses", 0)):
             if record[name] == unset:
                 del record[name]
         return record

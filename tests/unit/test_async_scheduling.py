@@ -34,7 +34,8 @@ OUTPUTS = (23, 31, 12, 17, 26)
 TOKEN = 5  # every sampled token (the scheduler never reads its value)
 
 
-def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = True, groups: int = 1):
+def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = True, groups: int = 1,
+                   prefix_caching: bool = False):
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -48,7 +49,7 @@ def make_scheduler(asynchronous: bool, pool: int = POOL, admit_whole: bool = Tru
                         enforce_eager=True)  # the attention schedule's measurement hooks need it
     config = VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=256,
                                          is_encoder_decoder=False, scheduler_cls=SCHEDULER_CLS,
                                          scheduler_reserve_full_isl=admit_whole),
@@ -157,7 +158,10 @@ class Worker:
                 request["tokens"][group] = before + count - evicted
             requests.append(StepRequest(request_id, group_policies(settings, BLOCK, LAYERS * self.groups, self.groups),
                                         request["blocks"], settings.eviction_point(request["prompt"]),  # prompt's or context's end
-                                        before, before + count, counts))
+                                        before, before + count, counts,
+                                        # with prefix caching: the blocks compaction writes instead (worker_patch)
+                                        {group: plan.copy_targets[(request_id, group)] for group in range(self.groups)
+                                         if (request_id, group) in plan.copy_targets}))
         report = evict_step(self.views, self.states, requests)
         for (request_id, group), eviction in report.items():
             self.requests[request_id]["tokens"][group] -= eviction.evicted_tokens

@@ -1,0 +1,256 @@
+"""Chained turns (``chain=true``) on the scheduler side (no model, no engine): the real
+``EvictionScheduler`` on vLLM's ``Scheduler`` with prefix caching and a real block pool, and the
+fake worker of ``test_async_scheduling`` (K/V written at the plan's physical slots, the harness's
+own step driver evicting, vLLM's copy-on-write copies carried out before the step's writes).
+
+Conversations of three turns, each turn's prompt the previous prompt, its answer and a new message,
+its boundary the answer's end: every later turn takes the previous turn's chain entry (its blocks
+are never written after they are published: checked after every step), computes only its new tokens
+and compresses at its boundary; what each turn's request holds when it ends equals one contiguous
+cache through which the same evictions ran turn by turn (the semantic oracle, the plain reference's,
+is ``test_chain_references``); every block comes back. Under synchronous and asynchronous
+scheduling, with preemption in a small pool, and with two layer groups."""
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+from harness.engine.backend_views import FlashAttnView
+from harness.eviction.settings import CONFIG_KEY, group_policies, parse_settings
+from harness.eviction.state import PolicyState
+from harness.eviction.step import StepRequest, evict_step
+from tests.unit.test_async_scheduling import BLOCK, DIM, HEADS, LAYERS, Worker, kv, make_scheduler
+
+PROMPT, CONTEXT, OUTPUTS, MESSAGE, TURNS = 37, 24, 6, 5, 3
+CONVERSATIONS = 2
+
+
+def settings_of(name: str, boundary: int, **extra) -> dict:
+    return {"policy": name, "budget_ratio": 0.5, "decode_eviction": False, "compress": "context",
+            "context_tokens": boundary, "chain": True, **extra}
+
+
+def request_id(conversation: int, turn: int) -> str:
+    return f"r{10 * (conversation + 1) + turn}"  # kv() reads the number after "r"
+
+
+class CopyingWorker(Worker):
+    """The fake worker, plus vLLM's copy-on-write of a partial prefix hit's last block (the worker
+    copies it before the step's forward pass: gpu_model_runner.py:1199-1208, every layer of every
+    group's storage: v1/worker/utils.py:909-950), and a check that no chain entry's kept slots ever
+    change once published."""
+
+    def __init__(self, pool: int, scheduler, groups: int = 1):
+        super().__init__(pool, groups)
+        self.scheduler = scheduler
+        self.published: dict[tuple, list[torch.Tensor]] = {}
+        self.copies = 0
+
+    def step(self, output):
+        for copy in output.kv_cache_block_copies or ():
+            self.copies += 1
+            for view in self.views:
+                for cache in view.layers:
+                    cache[copy.dst_block_id] = cache[copy.src_block_id].clone()
+        return super().step(output)
+
+    def entry_slots(self, entry) -> list[torch.Tensor]:
+        held = []
+        for group, (blocks, kept) in enumerate(zip(entry.blocks, entry.kept)):
+            slots = [(blocks[slot // BLOCK].block_id, slot % BLOCK) for slot in range(kept)]
+            held.append(torch.stack([torch.stack([cache[block, :, offset] for block, offset in slots])
+                                     for cache in self.views[group].layers]))
+        return held
+
+    def check_entries(self) -> None:
+        entries = self.scheduler.kv_contexts.entries
+        for key in list(self.published):
+            if key not in entries:  # reclaimed by the pool: its blocks may be anyone's now
+                del self.published[key]
+        for key, entry in entries.items():
+            now = self.entry_slots(entry)
+            if key not in self.published:
+                self.published[key] = now
+            for before, after in zip(self.published[key], now, strict=True):
+                assert torch.equal(before, after), f"a kept block of entry {entry.owner}'s was written"
+
+
+def drive(scheduler, worker: CopyingWorker, asynchronous: bool) -> None:
+    """Every request to the end, in vLLM's synchronous or asynchronous order (as
+    ``test_async_scheduling.run``), checking the entries after every step."""
+    queue, idle = deque(), 0
+    while scheduler.has_requests() or queue:
+        depth = 2 if asynchronous else 1
+        if scheduler.has_requests() and len(queue) < depth:
+            output = scheduler.schedule()
+            if output.total_num_scheduled_tokens:
+                queue.append((output, worker.step(output)))
+                idle = 0
+                if len(queue) < depth:
+                    continue
+            else:
+                worker.step(output)
+                idle += 1
+                assert idle < 3 or queue, "the scheduler schedules nothing"
+                if not queue:
+                    continue
+        output, result = queue.popleft()
+        scheduler.update_from_output(output, result)
+        worker.check_entries()
+    # the last finished requests' blocks reach the worker with the next schedule
+    worker.step(scheduler.schedule())
+
+
+class Oracle:
+    """One contiguous cache per conversation through which the same evictions run, turn by turn:
+    turn k writes its tokens from where turn k-1's cache ended (K/V as its own request writes them),
+    evicts at its boundary by its own policy (the harness's step driver), then writes its question
+    and all but its last output."""
+
+    def __init__(self, groups: int):
+        self.groups = groups
+        self.views = [FlashAttnView([torch.zeros(128, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)])
+                      for _ in range(groups)]
+        self.blocks = [[] for _ in range(groups)]
+        self.spare = [list(range(128)) for _ in range(groups)]
+        self.length, self.evicted = 0, [0] * groups
+
+    def write(self, rid: str, end: int) -> None:
+        for group, view in enumerate(self.views):
+            for position in range(self.length, end):
+                slot = position - self.evicted[group]
+                while len(self.blocks[group]) <= slot // BLOCK:
+                    self.blocks[group].append(self.spare[group].pop(0))
+                for layer, cache in enumerate(view.layers):
+                    cache[self.blocks[group][slot // BLOCK], :, slot % BLOCK] = kv(rid, position, group * LAYERS + layer)
+        self.length = end
+
+    def turn(self, rid: str, settings, prompt: int, boundary: int, outputs: int) -> list[torch.Tensor]:
+        start = self.length
+        self.write(rid, boundary)
+        policies = group_policies(settings, BLOCK, LAYERS * self.groups, self.groups)
+        changed = evict_step(self.views, [PolicyState() for _ in range(self.groups)],
+                             [StepRequest(rid, policies, self.blocks, boundary, start, boundary, tuple(self.evicted))])
+        for (_, group), eviction in changed.items():
+            self.evicted[group] += eviction.evicted_tokens
+        self.write(rid, prompt + outputs - 1)
+        held = []
+        for group in range(self.groups):
+            slots = [(self.blocks[group][slot // BLOCK], slot % BLOCK) for slot in range(self.length - self.evicted[group])]
+            held.append(torch.stack([torch.stack([cache[block, :, offset] for block, offset in slots])
+                                     for cache in self.views[group].layers]))
+        return held
+
+
+def converse(name: str, asynchronous: bool = False, pool: int = 160, admit_whole: bool = True, groups: int = 1,
+             extra: dict | None = None, conversations: int = CONVERSATIONS):
+    """CONVERSATIONS conversations of TURNS turns, each turn of all of them at once; returns the
+    worker, the scheduler and each turn's (request, settings, prompt, boundary)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    scheduler = make_scheduler(asynchronous, pool, admit_whole, groups, prefix_caching=True)
+    hash_fn = get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK, hash_fn)
+    worker = CopyingWorker(pool, scheduler, groups)
+    prompts = [[100 + c] * PROMPT for c in range(conversations)]
+    boundaries = [CONTEXT] * conversations
+    turns = []
+    for turn in range(TURNS):
+        for c in range(conversations):
+            raw = settings_of(name, boundaries[c], **(extra or {}))
+            params = SamplingParams(max_tokens=OUTPUTS, ignore_eos=True, extra_args={CONFIG_KEY: raw})
+            rid = request_id(c, turn)
+            scheduler.add_request(Request(rid, list(prompts[c]), params, None, block_hasher=hasher))
+            turns.append((rid, parse_settings(raw, "test").for_prompt(len(prompts[c]), BLOCK), len(prompts[c]),
+                          boundaries[c], c))
+        drive(scheduler, worker, asynchronous)
+        for c in range(conversations):
+            boundaries[c] = len(prompts[c]) + OUTPUTS
+            prompts[c] = prompts[c] + [5] * OUTPUTS + [200 + 10 * c + turn] * MESSAGE  # the answer: the worker's TOKEN
+    return worker, scheduler, turns
+
+
+def check_against_the_oracle(worker, turns, groups: int = 1) -> None:
+    oracles = [Oracle(groups) for _ in range(1 + max(c for *_, c in turns))]
+    for rid, settings, prompt, boundary, c in turns:
+        expected = oracles[c].turn(rid, settings, prompt, boundary, OUTPUTS)
+        for group in range(groups):
+            assert torch.equal(worker.kept[rid][group], expected[group]), (rid, group)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("name", ["paged", "knorm", "streaming"])
+def test_each_turn_continues_the_previous_turns_compressed_cache(name, asynchronous):
+    worker, scheduler, turns = converse(name, asynchronous)
+    stats = scheduler.kv_contexts.stats
+    later = CONVERSATIONS * (TURNS - 1)
+    assert stats.chain_hits == later and stats.chain_published == CONVERSATIONS * TURNS
+    # a turn computed its new tokens only: the previous turn's prompt and all but its last output were hit
+    assert stats.chain_reused_tokens == sum(prompt + OUTPUTS - 1 for _, _, prompt, _, _ in turns[:later])
+    assert scheduler.kv_ledger.totals.counts()["evictions"]["prefill"] == CONVERSATIONS * TURNS  # one per turn
+    if name == "paged":  # a block policy keeps a partial last block: every hit copies it (vLLM's copy-on-write)
+        assert worker.copies == later
+    check_against_the_oracle(worker, turns)
+    # every block back: the entries no request holds count as free (found again until reclaimed)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 160 - 1
+    assert not scheduler.kv_contexts.holders and not scheduler.kv_contexts.pinned
+
+
+def test_a_request_counts_its_chain_hit_and_the_tokens_it_did_not_compute():
+    _, scheduler, turns = converse("paged")
+    counters = {rid: scheduler.kv_request_counters[rid].as_dict() for rid, *_ in turns}
+    first, second = request_id(0, 0), request_id(0, 1)
+    assert "chain_hits" not in counters[first]
+    assert (counters[second]["chain_hits"], counters[second]["chain_reused_tokens"]) == (1, PROMPT + OUTPUTS - 1)
+    assert scheduler.kv_ledger.snapshot()["shared_contexts"]["chain_hits"] == CONVERSATIONS * (TURNS - 1)
+
+
+@pytest.mark.parametrize("name, conversations, pool", [("paged", 3, 48), ("knorm", 2, 32)])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_preempted_turns_take_their_chain_again_and_keep_the_same_tokens(name, conversations, pool, asynchronous):
+    """A pool too small for every turn at once, vLLM's whole-sequence admission gate off: requests
+    are preempted after their eviction and replayed; a turn holds the entry it took until it finishes,
+    so its replay takes it again, and every turn ends holding what the oracle holds."""
+    worker, scheduler, turns = converse(name, asynchronous, pool=pool, admit_whole=False, conversations=conversations)
+    assert worker.resumed > 0 and scheduler.kv_ledger.totals.preempted_after_eviction > 0, "nothing was preempted"
+    counters = {rid: scheduler.kv_request_counters[rid] for rid, *_ in turns}
+    assert all(counters[rid].chain_hits >= 1 for rid, *_ in turns[conversations:]), "every later turn took its entry"
+    if name == "paged":  # here a later turn was the one preempted: its replay took its entry again
+        assert scheduler.kv_contexts.stats.chain_hits > conversations * (TURNS - 1)
+    check_against_the_oracle(worker, turns)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == pool - 1
+
+
+def test_a_turn_whose_entry_the_pool_reclaimed_recompresses_and_counts_a_miss():
+    """Entries no request holds are reclaimed least recently used when the pool needs blocks (as
+    vLLM's prefix cache is): a later turn whose entry is gone compresses its pristine history again,
+    and is counted as a chain miss (the first turns are the others)."""
+    _, scheduler, turns = converse("knorm", pool=44, admit_whole=False, conversations=3)
+    later_misses = [rid for rid, *_ in turns[3:] if scheduler.kv_request_counters[rid].chain_hits == 0]
+    assert later_misses, "the pool reclaimed no entry a later turn needed: make it smaller"
+    assert all(scheduler.kv_request_counters[rid].chain_misses == 1 for rid in later_misses)
+    assert scheduler.kv_contexts.stats.chain_misses == 3 + len(later_misses)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 44 - 1
+
+
+def test_two_layer_groups_chain_each_group_by_its_own_counts():
+    worker, scheduler, turns = converse("paged", groups=2, extra={"budget_schedule": "pyramid"})
+    assert scheduler.kv_contexts.stats.chain_hits == CONVERSATIONS * (TURNS - 1)
+    check_against_the_oracle(worker, turns, groups=2)
+
+
+def test_a_chain_without_prefix_caching_is_refused_with_its_reason():
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    scheduler = make_scheduler(False, 160)
+    params = SamplingParams(max_tokens=2, extra_args={CONFIG_KEY: settings_of("paged", CONTEXT)})
+    with pytest.raises(ValueError, match="chain=true, but a turn's compressed cache reaches the next turn through "
+                                         "vLLM's prefix-cache hits"):
+        scheduler.add_request(Request("r1", [100] * PROMPT, params, None))
