@@ -2,7 +2,7 @@
 question, so the history grows turn by turn, in the real engine with prefix caching.
 
     flock /tmp/engine.lock .venv/bin/python experiments/multi_turn.py [--conversations 8] [--turns 6]
-        [--ratio 0.5] [--out results/multi_turn]
+        [--ratio 0.5] [--chain] [--policies paged,streaming] [--out results/multi_turn]
 
 The conversations (generated here, ``experiments/shared_context.py``'s contexts): half a long text
 hiding one access code per person, half passages about people; turn 1 asks about the first person
@@ -25,6 +25,15 @@ Configurations, at one compression ratio:
 * ``paged context, history not cached``: PagedEviction the same way with the prefix cache emptied
   before every turn, as when the pool has reclaimed the history's blocks: every turn prefills its
   whole history again.
+* ``<policy> context chained`` (``--chain``; the attention-free policies: a chain carries kept K/V,
+  not queries, so SnapKV is refused): right after its recompressing twin, the same requests with
+  ``chain=true``: each turn takes the previous turn's compressed cache (its prompt and all but its
+  last answer token, ``harness.engine.shared_contexts``), computes only its new tokens and compresses
+  the kept history with them at its boundary, to the same budget (the ratio of its whole history).
+  Its answers differ from recompression's by design: what one turn dropped no later turn can keep.
+  Per turn it also records the chain's hits and misses (a later turn misses when the pool reclaimed
+  its entry: it then recompresses the pristine history) and the logical tokens its hits did not
+  compute; the summary puts each chain beside its twin.
 
 Per configuration and turn: the tokens each request computed (its prompt minus what vLLM found
 cached: ``RequestOutput.num_cached_tokens``), the time to first token (median over the turn's
@@ -50,6 +59,7 @@ OUT = ROOT / "results" / "multi_turn"
 TURNS = 6
 POLICIES = ("paged", "snapkv", "streaming", "keydiff")
 COLD = "paged context, history not cached"
+CHAINED = " chained"  # a chained configuration's name: its twin's and this
 
 
 def shared_context_module():
@@ -61,10 +71,23 @@ def shared_context_module():
     return module
 
 
-def configurations() -> list[tuple[str, str | None, bool]]:
-    """(name, policy or None for full cache, whether the prefix cache is emptied before every turn)."""
-    return ([("full", None, False)] + [(f"{policy} context", policy, False) for policy in POLICIES]
-            + [(COLD, "paged", True)])
+def configurations(chain: bool = False, policies: tuple[str, ...] = POLICIES) -> list[tuple[str, str | None, bool]]:
+    """(name, policy or None for full cache, whether the prefix cache is emptied before every turn);
+    with ``chain``, each attention-free policy's chained configuration right after its twin."""
+    from harness.eviction.settings import build_policy, parse_settings
+
+    listed = [("full", None, False)]
+    for policy in policies:
+        listed.append((f"{policy} context", policy, False))
+        raw = {"policy": policy, "budget_ratio": 0.5, "decode_eviction": False, "compress": "context"}
+        probe = build_policy(parse_settings(raw, "multi_turn"), 32)
+        if chain and not (probe.query_window or probe.accumulates):  # what chain=true admits
+            listed.append((f"{policy} context{CHAINED}", policy, False))
+    return listed + ([(COLD, "paged", True)] if "paged" in policies else [])
+
+
+def chained(name: str) -> bool:
+    return name.endswith(CHAINED)
 
 
 def next_turn_tokens(tokenizer, question_text: str, answer_ids: list[int]) -> list[int]:
@@ -99,6 +122,7 @@ def run_configuration(engine, configuration, conversations, turns: int, ratio: f
     from harness.tasks.metrics import score_sample
 
     name, policy, cold = configuration
+    chain = {"chain": True} if chained(name) else {}
     engine.llm.reset_prefix_cache()
     prompts = [list(first.token_ids) for _, first, _ in conversations]
     boundaries = [first.context_tokens for _, first, _ in conversations]
@@ -109,7 +133,7 @@ def run_configuration(engine, configuration, conversations, turns: int, ratio: f
             engine.llm.reset_prefix_cache()
         settings = [{CONFIG_KEY: {"policy": "full"} if policy is None else
                      {"policy": policy, "budget_ratio": ratio, "decode_eviction": False, "compress": "context",
-                      "context_tokens": boundary}} for boundary in boundaries]
+                      "context_tokens": boundary, **chain}} for boundary in boundaries]
         engine.ledger(reset=True)
         started = time.perf_counter()
         results = engine.generate(prompts, [s.max_new_tokens for s in specs], [tuple(s.stop) for s in specs],
@@ -125,6 +149,7 @@ def run_configuration(engine, configuration, conversations, turns: int, ratio: f
                          "answers": answers, "output_tokens": result.output_tokens,
                          "score": score_sample(shared.task, result.text, answers)})
         mine = rows[-len(results):]
+        contexts = ledger.get("shared_contexts") or {}  # the compressed-context cache's figures this turn
         turn_rows.append({"configuration": name, "turn": turn + 1, "wall_s": round(wall, 3),
                           "history_tokens": round(statistics.mean(r["history_tokens"] for r in mine), 1),
                           "computed_tokens": round(statistics.mean(r["computed_tokens"] for r in mine), 1),
@@ -132,7 +157,9 @@ def run_configuration(engine, configuration, conversations, turns: int, ratio: f
                           "kv_blocks_peak": ledger["kv_blocks_used_peak"],
                           "kv_blocks_mean": round(ledger["kv_blocks_used_mean"], 1),
                           "prefill_evictions": ledger["evictions"]["prefill"],
-                          "score": round(100 * statistics.mean(r["score"] for r in mine), 1)})
+                          "score": round(100 * statistics.mean(r["score"] for r in mine), 1),
+                          "chain_hits": contexts.get("chain_hits", 0), "chain_misses": contexts.get("chain_misses", 0),
+                          "chain_reused_tokens": contexts.get("chain_reused_tokens", 0)})
         progress(f"[multi_turn] {name} turn {turn + 1}: {wall:.1f}s, {turn_rows[-1]['computed_tokens']:.0f} tokens "
                  f"computed per request, peak {ledger['kv_blocks_used_peak']} blocks")
         if turn + 1 < turns:  # the next turn: this prompt, its answer, the next question
@@ -187,6 +214,27 @@ def markdown(turn_rows: list[dict], command: str, conversations: int, turns: int
                      f"{mine['ttft_s'].mean() / full_later['ttft_s'].mean():.2f} | "
                      f"{mine['kv_blocks_mean'].mean() / full_later['kv_blocks_mean'].mean():.2f} | "
                      f"{mine['score'].mean():.1f} |")
+    chains = [name for name in names if chained(name)]
+    if chains:
+        lines += ["", "## The chain beside recompression", "",
+                  "Each chained configuration against its recompressing twin, over turns 2 to "
+                  f"{turns} (ratios of the means of the per-turn figures: below 1, the chain needs less); "
+                  "hits: later turns that took the previous turn's compressed cache, of those asked (a miss "
+                  "recompresses the pristine history); reused: the logical tokens those hits did not compute, "
+                  "per turn.", "",
+                  "| chained | computed tokens | vs twin | TTFT s | vs twin | KV blocks mean | vs twin | "
+                  "KV blocks peak | vs twin | hits | reused tokens | score | twin's score |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name in chains:
+            mine, twin = later[later["configuration"] == name], later[later["configuration"] == name[: -len(CHAINED)]]
+            ratio = lambda column: mine[column].mean() / twin[column].mean() if twin[column].mean() else float("nan")
+            lines.append(f"| {name} | {mine['computed_tokens'].mean():.0f} | {ratio('computed_tokens'):.2f} | "
+                         f"{mine['ttft_s'].mean():.2f} | {ratio('ttft_s'):.2f} | {mine['kv_blocks_mean'].mean():.1f} | "
+                         f"{ratio('kv_blocks_mean'):.2f} | {mine['kv_blocks_peak'].mean():.0f} | "
+                         f"{ratio('kv_blocks_peak'):.2f} | {int(mine['chain_hits'].sum())}/"
+                         f"{int(mine['chain_hits'].sum() + mine['chain_misses'].sum())} | "
+                         f"{mine['chain_reused_tokens'].mean():.0f} | {mine['score'].mean():.1f} | "
+                         f"{twin['score'].mean():.1f} |")
     return "\n".join(lines)
 
 
@@ -208,7 +256,9 @@ def plot(turn_rows: list[dict], path: Path) -> None:
         axis.set_ylabel(label)
     axes[0].set_yscale("log")
     axes[-1].legend(fontsize=7)
-    figure.suptitle("Multi-turn conversations: each turn recompresses its history")
+    chain = any(chained(name) for name in frame["configuration"])
+    figure.suptitle("Multi-turn conversations: " + ("recompressing each turn's history, or chaining the compressed one"
+                                                    if chain else "each turn recompresses its history"))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -220,10 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--chain", action="store_true",
+                        help="also run each attention-free policy with chain=true beside its recompressing twin")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="the compressing policies, comma-separated")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     if args.conversations < 2 or args.turns < 2 or not 0 < args.ratio < 1:
         parser.error("--conversations and --turns must be at least 2 and --ratio in (0, 1)")
+    policies = tuple(p for p in args.policies.split(",") if p)
+    if not policies or set(policies) - set(POLICIES):
+        parser.error(f"--policies: some of {', '.join(POLICIES)}")
 
     from dataclasses import replace
 
@@ -247,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                     run.block_size, seed=run.seed, prefix_caching=True)
     rows, turn_rows = [], []
     try:
-        for configuration in configurations():
+        for configuration in configurations(args.chain, policies):
             mine, turns = run_configuration(engine, configuration, conversations, args.turns, args.ratio, tokenizer)
             rows += mine
             turn_rows += turns
@@ -256,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     command = "python experiments/multi_turn.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in (("conversations", args.conversations), ("turns", args.turns),
-                                                     ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib))
-        if v != parser.get_default(k)) + ("" if args.out == OUT else f" --out {args.out}")
+                                                     ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib),
+                                                     ("policies", args.policies))
+        if v != parser.get_default(k)) + (" --chain" if args.chain else "") + ("" if args.out == OUT else f" --out {args.out}")
     import pandas as pd
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,13 @@ request's own {policy, budget, options}, or null for the engine's default), warm
 prefill every prompt with a one-token full-cache request, snapshot every block the prefix cache
 then holds, and after the run report how many of those still registered under the same hash
 changed; needs engine.in_process), forced (per prompt, the tokens that request must emit, or null:
-teacher forcing, ``harness.engine.forced_decoding``), ignore_eos (default true). Any other key is
+teacher forcing, ``harness.engine.forced_decoding``), ignore_eos (default true), conversations
+(after everything above, on the same engine: multi-turn conversations run turn by turn, every
+conversation's turn in one batch; each ``{"prompt": turn 1's ids, "context_tokens": its boundary,
+"messages": each later turn's new ids, "eviction": its settings without context_tokens,
+"max_new_tokens": n}``; a later turn's prompt is the previous prompt, its output and the message, its
+boundary the output's end; reported under ``conversations``, with the K/V of every block a chain
+entry holds compared before and after each later turn: needs engine.in_process). Any other key is
 refused with one line.
 OUT holds each request's output ids, the model's log-probability and rank of each emitted token
 (when logprobs were asked for or forced), preemptions and eviction counters (request_counters:
@@ -36,7 +42,7 @@ from pathlib import Path
 SPEC_KEYS = frozenset((
     "model_path", "prompts", "max_new_tokens", "max_model_len", "dtype", "engine", "eviction", "stock",
     "top_logprobs", "repeats", "one_by_one", "prefix_caching", "request_eviction", "warm_cache", "forced",
-    "ignore_eos",
+    "ignore_eos", "conversations",
 ))
 
 
@@ -98,7 +104,7 @@ def run(spec: dict) -> dict:
         counters = engine.request_counters([r.request_id for r in results])  # handed over: this repeat's alone
         perf.append(summarize_perf(results, wall, engine.facts(), ledger))
         perf[-1]["ranks"] = engine.rank_seconds() if not spec.get("stock") else []
-    return {
+    result = {
         "outputs": [r.token_ids for r in results],
         "preemptions": [r.preemptions for r in results],
         "top_logprobs": [r.top_logprobs if top_logprobs else None for r in results],
@@ -114,6 +120,75 @@ def run(spec: dict) -> dict:
         "perf": perf,
         "cached_blocks": compare_cached_blocks(snapshot, cached_blocks(engine)) if snapshot is not None else None,
     }
+    if spec.get("conversations"):
+        result["conversations"] = run_conversations(engine, spec["conversations"], spec.get("ignore_eos", True),
+                                                    top_logprobs, in_process=settings.in_process)
+    return result
+
+
+def run_conversations(engine, conversations: list[dict], ignore_eos: bool, top_logprobs: int, in_process: bool) -> dict:
+    """Multi-turn conversations on ``engine``, turn by turn (see the module's ``conversations``)."""
+    from harness.eviction.settings import CONFIG_KEY
+
+    engine.ledger(reset=True)
+    turns = 1 + max(len(c["messages"]) for c in conversations)
+    prompts = [list(c["prompt"]) for c in conversations]
+    boundaries = [c["context_tokens"] for c in conversations]
+    record = {key: [[] for _ in conversations] for key in ("prompts", "boundaries", "outputs", "top_logprobs",
+                                                           "request_counters")}
+    snapshots = []
+    for turn in range(turns):
+        live = [i for i, c in enumerate(conversations) if turn <= len(c["messages"])]
+        settings = [{CONFIG_KEY: {**conversations[i]["eviction"], "context_tokens": boundaries[i]}} for i in live]
+        results = engine.generate([prompts[i] for i in live], [conversations[i]["max_new_tokens"] for i in live],
+                                  settings=settings, ignore_eos=ignore_eos, top_logprobs=top_logprobs, progress=False)
+        counters = engine.request_counters([r.request_id for r in results])
+        for i, r in zip(live, results):
+            for key, value in (("prompts", prompts[i]), ("boundaries", boundaries[i]), ("outputs", r.token_ids),
+                               ("top_logprobs", r.top_logprobs if top_logprobs else None),
+                               ("request_counters", counters.get(r.request_id))):
+                record[key][i].append(value)
+            if turn < len(conversations[i]["messages"]):
+                boundaries[i] = len(prompts[i]) + len(r.token_ids)
+                prompts[i] = prompts[i] + list(r.token_ids) + list(conversations[i]["messages"][turn])
+        if in_process:
+            snapshots.append(chain_blocks(engine))
+    return {**record, "ledger": engine.ledger(), "free_blocks_after": engine.free_blocks(),
+            "chain_blocks": compare_chain_blocks(snapshots, chain_blocks(engine)) if in_process else None}
+
+
+def chain_blocks(engine) -> dict[int, tuple[frozenset, list]]:
+    """Every block a chain entry holds (``harness.engine.shared_contexts``): block id -> (the keys
+    of the chain entries holding it, its K/V in every layer of every rank). A chain entry's owner has
+    finished: no slot of its blocks may change while the entry stands."""
+    contexts = engine.llm.llm_engine.engine_core.engine_core.scheduler.kv_contexts
+    holders: dict[int, set] = {}
+    for entry in contexts.entries.values() if contexts is not None else ():
+        if entry.chain:
+            for block in entry.all_blocks():
+                holders.setdefault(block.block_id, set()).add(entry.key)
+    ids = sorted(holders)
+
+    def read(worker):
+        return [layer[ids].clone() for layer in worker.model_runner.kv_caches]
+
+    layers = [layer for rank in engine.llm.collective_rpc(read) for layer in rank] if ids else []
+    return {block_id: (frozenset(holders[block_id]), [layer[i] for layer in layers]) for i, block_id in enumerate(ids)}
+
+
+def compare_chain_blocks(snapshots: list[dict], final: dict) -> dict:
+    """How many (snapshot, block) pairs still held by the same chain entry at the end were
+    compared, and how many of them changed (a kept block written)."""
+    import torch
+
+    checked = changed = 0
+    for snapshot in snapshots:
+        for block_id, (keys, before) in snapshot.items():
+            if block_id in final and keys & final[block_id][0]:
+                checked += 1
+                changed += not all(torch.equal(x, y) for x, y in zip(before, final[block_id][1]))
+    return {"entries": len({key for _, (keys, _) in final.items() for key in keys}), "checked": checked,
+            "changed": changed}
 
 
 def cached_blocks(engine) -> dict[int, tuple]:

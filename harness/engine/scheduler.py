@@ -490,6 +490,8 @@ class EvictionScheduler(Scheduler):
         key = self.kv_context_keys.get(request.request_id)
         settings = self.kv_request_settings.get(request.request_id)
         chained = settings is not None and settings.chain and request.request_id not in self.kv_uncached
+        if settings is not None and settings.chain and not chained:
+            self.kv_chain_missed.add(request.request_id)  # its copies could not fit: it compacts in place
         if key is None and not chained:
             return None
         length = settings.context_tokens
@@ -933,7 +935,16 @@ class EvictionScheduler(Scheduler):
         leaves its whole kept cache for the next turn: per group its first ``cdiv(kept, block)``
         blocks, standing for the logical tokens it computed (``prompt + output - 1``: the last
         output token's K/V is never computed). Called before vLLM frees its blocks (the entry's
-        reference keeps them). Not after an error, nor with an eviction not yet settled."""
+        reference keeps them). Not after an error, nor with an eviction not yet settled.
+
+        vLLM internals it rests on: a request's last sampled token is appended and the stop checked
+        before its blocks are freed (``vllm/v1/core/sched/scheduler.py:2167, 2493-2510``, then
+        ``_free_request`` at :2230 -> ``_free_blocks`` :2746 -> ``_free_request_blocks`` :2766, this
+        override), so its computed tokens are ``num_tokens - 1`` (under asynchronous scheduling one
+        more may be counted for a step in flight, whose write lands past the kept slots: hence the
+        ``min``); ``Request.block_hashes`` grow with its outputs (``vllm/v1/request.py:272-288``), so
+        the key covers the answer; a KV connector's deferred free never applies (no cache with one,
+        ``_shares_contexts``; ``scheduler.py:2757-2775``)."""
         request_id = request.request_id
         settings = self.kv_request_settings.get(request_id)
         if settings is None or not settings.chain or request.status == RequestStatus.FINISHED_ERROR:

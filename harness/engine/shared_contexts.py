@@ -30,8 +30,15 @@ unresolved: the next turn resolves it against its own history). The next turn, w
 with those tokens, finds it (``ContextCache.find_chain``: the longest entry shorter than its context
 boundary) and takes it as a context hit of that logical length; it prefills its new tokens up to its
 boundary, and its prefill eviction there compresses the kept history with them, writing compaction
-copies instead of any entry block (the scheduler's copy targets). A request that took a chain entry
-holds it (``hold``) until it finishes, so that after a preemption it finds the same entry again.
+copies instead of any entry block (the scheduler's copy targets, one per kept position an entry block
+holds); the entry's partial last block is copied by vLLM's partial-hit copy-on-write before the turn
+writes its first token (as for a context entry, above; the worker runs the copy before the forward
+pass: ``gpu_model_runner.py:1203-1208``, ``scheduler.py:1474-1483``). Its budget is the one
+recompression would have (a ratio of the turn's whole logical history), so chain and recompression
+hold as many tokens each turn. A request that took a chain entry holds it (``hold``) until it
+finishes, so that after a preemption it finds the same entry again (if nothing can run while such
+holds fill the pool, the scheduler lets them go). An entry no request holds is reclaimed like
+any idle entry: the turn that needed it then compresses the pristine history again (a chain miss).
 The key names the tokens, not where earlier turns put their boundaries: in a conversation the
 template's turn headers, which the tokens hold, fix them.
 
@@ -106,7 +113,10 @@ def context_key(request, settings, hash_block_size: int) -> tuple | None:
 
 def chain_entry_key(request, settings, length: int, hash_block_size: int) -> tuple | None:
     """The chain entry a request's first ``length`` logical tokens would be under (None where they
-    hold no whole block, or its hash is not computed yet)."""
+    hold no whole block, or its hash is not computed yet): vLLM's chained hash of the last whole
+    block (``block_hashes`` grow with the outputs: ``vllm/v1/request.py:272-288``; each hash covers
+    its whole prefix and the request's extra keys, ``kv_cache_utils.py:625-663, 695-725``), the
+    partial block's token ids and the settings' ``chain_key``."""
     whole = length // hash_block_size
     if whole == 0 or len(request.block_hashes) < whole:
         return None

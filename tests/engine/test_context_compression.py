@@ -9,7 +9,12 @@ without and with prefix caching. With it, the context is prefilled once, its cac
 written, and each policy compresses it once: the requests that ask about it after the first take the
 compressed context (``harness.engine.shared_contexts``) and generate what they generate computing
 their own. Both equal the plain reference (no code shared with policies/ or harness/) evicting at
-the same boundary."""
+the same boundary.
+
+The prefix-caching engine then runs two three-turn conversations with ``chain=true`` (PagedEviction,
+whose partial last block each next turn copies, and Knorm): each later turn takes its previous
+turn's compressed cache, and every turn equals the plain reference applying the same evictions turn
+by turn to the concatenated turns; no block a chain entry holds is ever written."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +32,9 @@ RATIO = 0.5
 # context before its eviction: 20 blocks), and 250 outputs then grow two admitted requests past the
 # pool of 40 (kept context, question and outputs: about 21 blocks each; the kept context shared).
 PREEMPT_TOKENS, PREEMPT_POOL, PREEMPT_LEN = 250, 40, 1200
+# Chained conversations: a 300-token context and a 30-token question, then 20- and 25-token messages;
+# 16 tokens per answer (a later turn's boundary is the previous answer's end).
+CHAIN_POLICIES, CHAIN_TOKENS, CHAIN_TURNS = ("paged", "knorm"), 16, 3
 
 
 def context_settings(name: str, options: dict, context_tokens: int) -> dict:
@@ -50,13 +58,32 @@ def requests():
 
 
 @pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory, requests):
+def conversations():
+    """Two conversations for the chain (batch_run's ``conversations``), one per CHAIN_POLICIES."""
+    context, question = text_prompts("smollm2", [300], seed=21)[0], text_prompts("smollm2", [30], seed=22)[0]
+    messages = text_prompts("smollm2", [20, 25], seed=23)
+    return [{"prompt": context + question, "context_tokens": len(context), "messages": messages,
+             "max_new_tokens": CHAIN_TOKENS,
+             "eviction": {**context_settings(name, {}, len(context)), "context_tokens": None, "chain": True}}
+            for name in CHAIN_POLICIES]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory, requests, conversations):
     prompts, settings = [p for p, _ in requests], [s for _, s in requests]
     workdir = tmp_path_factory.mktemp("context")
     without = run_engine(workdir, "smollm2", prompts, NEW_TOKENS, request_eviction=settings)
+    # (the chained conversations run on this engine after its batch, whose figures are taken before)
     cached = run_engine(workdir, "smollm2", prompts, NEW_TOKENS, request_eviction=settings,
-                        prefix_caching=True, warm_cache=True)
+                        prefix_caching=True, warm_cache=True, conversations=conversations)
     return without, cached
+
+
+@pytest.fixture(scope="module")
+def plain():
+    from tests.support.plain_reference import PlainReference
+
+    return PlainReference(model_path("smollm2"))
 
 
 def kept_and_evicted(prompt: list[int], raw: dict) -> tuple[int, int]:
@@ -104,10 +131,7 @@ def test_each_request_evicts_at_its_context_boundary_before_any_question_token(e
             assert 320 <= kept_and_evicted(prompt, raw)[0] < 320 + BLOCK
 
 
-def test_context_compression_equals_the_plain_reference(engine_runs, requests):
-    from tests.support.plain_reference import PlainReference
-
-    plain = PlainReference(model_path("smollm2"))
+def test_context_compression_equals_the_plain_reference(engine_runs, requests, plain):
     reference = []
     chosen = first_asked(requests)  # (the others ask the same contexts other questions: compared below)
     for prompt, raw in [requests[index] for index in chosen]:
@@ -171,3 +195,45 @@ def test_a_kept_context_no_request_holds_is_taken_again_by_the_next_question(tmp
     assert (contexts["published"], contexts["hits"], contexts["reclaimed"]) == (1, 2, 0)
     assert run["ledger"]["evictions"]["prefill"] == 1 + 3
     assert run["free_blocks_after"] == run["ledger"]["kv_pool_blocks"]
+
+
+def test_a_chained_conversation_equals_the_plain_reference_and_never_writes_a_kept_block(engine_runs, conversations,
+                                                                                           plain):
+    """Three turns per conversation (``chain=true``): every later turn takes the previous turn's kept
+    cache (its prompt and all but its last answer token, not computed again), computes its new tokens
+    up to its boundary and compresses there at the ratio of its whole history; each turn's output
+    equals the plain reference continuing its own cache turn by turn (``PlainReference.generate``
+    with ``resume``), compared as the other reference comparisons are (``assert_mostly_equal``: here
+    every one of the six outputs); the K/V of every block a chain entry holds never changed (the
+    scheduler also refuses any step writing one: ``ContextCache.check_writes``); every block back."""
+    _, cached = engine_runs
+    run = cached["conversations"]
+    engine, reference, evictions = [], [], 0
+    for index, conversation in enumerate(conversations):
+        name = conversation["eviction"]["policy"]
+        for turn, (prompt, boundary, output) in enumerate(zip(run["prompts"][index], run["boundaries"][index],
+                                                              run["outputs"][index])):
+            settings = EvictionSettings(**{**conversation["eviction"], "context_tokens": boundary})
+            budget = settings.for_prompt(len(prompt), BLOCK).budget  # the ratio of this turn's whole history
+            rule = plain_policy(name, budget, BLOCK)
+            rule.decode_eviction = False
+            ids, counts = plain.generate(prompt, CHAIN_TOKENS, rule, context_tokens=boundary, resume=turn > 0)
+            evictions += counts["prefill"]
+            engine.append(output)
+            reference.append(ids)
+            if ids != output:
+                break  # the plain reference cannot continue a conversation it answered differently
+            if turn:
+                counters = run["request_counters"][index][turn]
+                previous = run["prompts"][index][turn - 1]
+                assert (counters["chain_hits"], counters["chain_reused_tokens"]) == (1, len(previous) + CHAIN_TOKENS - 1)
+    assert_mostly_equal(engine, reference)
+    assert len(engine) == len(CHAIN_POLICIES) * CHAIN_TURNS
+    ledger = run["ledger"]
+    contexts = ledger["shared_contexts"]
+    later = (CHAIN_TURNS - 1) * len(CHAIN_POLICIES)
+    assert (contexts["chain_hits"], contexts["chain_published"]) == (later, CHAIN_TURNS * len(CHAIN_POLICIES))
+    assert ledger["evictions"] == {"prefill": evictions, "decode": 0} and evictions >= later
+    blocks = run["chain_blocks"]
+    assert blocks["checked"] > 0 and blocks["changed"] == 0
+    assert run["free_blocks_after"] == ledger["kv_pool_blocks"]

@@ -52,3 +52,31 @@ def test_every_compressing_configuration_is_beside_full_cache_and_one_recomputes
     assert configurations[0] == ("full", None, False)
     assert {policy for _, policy, _ in configurations[1:]} == set(experiment.POLICIES)
     assert [name for name, _, cold in configurations if cold] == [experiment.COLD]
+
+
+def test_the_chain_runs_beside_its_recompressing_twin_for_attention_free_policies_only(experiment):
+    """``--chain``: each attention-free policy's chained configuration right after its twin (SnapKV
+    reads queries, which a chained turn does not carry: none for it); the summary puts each chain
+    beside its twin, turn 2 on, with its hits."""
+    configurations = experiment.configurations(chain=True)
+    names = [name for name, _, _ in configurations]
+    assert [name for name in names if experiment.chained(name)] == [
+        "paged context chained", "streaming context chained", "keydiff context chained"]
+    assert names.index("paged context chained") == names.index("paged context") + 1
+    assert experiment.configurations() == [c for c in configurations if not experiment.chained(c[0])]
+    rows = []
+    for name in ("full", "paged context", "paged context chained"):
+        for turn in (1, 2, 3):
+            chain = experiment.chained(name) and turn > 1
+            rows.append({"configuration": name, "turn": turn, "wall_s": 1.0, "history_tokens": 100.0 * turn,
+                         "computed_tokens": 10.0 if chain else 40.0, "ttft_s": 0.5 if chain else 1.0,
+                         "kv_blocks_peak": 50, "kv_blocks_mean": 20.0 if chain else 30.0, "prefill_evictions": 2,
+                         "score": 50.0, "chain_hits": 2 if chain else 0,
+                         "chain_misses": 2 if experiment.chained(name) and turn == 1 else 0,
+                         "chain_reused_tokens": 180 if chain else 0})
+    text = experiment.markdown(rows, "python experiments/multi_turn.py --chain", 2, 3, 0.5, "smollm2-135m", 100)
+    chain_table = text.split("## The chain beside recompression")[1]
+    assert "| paged context chained | 10 | 0.25 | 0.50 | 0.50 | 20.0 | 0.67 | 50 | 1.00 | 4/4 | 180 | 50.0 | 50.0 |" \
+        in chain_table
+    assert "## The chain beside recompression" not in experiment.markdown(
+        [r for r in rows if not experiment.chained(r["configuration"])], "c", 2, 3, 0.5, "m", 100)

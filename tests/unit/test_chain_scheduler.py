@@ -254,3 +254,42 @@ def test_a_chain_without_prefix_caching_is_refused_with_its_reason():
     with pytest.raises(ValueError, match="chain=true, but a turn's compressed cache reaches the next turn through "
                                          "vLLM's prefix-cache hits"):
         scheduler.add_request(Request("r1", [100] * PROMPT, params, None))
+
+
+def test_batch_runs_conversations_build_each_turn_from_the_last_prompt_answer_and_message():
+    """``harness.engine.batch_run``'s conversations (what the engine test runs), on a stand-in engine:
+    a later turn's prompt is the previous prompt, its output and the message; its boundary the
+    output's end; every request gets its conversation's settings at its own boundary."""
+    from types import SimpleNamespace
+
+    from harness.engine.batch_run import run_conversations
+
+    class Engine:
+        def __init__(self):
+            self.asked = []
+
+        def generate(self, prompts, lengths, settings, **_):
+            self.asked.append((prompts, lengths, settings))
+            return [SimpleNamespace(token_ids=[len(p) % 7, 1], top_logprobs=[], request_id=f"q{len(self.asked)}-{i}")
+                    for i, p in enumerate(prompts)]
+
+        def request_counters(self, ids):
+            return {rid: {"id": rid} for rid in ids}
+
+        def ledger(self, reset=False):
+            return {}
+
+        def free_blocks(self):
+            return 0
+
+    engine = Engine()
+    chain = {"policy": "paged", "budget": None, "budget_ratio": 0.5, "compress": "context", "chain": True}
+    run = run_conversations(engine, [{"prompt": [1, 2, 3, 4], "context_tokens": 2, "messages": [[8], [9, 9]],
+                                      "eviction": chain, "max_new_tokens": 2},
+                                     {"prompt": [5, 6], "context_tokens": 1, "messages": [], "eviction": chain,
+                                      "max_new_tokens": 3}], True, 0, in_process=False)
+    assert run["prompts"] == [[[1, 2, 3, 4], [1, 2, 3, 4, 4, 1, 8], [1, 2, 3, 4, 4, 1, 8, 0, 1, 9, 9]], [[5, 6]]]
+    assert run["boundaries"] == [[2, 6, 9], [1]]
+    assert [len(turn[0]) for turn in engine.asked] == [2, 1, 1] and engine.asked[0][1] == [2, 3]
+    assert engine.asked[2][2] == [{"kv_eviction": {**chain, "context_tokens": 9}}]
+    assert run["chain_blocks"] is None and run["request_counters"][0][1] == {"id": "q2-0"}
