@@ -36,7 +36,8 @@ Configurations, at one compression ratio:
   compute; the summary puts each chain beside its twin.
 
 Per configuration and turn: the tokens each request computed (its prompt minus what vLLM found
-cached: ``RequestOutput.num_cached_tokens``), the time to first token (median over the turn's
+cached: ``RequestOutput.num_cached_tokens``, which for a chained turn is the logical length of the
+cache it took: vLLM records the hit's computed tokens as cached, ``vllm/v1/core/sched/scheduler.py:1075-1081``), the time to first token (median over the turn's
 requests; they arrive together, so it includes queueing), the KV blocks in use over the turn's steps
 (peak and mean, the scheduler's ledger), the prefill evictions and the score. Writes
 ``results/multi_turn/``: ``summary.md``, ``turns.csv``, ``requests.jsonl``, ``multi_turn.png``.

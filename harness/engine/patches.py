@@ -114,7 +114,8 @@ PATCHES: tuple[Patch, ...] = (
           "harness.engine.scheduler.EvictionScheduler"),
     Patch(SCHEDULER, "_free_request_blocks", "overridden", ("self", "request"),
           "forget a request's evicted counts and expected evictions with its blocks; let go of shared "
-          "compressed contexts no request holds (private in vLLM)",
+          "compressed contexts no request holds; publish a finished chain=true turn's kept cache for the next "
+          "turn before its blocks go (private in vLLM)",
           "harness.engine.scheduler.EvictionScheduler"),
     Patch(SCHEDULER, "_handle_blocked_waiting_request", "overridden", ("self", "request"),
           "hold back a request whose context another request is compressing now (private in vLLM)",
@@ -141,7 +142,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.core.kv_cache_manager:KVCacheManager", "get_computed_blocks", "replaced on an instance",
           ("self", "request"),
           "cap an evicting request's prefix-cache hits before its eviction point; hand a request a shared "
-          "compressed context",
+          "compressed context, or a chain=true turn its previous turn's compressed cache",
           "harness.engine.scheduler.EvictionScheduler._cap_replayed_cache_hits"),
     Patch("vllm.v1.core.block_pool:BlockPool", "unpin_blocks", "called", ("self", "blocks", "on_reuse"),
           "called to release an idle shared compressed context: free, readable until the pool reuses a block",
