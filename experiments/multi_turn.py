@@ -37,7 +37,8 @@ Configurations, at one compression ratio:
 
 Per configuration and turn: the tokens each request computed (its prompt minus what vLLM found
 cached: ``RequestOutput.num_cached_tokens``, which for a chained turn is the logical length of the
-cache it took: vLLM records the hit's computed tokens as cached, ``vllm/v1/core/sched/scheduler.py:1075-1081``), the time to first token (median over the turn's
+cache it took: vLLM records the hit's computed tokens as cached,
+``vllm/v1/core/sched/scheduler.py:1075-1081``), the time to first token (median over the turn's
 requests; they arrive together, so it includes queueing), the KV blocks in use over the turn's steps
 (peak and mean, the scheduler's ledger), the prefill evictions and the score. Writes
 ``results/multi_turn/``: ``summary.md``, ``turns.csv``, ``requests.jsonl``, ``multi_turn.png``.
@@ -315,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         f" --{k.replace('_', '-')} {v}" for k, v in (("conversations", args.conversations), ("turns", args.turns),
                                                      ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib),
                                                      ("policies", args.policies))
-        if v != parser.get_default(k)) + (" --chain" if args.chain else "") + ("" if args.out == OUT else f" --out {args.out}")
+        if v != parser.get_default(k)) + (" --chain" if args.chain else "") + (
+        "" if args.out == OUT else f" --out {args.out}")
     import pandas as pd
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -501,7 +501,8 @@ class EvictionScheduler(Scheduler):
             # turn's boundary comes after that cache's last token, so what is left is computed here
             # and compressed with it). Never for a request kept out of the prefix cache: it would
             # compact in place, into the entry's blocks.
-            found = self.kv_contexts.find_chain(request, settings, length, self.kv_cache_manager.block_pool.hash_block_size)
+            found = self.kv_contexts.find_chain(request, settings, length,
+                                                self.kv_cache_manager.block_pool.hash_block_size)
             entry = self.kv_contexts.take(found) if found is not None else None
             if entry is None:
                 self.kv_chain_missed.add(request.request_id)  # counted if it is scheduled so (_settle_contexts)

@@ -121,7 +121,8 @@ def generate_and_record(works: list[CellWork], model_path: str, name: str, log: 
         # (one cell asking for shared compressed contexts or chained turns gets the prefix cache they go through)
         engine = Engine(model_path, run.model, run.engine, run.block_size, seed=run.seed,
                         eviction=run.eviction if alone else None,
-                        prefix_caching=not alone or bool(run.evicts and (run.eviction.share_context or run.eviction.chain)))
+                        prefix_caching=not alone or bool(run.evicts and (run.eviction.share_context
+                                                                         or run.eviction.chain)))
         try:
             started = time.perf_counter()
             results, engine_ids = generate_shared(engine, prompts, cells, progress=terminal)

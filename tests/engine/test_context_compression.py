@@ -226,7 +226,8 @@ def test_a_chained_conversation_equals_the_plain_reference_and_never_writes_a_ke
             if turn:
                 counters = run["request_counters"][index][turn]
                 previous = run["prompts"][index][turn - 1]
-                assert (counters["chain_hits"], counters["chain_reused_tokens"]) == (1, len(previous) + CHAIN_TOKENS - 1)
+                reused = len(previous) + CHAIN_TOKENS - 1  # the previous prompt and all but its last answer token
+                assert (counters["chain_hits"], counters["chain_reused_tokens"]) == (1, reused)
     assert_mostly_equal(engine, reference)
     assert len(engine) == len(CHAIN_POLICIES) * CHAIN_TURNS
     ledger = run["ledger"]

@@ -124,7 +124,8 @@ class Oracle:
                 while len(self.blocks[group]) <= slot // BLOCK:
                     self.blocks[group].append(self.spare[group].pop(0))
                 for layer, cache in enumerate(view.layers):
-                    cache[self.blocks[group][slot // BLOCK], :, slot % BLOCK] = kv(rid, position, group * LAYERS + layer)
+                    block = self.blocks[group][slot // BLOCK]
+                    cache[block, :, slot % BLOCK] = kv(rid, position, group * LAYERS + layer)
         self.length = end
 
     def turn(self, rid: str, settings, prompt: int, boundary: int, outputs: int) -> list[torch.Tensor]:
@@ -138,7 +139,8 @@ class Oracle:
         self.write(rid, prompt + outputs - 1)
         held = []
         for group in range(self.groups):
-            slots = [(self.blocks[group][slot // BLOCK], slot % BLOCK) for slot in range(self.length - self.evicted[group])]
+            blocks = self.blocks[group]
+            slots = [(blocks[slot // BLOCK], slot % BLOCK) for slot in range(self.length - self.evicted[group])]
             held.append(torch.stack([torch.stack([cache[block, :, offset] for block, offset in slots])
                                      for cache in self.views[group].layers]))
         return held

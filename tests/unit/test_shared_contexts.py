@@ -157,7 +157,7 @@ def test_a_chain_entry_is_found_by_the_next_turn_whose_prompt_begins_with_its_to
     later = Turn([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])
     settings = CHAIN.at_context(11).for_prompt(15, BLOCK)
     assert cache.find_chain(later, settings, 11, BLOCK) == key
-    assert cache.find_chain(later, settings, 10, BLOCK) is None, "a turn must compute at least one token before its boundary"
+    assert cache.find_chain(later, settings, 10, BLOCK) is None, "a turn computes a token before its boundary"
     other = Turn([1, 2, 3, 4, 5, 6, 7, 8, 0, 10, 11, 12, 13])  # differs inside the entry's partial block
     assert cache.find_chain(other, settings, 11, BLOCK) is None
     assert cache.find_chain(later, replace(settings, policy="knorm"), 11, BLOCK) is None
@@ -189,7 +189,8 @@ def test_the_longest_chain_entry_is_taken_and_a_held_entry_outlives_its_takers_p
 
 
 @pytest.mark.parametrize("raw, error", [
-    ({"policy": "paged", "budget": 64, "decode_eviction": False, "chain": True}, "chain=true carries a turn's compressed"),
+    ({"policy": "paged", "budget": 64, "decode_eviction": False, "chain": True},
+     "chain=true carries a turn's compressed"),
     ({**CONTEXT, "chain": "yes"}, "chain must be true or false"),
     ({**CONTEXT, "budget_schedule": "attention", "chain": True}, "chain=true, but budget_schedule=attention"),
 ])
