@@ -429,7 +429,12 @@ class PlainReference:
                         counts["groups"][g]["decode_at"].append(logical)
                     else:
                         continue
+                    held = physical[g]
                     physical[g] = self._apply(cache, rule, phase, members)
+                    if phase == "prefill" and physical[g] == held:
+                        # A block rule keeps budget + (held mod block): held within a block of the budget
+                        # (a chained turn can be) keeps everything. Nothing was evicted, as the engine counts.
+                        continue
                     counts["groups"][g][phase] += 1
                     phases.add(phase)
                 for phase in phases:
