@@ -60,6 +60,11 @@ class Policy:
     block_size: int
     # False: evict the prompt only (after prefill), never while generating (kvpress's presses).
     decode_eviction: bool = field(default=True, kw_only=True)
+    # True: the prefill eviction keeps exactly the budget, whole blocks, at any granularity (a block
+    # rule otherwise keeps L mod B more: ``ScoredBlockPolicy``). A run setting, like decode_eviction:
+    # ``harness.eviction.settings.build_policy`` sets it where the context is compressed alone
+    # (compress=context), which no decode eviction follows and whose kept blocks other requests share.
+    whole_blocks: bool = field(default=False, kw_only=True)
 
     name: ClassVar[str] = ""
     granularity: ClassVar[Granularity] = "none"

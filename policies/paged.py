@@ -3,8 +3,9 @@
 A token whose key has a small norm draws much attention, and a large value norm means a large
 contribution when it does: ``||V|| / ||K||`` is an attention-free importance proxy. PagedEviction
 is that score at block granularity (``policies.selection.ScoredBlockPolicy``): after prefill the
-first block, the last ``B + L mod B`` tokens and the best ``C - 2B`` middle tokens survive; in
-decode, each time the newest block fills past the budget, the lowest-scoring full block (never the
+first block, the last ``B + L mod B`` tokens and the best ``C - 2B`` middle tokens survive (with
+the context compressed alone, ``compress=context``, the last ``B`` only: ``C`` in all, whole blocks);
+in decode, each time the newest block fills past the budget, the lowest-scoring full block (never the
 first, never the newest) leaves the block table whole, so nothing is copied. ``paged_token`` is the
 same score at token granularity, selected like the token baselines (per KV head, compacting).
 """

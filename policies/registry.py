@@ -20,7 +20,7 @@ from policies.score import Score, function_score
 from policies.selection import ScoredBlockPolicy, ScoredTokenPolicy
 
 SELECTIONS = {"token": ScoredTokenPolicy, "block": ScoredBlockPolicy}
-NOT_OPTIONS = {"budget", "block_size", "score", "decode_eviction"}  # decode_eviction: a run setting
+NOT_OPTIONS = {"budget", "block_size", "score", "decode_eviction", "whole_blocks"}  # the last two: run settings
 
 
 class UnknownPolicyError(ValueError):

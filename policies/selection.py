@@ -9,8 +9,12 @@
   the last ``B + L mod B`` tokens and the best ``C - 2B`` middle tokens survive (``C + L mod B`` in
   all, so the physical length stays congruent to the logical one modulo B); in decode the full
   block with the lowest mean score, never the first nor the newest, leaves the block table whole:
-  nothing is copied. Prefill keep sets are per KV head or one per request: a score whose rule
-  chooses per layer (TOVA) is averaged per request here.
+  nothing is copied. With ``whole_blocks`` (the context compressed alone, ``compress=context``,
+  which no decode eviction follows) the prefill keeps ``C`` exactly: the first block, the last
+  ``B`` (the newest blocks a score keeps, SnapKV's window) and the best of the middle, so the kept
+  context ends on a block boundary and a request sharing it copies no partial block. Prefill keep
+  sets are per KV head or one per request: a score whose rule chooses per layer (TOVA) is averaged
+  per request here.
 
 Both wrap a ``policies.score.Score``: what the engine must keep for it (static scores, a query
 window, accumulated totals) is the score's to declare.
@@ -107,7 +111,15 @@ class ScoredBlockPolicy(ScoredPolicy, BlockPolicy):
     def prefill_keep_count(self, prompt_len: int) -> int:
         if prompt_len <= self.budget:
             return prompt_len
-        return self.budget + prompt_len % self.block_size
+        return self.budget + self.remainder(prompt_len)
+
+    def remainder(self, tokens: int) -> int:
+        """What the prefill eviction keeps beyond the budget: the prompt's partial last block, which
+        keeps the physical length congruent to the logical one mod B (the authors' fork, whose decode
+        evicts whole blocks as they fill); none with ``whole_blocks``. There no decode eviction
+        follows (compress=context), so those tokens bought nothing but a partial last block, which
+        every request taking the shared context must copy before writing its question."""
+        return 0 if self.whole_blocks else tokens % self.block_size
 
     @property
     def newest_blocks(self) -> int:
@@ -115,7 +127,7 @@ class ScoredBlockPolicy(ScoredPolicy, BlockPolicy):
         return max(1, -(-self.score.newest_kept() // self.block_size))
 
     def select_prefill(self, scores, tokens, layers, heads):
-        tail = self.newest_blocks * self.block_size + tokens % self.block_size
+        tail = self.newest_blocks * self.block_size + self.remainder(tokens)
         total = self.prefill_keep_count(tokens)
         if self.shares_per_head():
             return keep_edges_and_best(scores.expand(layers, -1, -1), self.block_size, tail, total)

@@ -19,9 +19,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
-from harness.eviction.settings import (RUN_FIELDS, EvictionSettings, admit, budget_for_ratio, check_chain,
-                                       check_compress, check_layer_groups, check_ratio, check_schedule,
-                                       scheduling_is_async)
+from harness.eviction.settings import (RUN_FIELDS, EvictionSettings, admit, budget_for_ratio, check_layer_groups,
+                                       check_ratio, check_schedule, check_scope, scheduling_is_async)
 from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
 
@@ -319,8 +318,7 @@ def check(run: RunSettings) -> None:
     if not isinstance(run.decode_eviction, bool):
         raise ConfigError(f"decode_eviction must be true or false, got {run.decode_eviction!r}")
     try:
-        check_compress(run.compress, None, run.decode_eviction and run.evicts, "the run")
-        check_chain(run.chain, run.compress, run.budget_schedule, "the run")
+        check_scope(run.compress, None, run.decode_eviction and run.evicts, run.chain, run.budget_schedule, "the run")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if not isinstance(run.likelihood, bool):

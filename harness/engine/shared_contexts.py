@@ -16,8 +16,10 @@ An entry is, per KV cache group, the blocks the first request kept and how many 
 (``kept``), standing for ``length`` logical tokens. A later request takes them as vLLM takes a
 prefix-cache hit (``get_computed_blocks``: their references go up, its computed tokens are the
 context's logical length) and prefills its question only, at the logical positions it would have
-had; a partial last kept block is copied into the request's own by vLLM's copy-on-write of a partial
-hit (``single_type_kv_cache_manager.py:163-173, 318-324, 388-397, 454-473``) before its question is
+had; a partial last kept block (a compressed context is whole blocks, ``Policy.whole_blocks``, but a
+context no longer than its budget is kept whole, and a chain entry ends after its answer) is copied
+into the request's own by vLLM's copy-on-write of a partial hit
+(``single_type_kv_cache_manager.py:163-173, 318-324, 388-397, 454-473``) before its question is
 written, so no entry block is ever written after it is published (the first request's own partial
 block excepted: it writes its question past the kept slots, which readers copy and overwrite).
 

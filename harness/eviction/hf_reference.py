@@ -8,7 +8,9 @@ tail trimmed to the physical length, which is what vLLM's block table sees. RoPE
 logical (``position_ids``) while the cache holds fewer tokens, as in the engine. With
 ``context_tokens`` (query-agnostic compression, ``compress=context``) the prefill eviction follows
 the pass over the prompt's first ``context_tokens`` tokens, as if they were the prompt; the rest
-(the question) then runs as one pass over what stayed, and nothing is evicted after it. For an
+(the question) then runs as one pass over what stayed, and nothing is evicted after it; what that
+eviction keeps is the policy's (built for ``compress=context`` by ``build_policy``, it keeps whole
+blocks: ``Policy.whole_blocks``). For an
 attention-aware policy the model runs a registered attention function (Hugging Face's own
 ``AttentionInterface``) that hands each layer's post-RoPE queries to the request's window and then
 runs the model's eager attention unchanged.
@@ -225,6 +227,12 @@ class HFReferenceEngine:
         if evict_at < prompt_len and any(p is not None and p.evicts and p.decode_eviction for p in self.policies):
             # A decode eviction would drop question tokens too: the setting compresses the context once.
             raise ValueError("context compression evicts the context only: the policy needs decode_eviction=False")
+        if context_tokens is not None and any(
+                p is not None and p.evicts and not p.decode_eviction and not p.whole_blocks for p in self.policies):
+            # What the engine runs for compress=context (build_policy): a policy built otherwise would
+            # keep a block rule's L mod B beside its budget, which the engine never does there.
+            raise ValueError("context compression keeps whole blocks: build the policy for compress=context "
+                             "(harness.eviction.settings.build_policy sets whole_blocks)")
         if resume:
             # The previous turn's cache, as it ended (the engine's chain entry of the same tokens)
             held = getattr(self, "chain_tokens", None)

@@ -25,7 +25,9 @@ computed, and the question is prefilled on top of the compressed cache (query-ag
 context's tokens. The boundary is the request's own (the data families mark it,
 ``harness.tasks.prompts``); an engine-wide ``compress: context`` needs every request to bring one.
 Context compression evicts once: it needs ``decode_eviction: false`` (a decode eviction after it
-would also drop question tokens, which is query-aware again).
+would also drop question tokens, which is query-aware again). It keeps exactly the budget, whole
+blocks, at every granularity (``Policy.whole_blocks``): a block policy (PagedEviction) keeps its
+prompt's ``L mod B`` tokens beside the budget only where it compresses the whole prompt.
 
 Multi-turn conversations (``chain``, ``compress=context`` only, off by default): a request that
 compressed its context leaves, when it finishes, its whole kept cache (kept context, question and
@@ -276,10 +278,10 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
     options = raw.get("options") or {}
     if not isinstance(options, dict):
         raise ValueError(f"{where}: options must be a mapping, got {options!r}")
-    compress, context = check_compress(raw.get("compress", "prompt"), raw.get("context_tokens"), decode, where)
+    compress, context, chain = check_scope(raw.get("compress", "prompt"), raw.get("context_tokens"), decode,
+                                           raw.get("chain", False), raw.get("budget_schedule", "uniform"), where)
     schedule, beta = check_schedule(raw.get("budget_schedule", "uniform"), raw.get("pyramid_beta", PYRAMID_BETA), where)
     share = check_share(raw.get("share_context"), compress, schedule, where)
-    chain = check_chain(raw.get("chain", False), compress, schedule, where)
     return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode,
                             compress, context, schedule, beta, share, chain=chain)
 
@@ -352,6 +354,16 @@ def check_chain_policy(policy: Policy) -> None:
                          "use an attention-free policy or chain=false")
 
 
+def check_scope(compress, context_tokens, decode_eviction: bool, chain, schedule, where: str
+                ) -> tuple[str, int | None, bool]:
+    """What is compressed, where, and whether a conversation's turns carry it on: ``compress`` and a
+    request's ``context_tokens`` against ``decode_eviction``, then ``chain`` against them and the
+    schedule. The one check of these fields, for a request's settings (``parse_settings``) and a
+    run's (``harness.config.check``, which gives no boundary: each request brings its own)."""
+    compress, context_tokens = check_compress(compress, context_tokens, decode_eviction, where)
+    return compress, context_tokens, check_chain(chain, compress, schedule, where)
+
+
 def check_compress(compress, context_tokens, decode_eviction: bool, where: str) -> tuple[str, int | None]:
     """``compress`` and a request's ``context_tokens``, checked against each other."""
     if compress not in COMPRESS:
@@ -406,6 +418,9 @@ def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
     budget = settings.budget if settings.budget is not None else PROBE_BLOCKS * block_size
     policy = make_policy(settings.policy, budget, block_size, **settings.options)
     policy.decode_eviction = settings.decode_eviction
+    # The context compressed alone keeps whole blocks (a block rule's L mod B more would end it in a
+    # partial block, which every request sharing it copies; no decode eviction follows it to need them).
+    policy.whole_blocks = settings.compress == "context"
     try_score(policy, (settings.policy, json.dumps(settings.options, sort_keys=True), block_size))
     return policy
 

@@ -11,10 +11,15 @@ compressed context (``harness.engine.shared_contexts``) and generate what they g
 their own. Both equal the plain reference (no code shared with policies/ or harness/) evicting at
 the same boundary.
 
-The prefix-caching engine then runs two three-turn conversations with ``chain=true`` (PagedEviction,
-whose partial last block each next turn copies, and Knorm): each later turn takes its previous
-turn's compressed cache, and every turn equals the plain reference applying the same evictions turn
-by turn to the concatenated turns; no block a chain entry holds is ever written."""
+Every policy keeps exactly its budget of the context, whole blocks (PagedEviction too: its rule's
+``L mod B`` tokens beside the budget are for a whole prompt, ``Policy.whole_blocks``), so a shared
+context has no partial last block for its takers to copy; a separate engine checks what that holds.
+
+The prefix-caching engine then runs two three-turn conversations with ``chain=true`` (PagedEviction
+and Knorm; a chain entry ends mid-block, after its answer, and each next turn copies that partial
+block): each later turn takes its previous turn's compressed cache, and every turn equals the plain
+reference applying the same evictions turn by turn to the concatenated turns; no block a chain entry
+holds is ever written."""
 from __future__ import annotations
 
 import pytest
@@ -124,11 +129,11 @@ def test_each_request_evicts_at_its_context_boundary_before_any_question_token(e
     assert (shared["published"], shared["hits"], shared["waits_given_up"]) == (len(first) - 3, later, 0)
     assert "shared_contexts" not in without["ledger"]  # no prefix caching: every request its own copy
     # The budget is the ratio of the context (620 tokens: 310, rounded to 10 whole blocks), not of
-    # the prompt; a block policy keeps the context's partial last block beside it.
+    # the prompt; every policy keeps exactly that, a block policy too (not the context's 620 mod 32).
     for prompt, raw in requests:
         if raw.get("compress") == "context":
             assert EvictionSettings(**raw).for_prompt(len(prompt), BLOCK).budget == 320
-            assert 320 <= kept_and_evicted(prompt, raw)[0] < 320 + BLOCK
+            assert kept_and_evicted(prompt, raw)[0] == 320
 
 
 def test_context_compression_equals_the_plain_reference(engine_runs, requests, plain):
@@ -195,6 +200,37 @@ def test_a_kept_context_no_request_holds_is_taken_again_by_the_next_question(tmp
     assert (contexts["published"], contexts["hits"], contexts["reclaimed"]) == (1, 2, 0)
     assert run["ledger"]["evictions"]["prefill"] == 1 + 3
     assert run["free_blocks_after"] == run["ledger"]["kv_pool_blocks"]
+
+
+def test_a_shared_paged_context_is_whole_blocks_and_its_questions_hold_no_more(tmp_path, requests):
+    """PagedEviction compressing the 620-token context (620 mod 32 = 12: its rule would keep those 12
+    beside the 320-token budget for a whole prompt) keeps 320 tokens, 10 whole blocks: the one entry
+    the cache pins is those 10 blocks (11 under the old rule), and while generating each request holds
+    them and its own question's and answer's blocks, none carrying kept context tokens (no partial
+    block copied at a hit): the shared questions and the same questions computing their own
+    (``share_context=false``), all six at once in one engine, hold the same at their largest and
+    generate the same."""
+    paged = next(raw for _, raw in requests if raw.get("compress") == "context" and raw["policy"] == "paged")
+    prompts = [prompt for prompt, _ in requests[-3:]]  # the context's three questions
+    context = paged["context_tokens"]
+    budget = EvictionSettings(**paged).for_prompt(len(prompts[0]), BLOCK).budget
+    assert context % BLOCK and budget % BLOCK == 0  # a partial last block the old rule would have kept
+    settings = [paged] * 3 + [{**paged, "share_context": False}] * 3
+    run = run_engine(tmp_path, "smollm2", prompts * 2, NEW_TOKENS, request_eviction=settings, prefix_caching=True)
+    shared, own = ({key: run[key][cut] for key in ("outputs", "top_logprobs")} for cut in (slice(0, 3), slice(3, 6)))
+    assert_same_outputs(own, shared)
+    ledger = run["ledger"]
+    contexts = ledger["shared_contexts"]
+    assert (contexts["published"], contexts["hits"]) == (1, 2)
+    assert contexts["pinned_blocks_peak"] == budget // BLOCK == 10
+    assert contexts["blocks_shared"] == 2 * budget // BLOCK
+    assert ledger["evictions"]["prefill"] == 1 + 3
+    # the last step of the longest question: the 10 kept blocks, then its question and all but its last
+    # output token from a block boundary on (the old rule's 12 kept tokens first: one block more here)
+    written = [len(prompt) - context + NEW_TOKENS - 1 for prompt in prompts]
+    assert ledger["decode_blocks_peak"] == budget // BLOCK + max(-(-n // BLOCK) for n in written)
+    assert max(-(-(n + context % BLOCK) // BLOCK) for n in written) > max(-(-n // BLOCK) for n in written)
+    assert run["free_blocks_after"] == ledger["kv_pool_blocks"]
 
 
 def test_a_chained_conversation_equals_the_plain_reference_and_never_writes_a_kept_block(engine_runs, conversations,

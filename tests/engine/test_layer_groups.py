@@ -205,8 +205,7 @@ def test_the_attention_schedule_holds_the_measured_blocks_and_returns_every_bloc
 
 
 # A context compressed once and shared, with three groups at the pyramid schedule (each group its
-# own budget, so its own kept count; PagedEviction keeps the context's partial last block in each,
-# which a request taking the context copies before writing its question): the first and the last
+# own budget, so its own kept count, whole blocks in each: compress=context): the first and the last
 # prompt share their first 250 tokens (``prompts``). The same requests with share_context=false,
 # in the same engine, compute their own.
 SHARED_CONTEXT = {"policy": "paged", "budget": None, "budget_ratio": 0.5, "decode_eviction": False,

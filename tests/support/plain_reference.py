@@ -11,7 +11,10 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
 * context compression (``context_tokens``, kvpress's query-agnostic setting): the forward pass
   over the context alone (the prompt's first tokens) is the prefill the eviction follows, as if the
   context were the prompt; the rest of the prompt (the question) is then run in one pass over what
-  stayed, and nothing is evicted after it;
+  stayed, and nothing is evicted after it. There a block rule keeps exactly C, whole blocks (the
+  first block, the last B tokens and the best middle; the project's decision for ``compress=context``,
+  whose rules never evict in decode): ``context_tokens`` given to a rule that evicts in decode (only
+  ``len(prompt)`` allows it) is prompt compression, L mod B kept as ever;
 * scores are compared at 11 significant bits, ties going to the earlier token (the harness's
   documented tie rule, so last-bit differences between two engines' K/V cannot flip a choice);
 * attention-aware rules (SnapKV, H2O) read the queries of the newest W tokens: here each layer's
@@ -140,8 +143,9 @@ class PlainPolicy:
     ``score``: a ``KV_SCORES`` or ``ATTENTION_RULES`` name, or "streaming" (4 sinks + recent).
     ``granularity``: "token" (the budget's best tokens, first and last block protected unless the
     rule names its edges, compacted) or "block" (PagedEviction's rule: first block, the last
-    ``B + L mod B`` tokens and the best middle after prefill; the lowest-mean full block in decode;
-    a rule that keeps its newest tokens keeps every block holding them).
+    ``B + L mod B`` tokens and the best middle after prefill, ``C + L mod B`` in all, or with
+    ``whole_blocks`` (context compression) the last ``B`` and ``C`` in all; the lowest-mean full
+    block in decode; a rule that keeps its newest tokens keeps every block holding them).
     ``per_head``: one choice per layer and KV head, or one per request from the mean over layers and
     heads (token default True, block default False; rules that fix it ignore it).
     """
@@ -221,9 +225,10 @@ class PlainPolicy:
         return fixed or ("head" if self.per_head else "request")
 
     def keep(self, keys: list[torch.Tensor], values: list[torch.Tensor], phase: str,
-             queries: list[torch.Tensor] | None = None, scale: float = 1.0) -> torch.Tensor | int:
+             queries: list[torch.Tensor] | None = None, scale: float = 1.0,
+             whole_blocks: bool = False) -> torch.Tensor | int:
         """``keys[l]``/``values[l]``: ``[heads, tokens, dim]``; ``queries[l]``: the window,
-        ``[n, query heads, dim]``."""
+        ``[n, query heads, dim]``; ``whole_blocks``: a block rule's prefill keeps C exactly."""
         C, B = self.budget, self.block
         heads, length = keys[0].shape[0], keys[0].shape[1]
         layers = len(keys)
@@ -237,7 +242,8 @@ class PlainPolicy:
                 self.totals = torch.cat([self.totals[..., : victim * B], self.totals[..., (victim + 1) * B:]], dim=-1)
             return victim
         if self.granularity == "block":
-            first, last, total = B, self._newest_blocks() * B + length % B, C + length % B
+            remainder = 0 if whole_blocks else length % B  # the partial last block, kept beside C
+            first, last, total = B, self._newest_blocks() * B + remainder, C + remainder
         else:
             rule = ATTENTION_RULES.get(self.score)
             first, last = rule["edges"](C, B) if rule else ((B, B) if self.protect_edges else (0, 0))
@@ -430,10 +436,13 @@ class PlainReference:
                     else:
                         continue
                     held = physical[g]
-                    physical[g] = self._apply(cache, rule, phase, members)
+                    # context compression (the engine's compress=context, never evicting in decode):
+                    # whole blocks
+                    whole = context_tokens is not None and not rule.decode_eviction
+                    physical[g] = self._apply(cache, rule, phase, members, whole)
                     if phase == "prefill" and physical[g] == held:
-                        # A block rule keeps budget + (held mod block): held within a block of the budget
-                        # (a chained turn can be) keeps everything. Nothing was evicted, as the engine counts.
+                        # A block rule compressing a whole prompt keeps budget + (held mod block): held within
+                        # a block of the budget keeps everything. Nothing was evicted, as the engine counts.
                         continue
                     counts["groups"][g][phase] += 1
                     phases.add(phase)
@@ -452,11 +461,12 @@ class PlainReference:
         counts["lengths"] = [cache.get_seq_length(l) for l in range(layers)]
         return out, counts
 
-    def _apply(self, cache, policy: PlainPolicy, phase: str, members: range) -> int:
+    def _apply(self, cache, policy: PlainPolicy, phase: str, members: range, whole_blocks: bool = False) -> int:
         """Evicts on the group's layers ``members`` only: the rule sees their K/V (and queries) alone."""
         keys = [cache.layers[l].keys[0] for l in members]
         values = [cache.layers[l].values[0] for l in members]
-        kept = policy.keep(keys, values, phase, self.queries[members.start:members.stop], self.head_dim ** -0.5)
+        kept = policy.keep(keys, values, phase, self.queries[members.start:members.stop], self.head_dim ** -0.5,
+                           whole_blocks)
         if isinstance(kept, int):  # a whole block leaves
             length = keys[0].shape[1]
             index = torch.cat([torch.arange(kept * policy.block), torch.arange((kept + 1) * policy.block, length)])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness.eviction.hf_reference import HFReferenceEngine
-from harness.eviction.settings import EvictionSettings
+from harness.eviction.settings import EvictionSettings, build_policy
 from policies import make_policy
 from tests.support.engine_support import BLOCK, model_path, plain_policy, text_prompts
 from tests.support.plain_reference import PlainReference
@@ -79,9 +79,9 @@ def chained_conversation(plain, engine, name, options, first_prompt):
         budget = turn_budget(len(prompt), boundary)
         rule = plain_policy(name, budget, BLOCK, options.get("granularity"))
         rule.decode_eviction = False
-        policy = make_policy(name, budget, BLOCK, **options)
-        policy.decode_eviction = False
-        engine.use(policy)
+        # the policy the engine's scheduler builds for this turn (compress=context: whole blocks kept)
+        engine.use(build_policy(EvictionSettings(name, budget, dict(options), decode_eviction=False,
+                                                 compress="context", chain=True), BLOCK))
         ours, counts = plain.generate(prompt, NEW_TOKENS, rule, context_tokens=boundary, resume=turn > 0)
         theirs = engine.generate(prompt, NEW_TOKENS, context_tokens=boundary, resume=turn > 0)
         yield prompt, boundary, ours, theirs, counts
@@ -100,10 +100,11 @@ def test_chained_turns_plain_rule_equals_the_harness_reference(plain, first_prom
         assert (counts["prefill"], counts["decode"]) == (1, 0), (turn, counts)
         lengths = {plain.cache.get_seq_length(layer) for layer in range(len(plain.cache.layers))}
         budget = turn_budget(len(prompt), boundary)
-        # what the turn holds: its compressed history (its budget, plus a block policy's partial tail)
-        # and what followed the boundary (the new message's tokens and all but the last answer token)
+        # what the turn holds: its compressed history (its budget exactly, whole blocks at every
+        # granularity: compress=context) and what followed the boundary (the new message's tokens and
+        # all but the last answer token)
         after = len(prompt) - boundary + NEW_TOKENS - 1
-        assert all(budget <= length - after < budget + BLOCK for length in lengths), (turn, lengths, budget)
+        assert lengths == {budget + after}, (turn, lengths, budget)
         for mine, theirs_layer in zip(plain.cache.layers, engine.cache.layers, strict=True):
             torch.testing.assert_close(theirs_layer.keys, mine.keys, rtol=0, atol=0)
             torch.testing.assert_close(theirs_layer.values, mine.values, rtol=0, atol=0)

@@ -34,9 +34,10 @@ def plain():
 
 
 def compressing(name: str, options: dict):
-    """The harness's policy and the plain rule, both compressing the prompt (or context) only."""
+    """The harness's policy as the engine builds it for compress=context (whole blocks kept:
+    ``build_policy``), and the plain rule, both compressing the context only."""
     policy = make_policy(name, BUDGET, BLOCK, **options)
-    policy.decode_eviction = False
+    policy.decode_eviction, policy.whole_blocks = False, True
     rule = plain_policy(name, BUDGET, BLOCK, options.get("granularity"))
     rule.decode_eviction = False
     return policy, rule
@@ -64,9 +65,9 @@ class Passes:
 @pytest.mark.parametrize("name, options", model_cases())  # all but two cases slow
 def test_context_compression_plain_rule_equals_the_harness_reference(plain, prompt, name, options):
     """Token for token, and both references put the question at logical position CONTEXT, right
-    after the policy's keep count for a CONTEXT-token prompt (the context's eviction was the prefill
-    eviction, and the only one), and end holding the same K/V in every layer (the context's kept
-    tokens, the question's and the outputs', bit for bit)."""
+    after the budget's whole blocks (the context's eviction was the prefill eviction, and the only
+    one), and end holding the same K/V in every layer (the context's kept tokens, the question's and
+    the outputs', bit for bit)."""
     policy, rule = compressing(name, options)
     engine = HFReferenceEngine(model_path("tiny"), policy)
     with Passes(plain.model) as plain_passes:
@@ -75,7 +76,7 @@ def test_context_compression_plain_rule_equals_the_harness_reference(plain, prom
         theirs = engine.generate(prompt, MATRIX_NEW_TOKENS, context_tokens=CONTEXT)
     assert (counts["prefill"], counts["decode"]) == (1, 0)
     kept = policy.prefill_keep_count(CONTEXT)
-    assert kept < CONTEXT
+    assert kept == BUDGET  # whole blocks at both granularities (a block rule's CONTEXT mod 32 = 18 no more)
     question = (CONTEXT, kept, PROMPT_TOKENS - CONTEXT)
     assert plain_passes.seen[:2] == passes.seen[:2] == [(0, 0, CONTEXT), question]
     assert ours == theirs
@@ -133,3 +134,12 @@ def test_context_compression_refuses_decode_eviction(plain, prompt):
             prompt, 4, context_tokens=CONTEXT)
     with pytest.raises(ValueError, match="decode_eviction"):
         plain.generate(prompt, 4, plain_policy("paged", BUDGET, BLOCK), context_tokens=CONTEXT)
+
+
+def test_the_harness_reference_refuses_a_policy_not_built_for_context_compression(prompt):
+    """A policy as the engine never runs it under compress=context (no whole blocks: a block rule
+    would keep CONTEXT mod B beside its budget) is refused, not silently compared."""
+    policy = make_policy("paged", BUDGET, BLOCK)
+    policy.decode_eviction = False
+    with pytest.raises(ValueError, match="context compression keeps whole blocks"):
+        HFReferenceEngine(model_path("tiny"), policy).generate(prompt, 4, context_tokens=CONTEXT)

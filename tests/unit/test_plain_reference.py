@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness.eviction.evictor import evict
+from harness.eviction.settings import EvictionSettings, build_policy
 from harness.eviction.state import PolicyState
 from harness.engine.backend_views import FlashAttnView
 from policies import make_policy
@@ -37,6 +38,25 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block
     """Random K/V of 3 layers x 2 KV heads (4 query heads, a window of 32 random queries): after one
     eviction the harness's evictor left in the request's slots exactly the K/V the plain rule keeps,
     at the CPU's 32-token blocks and the GPU's 16 (where SnapKV's window spans two blocks)."""
+    kept = evict_as_both(name, options, phase, block, make_policy(name, 64, block, **options))
+    if phase == "prefill":  # 100 tokens: a block rule keeps 100 mod block beside its budget of 64
+        assert kept == 64 + (100 % block if make_policy(name, 64, block, **options).granularity == "block" else 0)
+
+
+@pytest.mark.parametrize("block", [BLOCK, 16], ids=["cpu_block", "gpu_block"])
+@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+def test_compressing_a_context_the_evictor_keeps_what_the_plain_rule_keeps(name, options, block):
+    """The same, the 100 tokens a context compressed alone (``compress=context``): the policy the engine
+    builds for it (``build_policy``) and the plain rule's context compression keep the budget exactly,
+    whole blocks, at both granularities (a block rule's 100 mod block tokens no more), the same K/V."""
+    settings = EvictionSettings(name, 64, dict(options), decode_eviction=False, compress="context")
+    assert evict_as_both(name, options, "prefill", block, build_policy(settings, block), whole_blocks=True) == 64
+
+
+def evict_as_both(name: str, options: dict, phase: str, block: int, policy, whole_blocks: bool = False) -> int | None:
+    """One eviction by the harness's evictor (``policy``, budget 64) and by the plain rule on the same
+    random K/V; asserts both kept the same K/V (or dropped the same block); the tokens kept (None
+    where a block was dropped)."""
     budget, layers, heads, dim = 64, 3, 2, 8
     tokens = 100 if phase == "prefill" else budget + block
     gen = torch.Generator().manual_seed(len(name) + tokens)
@@ -45,7 +65,6 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block
     keys = [view.read_layer(l, blocks, 0, tokens)[0].permute(1, 0, 2) for l in range(layers)]
     values = [view.read_layer(l, blocks, 0, tokens)[1].permute(1, 0, 2) for l in range(layers)]
     queries = torch.randn(layers, 32, 2 * heads, dim, generator=gen)
-    policy = make_policy(name, budget, block, **options)
     state = PolicyState(scales=[0.3] * layers)
     if policy.query_window:
         state.observe("r", queries, policy.query_window)
@@ -54,16 +73,17 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block
     rule = plain_policy(name, budget, block, options.get("granularity"))
     if rule.counts_queries:
         rule.count(keys, list(queries), 0.3)
-    kept = rule.keep(keys, values, phase, list(queries), 0.3)
+    kept = rule.keep(keys, values, phase, list(queries), 0.3, whole_blocks)
     if isinstance(kept, int):  # a whole block left: the block list lost it, nothing moved
         assert eviction.dropped_blocks == (kept,)
-        return
+        return None
     slots = [blocks[position] for position in eviction.kept_blocks]
     for layer in range(layers):
         left_keys, left_values = view.read_layer(layer, slots, 0, kept.shape[-1])
         index = kept[layer].T.unsqueeze(-1).expand(-1, -1, dim)
         torch.testing.assert_close(left_keys, keys[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
         torch.testing.assert_close(left_values, values[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
+    return kept.shape[-1]
 
 
 # 40 new tokens at budget 128 and block 32: every rule's cache reaches C + B = 160 in decode (a token
