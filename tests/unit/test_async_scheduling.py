@@ -179,22 +179,20 @@ class Worker:
                             for cache in self.views[group].layers])
 
 
-def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool = True, groups: int = 1,
-        preferences=None) -> tuple[dict, dict]:
+def drive(scheduler, worker, asynchronous: bool, before_schedule=lambda: None, after_update=lambda queue: None) -> int:
     """Every request to the end, in vLLM's synchronous order (schedule, run, update) or its
     asynchronous one (``step_with_batch_queue``: the next step is planned and run before the last
-    one's output is handed back). Returns what each request's cache held at its end, and counts."""
-    scheduler, worker = make_scheduler(asynchronous, pool, admit_whole, groups), Worker(pool, groups, preferences)
-    add_requests(scheduler, settings)
-    queue, counts, idle = deque(), {"steps": 0, "planned_over_a_late_report": 0}, 0
+    one's output is handed back); ``before_schedule()`` runs before each plan, ``after_update(queue)``
+    after each output is handed back. Returns the steps that ran tokens."""
+    queue, steps, idle = deque(), 0, 0
     while scheduler.has_requests() or queue:
         depth = 2 if asynchronous else 1
         if scheduler.has_requests() and len(queue) < depth:
-            counts["planned_over_a_late_report"] += bool(scheduler.kv_expected)
+            before_schedule()
             output = scheduler.schedule()
             if output.total_num_scheduled_tokens:
                 queue.append((output, worker.step(output)))
-                counts["steps"] += 1
+                steps += 1
                 idle = 0
                 if len(queue) < depth:
                     continue
@@ -206,12 +204,30 @@ def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool 
                     continue
         output, result = queue.popleft()
         scheduler.update_from_output(output, result)
+        after_update(queue)
+    return steps
+
+
+def run(asynchronous: bool, settings: dict, pool: int = POOL, admit_whole: bool = True, groups: int = 1,
+        preferences=None) -> tuple[dict, dict]:
+    """Every request to the end (``drive``). Returns what each request's cache held at its end,
+    and counts."""
+    scheduler, worker = make_scheduler(asynchronous, pool, admit_whole, groups), Worker(pool, groups, preferences)
+    add_requests(scheduler, settings)
+    counts = {"planned_over_a_late_report": 0}
+
+    def count_late_reports():
+        counts["planned_over_a_late_report"] += bool(scheduler.kv_expected)
+
+    def blocks_agree(queue):
         # The scheduler's block lists equal the worker's once every report is in.
         if not queue and not scheduler.kv_expected:
             for group, manager in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers):
                 for request in scheduler.running:
                     blocks = [block.block_id for block in manager.req_to_blocks[request.request_id]]
                     assert blocks == worker.requests[request.request_id]["blocks"][group], request.request_id
+
+    counts["steps"] = drive(scheduler, worker, asynchronous, count_late_reports, blocks_agree)
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == pool - 1  # all back (minus vLLM's null block)
     assert not scheduler.kv_expected and not scheduler.kv_abandoned and not scheduler.kv_ledger.evicted
     counts["evictions"] = scheduler.kv_ledger.totals.counts()["evictions"]

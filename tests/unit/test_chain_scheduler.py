@@ -12,8 +12,6 @@ is ``test_chain_references``); every block comes back. Under synchronous and asy
 scheduling, with preemption in a small pool, and with two layer groups."""
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 import torch
 
@@ -21,7 +19,7 @@ from harness.engine.backend_views import FlashAttnView
 from harness.eviction.settings import CONFIG_KEY, group_policies, parse_settings
 from harness.eviction.state import PolicyState
 from harness.eviction.step import StepRequest, evict_step
-from tests.unit.test_async_scheduling import BLOCK, DIM, HEADS, LAYERS, Worker, kv, make_scheduler
+from tests.unit.test_async_scheduling import BLOCK, DIM, HEADS, LAYERS, Worker, drive, kv, make_scheduler
 
 PROMPT, CONTEXT, OUTPUTS, MESSAGE, TURNS = 37, 24, 6, 5, 3
 CONVERSATIONS = 2
@@ -77,28 +75,10 @@ class CopyingWorker(Worker):
                 assert torch.equal(before, after), f"a kept block of entry {entry.owner}'s was written"
 
 
-def drive(scheduler, worker: CopyingWorker, asynchronous: bool) -> None:
-    """Every request to the end, in vLLM's synchronous or asynchronous order (as
-    ``test_async_scheduling.run``), checking the entries after every step."""
-    queue, idle = deque(), 0
-    while scheduler.has_requests() or queue:
-        depth = 2 if asynchronous else 1
-        if scheduler.has_requests() and len(queue) < depth:
-            output = scheduler.schedule()
-            if output.total_num_scheduled_tokens:
-                queue.append((output, worker.step(output)))
-                idle = 0
-                if len(queue) < depth:
-                    continue
-            else:
-                worker.step(output)
-                idle += 1
-                assert idle < 3 or queue, "the scheduler schedules nothing"
-                if not queue:
-                    continue
-        output, result = queue.popleft()
-        scheduler.update_from_output(output, result)
-        worker.check_entries()
+def drive_checking_entries(scheduler, worker: CopyingWorker, asynchronous: bool) -> None:
+    """Every request to the end (``test_async_scheduling.drive``), checking the entries after every
+    step."""
+    drive(scheduler, worker, asynchronous, after_update=lambda queue: worker.check_entries())
     # the last finished requests' blocks reach the worker with the next schedule
     worker.step(scheduler.schedule())
 
@@ -171,7 +151,7 @@ def converse(name: str, asynchronous: bool = False, pool: int = 160, admit_whole
             scheduler.add_request(Request(rid, list(prompts[c]), params, None, block_hasher=hasher))
             turns.append((rid, parse_settings(raw, "test").for_prompt(len(prompts[c]), BLOCK), len(prompts[c]),
                           boundaries[c], c))
-        drive(scheduler, worker, asynchronous)
+        drive_checking_entries(scheduler, worker, asynchronous)
         for c in range(conversations):
             boundaries[c] = len(prompts[c]) + OUTPUTS
             prompts[c] = prompts[c] + [5] * OUTPUTS + [200 + 10 * c + turn] * MESSAGE  # the answer: the worker's TOKEN
