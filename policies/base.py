@@ -71,6 +71,7 @@ class Policy:
     needs_kv: ClassVar[bool] = True        # False: decisions from positions alone (no scores)
     static_scores: ClassVar[bool] = False  # a token's score is fixed once its K/V is written
     accumulates: ClassVar[bool] = False    # scores are sums over the request's queries so far
+    reconstructs: ClassVar[bool] = False   # scores left by reconstruction passes (KVzip), not from K/V
 
     def __post_init__(self) -> None:
         check_budget(self.budget, self.block_size)

@@ -44,6 +44,9 @@ class Hybrid(Score):
                 raise ValueError(f"hybrid weights name {name!r}, which is not a score; valid: {', '.join(scores)}")
             if entry.score.accumulates:
                 raise ValueError(f"hybrid cannot combine {name!r}: its state accumulates over the request")
+            if entry.score.reconstructs:
+                raise ValueError(f"hybrid cannot combine {name!r}: its scores come from reconstruction passes the "
+                                 "engine runs for it alone, not from the K/V a hybrid scores")
             if not isinstance(weight, (int, float)) or isinstance(weight, bool):
                 raise ValueError(f"hybrid weight of {name!r} must be a number, got {weight!r}")
             self.components[name] = entry.score()

@@ -48,6 +48,11 @@ class Entry:
     def reads_attention(self) -> bool:
         return self.score is not None and self.score().query_window > 0
 
+    @property
+    def reconstructs(self) -> bool:
+        """Scored by reconstruction passes the engine runs before the prefill eviction (KVzip)."""
+        return self.score is not None and self.score.reconstructs
+
 
 REGISTRY: dict[str, Entry] = {}
 

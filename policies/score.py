@@ -12,7 +12,10 @@ declares what the engine must give it and may keep for it:
   in that layer (``policies.attention``), and reads attention; a score whose W is its ``window``
   option derives from ``policies.attention.WindowScore``, which owns the option and its check;
 * ``accumulates``: its scores add up over the request's queries (H2O): the engine counts every
-  query once and keeps the totals, which follow their tokens through compaction and block drops.
+  query once and keeps the totals, which follow their tokens through compaction and block drops;
+* ``reconstructs``: its scores come from extra forward passes the engine runs over the request's
+  cache just before the prefill eviction (KVzip's reconstruction of the context): they are left in
+  the request's state, and the evictor reads them there instead of calling the score on K/V.
 
 What the engine then does with the scores (which tokens or block stay) is the selection's
 (``policies.selection``); a score may fix part of it where its rule says so (``token_edges``: SnapKV
@@ -35,6 +38,7 @@ Share = Literal["head", "layer", "request"]
 class Score:
     static: ClassVar[bool] = False
     accumulates: ClassVar[bool] = False
+    reconstructs: ClassVar[bool] = False  # scored by reconstruction passes (``policies.kvzip``)
     # The selection sharing this score's rule imposes (None: the selection's ``per_head`` option).
     share: ClassVar[Share | None] = None
 

@@ -44,6 +44,10 @@ class ScoredPolicy:
         return self.score.accumulates
 
     @property
+    def reconstructs(self) -> bool:
+        return self.score.reconstructs
+
+    @property
     def query_window(self) -> int:
         return self.score.query_window
 

@@ -480,8 +480,8 @@ def scoring_job(due: Due, state: PolicyState | None, cached: torch.Tensor | None
     policy, source, tokens = due.policy, due.source, due.tokens
     if policy.accumulates:
         return counting_job(policy, source, tokens, state, due.request_id)
-    if not policy.needs_kv:
-        return None
+    if not policy.needs_kv or policy.reconstructs:
+        return None  # a reconstructing score's passes already left its scores in the state
     if cached is not None and cached.shape[-1] > tokens:
         raise RuntimeError(f"kept scores for {cached.shape[-1]} tokens, but the request holds {tokens}")
     if due.phase == "decode" and policy.static_scores and cached is not None:
@@ -497,6 +497,8 @@ def decision_scores(due: Due, state: PolicyState | None, cached: torch.Tensor | 
                     fresh: torch.Tensor | None) -> torch.Tensor | None:
     """The scores the decision reads, from what ``scoring_job`` asked for."""
     policy = due.policy
+    if policy.reconstructs:
+        return reconstructed_scores(due, state)
     if policy.accumulates:
         if fresh is not None:
             fold_counted(policy, state, due.request_id, fresh)
@@ -506,6 +508,23 @@ def decision_scores(due: Due, state: PolicyState | None, cached: torch.Tensor | 
     if due.phase == "decode" and policy.static_scores and cached is not None:
         return torch.cat([cached, policy.cached_form(fresh)], dim=-1)
     return fresh
+
+
+class MissingReconstructionError(RuntimeError):
+    """A reconstructing policy (KVzip) must evict, but no reconstruction pass scored the request."""
+
+
+def reconstructed_scores(due: Due, state: PolicyState | None) -> torch.Tensor:
+    """The ``[layers, heads, tokens]`` scores a reconstructing policy's passes left for the request
+    (every head: the engine gathers them across ranks before it stores them), taken from the state:
+    they are read once, by this eviction (KVzip compresses once)."""
+    scores = None if state is None else state.scores.pop(due.request_id, None)
+    if scores is None:
+        raise MissingReconstructionError(f"{due.policy.name} evicts from its reconstruction passes, but none ran "
+                                         f"for request {due.request_id}")
+    if scores.shape[-1] != due.tokens:
+        raise RuntimeError(f"reconstruction scored {scores.shape[-1]} tokens, but the request holds {due.tokens}")
+    return scores
 
 
 def evict(policy: Policy, view: KVView, block_ids: list[int], tokens: int, phase: Phase,

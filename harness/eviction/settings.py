@@ -62,6 +62,47 @@ PYRAMID_BETA = 20.0  # kvpress 0.5.5's PyramidKVPress default
 
 
 @dataclass(frozen=True)
+class Reconstruction:
+    """A request's reconstruction inputs, for a policy that reconstructs its context (KVzip,
+    ``policies.kvzip``): token ids its tokenizer made, which the engine's core and workers cannot
+    make (they hold no tokenizer). ``prefix_tokens``: the context's leading tokens that are never
+    reconstructed (its chat header, kvpress's ``prefix_length``); ``first``: the repeat prompt of
+    the first chunk; ``later``: that of every later chunk (the previous chunk's last ids follow it);
+    ``suffix``: the chat footer that ends the user turn and opens the assistant's. The request's own,
+    like ``context_tokens``: not part of the policy's key."""
+
+    prefix_tokens: int
+    first: tuple[int, ...]
+    later: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    def as_dict(self) -> dict:
+        return {"prefix_tokens": self.prefix_tokens, "first": list(self.first), "later": list(self.later),
+                "suffix": list(self.suffix)}
+
+    @classmethod
+    def parse(cls, raw, where: str) -> "Reconstruction | None":
+        if raw is None or isinstance(raw, cls):
+            return raw
+        if not isinstance(raw, dict) or set(raw) != {"prefix_tokens", "first", "later", "suffix"}:
+            raise ValueError(f"{where}: reconstruction must be a mapping of prefix_tokens, first, later and suffix "
+                             f"(token ids), got {raw!r}")
+        prefix = raw["prefix_tokens"]
+        if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+            raise ValueError(f"{where}: reconstruction.prefix_tokens must be a number of tokens >= 0, got {prefix!r}")
+        ids = {}
+        for name in ("first", "later", "suffix"):
+            value = raw[name]
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+                raise ValueError(f"{where}: reconstruction.{name} must be a list of token ids, got {value!r}")
+            ids[name] = tuple(value)
+        if not ids["first"] or not ids["later"]:
+            raise ValueError(f"{where}: reconstruction.first and .later are the repeat prompts: they cannot be empty")
+        return cls(prefix, ids["first"], ids["later"], ids["suffix"])
+
+
+@dataclass(frozen=True)
 class EvictionSettings:
     """A request's eviction settings: the one record of them. It owns their forms: the dict that
     ``extra_args`` / ``additional_config`` carry (``as_dict``, read back by ``parse_settings``), the
@@ -90,11 +131,20 @@ class EvictionSettings:
     # budget_schedule=attention: this request's group budgets, once measured from its prompt (the
     # engine's, never a user's: parse_settings does not take it)
     group_budgets: tuple[int, ...] | None = None
+    # A reconstructing policy's (KVzip's) inputs for this request (``Reconstruction``); the request's own
+    reconstruction: Reconstruction | None = None
+
+    def __post_init__(self) -> None:
+        # A reconstruction given as its wire form (a mapping) becomes its record.
+        if isinstance(self.reconstruction, dict):
+            object.__setattr__(self, "reconstruction", Reconstruction.parse(self.reconstruction, "settings"))
 
     def as_dict(self) -> dict:
         """The wire form: policy, budget and options, and every other setting away from its default."""
         raw = {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
         raw.update({name: getattr(self, name) for name in WIRE_FIELDS[3:] if getattr(self, name) != DEFAULTS[name]})
+        if self.reconstruction is not None:
+            raw["reconstruction"] = self.reconstruction.as_dict()
         return raw
 
     @classmethod
@@ -207,6 +257,7 @@ class EvictionSettings:
                                  "its context_tokens (how many leading prompt tokens are context)")
             if self.context_tokens > prompt_tokens:
                 raise ValueError(f"context_tokens={self.context_tokens} is beyond the prompt's {prompt_tokens} tokens")
+        check_reconstruction(self, build_policy(self, block_size), self.eviction_point(prompt_tokens))
         if self.budget_ratio is None:
             return self
         budget = budget_for_ratio(self.budget_ratio, self.eviction_point(prompt_tokens), block_size)
@@ -220,8 +271,8 @@ class EvictionSettings:
 # The record's fields in their wire form (what a user may give), and those a run's Hydra config
 # gives beside policy, budget and options (a request's context boundary is its own, never a run's).
 WIRE_FIELDS = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens",
-               "budget_schedule", "pyramid_beta", "share_context", "chain")
-RUN_FIELDS = tuple(name for name in WIRE_FIELDS[3:] if name != "context_tokens")
+               "budget_schedule", "pyramid_beta", "share_context", "chain", "reconstruction")
+RUN_FIELDS = tuple(name for name in WIRE_FIELDS[3:] if name not in ("context_tokens", "reconstruction"))
 DEFAULTS = {f.name: f.default for f in fields(EvictionSettings) if f.default is not MISSING}
 
 
@@ -282,8 +333,9 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
                                            raw.get("chain", False), raw.get("budget_schedule", "uniform"), where)
     schedule, beta = check_schedule(raw.get("budget_schedule", "uniform"), raw.get("pyramid_beta", PYRAMID_BETA), where)
     share = check_share(raw.get("share_context"), compress, schedule, where)
+    reconstruction = Reconstruction.parse(raw.get("reconstruction"), where)
     return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode,
-                            compress, context, schedule, beta, share, chain=chain)
+                            compress, context, schedule, beta, share, chain=chain, reconstruction=reconstruction)
 
 
 
@@ -342,6 +394,38 @@ def check_chain(chain, compress: str, schedule: str, where: str) -> bool:
         raise ValueError(f"{where}: chain=true, but budget_schedule=attention measures each request's layer budgets "
                          "from its own prompt's queries, which a turn continuing a compressed history does not have")
     return chain
+
+
+def check_reconstructing_policy(settings: EvictionSettings, policy: Policy) -> None:
+    """What a reconstructing policy (KVzip) needs of its settings: it compresses once, at the
+    eviction point, from passes that repeat what came before it (``policies.kvzip``)."""
+    if not policy.reconstructs:
+        return
+    if settings.decode_eviction:
+        raise ValueError(f"{policy.name} scores the context by reconstructing it once, before the eviction; it has no "
+                         "rule for generated tokens: pass decode_eviction=false (with compress=context or prompt)")
+    if settings.chain:
+        raise ValueError(f"chain=true, but {policy.name} reconstructs the pristine context; a chained turn holds the "
+                         "previous turn's compressed cache: use chain=false")
+    if settings.budget_schedule == "attention":
+        raise ValueError(f"budget_schedule=attention measures layer budgets from the prompt's last queries; {policy.name}"
+                         " evicts from its reconstruction passes in the same step, which that measurement does not "
+                         "follow: use uniform or pyramid")
+
+
+def check_reconstruction(settings: EvictionSettings, policy: Policy, eviction_point: int) -> None:
+    """A request's reconstruction inputs, against its policy and where it evicts."""
+    if not policy.reconstructs:
+        if settings.reconstruction is not None:
+            raise ValueError(f"reconstruction gives the ids a reconstructing policy (kvzip) repeats the context with; "
+                             f"{policy.name} does not reconstruct")
+        return
+    if settings.reconstruction is None:
+        raise ValueError(f"{policy.name} reconstructs the request's context: the request must give its reconstruction "
+                         "ids (reconstruction: prefix_tokens, first, later, suffix; harness.eviction.settings.Reconstruction)")
+    if settings.reconstruction.prefix_tokens >= eviction_point:
+        raise ValueError(f"reconstruction.prefix_tokens={settings.reconstruction.prefix_tokens} leaves nothing of the "
+                         f"{eviction_point} tokens before the eviction point to reconstruct")
 
 
 def check_chain_policy(policy: Policy) -> None:
@@ -435,8 +519,9 @@ def try_score(policy: Policy, key: tuple) -> None:
     What depends on real input can still fail there: the engine then ends that request alone
     (``harness.eviction.evictor.PolicyFailure``). Attention scores need a query window and are
     the harness's own (their tests check them)."""
-    if key in _TRIED_SCORES or not policy.needs_kv or policy.query_window or not hasattr(policy, "score"):
-        return
+    if key in _TRIED_SCORES or not policy.needs_kv or policy.query_window or policy.reconstructs \
+            or not hasattr(policy, "score"):
+        return  # (a reconstructing score is not computed from K/V: its passes are the engine's)
     import torch
 
     from harness.eviction.evictor import PolicyFailure, as_failure, checked_scores
@@ -510,6 +595,7 @@ def admit(settings: EvictionSettings, block_size: int, num_layers: int, groups: 
         policies = group_policies(settings, block_size, num_layers, groups)
         for policy in {id(policy): policy for policy in policies}.values():
             check_policy_runs(policy, enforce_eager)
+            check_reconstructing_policy(settings, policy)
             if settings.chain:
                 check_chain_policy(policy)
         if len(_ADMITTED) >= 4096:  # ratio budgets differ per prompt length: bounded, not a leak
@@ -553,7 +639,7 @@ def check_schedule_runs(settings: EvictionSettings, enforce_eager: bool, async_s
 def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:
     """What a policy needs of the engine beyond eviction itself: an attention-aware policy's query
     window is copied by Python hooks on the attention layers, which compiled graphs skip."""
-    if policy.query_window and not enforce_eager:
+    if (policy.query_window or policy.reconstructs) and not enforce_eager:
         raise ValueError(
             f"{policy.name} reads attention queries through hooks that compiled graphs skip: "
             "run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")

@@ -32,6 +32,19 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
   tokens), when that exceeds the turn's budget. The same evictions applied, turn by turn, to the
   concatenated turns: what one turn dropped no later turn holds. Attention-free rules only (a rule
   reading queries would need the previous turn's, which a chained turn does not have).
+* KVzip (Kim et al., arXiv 2505.23416, as kvpress 0.5.5's ``KVzipPress`` computes it): when the
+  prefill reaches the eviction point c (the context's end), the model is asked to repeat the context:
+  for each chunk of the context after its chat header (``Repeat.prefix`` tokens), a pass over the
+  cache of ``first + suffix + chunk`` (chunk 0) or ``later + previous chunk's last 8 ids + suffix +
+  chunk`` at positions c.. (every chunk's pass starts again at c: the pass's own K/V is dropped after
+  it). A context token's score is the largest attention it gets from any of the pass's queries in a
+  softmax over the first 4 tokens, the chunk's tokens and the pass's own (causal), per KV head (the
+  largest over the query heads reading it); the header's other tokens score 0 (never reconstructed),
+  the first 4 are always kept. The question then runs at c.., on what stayed. Every KV head keeps
+  the same count (the authors' ``pair-uniform`` level: a paged engine has one slot per token for
+  all its heads). At block granularity the same scores choose PagedEviction's middle tokens per KV
+  head (first block and last ``B + L mod B`` tokens kept; under context compression whole blocks,
+  the last ``B``, C in all, as every block rule there).
 """
 from __future__ import annotations
 
@@ -107,7 +120,10 @@ ATTENTION_RULES = {
     "snapkv": {"edges": lambda C, B: (0, WINDOW), "share": "head", "newest": WINDOW},
     "h2o": {"edges": lambda C, B: (0, C // 2), "share": "head"},
     "tova": {"edges": lambda C, B: (0, 0), "share": "layer"},
+    "kvzip": {"edges": lambda C, B: (KVZIP_SINKS, 0), "share": "head"},
 }
+KVZIP_SINKS = 4      # kvpress's n_sink: the context's first tokens, always kept, always in the softmax
+KVZIP_POSTFIX = 8    # ids of the previous chunk that a later chunk's repeat prompt ends with
 
 
 def attention_received(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -124,6 +140,49 @@ def attention_received(queries: torch.Tensor, keys: torch.Tensor, scale: float) 
             logits[i, length - n + i + 1:] = float("-inf")
         per_query_head.append(torch.softmax(logits, dim=-1).sum(dim=0))
     return torch.stack(per_query_head).view(kv_heads, query_heads // kv_heads, length).mean(dim=1)
+
+
+class Repeat:
+    """What KVzip's reconstruction of one request's context is made of (token ids, tokenizer-made):
+    ``prefix`` leading context tokens never reconstructed (the chat header), the repeat prompt of the
+    first chunk and of later ones, the chat footer (``suffix``) and the chunk length."""
+
+    def __init__(self, prefix: int, first: Sequence[int], later: Sequence[int], suffix: Sequence[int],
+                 chunk: int = 2048):
+        self.prefix, self.first, self.later, self.suffix, self.chunk = prefix, list(first), list(later), list(suffix), chunk
+
+    def passes(self, context: Sequence[int]) -> list[tuple[list[int], int, int]]:
+        """Each pass's input ids, with the context positions [start, end) of the chunk it repeats."""
+        out = []
+        for start in range(self.prefix, len(context), self.chunk):
+            end = min(start + self.chunk, len(context))
+            # a later chunk's prompt ends with the previous chunk's last ids (all of it, if shorter)
+            previous = list(context[max(start - KVZIP_POSTFIX, start - self.chunk):start])
+            lead = self.first if start == self.prefix else self.later + previous
+            out.append((lead + self.suffix + list(context[start:end]), start, end))
+        return out
+
+
+def kvzip_chunk_scores(queries: torch.Tensor, keys: torch.Tensor, start: int, end: int, scale: float) -> torch.Tensor:
+    """``[kv heads, end - start]``: for the chunk ``[start, end)`` of the context, the largest
+    attention each of its tokens gets from one pass's queries ``[r, query heads, dim]``, in a
+    softmax over the context's first ``min(4, start)`` tokens, the chunk and the pass's own r tokens
+    (causal among them), per KV head: the largest over its query heads too. ``keys``: ``[kv heads,
+    context + r, dim]``, the layer's cache with the pass's keys appended."""
+    r, query_heads, _ = queries.shape
+    kv_heads, length, _ = keys.shape
+    columns = torch.cat([torch.arange(min(KVZIP_SINKS, start)), torch.arange(start, end),
+                         torch.arange(length - r, length)])
+    lead = min(KVZIP_SINKS, start)
+    hidden = torch.ones(r, r, dtype=torch.bool).triu(diagonal=1)  # pass token i reads its tokens 0..i
+    best = torch.zeros(kv_heads, end - start)
+    for h in range(query_heads):
+        kv = h * kv_heads // query_heads
+        logits = queries[:, h] @ keys[kv, columns].T * scale  # [r, columns]
+        logits[:, -r:] = logits[:, -r:].masked_fill(hidden, float("-inf"))
+        received = torch.softmax(logits, dim=-1)[:, lead : lead + end - start].max(dim=0).values
+        best[kv] = torch.maximum(best[kv], received)
+    return best
 
 
 def average_pool(votes: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -151,8 +210,11 @@ class PlainPolicy:
     """
 
     def __init__(self, score: str, granularity: str, budget: int, block: int, per_head: bool | None = None,
-                 protect_edges: bool = True, weights: dict | None = None, decode_eviction: bool = True):
+                 protect_edges: bool = True, weights: dict | None = None, decode_eviction: bool = True,
+                 repeat: Repeat | None = None):
         self.score, self.granularity, self.budget, self.block = score, granularity, budget, block
+        self.repeat = repeat  # kvzip: the request's reconstruction inputs
+        self.reconstructed: torch.Tensor | None = None  # kvzip: [layers, heads, context] scores, set by generate
         self.decode_eviction = decode_eviction  # False: the prompt is compressed, the answer never
         self.per_head = (granularity == "token") if per_head is None else per_head
         self.protect_edges = protect_edges
@@ -198,6 +260,10 @@ class PlainPolicy:
             return self.totals
         if score == "lru":  # the youngest kept
             return -self.totals
+        if score == "kvzip":  # what the reconstruction read (PlainReference.generate puts it here)
+            if self.reconstructed is None:
+                raise ValueError("kvzip's scores come from the reconstruction passes, which ran for no context")
+            return self.reconstructed
         if score == "tova":  # the newest query's attention (per KV head; a layer's choice averages them)
             return torch.stack([attention_received(q[-1:], k, scale) for q, k in zip(queries, keys)])
         if score == "hybrid":  # weighted scores, each scaled to [0, 1] per layer and head
@@ -305,6 +371,7 @@ class PlainReference:
         self.queries: list[torch.Tensor] = []  # per layer, the newest queries [n, query heads, dim]
         # Set while groups evict apart: Hugging Face builds one mask, from layer 0's length.
         self.per_layer_masks = False
+        self.whole_pass = False  # set during a KVzip reconstruction pass: every query of it is recorded
         # After generate: the request's cache, and per layer the logical positions it holds [heads, tokens].
         self.cache = None
         self.positions: list[torch.Tensor] = []
@@ -333,7 +400,7 @@ class PlainReference:
             q = module.q_proj(hidden)[0].view(hidden.shape[1], -1, self.head_dim)  # [new, heads, dim]
             q = rotate(q, cos[0][:, None, :], sin[0][:, None, :])
             old = self.queries[index] if index < len(self.queries) else q[:0]
-            joined = torch.cat([old, q])[-WINDOW:]
+            joined = q if self.whole_pass else torch.cat([old, q])[-WINDOW:]
             if index < len(self.queries):
                 self.queries[index] = joined
             else:
@@ -377,6 +444,9 @@ class PlainReference:
             raise ValueError("context compression evicts the context only: the rule needs decode_eviction=False")
         for rule in policies:
             rule.reset()
+            if rule.score == "kvzip" and (rule.decode_eviction or rule.repeat is None):
+                raise ValueError("kvzip compresses once, from its reconstruction: it needs decode_eviction=False "
+                                 "and the request's Repeat")
         self.queries = []
         heads = self.model.config.num_key_value_heads
         if resume:
@@ -418,6 +488,10 @@ class PlainReference:
                 self.positions = [torch.cat([held, new], dim=-1) for held in self.positions]
                 logical, physical = logical + width, [length + width for length in physical]
                 prefill = logical == evict_at  # the pass that completed the prompt (or the context)
+                if prefill and any(rule.score == "kvzip" for rule in policies):
+                    reconstructed = self._reconstruct(cache, prompt[:evict_at], policies)
+                    for rule, members in zip(policies, groups):
+                        rule.reconstructed = reconstructed[members.start:members.stop]
                 phases = set()
                 for g, (rule, members) in enumerate(zip(policies, groups)):
                     # The prompt's (or context's) last WINDOW queries, then every decode query (a question's
@@ -460,6 +534,38 @@ class PlainReference:
         self.chain_tokens = list(prompt) + out[:-1]
         counts["lengths"] = [cache.get_seq_length(l) for l in range(layers)]
         return out, counts
+
+    def _reconstruct(self, cache, context: list[int], policies: list[PlainPolicy]) -> torch.Tensor:
+        """KVzip's ``[layers, kv heads, context]`` scores: one pass per chunk over the cache of the
+        whole context (nothing evicted yet), at positions c.., its K/V dropped once it is scored."""
+        repeats = {(r.repeat.prefix, tuple(r.repeat.first), tuple(r.repeat.later), tuple(r.repeat.suffix),
+                    r.repeat.chunk) for r in policies if r.score == "kvzip"}
+        if len(repeats) != 1:
+            raise ValueError("kvzip in several layer groups: every group reconstructs the same context the same way")
+        repeat = next(r.repeat for r in policies if r.score == "kvzip")
+        c, layers = len(context), len(self.model.model.layers)
+        if any(cache.get_seq_length(l) != c for l in range(layers)):
+            raise ValueError("kvzip reconstructs the whole context: a layer holds other than its c tokens")
+        scores = torch.zeros(layers, self.model.config.num_key_value_heads, c)
+        window, self.queries = self.queries, []
+        self.whole_pass = True  # the recorder keeps every query of the pass
+        try:
+            for ids, start, end in repeat.passes(context):
+                r = len(ids)
+                self.queries = []
+                # The backbone alone (no logits are read); positions continue from the context's end.
+                self.model.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(c, c + r)[None],
+                                 cache_position=torch.arange(c, c + r), past_key_values=cache, use_cache=True)
+                for l in range(layers):
+                    layer = cache.layers[l]
+                    scores[l, :, start:end] = kvzip_chunk_scores(self.queries[l], layer.keys[0], start, end,
+                                                                 self.head_dim ** -0.5)
+                    layer.keys, layer.values = layer.keys[:, :, :c].contiguous(), layer.values[:, :, :c].contiguous()
+        finally:
+            self.whole_pass = False
+            self.queries = window
+        scores[..., :KVZIP_SINKS] = scores.max() + 1  # the sinks outrank everything
+        return scores
 
     def _apply(self, cache, policy: PlainPolicy, phase: str, members: range, whole_blocks: bool = False) -> int:
         """Evicts on the group's layers ``members`` only: the rule sees their K/V (and queries) alone."""

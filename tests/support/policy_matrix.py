@@ -1,6 +1,11 @@
 """Every registered policy at every granularity it runs at, derived from the registry: what the
 generic tests (evictor, plain reference, Hugging Face reference, engine) iterate over. A new
-registered score joins every one of them with no test edited."""
+registered score joins every one of them with no test edited.
+
+Scores that ``reconstruct`` (KVzip) are left out: they compress once, from extra passes the engine
+runs at the eviction point, and need the request's reconstruction ids, which the generic tests'
+requests (decode eviction, no such ids) cannot give; ``tests/unit/test_kvzip.py`` and
+``tests/engine/test_kvzip.py`` put them through the same evictor, references and engine."""
 from __future__ import annotations
 
 from policies import REGISTRY
@@ -9,10 +14,10 @@ from policies import REGISTRY
 def policy_matrix() -> list[tuple[str, dict]]:
     """(name, options) pairs: each evicting policy as registered, plus each score at the other
     granularity where no alias names it already (``h2o`` with ``granularity=block``)."""
-    cases = [(name, {}) for name, entry in REGISTRY.items() if entry.evicts]
+    cases = [(name, {}) for name, entry in REGISTRY.items() if entry.evicts and not entry.reconstructs]
     named = {(entry.alias_of or name, entry.granularity) for name, entry in REGISTRY.items() if entry.score}
     for name, entry in REGISTRY.items():
-        if entry.score is None or entry.fixed_granularity:
+        if entry.score is None or entry.fixed_granularity or entry.reconstructs:
             continue
         for granularity in ("token", "block"):
             if (name, granularity) not in named:
