@@ -93,11 +93,12 @@ def passes(context: Sequence[int], prefix: int, first: Sequence[int], later: Seq
     return out
 
 
-def with_sinks(scores: torch.Tensor, n_sink: int) -> torch.Tensor:
+def with_sinks(scores: torch.Tensor, n_sink: int, above: float | None = None) -> torch.Tensor:
     """The request's ``[layers, kv_heads, context]`` scores with its first ``n_sink`` tokens above
-    every other (kvpress's ``amax + 1``): they stay whatever the budget. In place; returned."""
+    every other (kvpress's ``amax + 1``; ``above``: the maximum over more than these scores, every
+    layer group's): they stay whatever the budget. In place; returned."""
     if n_sink:
-        scores[..., :n_sink] = scores.max() + 1
+        scores[..., :n_sink] = (float(scores.max()) if above is None else above) + 1
     return scores
 
 

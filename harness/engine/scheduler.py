@@ -105,6 +105,9 @@ class Ledger:
     evict_s: float = 0.0
     model_s: float = 0.0
     capture_s: float = 0.0
+    # KVzip's reconstruction passes (inside evict_s: the eviction's share counts them), and their tokens
+    reconstruct_s: float = 0.0
+    reconstruct_tokens: int = 0
     state_bytes_peak: int = 0      # per-request policy state held by the worker (scores, windows)
     # the compressed-context cache's figures (``harness.engine.shared_contexts``), where it runs
     contexts: ContextStats | None = None
@@ -124,6 +127,8 @@ class Ledger:
         self.model_s += report.model_s
         self.evict_s += report.evict_s
         self.capture_s += report.capture_s
+        self.reconstruct_s += report.reconstruct_s
+        self.reconstruct_tokens += report.reconstruct_tokens
         self.state_bytes_peak = max(self.state_bytes_peak, report.state_bytes)
 
     def snapshot(self) -> dict:
@@ -148,6 +153,9 @@ class Ledger:
             "capture_s": self.capture_s,
             "capture_share_of_step": self.capture_s / self.model_s if self.model_s else 0.0,
             "policy_state_bytes_peak": self.state_bytes_peak,
+            # only where a reconstructing policy (KVzip) ran its passes, so that other records keep their keys
+            **({"reconstruct_s": self.reconstruct_s, "reconstruct_tokens": self.reconstruct_tokens}
+               if self.reconstruct_tokens else {}),
             # only with several groups, so that one group's records keep their keys
             **({"kv_cache_groups": self.groups, "evicting_group_blocks_peak": self.evicting_group_blocks_peak}
                if self.groups > 1 else {}),

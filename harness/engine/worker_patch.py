@@ -49,6 +49,7 @@ from harness.eviction.state import PolicyState
 from harness.eviction.kv_view import KVView
 from harness.engine.backend_views import UnsupportedLayoutError, make_view
 from harness.engine.query_capture import QueryCapture
+from harness.engine.reconstruction import Done, Reconstruction
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
 )
@@ -70,7 +71,7 @@ class WorkerEviction:
         self.settings = settings
         self.block_size = runner.cache_config.block_size
         self.policies: dict[tuple, tuple[Policy, ...]] = {}
-        self.backend = self.capture = None
+        self.backend = self.capture = self.reconstruction = None
         self.views: list[KVView] = []
         self.group_layers: list[list[int]] = []
         self.unsupported = None  # why this runner cannot evict, if it cannot
@@ -88,12 +89,14 @@ class WorkerEviction:
         self.compiled_cuda = runner.device.type == "cuda" and not self.enforce_eager
         # This rank's own seconds (the scheduler sees rank 0's reports only): model steps that
         # evicted or captured, evictions, query capture; read through the worker extension.
-        self.seconds = {"model_s": 0.0, "evict_s": 0.0, "capture_s": 0.0}
+        self.seconds = {"model_s": 0.0, "evict_s": 0.0, "capture_s": 0.0, "reconstruct_s": 0.0}
         try:
             check_compatible(runner.vllm_config)
             self.backend, self.views, self.group_layers = kv_views_of(runner, self.block_size)
             self.shards = head_shards(runner, self.views[0].num_heads)
             self.capture = QueryCapture(runner, attention_layers(runner))
+            self.reconstruction = Reconstruction(runner, self.capture.modules, self.capture.scales, self.views,
+                                                 self.group_layers, self.shards)
             for states in (self.policy_states, self.schedule_states):
                 for policy_state, layers in zip(states, self.group_layers):
                     policy_state.scales = [self.capture.scales[layer] for layer in layers]
@@ -117,8 +120,8 @@ class WorkerEviction:
                 # B5.6); a group's own lengths would not reach them.
                 raise EvictionNotActiveError(f"budget_schedule={settings.budget_schedule} gives the layer groups "
                                              "different lengths, which CUDA graphs do not follow: run with enforce_eager")
-            if (policies[0].query_window or settings.budget_schedule == "attention") and \
-                    self.capture is not None and self.capture.unsupported:
+            if (policies[0].query_window or policies[0].reconstructs or settings.budget_schedule == "attention") \
+                    and self.capture is not None and self.capture.unsupported:
                 raise EvictionNotActiveError(f"{settings.describe()} cannot run on this engine: {self.capture.unsupported}")
             self.policies[settings.key] = policies
         return policies
@@ -378,6 +381,43 @@ def measure_schedules(runner, state: WorkerEviction, scheduler_output) -> dict[s
     return budgets
 
 
+def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: dict[str, PolicyFailure]) -> Done:
+    """A reconstructing policy's passes (KVzip, ``harness.engine.reconstruction``) for each request
+    whose prefill reached its eviction point this step, before the step's evictions read their
+    scores. A request whose passes fail goes to ``failures`` (the scheduler ends it; the others run)."""
+    plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+    done = Done()
+    if plan is None or state.reconstruction is None:
+        return done
+    for request_id, settings in plan.settings.items():
+        request = runner.requests.get(request_id)
+        if request is None:
+            continue
+        settings = state.settings_of(request_id, settings)
+        policies = state.policy_for(settings)
+        if not policies[0].reconstructs:
+            continue
+        before = request.num_computed_tokens  # (before this step: vLLM updates it at the next one)
+        after = before + scheduler_output.num_scheduled_tokens[request_id]
+        evicted = plan.evicted_tokens.get(request_id, (0,) * state.groups)
+        point = settings.eviction_point(len(request.prompt_token_ids))
+        if not state.reconstruction.due(policies, point, before, after, evicted):
+            continue
+        try:
+            if any(evicted):
+                raise ValueError(f"it reconstructs the whole context, but {max(evicted)} of its tokens were evicted "
+                                 "before its eviction point")
+            ran = state.reconstruction.run(request_id, request, settings, policies, state.policy_states)
+        except Exception as error:  # the request fails, not the step
+            failures[request_id] = PolicyFailure(policies[0].name, f"reconstruction: {type(error).__name__}: {error}")
+            for policy_state in state.policy_states:
+                policy_state.scores.pop(request_id, None)
+            continue
+        done.tokens += ran.tokens
+        done.seconds += ran.seconds
+    return done
+
+
 def evict_after_step(runner, state: WorkerEviction, scheduler_output, failures: dict[str, PolicyFailure]) -> dict:
     """Run the evictions this step calls for (``harness.eviction.step.evict_step``: each KV cache
     group on its own layers, block lists, counts and budgets, every request of a group together);
@@ -485,13 +525,15 @@ def wrap_sample_tokens(original):
         evict_started = time.perf_counter()
         budgets = measure_schedules(self, state, scheduler_output)
         failures: dict[str, PolicyFailure] = {}
+        reconstructed = reconstruct_due(self, state, scheduler_output, failures)  # timed within evict_s
         evictions = evict_after_step(self, state, scheduler_output, failures)
         for request_id, failure in failures.items():
             logger.warning("request %s ends with an error: %s", request_id, failure)
         state.synchronize()
         finished = time.perf_counter()
         report = EvictionReport(evictions, model_s=evict_started - started, evict_s=finished - evict_started,
-                                capture_s=capture_s, budgets=budgets,
+                                capture_s=capture_s, budgets=budgets, reconstruct_s=reconstructed.seconds,
+                                reconstruct_tokens=reconstructed.tokens,
                                 failures={request_id: str(failure) for request_id, failure in failures.items()},
                                 state_bytes=sum(each.nbytes() for each in state.policy_states + state.schedule_states))
         for key in state.seconds:  # this rank's own sums of the report's seconds

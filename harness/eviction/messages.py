@@ -64,6 +64,9 @@ class EvictionReport:
     model_s: float = 0.0
     evict_s: float = 0.0
     capture_s: float = 0.0
+    # a reconstructing policy's (KVzip's) passes this step: their seconds (inside evict_s) and tokens
+    reconstruct_s: float = 0.0
+    reconstruct_tokens: int = 0
     state_bytes: int = 0
     budgets: dict[str, tuple[int, ...]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,201 @@
+"""KVzip's reconstruction passes inside the worker, in the step whose prefill reaches the eviction point.
+
+A policy whose score ``reconstructs`` (``policies.kvzip``) is scored by extra model forwards: for
+each chunk of the request's context, the model reads ``repeat prompt + footer + chunk`` over the
+request's cached context, at positions c.. (c the eviction point), and each context token's score is
+the largest attention the pass's queries pay it (``policies.kvzip.chunk_scores``). They run here,
+after the step's own forward wrote the context's last K/V and before its evictions
+(``worker_patch.wrap_sample_tokens``), one request at a time, each pass in pieces of at most
+``max_num_batched_tokens`` tokens (the activations vLLM profiled for).
+
+This is the design's option C (``docs/design_kvzip.md`` §4.3) with one change that removes its
+deepest tie to vLLM: the passes' attention is not vLLM's kernel but PyTorch's, over the request's
+context K/V read through the harness's own view (``KVView``, the evictor's reader) and the pass's own
+K/V held in memory. So the passes write nothing to the paged cache: no scratch blocks, no slot
+mapping, no hand-built attention metadata, nothing the scheduler must allocate or count; the
+request's ``num_computed_tokens`` never includes them, so its question and decode run at c.. with
+no rewind (the issue's "continues from the context's end"). The cost: the passes' attention runs in
+PyTorch, tiled over queries (``TILE``), not in the paged kernel.
+
+What this relies on in vLLM 0.32 (cited where used):
+
+* ``Attention.forward(query, key, value, output_shape=None, output_dtype=None)`` receives post-RoPE
+  ``[tokens, heads * head_size]`` query and key (``vllm/model_executor/layers/attention/attention.py:
+  488-497``; Llama calls it after ``rotary_emb`` at ``vllm/model_executor/models/llama.py:231-232``)
+  and returns ``[tokens, num_heads * head_size_v]`` (``attention.py:524-527``); it is replaced, on the
+  module instance, for the passes only: ``nn.Module.__call__`` calls ``self.forward``, so every
+  registered hook (the query capture's, idle then) still runs.
+* The model is called as the runner calls it (``GPUModelRunner._model_forward``,
+  ``vllm/v1/worker/gpu_model_runner.py:3620-3651``: ``input_ids``, ``positions``,
+  ``intermediate_tensors``, ``inputs_embeds``), inside ``set_forward_context`` with no attention
+  metadata, as the runner's dummy runs do (``gpu_model_runner.py:5831-5849``;
+  ``vllm/forward_context.py:278-289``). In eager mode the compile decorator calls ``forward``
+  directly (``vllm/compilation/decorators.py:402-407, 528-529``), which is why the policy needs
+  enforce_eager (also for the query hooks).
+* ``CachedRequestState.prompt_token_ids``, ``block_ids`` and ``num_computed_tokens`` (the value
+  before the step; ``vllm/v1/worker/gpu_input_batch.py:35-44``) and ``scheduler_config.
+  max_num_batched_tokens`` (``gpu_model_runner.py:516``).
+* The layer's softmax scale is its backend's ``impl.scale`` (``vllm/v1/attention/backends/
+  cpu_attn.py:304``), read once by ``QueryCapture``.
+
+Under tensor parallelism every rank runs the same passes in the same order (the model's all-reduces
+stay in step), scores its own KV heads, and the scores are gathered across ranks before they are
+stored, so every rank holds every head's, as the evictor expects (``HeadShards.gather_heads``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from harness.eviction.evictor import phase_due
+from policies.kvzip import chunk_scores, passes, with_sinks
+
+TILE = 256  # queries per attention tile in the passes: bounds one layer's logits
+
+
+@dataclass
+class Done:
+    """What one step's passes cost: tokens run through the model and seconds spent."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def pass_attention(query: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
+                   own_keys: torch.Tensor, own_values: torch.Tensor, scale: float, tile: int = TILE) -> torch.Tensor:
+    """``[n, query_heads, dim]`` attention output of a pass's newest n queries ``[n, query_heads,
+    dim]`` over the whole cached context (``[c, kv_heads, dim]``) and the pass's own K/V so far
+    (``[m, kv_heads, dim]``, m >= n, causal: query j reads own tokens up to m - n + j): what vLLM's
+    kernel computes for a prefill of the pass on top of the context, in float32."""
+    n, query_heads, dim = query.shape
+    m, kv_heads, _ = own_keys.shape
+    group = query_heads // kv_heads
+    keys = torch.cat([context_keys, own_keys]).float().permute(1, 2, 0)     # [kv_heads, dim, c + m]
+    values = torch.cat([context_values, own_values]).float().permute(1, 0, 2)  # [kv_heads, c + m, dim_v]
+    c = context_keys.shape[0]
+    out = []
+    for first in range(0, n, tile):
+        last = min(first + tile, n)
+        rows = last - first
+        q = query[first:last].float().reshape(rows, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(
+            kv_heads, group * rows, dim)
+        logits = torch.bmm(q, keys).mul_(scale).view(kv_heads, group, rows, -1)
+        own = torch.arange(m, device=query.device)
+        sees = m - n + torch.arange(first, last, device=query.device)
+        logits[..., c:].masked_fill_(own[None, :] > sees[:, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).view(kv_heads, group * rows, -1)
+        attended = torch.bmm(probs, values).view(kv_heads, group, rows, -1)  # [kv_heads, group, rows, dim_v]
+        out.append(attended.permute(2, 0, 1, 3).reshape(rows, query_heads, -1))
+    return torch.cat(out)
+
+
+class Reconstruction:
+    """The passes of one worker: its attention modules (in KV-cache layer order), each KV cache
+    group's view and layers, its head shards. ``run`` does one step's passes."""
+
+    def __init__(self, runner, modules: list, scales: list[float], views: list, group_layers: list[list[int]],
+                 shards, forward_context=None):
+        self.runner, self.modules, self.scales = runner, modules, scales
+        # (a test without vLLM gives its own; the engine enters vLLM's forward context)
+        self.forward_context = forward_context or self._vllm_forward_context
+        self.views, self.group_layers, self.shards = views, group_layers, shards
+        # Layer i (KV-cache order) is layer `where[i][1]` of group `where[i][0]`'s view.
+        self.where = {layer: (group, index) for group, layers in enumerate(group_layers)
+                      for index, layer in enumerate(layers)}
+        self.piece = int(runner.scheduler_config.max_num_batched_tokens)
+
+    def due(self, policies, point: int, before: int, after: int, evicted: tuple[int, ...]) -> bool:
+        """Whether this step ends with a reconstructing policy's prefill eviction in some group."""
+        return any(policy.reconstructs and phase_due(policy, point, before, after, done) == "prefill"
+                   for policy, done in zip(policies, evicted))
+
+    def run(self, request_id: str, request, settings, policies, states) -> Done:
+        """The passes for one request whose prefill reached its eviction point ``c`` this step (its
+        whole context cached, nothing evicted): its scores ``[group layers, heads, c]`` go to
+        ``states[g].scores`` of each group that evicts by them."""
+        started = time.perf_counter()
+        point = settings.eviction_point(len(request.prompt_token_ids))
+        spec, score = settings.reconstruction, policies[0].score
+        if spec is None:  # (admission refuses it; a request reaching here without ids is a bug)
+            raise RuntimeError(f"request {request_id}: {policies[0].name} has no reconstruction ids")
+        context = request.prompt_token_ids[:point]
+        device = self.runner.device
+        kv_heads = self.views[0].num_heads
+        scores = [torch.zeros(view.num_layers, kv_heads, point, device=device) for view in self.views]
+        # The context's slots in every group: logical = physical before the first eviction.
+        slots = [view.locate([(request.block_ids[group], 0, point)]) for group, view in enumerate(self.views)]
+        tokens = 0
+        for ids, start, end in passes(context, spec.prefix_tokens, spec.first, spec.later, spec.suffix,
+                                      score.chunk_size, score.postfix):
+            own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            sinks = min(score.n_sink, start)
+            for offset in range(0, len(ids), self.piece):
+                piece = ids[offset : offset + self.piece]
+                self._forward(piece, point + offset, own, slots, scores, (sinks, start, end))
+                tokens += len(piece)
+        gathered = self.shards.gather_heads(scores)
+        # The sinks above every score of every group (kvpress: the whole score's amax + 1); reading
+        # the maximum also waits for the device, so the seconds below are the passes'.
+        top = max(float(part.max()) for part in gathered)
+        for group, (policy, part) in enumerate(zip(policies, gathered)):
+            with_sinks(part, score.n_sink, above=top)
+            if policy.reconstructs:
+                states[group].scores[request_id] = part
+        return Done(tokens, time.perf_counter() - started)
+
+    def _forward(self, ids: list[int], first_position: int, own: dict, slots: list, scores: list,
+                 chunk: tuple[int, int, int]) -> None:
+        """One piece of a pass through the model, with every attention layer replaced by
+        ``pass_attention`` over the context and the pass's own K/V, scoring the chunk as it goes."""
+        runner, device = self.runner, self.runner.device
+        n = len(ids)
+        input_ids = torch.tensor(ids, dtype=torch.int32, device=device)
+        positions = torch.arange(first_position, first_position + n, dtype=torch.int64, device=device)
+        saved = {}
+        try:
+            for layer, module in enumerate(self.modules):
+                saved[layer] = module.__dict__.get("forward")
+                module.forward = self._attention(layer, module, own, slots, scores, chunk)
+            # No attention metadata: every attention layer's forward is ours (the runner's dummy runs
+            # enter the same context without metadata, gpu_model_runner.py:5831-5849).
+            with torch.inference_mode(), self.forward_context(n):
+                runner.model(input_ids=input_ids, positions=positions, intermediate_tensors=None, inputs_embeds=None)
+        finally:
+            for layer, module in enumerate(self.modules):
+                if saved.get(layer) is None:
+                    module.__dict__.pop("forward", None)  # back to the class's Attention.forward
+                else:
+                    module.forward = saved[layer]
+
+    def _vllm_forward_context(self, tokens: int):
+        from vllm.forward_context import set_forward_context
+
+        return set_forward_context(None, self.runner.vllm_config, num_tokens=tokens)
+
+    def _attention(self, layer: int, module, own: dict, slots: list, scores: list, chunk: tuple[int, int, int]):
+        group, index = self.where[layer]
+        view, scale = self.views[group], self.scales[layer]
+        sinks, start, end = chunk
+
+        def forward(query, key, value, output_shape=None, output_dtype=None):
+            n = query.shape[0]
+            q = query.view(n, module.num_heads, module.head_size)
+            k = key.view(n, module.num_kv_heads, module.head_size)
+            v = value.view(n, module.num_kv_heads, module.head_size_v)
+            if layer in own:  # a pass run in pieces: the earlier pieces' K/V stay in memory
+                k = torch.cat([own[layer][0], k])
+                v = torch.cat([own[layer][1], v])
+            own[layer] = (k, v)
+            context_keys, context_values = view.read(index, slots[group])
+            part = slots[group].parts[0]
+            context_keys, context_values = context_keys[part], context_values[part]
+            received = chunk_scores(q, context_keys[:sinks], context_keys[start:end], k, scale)
+            held = scores[group][index, :, start:end]
+            torch.maximum(held, received.to(held.device), out=held)
+            out = pass_attention(q, context_keys, context_values, k, v, scale)
+            shape = output_shape if output_shape is not None else (n, module.num_heads * module.head_size_v)
+            return out.to(output_dtype or query.dtype).reshape(shape)
+
+        return forward

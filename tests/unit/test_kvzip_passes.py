@@ -1,0 +1,146 @@
+"""The worker's KVzip passes (``harness.engine.reconstruction``) without vLLM or a checkpoint: a
+small random attention model whose attention layers are stand-ins for vLLM's ``Attention`` (the
+passes replace their forward), its context K/V in a paged cache at scattered blocks. The scores the
+passes leave in the request's state equal an independent computation: the model run over the
+whole sequence ``context + pass`` with plain causal attention, and the plain reference's rule
+(``tests/support/plain_reference.kvzip_chunk_scores``) on its queries and keys; chunks, pieces
+smaller than a pass, one or two layer groups. Nothing of the cache is written."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.engine.backend_views import FlashAttnView
+from harness.engine.reconstruction import Reconstruction, pass_attention
+from harness.eviction.settings import EvictionSettings
+from harness.eviction.shards import SINGLE
+from harness.eviction.state import PolicyState
+from policies import make_policy
+from tests.support.plain_reference import Repeat, kvzip_chunk_scores
+
+LAYERS, HEADS, KV_HEADS, DIM, VOCAB, BLOCK = 4, 4, 2, 8, 50, 8
+SCALE = DIM ** -0.5
+
+
+class StandIn(torch.nn.Module):
+    """What the passes read of vLLM's ``Attention``: head counts and sizes; its own forward must
+    never run during them."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size, self.head_size_v = HEADS, KV_HEADS, DIM, DIM
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("the passes replace every attention layer's forward")
+
+
+class TinyModel(torch.nn.Module):
+    """Embedding plus a learned position embedding (positions matter), then per layer q/k/v
+    projections, attention through the stand-in and a residual output projection."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        hidden = HEADS * DIM
+        self.embed = torch.randn(VOCAB, hidden, generator=gen) * 0.5
+        self.position = torch.randn(256, hidden, generator=gen) * 0.5
+        self.weights = [[torch.randn(hidden, n, generator=gen) * 0.3 for n in (HEADS * DIM, KV_HEADS * DIM,
+                                                                             KV_HEADS * DIM, hidden)]
+                        for _ in range(LAYERS)]
+        self.attn = torch.nn.ModuleList(StandIn() for _ in range(LAYERS))
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        x = self.embed[input_ids.long()] + self.position[positions]
+        for layer, (wq, wk, wv, wo) in enumerate(self.weights):
+            x = x + self.attn[layer](x @ wq, x @ wk, x @ wv) @ wo
+        return x
+
+    def whole(self, ids: list[int]):
+        """The independent computation: every layer's queries ``[T, heads, dim]``, keys and values
+        ``[kv heads, T, dim]`` of the whole sequence under plain causal attention."""
+        t = len(ids)
+        x = self.embed[torch.tensor(ids)] + self.position[torch.arange(t)]
+        out = []
+        for wq, wk, wv, wo in self.weights:
+            q = (x @ wq).view(t, HEADS, DIM)
+            k = (x @ wk).view(t, KV_HEADS, DIM).transpose(0, 1)
+            v = (x @ wv).view(t, KV_HEADS, DIM).transpose(0, 1)
+            heads = []
+            for h in range(HEADS):
+                kv = h * KV_HEADS // HEADS
+                logits = q[:, h] @ k[kv].T * SCALE
+                logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+                heads.append(torch.softmax(logits, dim=-1) @ v[kv])
+            out.append((q, k, v))
+            x = x + torch.stack(heads, dim=1).reshape(t, -1) @ wo
+        return out
+
+
+def test_pass_attention_equals_plain_causal_attention():
+    """A pass's attention over a context of 9 and its own 6 tokens, given as its last 4 queries
+    with all 6 own keys, equals plain causal attention over the 15 tokens (rows 11..14)."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(15, KV_HEADS, DIM, generator=gen), torch.randn(15, KV_HEADS, DIM, generator=gen)
+    queries = torch.randn(15, HEADS, DIM, generator=gen)
+    got = pass_attention(queries[11:], keys[:9], values[:9], keys[9:], values[9:], SCALE, tile=3)
+    want = []
+    for h in range(HEADS):
+        kv = h * KV_HEADS // HEADS
+        logits = queries[:, h] @ keys[:, kv].T * SCALE
+        logits = logits.masked_fill(torch.ones(15, 15, dtype=torch.bool).triu(1), float("-inf"))
+        want.append(torch.softmax(logits, dim=-1) @ values[:, kv])
+    torch.testing.assert_close(got, torch.stack(want, dim=1)[11:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("chunk, piece", [(2048, 64), (9, 64), (9, 5)], ids=["one_chunk", "chunks", "pieces"])
+def test_the_passes_leave_the_scores_of_an_independent_computation(groups, chunk, piece):
+    gen = torch.Generator().manual_seed(chunk + piece)
+    prefix, first, later, suffix = 5, [1, 2, 3], [4, 5], [6, 7]
+    context = torch.randint(8, VOCAB, (29,), generator=gen).tolist()
+    c = len(context)
+    model = TinyModel()
+    # The context's K/V in a paged cache, its blocks scattered
+    blocks = [6, 1, 4, 0]
+    per_group = LAYERS // groups
+    caches = [torch.zeros(8, KV_HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
+    views = [FlashAttnView(caches[g * per_group:(g + 1) * per_group]) for g in range(groups)]
+    table = torch.tensor(blocks)
+    positions = torch.arange(c)
+    for layer, (_, k, v) in enumerate(model.whole(context)):
+        view = views[layer // per_group]
+        view.write_layer(layer % per_group, table[positions // BLOCK], positions % BLOCK,
+                         k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    before = [cache.clone() for cache in caches]
+
+    runner = SimpleNamespace(device=torch.device("cpu"), model=model, vllm_config=None,
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=piece))
+    passes = Reconstruction(runner, list(model.attn), [SCALE] * LAYERS, views,
+                            [list(range(g * per_group, (g + 1) * per_group)) for g in range(groups)], SINGLE,
+                            forward_context=lambda tokens: nullcontext())
+    settings = EvictionSettings("kvzip", 16, decode_eviction=False, compress="context", context_tokens=c,
+                                reconstruction={"prefix_tokens": prefix, "first": first, "later": later,
+                                                "suffix": suffix})
+    policies = (make_policy("kvzip", 16, BLOCK, chunk_size=chunk),) * groups
+    states = [PolicyState() for _ in range(groups)]
+    request = SimpleNamespace(prompt_token_ids=context + [9, 10, 11], block_ids=tuple([blocks] * groups),
+                              num_computed_tokens=0)
+    done = passes.run("r", request, settings, policies, states)
+
+    want = torch.zeros(LAYERS, KV_HEADS, c)
+    repeat = Repeat(prefix, first, later, suffix, chunk)
+    for ids, start, end in repeat.passes(context):
+        for layer, (q, k, _) in enumerate(model.whole(context + ids)):
+            want[layer, :, start:end] = kvzip_chunk_scores(q[c:], k, start, end, SCALE)
+    want[..., :4] = want.max() + 1
+    got = torch.cat([states[g].scores["r"] for g in range(groups)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert (got[..., 4:prefix] == 0).all()  # the header after the sinks is never repeated
+    assert done.tokens == sum(len(ids) for ids, _, _ in repeat.passes(context))
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache, old)  # the passes wrote nothing to the paged cache
+    with pytest.raises(AssertionError, match="replace every"):
+        model.attn[0](None, None, None)  # each layer's own forward is back
