@@ -24,6 +24,15 @@ own keys (Hugging Face builds one mask, for the first layer's length). With ``sc
 the prefill reaches the eviction point, as the engine's worker measures them
 (``harness.eviction.layer_budgets``), and that eviction follows them.
 
+KVzip (a policy whose score ``reconstructs``, ``policies.kvzip``): when the prefill reaches the
+eviction point c, the reference runs the reconstruction passes through the model on the request's
+``DynamicCache`` (``reconstruction``: the request's ids, ``harness.eviction.settings.Reconstruction``),
+at positions c.., each layer's post-RoPE queries handed over by the registered attention function
+(the model's own attention over the whole cache computes the rest of the pass), scores them with the
+policy's ``chunk_scores`` and cuts each pass's K/V off the cache again; the step driver then evicts
+by those scores. The engine's worker runs the same passes with the attention computed apart
+(``harness.engine.reconstruction``): this is the check of its orchestration.
+
 Chained turns (``resume``, ``chain=true``): the next turn of a conversation continues the cache the
 previous request left (its prompt and every output but the last, as evicted), computes its tokens
 up to its context boundary at their logical positions, and the prefill eviction there runs, through
@@ -155,7 +164,9 @@ class HFReferenceEngine:
         if any((p.query_window if p else 0) != self.window for p in self.policies):
             raise ValueError("the groups' policies must read the same query window")
         grouped = len(self.policies) > 1
-        attention = window_attention_implementation("eager") if self.window or grouped or self.schedule else "eager"
+        self.reconstructs = any(p is not None and p.reconstructs for p in self.policies)
+        attention = (window_attention_implementation("eager") if self.window or grouped or self.schedule
+                     or self.reconstructs else "eager")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attention)
         self.model = self.model.to(device).eval()
         self.device = torch.device(device)
@@ -167,7 +178,7 @@ class HFReferenceEngine:
         size = layers // groups
         self.group_layers = [range(g * size, (g + 1) * size) for g in range(groups)]
         for layer in self.attention_layers:
-            if self.window or self.schedule:
+            if self.window or self.schedule or self.reconstructs:
                 layer.kv_report_queries = self.step_queries.__setitem__
             layer.kv_own_mask = grouped
         self.policy_states = [PolicyState() for _ in self.policies]
@@ -195,18 +206,20 @@ class HFReferenceEngine:
         self.policy = policies[0]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
-                 context_tokens: int | None = None, resume: bool = False) -> list[int]:
+                 context_tokens: int | None = None, resume: bool = False, reconstruction=None) -> list[int]:
         return self.generate_with_top_logprobs(prompt_ids, max_new_tokens, eos_token_id,
-                                               context_tokens=context_tokens, resume=resume)[0]
+                                               context_tokens=context_tokens, resume=resume,
+                                               reconstruction=reconstruction)[0]
 
     def generate_with_top_logprobs(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
-                                   top: int = 3, context_tokens: int | None = None, resume: bool = False
-                                   ) -> tuple[list[int], list[list[list]]]:
+                                   top: int = 3, context_tokens: int | None = None, resume: bool = False,
+                                   reconstruction=None) -> tuple[list[int], list[list[list]]]:
         """Output ids and, per position, the ``top`` best ``[token, logprob]`` pairs (the engine
         runs' format, for the near-tie rule). ``context_tokens``: evict after the prompt's first
         ``context_tokens`` tokens, before the question (the rest) is computed; None: after the prompt.
         ``resume``: a chained turn, continuing the previous request's cache (the module's docstring)."""
-        output, best, _ = self._decode(prompt_ids, max_new_tokens, eos_token_id, top, None, context_tokens, resume)
+        output, best, _ = self._decode(prompt_ids, max_new_tokens, eos_token_id, top, None, context_tokens, resume,
+                                       reconstruction)
         return output, best
 
     def forced_logprobs(self, prompt_ids: list[int], forced: list[int], context_tokens: int | None = None) -> list[float]:
@@ -216,8 +229,8 @@ class HFReferenceEngine:
 
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None, top: int,
-                forced: list[int] | None, context_tokens: int | None = None, resume: bool = False
-                ) -> tuple[list[int], list[list[list]], list[float]]:
+                forced: list[int] | None, context_tokens: int | None = None, resume: bool = False,
+                reconstruction=None) -> tuple[list[int], list[list[list]], list[float]]:
         from transformers import DynamicCache
 
         prompt_len = len(prompt_ids)
@@ -274,6 +287,10 @@ class HFReferenceEngine:
             self._observe("request")
             if self.schedule is not None and before < evict_at <= computed:
                 self._measure(cache, computed)
+            if self.reconstructs and before < evict_at <= computed and any(evicted):
+                raise ValueError("a reconstructing policy reconstructs the whole context: nothing may be evicted before it")
+            if self.reconstructs and before < evict_at <= computed and self._prefill_due(evict_at):
+                self._reconstruct(cache, prompt_ids[:evict_at], reconstruction)
             if computed < prompt_len:  # the context is in: evict it, then the question runs on what stayed
                 evicted = self._after_step(cache, evict_at, before, computed, evicted)
                 inputs = torch.tensor([prompt_ids[computed:]], device=self.device)
@@ -294,6 +311,42 @@ class HFReferenceEngine:
         # what it holds, for a chained next turn: the prompt and every output but the last (never computed)
         self.chain_tokens, self.chain_evicted = list(prompt_ids) + output[:-1], evicted
         return output, best, chosen
+
+    def _prefill_due(self, evict_at: int) -> bool:
+        """Whether a reconstructing group's prefill eviction follows (the engine's worker asks the same)."""
+        return any(p.reconstructs and p.needs_prefill_eviction(evict_at) for p in self.policies)
+
+    def _reconstruct(self, cache, context: list[int], reconstruction) -> None:
+        """KVzip's passes over the cache of the whole ``context`` (the module's docstring): each
+        reconstructing group's ``[layers, heads, c]`` scores go to its policy state."""
+        from policies.kvzip import chunk_scores, passes, with_sinks
+
+        if reconstruction is None:
+            raise ValueError(f"{self.policy.name} reconstructs the context: generate needs the request's reconstruction")
+        score = next(p for p in self.policies if p.reconstructs).score
+        c, layers = len(context), len(self.attention_layers)
+        heads = cache.layers[0].keys.shape[1]
+        scores = torch.zeros(layers, heads, c, device=self.device)
+        for ids, start, end in passes(context, reconstruction.prefix_tokens, reconstruction.first,
+                                      reconstruction.later, reconstruction.suffix, score.chunk_size, score.postfix):
+            r = len(ids)
+            self.step_queries.clear()
+            self.model.model(input_ids=torch.tensor([ids], device=self.device),
+                             position_ids=torch.arange(c, c + r, device=self.device).unsqueeze(0),
+                             cache_position=torch.arange(c, c + r, device=self.device), past_key_values=cache,
+                             use_cache=True)
+            sinks = min(score.n_sink, start)
+            for layer in range(layers):
+                entry = cache.layers[layer]
+                keys = entry.keys[0].transpose(0, 1)  # [c + r, heads, dim]
+                scale = float(self.attention_layers[layer].scaling)
+                scores[layer, :, start:end] = chunk_scores(self.step_queries[layer], keys[:sinks], keys[start:end],
+                                                           keys[c:], scale)
+                entry.keys, entry.values = entry.keys[:, :, :c].contiguous(), entry.values[:, :, :c].contiguous()
+        with_sinks(scores, score.n_sink)
+        for policy, layers_of, state in zip(self.policies, self.group_layers, self.policy_states):
+            if policy.reconstructs:
+                state.scores["request"] = scores[layers_of.start:layers_of.stop]
 
     def _measure(self, cache, tokens: int) -> None:
         """The attention schedule's group budgets from this pass's last queries and the cache (the
