@@ -24,8 +24,10 @@ def store_policy_configs() -> None:
 
 
 def sweep_policies() -> str:
-    """Every registered policy except the aliases (a score at a fixed granularity), comma-separated."""
-    return ",".join(name for name, entry in REGISTRY.items() if entry.alias_of is None)
+    """Every registered policy except the aliases (a score at a fixed granularity) and those that
+    reconstruct their context (KVzip: its requests need reconstruction ids, which run.py's prompt
+    builder does not make yet, and it never evicts in decode, which these sweeps do), comma-separated."""
+    return ",".join(name for name, entry in REGISTRY.items() if entry.alias_of is None and not entry.reconstructs)
 
 
 store_policy_configs()

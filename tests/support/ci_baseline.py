@@ -15,8 +15,9 @@ CI_BASELINE = ROOT / "results" / "ci_baseline"
 
 
 def swept_policies() -> list[str]:
-    """What ``${kv_policies:}`` sweeps: every registered policy but the aliases, in registry order."""
-    return [name for name, entry in REGISTRY.items() if entry.alias_of is None]
+    """What ``${kv_policies:}`` sweeps: every registered policy but the aliases and those that
+    reconstruct (KVzip), in registry order."""
+    return [name for name, entry in REGISTRY.items() if entry.alias_of is None and not entry.reconstructs]
 
 
 def baseline_cells() -> list[Path]:
