@@ -110,7 +110,9 @@ def context_key(request, settings, hash_block_size: int) -> tuple | None:
     if whole == 0 or len(request.block_hashes) < whole:
         return None
     tail = tuple(request.all_token_ids[whole * hash_block_size: length])
-    return request.block_hashes[whole - 1], tail, settings.key
+    # A reconstructing policy's kept set also depends on the ids it repeated the context with (the
+    # request's own, not in the settings' key): a context compressed with other ids is another entry.
+    return request.block_hashes[whole - 1], tail, settings.key, settings.reconstruction
 
 
 def chain_entry_key(request, settings, length: int, hash_block_size: int) -> tuple | None:
