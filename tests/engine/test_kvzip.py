@@ -9,7 +9,8 @@ previous chunk's last 8 ids), at block granularity, and compressing the whole pr
 half the context (or prompt) kept. A second engine runs the same requests with prefix caching (the
 second question about the context takes the compressed context) and passes of at most 256 tokens
 per forward (``max_num_batched_tokens``: the context's prefill is chunked, and a pass runs in
-pieces): it generates the same."""
+pieces): it generates the same; so do the layers as two KV cache groups, and a pool small enough
+to preempt requests after their eviction."""
 from __future__ import annotations
 
 import pytest
@@ -136,3 +137,29 @@ def test_prefix_caching_and_pieces_generate_the_same(engine_runs, requests):
     assert ledger["evictions"]["prefill"] == len(compressing)
     assert ledger["reconstruct_tokens"] == sum(pass_tokens(requests[i][1], requests[i][2]) for i in compressing)
     assert pieces["free_blocks_after"] == ledger["kv_pool_blocks"]
+
+
+def test_two_layer_groups_generate_the_same(tmp_path, engine_runs, requests):
+    """The layers as two KV cache groups (uniform budgets: each group keeps what one group keeps of
+    its layers): the passes score both groups' layers, the sinks above every group's scores, and
+    every request generates what it generated with one group (near-tie rule)."""
+    plain, _ = engine_runs
+    prompts, settings = [p for _, p, _ in requests], [s for _, _, s in requests]
+    grouped = run_engine(tmp_path, "smollm2", prompts, NEW_TOKENS, request_eviction=settings, layer_groups=2)
+    assert_same_outputs(plain, grouped)
+    assert grouped["ledger"]["reconstruct_tokens"] == plain["ledger"]["reconstruct_tokens"]
+    assert grouped["free_blocks_after"] == grouped["ledger"]["kv_pool_blocks"]
+
+
+def test_preempted_requests_reconstruct_again_and_generate_the_same(tmp_path, requests):
+    """A pool too small for every request at once (the settings of test_context_compression's
+    preemption test): requests preempted after their eviction compute their context, and their
+    passes, again (or take the shared context) and generate what they generate without preemption."""
+    chosen = [requests[0], requests[1], requests[4]]
+    prompts, settings = [p for _, p, _ in chosen], [s for _, _, s in chosen]
+    roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, 250, request_eviction=settings)
+    tight = run_engine(tmp_path / "tight", "smollm2", prompts, 250, request_eviction=settings, num_kv_blocks=40,
+                       max_model_len=1200, prefix_caching=True)
+    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
+    assert_same_outputs(roomy, tight)
+    assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
