@@ -33,8 +33,10 @@ What this relies on in vLLM 0.32 (cited where used):
   directly (``vllm/compilation/decorators.py:402-407, 528-529``), which is why the policy needs
   enforce_eager (also for the query hooks).
 * ``CachedRequestState.prompt_token_ids``, ``block_ids`` and ``num_computed_tokens`` (the value
-  before the step; ``vllm/v1/worker/gpu_input_batch.py:35-44``) and ``scheduler_config.
-  max_num_batched_tokens`` (``gpu_model_runner.py:516``).
+  before the step; ``vllm/v1/worker/gpu_input_batch.py:35-44``), the runner's ``vllm_config``,
+  ``scheduler_config``, ``device`` (``gpu_model_runner.py:476-492``; ``CPUModelRunner`` subclasses
+  it) and ``model`` (``:5057``, eager: no CUDA-graph or micro-batch wrapper, ``:5200-5224``), and
+  ``scheduler_config.max_num_batched_tokens`` (``:516``).
 * The layer's softmax scale is its backend's ``impl.scale`` (``vllm/v1/attention/backends/
   cpu_attn.py:304``), read once by ``QueryCapture``.
 
