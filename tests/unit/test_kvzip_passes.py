@@ -144,3 +144,39 @@ def test_the_passes_leave_the_scores_of_an_independent_computation(groups, chunk
         assert torch.equal(cache, old)  # the passes wrote nothing to the paged cache
     with pytest.raises(AssertionError, match="replace every"):
         model.attn[0](None, None, None)  # each layer's own forward is back
+
+
+def test_the_worker_runs_the_passes_of_the_requests_due_and_fails_only_a_broken_one():
+    """``worker_patch.reconstruct_due``: of three KVzip requests in a step, the one whose prefill
+    reaches its eviction point runs its passes (its scores in the state, their tokens counted), the
+    one still prefilling runs none, and one that evicted before its eviction point (which KVzip
+    cannot reconstruct) fails alone, with the reason, leaving no scores."""
+    from harness.engine.worker_patch import reconstruct_due
+    from harness.eviction.messages import PLAN_ATTRIBUTE, EvictionPlan
+
+    context = torch.randint(8, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    c = len(context)
+    model = TinyModel()
+    cache = [torch.zeros(8, KV_HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
+    view = FlashAttnView(cache)
+    runner = SimpleNamespace(device=torch.device("cpu"), model=model, vllm_config=None,
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=64))
+    settings = EvictionSettings("kvzip", 16, decode_eviction=False, compress="context", context_tokens=c,
+                                reconstruction={"prefix_tokens": 2, "first": [1, 2], "later": [3], "suffix": [4]})
+    policies = (make_policy("kvzip", 16, BLOCK, chunk_size=16),)
+    state = SimpleNamespace(
+        reconstruction=Reconstruction(runner, list(model.attn), [SCALE] * LAYERS, [view], [list(range(LAYERS))],
+                                      SINGLE, forward_context=lambda tokens: nullcontext()),
+        policy_for=lambda s: policies, settings_of=lambda rid, s: s, groups=1, policy_states=[PolicyState()])
+    requests = {rid: SimpleNamespace(prompt_token_ids=context + [5, 6], block_ids=([0, 1, 2, 3, 4],),
+                                     num_computed_tokens=done) for rid, done in (("due", 20), ("early", 0),
+                                                                                  ("broken", 20))}
+    plan = EvictionPlan(None, {rid: settings for rid in requests}, evicted_tokens={"broken": (8,)})
+    step = SimpleNamespace(num_scheduled_tokens={"due": c - 20, "early": 10, "broken": c - 20})
+    step.__dict__[PLAN_ATTRIBUTE] = plan
+    failures = {}
+    done = reconstruct_due(SimpleNamespace(requests=requests), state, step, failures)
+    assert set(state.policy_states[0].scores) == {"due"}
+    assert state.policy_states[0].scores["due"].shape == (LAYERS, KV_HEADS, c)
+    assert done.tokens == sum(len(ids) for ids, _, _ in Repeat(2, [1, 2], [3], [4], 16).passes(context))
+    assert set(failures) == {"broken"} and "8 of its tokens were evicted" in str(failures["broken"])
