@@ -108,15 +108,16 @@ class Reconstruction:
                       for index, layer in enumerate(layers)}
         self.piece = int(runner.scheduler_config.max_num_batched_tokens)
 
-    def due(self, policies, point: int, before: int, after: int, evicted: tuple[int, ...]) -> bool:
-        """Whether this step ends with a reconstructing policy's prefill eviction in some group."""
-        return any(policy.reconstructs and phase_due(policy, point, before, after, done) == "prefill"
-                   for policy, done in zip(policies, evicted))
+    def due(self, policies, point: int, before: int, after: int, evicted: tuple[int, ...]) -> list[bool]:
+        """Per KV cache group, whether this step ends with its reconstructing policy's prefill eviction."""
+        return [policy.reconstructs and phase_due(policy, point, before, after, done) == "prefill"
+                for policy, done in zip(policies, evicted)]
 
-    def run(self, request_id: str, request, settings, policies, states) -> Done:
+    def run(self, request_id: str, request, settings, policies, states, due: list[bool] | None = None) -> Done:
         """The passes for one request whose prefill reached its eviction point ``c`` this step (its
         whole context cached, nothing evicted): its scores ``[group layers, heads, c]`` go to
-        ``states[g].scores`` of each group that evicts by them."""
+        ``states[g].scores`` of each group whose eviction is ``due`` (every group: None); a group
+        whose budget holds the whole context evicts nothing and keeps no scores."""
         started = time.perf_counter()
         point = settings.eviction_point(len(request.prompt_token_ids))
         spec, score = settings.reconstruction, policies[0].score
@@ -143,7 +144,7 @@ class Reconstruction:
         top = max(float(part.max()) for part in gathered)
         for group, (policy, part) in enumerate(zip(policies, gathered)):
             with_sinks(part, score.n_sink, above=top)
-            if policy.reconstructs:
+            if policy.reconstructs and (due is None or due[group]):
                 states[group].scores[request_id] = part
         return Done(tokens, time.perf_counter() - started)
 

@@ -401,13 +401,14 @@ def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: d
         after = before + scheduler_output.num_scheduled_tokens[request_id]
         evicted = plan.evicted_tokens.get(request_id, (0,) * state.groups)
         point = settings.eviction_point(len(request.prompt_token_ids))
-        if not state.reconstruction.due(policies, point, before, after, evicted):
+        due = state.reconstruction.due(policies, point, before, after, evicted)
+        if not any(due):
             continue
         try:
             if any(evicted):
                 raise ValueError(f"it reconstructs the whole context, but {max(evicted)} of its tokens were evicted "
                                  "before its eviction point")
-            ran = state.reconstruction.run(request_id, request, settings, policies, state.policy_states)
+            ran = state.reconstruction.run(request_id, request, settings, policies, state.policy_states, due)
         except Exception as error:  # the request fails, not the step
             failures[request_id] = PolicyFailure(policies[0].name, f"reconstruction: {type(error).__name__}: {error}")
             for policy_state in state.policy_states:
