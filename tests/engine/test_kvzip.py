@@ -155,7 +155,9 @@ def test_preempted_requests_reconstruct_again_and_generate_the_same(tmp_path, re
     """A pool too small for every request at once (the settings of test_context_compression's
     preemption test): requests preempted after their eviction compute their context, and their
     passes, again (or take the shared context) and generate what they generate without preemption."""
-    chosen = [requests[0], requests[1], requests[4]]
+    # One request per setting (token and block compressing the context, the whole prompt): none shares
+    # another's compressed context, so three 20-block requests growing by 250 tokens outgrow 40 blocks.
+    chosen = [requests[0], requests[2], requests[4]]
     prompts, settings = [p for _, p, _ in chosen], [s for _, _, s in chosen]
     roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, 250, request_eviction=settings)
     tight = run_engine(tmp_path / "tight", "smollm2", prompts, 250, request_eviction=settings, num_kv_blocks=40,
