@@ -155,14 +155,13 @@ def test_preempted_requests_reconstruct_again_and_generate_the_same(tmp_path, re
     """A pool too small for every request at once (the settings of test_context_compression's
     preemption test): requests preempted after their eviction compute their context, and their
     passes, again (or take the shared context) and generate what they generate without preemption."""
-    # As test_context_compression's preemption test: questions sharing compressed contexts (vLLM admits
-    # a request whose predicted peak fits; requests that share nothing were admitted one after the
-    # other, at 40 and at 36 blocks, and nothing was preempted).
-    chosen = requests[:4]
+    # Every request of the module at 34 blocks (three earlier tries preempted nothing: three unshared
+    # requests at 40 and 36 blocks, four sharing two contexts at 40).
+    chosen = requests
     prompts, settings = [p for _, p, _ in chosen], [s for _, _, s in chosen]
     roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, 250, request_eviction=settings)
-    tight = run_engine(tmp_path / "tight", "smollm2", prompts, 250, request_eviction=settings, num_kv_blocks=40,
-                       max_model_len=1200, prefix_caching=True)
+    tight = run_engine(tmp_path / "tight", "smollm2", prompts, 250, request_eviction=settings, num_kv_blocks=34,
+                       max_model_len=1088, prefix_caching=True)
     assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
     assert_same_outputs(roomy, tight)
     assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
