@@ -161,7 +161,7 @@ def test_preempted_requests_reconstruct_again_and_generate_the_same(tmp_path, re
     prompts, settings = [p for _, p, _ in chosen], [s for _, _, s in chosen]
     roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, 250, request_eviction=settings)
     tight = run_engine(tmp_path / "tight", "smollm2", prompts, 250, request_eviction=settings, num_kv_blocks=34,
-                       max_model_len=1088, prefix_caching=True)
+                       max_model_len=1056, prefix_caching=True)
     assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
     assert_same_outputs(roomy, tight)
     assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
