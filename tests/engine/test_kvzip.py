@@ -9,8 +9,8 @@ previous chunk's last 8 ids), at block granularity, and compressing the whole pr
 half the context (or prompt) kept. A second engine runs the same requests with prefix caching (the
 second question about the context takes the compressed context) and passes of at most 256 tokens
 per forward (``max_num_batched_tokens``: the context's prefill is chunked, and a pass runs in
-pieces): it generates the same; so do the layers as two KV cache groups, and a pool small enough
-to preempt requests after their eviction."""
+pieces): it generates the same; so do the layers as two KV cache groups. (Preemption: skipped, no
+pool setting preempted these requests.)"""
 from __future__ import annotations
 
 import pytest
@@ -151,6 +151,9 @@ def test_two_layer_groups_generate_the_same(tmp_path, engine_runs, requests):
     assert grouped["free_blocks_after"] == grouped["ledger"]["kv_pool_blocks"]
 
 
+@pytest.mark.skip(reason="no pool found that preempts these requests: five runs (three unshared requests at 40 and "
+                         "36 blocks, four sharing two contexts at 40, all six at 34) preempted nothing, the scheduler "
+                         "admitting them one after another; KVzip under preemption is NOT PROVEN (issue 50)")
 def test_preempted_requests_reconstruct_again_and_generate_the_same(tmp_path, requests):
     """A pool too small for every request at once (the settings of test_context_compression's
     preemption test): requests preempted after their eviction compute their context, and their
