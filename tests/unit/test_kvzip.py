@@ -96,13 +96,16 @@ def test_sinks_outrank_every_other_score():
     assert (scores[..., :4] == top + 1).all() and (scores[..., 4:] <= top).all()
 
 
+@pytest.mark.parametrize("whole_blocks", [False, True], ids=["prompt", "context"])
 @pytest.mark.parametrize("granularity", ["token", "block"])
 @pytest.mark.parametrize("block", [32, 16])
-def test_the_evictor_keeps_what_the_plain_rule_keeps(granularity, block):
+def test_the_evictor_keeps_what_the_plain_rule_keeps(granularity, block, whole_blocks):
     """Random K/V of 3 layers x 2 KV heads and random reconstruction scores (sinks on top): the
     harness's evictor, reading the scores from the request's state, leaves exactly the K/V the
     plain rule keeps from the same scores: per KV head, the 4 sinks and the best others (token), or
-    PagedEviction's first block, last ``B + L mod B`` tokens and best middle, per KV head (block)."""
+    PagedEviction's first block, last ``B + L mod B`` tokens and best middle, per KV head (block);
+    with ``whole_blocks`` (``compress=context``, set by ``build_policy``) a block rule's last ``B``
+    tokens, the budget exactly (200 tokens: 200 mod B is 8 at 32 and 16, so the two rules differ)."""
     budget, layers, heads, dim, tokens = 96, 3, 2, 8, 200
     gen = torch.Generator().manual_seed(block)
     view = FlashAttnView([torch.randn(16, heads, block, 2 * dim, generator=gen) for _ in range(layers)])
@@ -111,6 +114,7 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(granularity, block):
     values = [view.read_layer(l, blocks, 0, tokens)[1].permute(1, 0, 2) for l in range(layers)]
     scores = with_sinks(torch.rand(layers, heads, tokens, generator=gen), 4)
     policy = make_policy("kvzip", budget, block, granularity=granularity)
+    policy.whole_blocks = whole_blocks  # a run setting (build_policy's for compress=context)
     state = PolicyState(scales=[0.3] * layers)
     state.scores["r"] = scores.clone()
     eviction = evict(policy, view, blocks, tokens, "prefill", state, "r")
@@ -118,8 +122,8 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(granularity, block):
 
     rule = PlainPolicy("kvzip", granularity, budget, block, decode_eviction=False)
     rule.reconstructed = scores
-    kept = rule.keep(keys, values, "prefill")
-    assert kept.shape[-1] == (budget if granularity == "token" else budget + tokens % block)
+    kept = rule.keep(keys, values, "prefill", whole_blocks=whole_blocks)
+    assert kept.shape[-1] == (budget if granularity == "token" or whole_blocks else budget + tokens % block)
     slots = [blocks[position] for position in eviction.kept_blocks]
     for layer in range(layers):
         left_keys, left_values = view.read_layer(layer, slots, 0, kept.shape[-1])

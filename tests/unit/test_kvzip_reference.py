@@ -5,14 +5,16 @@ and what it generates (and caches) equals a run without KVzip, so the pass's K/V
 question ran at the positions it would have without the pass. With a budget, the plain reference and
 the Hugging Face reference (the harness's own evictor, policy and pass orchestration) generate the
 same and keep the same K/V, at token and block granularity, one chunk or several, compressing the
-context or the whole prompt."""
+context or the whole prompt. The harness's policy is built as the engine builds it
+(``build_policy``): compressing the context, a block rule keeps exactly the budget, whole blocks
+(``Policy.whole_blocks``, issue 49), which the plain reference derives from ``context_tokens``;
+compressing the whole prompt, ``B + L mod B`` at the end as ever."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from harness.eviction.settings import Reconstruction
-from policies import make_policy
+from harness.eviction.settings import EvictionSettings, Reconstruction, build_policy
 from tests.support.engine_support import BLOCK, model_path, text_prompts
 from tests.support.plain_reference import PlainPolicy, PlainReference, Repeat
 
@@ -52,8 +54,9 @@ def test_the_passes_leave_no_trace(plain, prompt):
 
 
 @pytest.mark.parametrize("granularity, chunk, context", [("token", 2048, 350), ("token", 100, 350),
-                                                         ("block", 100, 350), ("token", 128, None)],
-                         ids=["one_chunk", "chunks", "block_chunks", "whole_prompt"])
+                                                         ("block", 100, 350), ("token", 128, None),
+                                                         ("block", 128, None)],
+                         ids=["one_chunk", "chunks", "block_chunks", "whole_prompt", "block_whole_prompt"])
 def test_the_plain_reference_equals_the_harness_reference(plain, prompt, granularity, chunk, context):
     from harness.eviction.hf_reference import HFReferenceEngine
 
@@ -61,8 +64,14 @@ def test_the_plain_reference_equals_the_harness_reference(plain, prompt, granula
     rule = PlainPolicy("kvzip", granularity, budget, BLOCK, decode_eviction=False, repeat=repeat(chunk))
     ids, counts = plain.generate(prompt, NEW_TOKENS, rule, context_tokens=context)
     assert counts["prefill"] == 1 and counts["decode"] == 0
-    policy = make_policy("kvzip", budget, BLOCK, granularity=granularity, chunk_size=chunk)
-    policy.decode_eviction = False
+    # whole blocks compressing the context (350 = 10 blocks of 32 + 30): the budget exactly; the whole
+    # 400-token prompt (12 blocks + 16): a block rule keeps its partial last block beside the budget
+    assert all(length == budget + (len(prompt) % BLOCK if granularity == "block" and context is None else 0)
+               + (len(prompt) - (context or len(prompt))) + NEW_TOKENS - 1 for length in counts["lengths"])
+    policy = build_policy(EvictionSettings("kvzip", budget, {"granularity": granularity, "chunk_size": chunk},
+                                           decode_eviction=False, compress="prompt" if context is None else "context"),
+                          BLOCK)
+    assert policy.whole_blocks == (context is not None)
     engine = HFReferenceEngine(model_path("tiny"), policy)
     assert engine.generate(prompt, NEW_TOKENS, context_tokens=context, reconstruction=SPEC) == ids
     for mine, theirs in zip(plain.cache.layers, engine.cache.layers, strict=True):
