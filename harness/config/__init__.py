@@ -302,12 +302,6 @@ def check(run: RunSettings) -> None:
         )
     if run.policy not in REGISTRY:
         raise ConfigError(f"unknown policy {run.policy!r}; valid: {', '.join(REGISTRY)}")
-    if REGISTRY[run.policy].reconstructs:
-        # Its requests need reconstruction ids (harness.eviction.settings.Reconstruction), which the
-        # prompt builder does not make yet: refused here, before any model loads, not per request.
-        raise ConfigError(f"policy={run.policy} needs each request's reconstruction ids (chat header length, repeat "
-                          "prompts, footer), which run.py's prompt builder does not make yet (issue 50): give them "
-                          "per request (extra_args / vllm_xargs kv_eviction.reconstruction)")
     if run.budget_ratio is not None:
         try:
             check_ratio(run.budget_ratio)

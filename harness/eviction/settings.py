@@ -54,7 +54,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 import json
 import math
 
-from policies import BudgetError, Policy, UnknownPolicyError, make_policy
+from policies import REGISTRY, BudgetError, Policy, UnknownPolicyError, make_policy
 from policies.budget_schedules import group_budgets
 
 CONFIG_KEY = "kv_eviction"
@@ -242,6 +242,23 @@ class EvictionSettings:
     def at_context(self, context_tokens: int | None) -> "EvictionSettings":
         """One request's settings: its context boundary, where ``compress`` is ``context``."""
         return replace(self, context_tokens=context_tokens) if self.compress == "context" else self
+
+    @property
+    def reconstructs(self) -> bool:
+        """Whether the policy scores by reconstructing the request's context (KVzip): its requests
+        need their ``reconstruction`` ids."""
+        entry = REGISTRY.get(self.policy)
+        return entry is not None and entry.reconstructs
+
+    def for_request(self, context_tokens: int | None, reconstruction: dict | Reconstruction | None
+                    ) -> "EvictionSettings":
+        """One request's settings from what its prompt builder found (``harness.tasks.prompts.Prompt``):
+        its context boundary (``at_context``) and, for a policy that reconstructs the context, its
+        reconstruction ids (other policies refuse them, so they are not given)."""
+        settings = self.at_context(context_tokens)
+        if self.reconstructs and reconstruction is not None:
+            settings = replace(settings, reconstruction=Reconstruction.parse(reconstruction, "the prompt builder"))
+        return settings
 
     def eviction_point(self, prompt_tokens: int) -> int:
         """The logical length at which the prefill eviction runs: the prompt's end, or the end of

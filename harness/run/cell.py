@@ -49,9 +49,15 @@ class CellWork:
 
     def eviction_for(self, index: int):
         """The eviction settings of prompt ``index``'s request: the cell's, with that prompt's
-        context boundary where the cell compresses the context (None: full cache)."""
-        settings = self.run.eviction
-        return settings and settings.at_context(self.prompts[index].context_tokens)
+        context boundary where the cell compresses the context and its reconstruction ids where
+        the policy reconstructs it (KVzip) (None: full cache)."""
+        settings, prompt = self.run.eviction, self.prompts[index]
+        return settings and settings.for_request(prompt.context_tokens, prompt.reconstruction)
+
+    @property
+    def eviction_settings(self) -> list:
+        """Every prompt's request settings (``eviction_for``), in order."""
+        return [self.eviction_for(index) for index in range(len(self.prompts))]
 
     @property
     def max_new_tokens(self) -> list[int]:
@@ -95,7 +101,28 @@ def prepare_cell(run: RunSettings, tokenizer=None) -> CellWork | None:
                               f"prompt(s) have none (e.g. {', '.join(unmarked[:3])}): their question could not be "
                               "found after truncation")
     answers = [answer_tokens(tokenizer, reference_answer(s.answers, specs[s.task].metric)) for s in kept]
-    return CellWork(run, target, kept, prompts, skipped, specs, answers)
+    work = CellWork(run, target, kept, prompts, skipped, specs, answers)
+    if run.evicts and run.eviction.reconstructs:
+        check_reconstructions(work)
+    return work
+
+
+def check_reconstructions(work: CellWork) -> None:
+    """A policy that reconstructs each prompt's context (KVzip) needs every request's
+    reconstruction ids (``harness.tasks.prompts.reconstruction``) and something to reconstruct
+    after the chat header: refused here, with one line, before an engine starts."""
+    run = work.run
+    missing = [s.id for s, p in zip(work.samples, work.prompts) if p.reconstruction is None]
+    if missing:
+        raise ConfigError(f"policy={run.policy} repeats each prompt's context after its chat header, but "
+                          f"{len(missing)} prompt(s) have no header the prompt builder could find (e.g. "
+                          f"{', '.join(missing[:3])}): "
+                          "the model's chat template does not write the user message once and verbatim")
+    for sample, prompt, settings in zip(work.samples, work.prompts, work.eviction_settings):
+        try:
+            settings.for_prompt(len(prompt.token_ids), run.block_size)
+        except ValueError as error:
+            raise ConfigError(f"policy={run.policy}, prompt {sample.id}: {error}") from None
 
 
 @dataclass
@@ -149,7 +176,7 @@ def record_cell(work: CellWork, results: list, wall: float, facts: dict, ledger:
     if likelihood is not None:
         scores["likelihood"] = summarize_likelihood(rows)
     scores["fidelity"] = fidelity_to_full_cache(run, rows, full_rows)
-    check_evictions_happened(run, rows, ledger)
+    check_evictions_happened(run, rows, ledger, work.eviction_settings if run.evicts else None)
     config = dict(run.resolved)
     config["provenance"] = provenance(vllm_version)
     return CellRecord(work, rows, scores, summarize_perf(results, wall, facts, ledger, shared), config)
@@ -169,12 +196,12 @@ def publish(record: CellRecord, writer: RunWriter) -> Path:
     return final
 
 
-def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | None) -> None:
-    """An evicting run whose long prompts were never pruned ran stock vLLM: it is not a result."""
+def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | None, requests: list | None) -> None:
+    """An evicting run whose long prompts were never pruned ran stock vLLM: it is not a result.
+    ``requests``: each row's request settings (``CellWork.eviction_settings``)."""
     if not run.evicts:
         return
-    settings = run.eviction
-    over = [row for row in rows if is_over_budget(settings, row, run.block_size)]
+    over = [row for row, settings in zip(rows, requests) if is_over_budget(settings, row, run.block_size)]
     recorded = ledger["evictions"]["prefill"] if ledger else None
     if over and not recorded:
         raise EvictionNotActiveError(
@@ -186,8 +213,9 @@ def check_evictions_happened(run: RunSettings, rows: list[dict], ledger: dict | 
 
 def is_over_budget(settings, row: dict, block_size: int) -> bool:
     """Whether a recorded sample's prompt (or context, where only that is compressed) is at least
-    a block longer than its budget: its request must have evicted."""
-    own = settings.at_context(row.get("context_tokens")).for_prompt(row["prompt_tokens"], block_size)
+    a block longer than its budget: its request (``settings``: its own, boundary included) must
+    have evicted."""
+    own = settings.for_prompt(row["prompt_tokens"], block_size)
     return own.eviction_point(row["prompt_tokens"]) >= own.budget + block_size
 
 

@@ -26,25 +26,26 @@ def answer_tokens(tokenizer, answer: str) -> tuple[int, ...]:
 def cells_likelihood(engine, works: list, progress=None) -> list[list[dict]]:
     """``likelihood_passes`` for cells (``harness.run.cell.CellWork``) sharing one list of prompts."""
     first = works[0]
+    per_prompt = [list(row) for row in zip(*(work.eviction_settings for work in works))]
     return likelihood_passes(engine, first.token_ids, first.answer_ids, [w.run.eviction for w in works],
-                             first.max_new_tokens, first.stops, progress, first.context_tokens)
+                             first.max_new_tokens, first.stops, progress, per_prompt)
 
 
 def likelihood_passes(engine, prompts: list[list[int]], answers: list[tuple[int, ...]],
                       settings: list[EvictionSettings | None], max_new_tokens: list[int],
                       stops: list[tuple[str, ...]], progress=None,
-                      context_tokens: list[int | None] | None = None) -> list[list[dict]]:
-    """Per cell (``settings``: each cell's eviction, None for full cache; ``context_tokens``: each
-    prompt's context boundary, for settings that compress the context), per prompt: the sample's
-    ``answer_logprob`` (mean nats per answer token), ``answer_tokens``, ``top1_agreement`` and
-    ``kl_to_full`` along full cache's output, and ``agreement_steps`` (how many steps those average)."""
+                      per_prompt: list[list[EvictionSettings | None]] | None = None) -> list[list[dict]]:
+    """Per cell (``settings``: each cell's eviction, None for full cache; ``per_prompt``: for each
+    prompt, each cell's request settings with what the prompt gives them, its context boundary and
+    reconstruction ids, ``CellWork.eviction_for``; None: ``settings`` as they are), per prompt: the
+    sample's ``answer_logprob`` (mean nats per answer token), ``answer_tokens``, ``top1_agreement``
+    and ``kl_to_full`` along full cache's output, and ``agreement_steps`` (how many steps those average)."""
     from harness.engine.shared_prefill import CellRequest, generate_shared  # imports vLLM: only with an engine
 
     if not all(answers):
         raise ValueError("a sample's reference answer is empty: there is nothing to force")
     evicting = [index for index, s in enumerate(settings) if s is not None]
-    boundaries = context_tokens or [None] * len(prompts)
-    per_prompt = [[s and s.at_context(boundary) for s in settings] for boundary in boundaries]
+    per_prompt = per_prompt or [list(settings) for _ in prompts]
     first = []
     for prompt, answer, length, stop, own in zip(prompts, answers, max_new_tokens, stops, per_prompt):
         row = [CellRequest(s, len(answer), forced=answer, top_logprobs=1) for s in own]

@@ -1,5 +1,6 @@
 """LongBench's generation rules: template, middle truncation, chat template where it applies,
-and the token ids the engine is given, with where in them the context ends (``context_boundary``)."""
+and the token ids the engine is given, with where in them the context ends (``context_boundary``)
+and the ids a policy that reconstructs the context (KVzip) repeats it with (``reconstruction``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ class Prompt:
     # question part was not found (truncation cut into it, a template with no {context}) or the
     # tokenizer gives no character offsets.
     context_tokens: int | None = None
+    # KVzip's inputs for this prompt (``reconstruction``), in the wire form of
+    # ``harness.eviction.settings.Reconstruction``; None where its chat header cannot be found.
+    reconstruction: dict | None = None
 
     @property
     def question_tokens(self) -> int | None:
@@ -48,14 +52,69 @@ def question_text(sample: Sample, spec: TaskSpec) -> str | None:
     return tail.format(context=sample.context, input=sample.input).lstrip()
 
 
-def chat_footer(tokenizer) -> str | None:
-    """What the chat template writes after the user message's content (end of turn, assistant
-    header), from a rendering around a marker; None if the template does not write the content once
-    and verbatim."""
+def chat_parts(tokenizer) -> tuple[str, str] | None:
+    """What the chat template writes before and after the user message's content: its header
+    (system prompt, user header) and its footer (end of turn, assistant header), from a rendering
+    around a marker; None if the template does not write the content once and verbatim."""
     marker = "\x00context-boundary\x00"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
                                          add_generation_prompt=True)
-    return text.split(marker)[1] if text.count(marker) == 1 else None
+    return tuple(text.split(marker)) if text.count(marker) == 1 else None
+
+
+def chat_footer(tokenizer) -> str | None:
+    """What the chat template writes after the user message's content (``chat_parts``)."""
+    parts = chat_parts(tokenizer)
+    return None if parts is None else parts[1]
+
+
+# KVzip's repeat prompts (kvpress 0.5.5, presses/kvzip_press.py:254 and :257, the authors' text),
+# each encoded alone with no special tokens (:255, :258), and the footer kvpress gives a tokenizer
+# with no chat template (:103-105).
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+PLAIN_PARTS = ("", "\n")
+
+
+def header_tokens(text: str, token_ids: list[int], offsets: list[tuple[int, int]] | None, header: str,
+                  header_ids: list[int]) -> int | None:
+    """How many leading ``token_ids`` are the chat header ``header`` (the text ``text`` begins with):
+    its own ids' count, as kvpress counts its ``prefix_length`` (kvzip_press.py:120), where the
+    prompt's ids begin with them; otherwise (the header's last token merged with the message's
+    first characters) the tokens that start inside it, by their character ``offsets``. None
+    where ``text`` does not begin with ``header``, or neither rule applies (no offsets)."""
+    if not text.startswith(header):
+        return None
+    if token_ids[:len(header_ids)] == header_ids:
+        return len(header_ids)
+    if offsets is None:
+        return None
+    return next((index for index, (start, _) in enumerate(offsets) if start >= len(header)), len(offsets))
+
+
+def reconstruction(tokenizer, text: str, token_ids: list[int], offsets: list[tuple[int, int]] | None,
+                   parts: tuple[str, str] | None) -> dict | None:
+    """The ids KVzip repeats a prompt's context with (``policies.kvzip.passes``), as kvpress's
+    ``KVzipPress`` makes them (kvzip_press.py:102-121, 253-262): ``prefix_tokens``, the chat header
+    (template text before the user message: BOS, system prompt, user header), never repeated;
+    ``first`` and ``later``, the repeat prompts; ``suffix``, the chat footer that closes the user
+    turn and opens the assistant's (what follows the content in the prompt itself). ``parts``: the
+    chat template's header and footer (``chat_parts``) for a chat prompt; ``PLAIN_PARTS`` for a
+    plain one, kvpress's rule for a tokenizer without a chat template: no header (a BOS the
+    tokenizer added is repeated with the context, as kvpress's pipeline puts it in the context's
+    ids) and a newline as footer. None where the template's parts were not found (``parts`` None)."""
+    if parts is None:
+        return None
+    header, footer = parts
+
+    def encode(part: str) -> list[int]:
+        return list(tokenizer(part, add_special_tokens=False)["input_ids"])
+
+    prefix = header_tokens(text, token_ids, offsets, header, encode(header)) if header else 0
+    if prefix is None:
+        return None
+    return {"prefix_tokens": prefix, "first": encode(REPEAT_FIRST), "later": encode(REPEAT_LATER),
+            "suffix": encode(footer)}
 
 
 def context_boundary(text: str, question: str | None, suffix: str | None) -> int | None:
@@ -130,16 +189,22 @@ def build_prompt(sample: Sample, spec: TaskSpec, tokenizer, max_prompt_tokens: i
     A template whose text after ``{context}`` is only whitespace has the whole user message as
     context. ``context_tokens`` is None where the question part is not found (``context_boundary``)
     or the tokenizer gives no character offsets (not a fast tokenizer).
+
+    ``reconstruction`` (for a policy that reconstructs the context, KVzip) is the prompt's chat
+    header length, KVzip's repeat prompts and the chat footer (``reconstruction``): the same for
+    ``compress=context`` and ``compress=prompt`` (what is repeated is everything before the
+    eviction point after the header).
     """
     text = sample.meta.get("preamble", "") + spec.template.format(context=sample.context, input=sample.input)
     text = middle_truncate(text, tokenizer, max_prompt_tokens)
     chat = bool(spec.chat and getattr(tokenizer, "chat_template", None))
-    footer = ""
+    footer, parts = "", PLAIN_PARTS
     if chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
         )
-        footer = chat_footer(tokenizer)
+        parts = chat_parts(tokenizer)
+        footer = None if parts is None else parts[1]
     # A generated task may start the answer for the model (RULER's answer prefix), after the
     # assistant's header, as its authors append it to the prompt.
     answer_prefix = sample.meta.get("answer_prefix", "")
@@ -147,7 +212,8 @@ def build_prompt(sample: Sample, spec: TaskSpec, tokenizer, max_prompt_tokens: i
     fast = bool(getattr(tokenizer, "is_fast", False))  # only fast tokenizers give offsets
     encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=fast)
     token_ids = list(encoded["input_ids"])
+    offsets = encoded["offset_mapping"] if fast else None
     suffix = None if footer is None else footer + answer_prefix
     boundary = context_boundary(text, question_text(sample, spec), suffix)
-    count = None if boundary is None or not fast else context_tokens(text, encoded["offset_mapping"], boundary)
-    return Prompt(text, token_ids, count)
+    count = None if boundary is None or not fast else context_tokens(text, offsets, boundary)
+    return Prompt(text, token_ids, count, reconstruction(tokenizer, text, token_ids, offsets, parts))

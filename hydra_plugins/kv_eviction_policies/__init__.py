@@ -25,8 +25,8 @@ def store_policy_configs() -> None:
 
 def sweep_policies() -> str:
     """Every registered policy except the aliases (a score at a fixed granularity) and those that
-    reconstruct their context (KVzip: its requests need reconstruction ids, which run.py's prompt
-    builder does not make yet, and it never evicts in decode, which these sweeps do), comma-separated."""
+    reconstruct their context (KVzip compresses once and refuses decode eviction, which these sweeps
+    run; name it in a sweep with compress=context or decode_eviction=false), comma-separated."""
     return ",".join(name for name, entry in REGISTRY.items() if entry.alias_of is None and not entry.reconstructs)
 
 

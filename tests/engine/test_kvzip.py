@@ -34,15 +34,15 @@ CASES = {  # name: (options, compress)
 
 @pytest.fixture(scope="module")
 def reconstruction():
-    """The repeat prompts (kvpress 0.5.5's text) and the chat footer, as SmolLM2's tokenizer writes them."""
+    """The repeat prompts (kvpress 0.5.5's text, as the prompt builder has them) and the chat footer,
+    as SmolLM2's tokenizer writes them."""
     from transformers import AutoTokenizer
 
-    from harness.tasks.prompts import chat_footer
+    from harness.tasks.prompts import REPEAT_FIRST, REPEAT_LATER, chat_footer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path("smollm2"))
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
-    return {"prefix_tokens": PREFIX, "first": encode("\n\nRepeat the previous context exactly."),
-            "later": encode("\n\nRepeat the part of the previous context exactly, starting with"),
+    return {"prefix_tokens": PREFIX, "first": encode(REPEAT_FIRST), "later": encode(REPEAT_LATER),
             "suffix": encode(chat_footer(tokenizer))}
 
 

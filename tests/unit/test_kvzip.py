@@ -190,22 +190,6 @@ def test_compiled_graphs_and_hybrids_are_refused():
         make_policy("hybrid", 64, 32, weights={"kvzip": 1.0})
 
 
-def test_run_config_refuses_it_before_any_model_loads():
-    from harness.config import ConfigError, check, run_settings
-    from omegaconf import OmegaConf
-
-    import hydra
-    from hydra import compose, initialize_config_dir
-    from pathlib import Path
-
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(str(conf), version_base=None):
-        cfg = compose("config", overrides=["policy=kvzip", "compress=context", "decode_eviction=false",
-                                            "budget=null", "budget_ratio=0.5"])
-    with pytest.raises(ConfigError, match="prompt builder does not make yet"):
-        check(run_settings(cfg, checked=False))
-
-
 def test_the_generic_matrix_leaves_reconstructing_policies_out():
     assert REGISTRY["kvzip"].reconstructs and not REGISTRY["kvzip"].reads_attention
     assert not [name for name, _ in MATRIX if REGISTRY[name].reconstructs]
