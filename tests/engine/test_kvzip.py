@@ -10,7 +10,8 @@ half the context (or prompt) kept. A second engine runs the same requests with p
 second question about the context takes the compressed context) and passes of at most 256 tokens
 per forward (``max_num_batched_tokens``: the context's prefill is chunked, and a pass runs in
 pieces): it generates the same; so do the layers as two KV cache groups. (Preemption: skipped, no
-pool setting preempted these requests.)"""
+pool setting preempted these requests.) Last, ``run.py`` runs a kvzip cell with the prompt builder's
+ids (a real chat header, and a plain prompt's rule)."""
 from __future__ import annotations
 
 import pytest
@@ -168,3 +169,36 @@ def test_preempted_requests_reconstruct_again_and_generate_the_same(tmp_path, re
     assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
     assert_same_outputs(roomy, tight)
     assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
+
+
+def test_run_py_runs_a_kvzip_cell_with_the_prompt_builder_s_ids(tmp_path):
+    """``python run.py policy=kvzip compress=context budget_ratio=0.5 data.limit=1`` on a chat task
+    and a plain one (its ids from the prompt builder, ``harness.tasks.prompts.reconstruction``): the
+    cell is published, each request evicted once at its context boundary, and the ledger's pass
+    tokens are those of the passes the prompt builder's ids make."""
+    import json
+    import subprocess
+    import sys
+
+    from harness.config import run_settings
+    from harness.run.cell import prepare_cell
+    from tests.support import ROOT
+    from tests.unit.test_kvzip_run import compose_cfg
+
+    overrides = ["policy=kvzip", "compress=context", "budget_ratio=0.5", "data.limit=1",
+                 "data.tasks=[single_doc_qa,code_completion]"]
+    done = subprocess.run([sys.executable, str(ROOT / "run.py"), *overrides, f"output_dir={tmp_path / 'runs'}"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = [p for p in (tmp_path / "runs").glob("smollm2-135m/synthetic/*") if p.is_dir()]
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [row["evictions"] for row in rows] == [{"prefill": 1, "decode": 0}] * 2
+    assert all(row["answer_tokens"] > 0 for row in rows), "the likelihood's forced requests ran too"
+    kv = json.loads((run_dir / "perf.json").read_text())["kv"]
+    work = prepare_cell(run_settings(compose_cfg(*overrides, f"output_dir={tmp_path / 'again'}")))
+    assert len(work.prompts) == len(rows)
+    assert [p.reconstruction["prefix_tokens"] for p in work.prompts] == [24, 0], "a chat header; a plain prompt's"
+    expected = sum(pass_tokens(prompt.token_ids, work.eviction_for(index).as_dict())
+                   for index, prompt in enumerate(work.prompts))
+    assert kv["reconstruct_tokens"] == expected
+    assert 0 < kv["reconstruct_s"] <= kv["evict_s"]
