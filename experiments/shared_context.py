@@ -2,7 +2,7 @@
 shared-context, multi-request workloads; KVzip's setting), in the real engine with prefix caching.
 
     flock /tmp/engine.lock .venv/bin/python experiments/shared_context.py [--contexts 8] [--questions 6] [--ratio 0.5]
-        [--kv-cache-gib 4] [--out results/shared_context]
+        [--kv-cache-gib 4] [--out results/shared_context] [--configs "kvzip context"]
 
 The workload (generated here from the embedded suite's vocabulary, ``harness.tasks.embedded``):
 half the contexts a long text hiding one access code per person (key_retrieval's needle, several
@@ -14,9 +14,14 @@ prefix cache is emptied, so each starts cold and caches each context as its firs
 Configurations, at one compression ratio (of what each compresses):
 
 * ``full``: full cache; the context's blocks are shared by every question of it (prefix caching).
-* ``context``: query-agnostic (``compress=context``), PagedEviction, StreamingLLM, KeyDiff and
-  SnapKV: the context is compressed before any question is seen, once, by its first request, and
-  every later question takes that compressed context (``harness.engine.shared_contexts``).
+* ``context``: query-agnostic (``compress=context``), PagedEviction, StreamingLLM, KeyDiff,
+  SnapKV and KVzip: the context is compressed before any question is seen, once, by its first
+  request, and every later question takes that compressed context (``harness.engine.shared_contexts``).
+  KVzip (issue 50) scores the context by having the model repeat it (its reconstruction passes, run
+  once, by the compressing request); each request carries its prompt's reconstruction ids as the
+  prompt builder makes them for ``run.py`` (``harness.tasks.prompts.reconstruction``, through
+  ``build_prompt``), and the summary reports the passes' cost (the ledger's ``reconstruct_tokens``
+  and ``reconstruct_s``).
 * ``context unshared``: PagedEviction the same way with ``share_context=false``: each request
   compresses the context again and holds its own copy (how every compressing configuration ran
   before contexts were shared), measured beside the shared one.
@@ -36,6 +41,14 @@ ledger), the prefill evictions run and the requests that took a shared context, 
 time and output tokens per second. Writes ``results/shared_context/``:
 ``summary.md``, ``summary.csv``, ``comparisons.csv``, ``requests.jsonl``, ``shared_context.png``;
 ``--reanalyse`` rewrites the statistics from a committed ``requests.jsonl`` with no engine.
+
+``--configs`` runs only the named configurations (comma-separated, as the summary names them:
+``--configs "kvzip context"``), always with full cache beside them as the comparison. Where
+``--out`` already holds a run with the same workload and settings (the same command but for
+``--configs``), the new configurations join it: the earlier run's configurations, full cache
+included, are kept as they were, the new ones added (or replacing an earlier run of the same
+name), and the full cache run beside them is checked against the kept one (how many answers are
+the same text; ``added.json`` records it with the command, and the summary says it).
 """
 from __future__ import annotations
 
@@ -59,8 +72,11 @@ QUESTIONS = 6
 WORDS = 1400          # about 2,000 of SmolLM2's tokens per context
 POLICIES = ("paged", "snapkv")          # every mode
 MODES = ("context", "prompt", "first question")
-CONTEXT_ONLY = ("streaming", "keydiff")  # the context mode alone
+CONTEXT_ONLY = ("streaming", "keydiff", "kvzip")  # the context mode alone
 UNSHARED = "context unshared"            # PagedEviction's context mode with share_context=false
+# Compared beside each one's difference from full cache: KVzip against PagedEviction, both compressing the context.
+EXTRA_PAIRS = (("kvzip context", "paged context"),)
+ADDED = "added.json"                     # configurations a later --configs run added to a directory's run
 
 
 def configurations(context_only: bool = False) -> list[tuple[str, str | None]]:
@@ -69,6 +85,35 @@ def configurations(context_only: bool = False) -> list[tuple[str, str | None]]:
     modes = ("context",) if context_only else MODES
     return ([("full", None)] + [(mode, policy) for policy in POLICIES for mode in modes]
             + [("context", policy) for policy in CONTEXT_ONLY] + [(UNSHARED, "paged")])
+
+
+def name_of(configuration: tuple[str, str | None]) -> str:
+    """The configuration's name in the summary: ``full``, or ``<policy> <mode>``."""
+    mode, policy = configuration
+    return "full" if mode == "full" else f"{policy} {mode}"
+
+
+def selected(context_only: bool = False, configs: str | None = None) -> dict[str, tuple[str, str | None]]:
+    """name -> (mode, policy), in run order: every configuration (``configurations``), or full cache
+    and those ``configs`` names (comma-separated summary names; full cache always runs, the comparison)."""
+    named = {name_of(c): c for c in configurations(context_only)}
+    if configs is None:
+        return named
+    wanted = [name.strip() for name in configs.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in named]
+    if unknown or not wanted:
+        raise ValueError(f"--configs: {', '.join(map(repr, unknown)) or 'nothing named'}; the configurations "
+                         f"are: {', '.join(named)}")
+    return {name: c for name, c in named.items() if name == "full" or name in wanted}
+
+
+def reconstructs(policy: str | None) -> bool:
+    """Whether ``policy`` scores by reconstructing the context (KVzip): its requests carry
+    reconstruction ids (every other policy refuses them)."""
+    from policies import REGISTRY
+
+    entry = REGISTRY.get(policy) if policy else None
+    return entry is not None and entry.reconstructs
 
 
 @dataclass(frozen=True)
@@ -173,6 +218,12 @@ def requests_for(configuration: tuple[str, str | None], workload_prompts, ratio:
                     settings.update(compress="context", context_tokens=boundary)
                 if mode == UNSHARED:
                     settings.update(share_context=False)
+                if reconstructs(policy):
+                    # the prompt builder's ids, as run.py's requests carry them (CellWork.eviction_for)
+                    if prompt.reconstruction is None:
+                        raise RuntimeError(f"{shared.id}: the prompt builder found no chat header to reconstruct "
+                                           f"question {q}'s context from")
+                    settings.update(reconstruction=prompt.reconstruction)
             made.append(Request(shared, q, list(tokens), settings))
     return made
 
@@ -287,6 +338,12 @@ def summarize(rows: list[dict], runs: dict) -> list[dict]:
                 "kv_blocks_peak": ledger["kv_blocks_used_peak"], "kv_blocks_mean": round(ledger["kv_blocks_used_mean"], 1),
                 "prefill_evictions": ledger["evictions"]["prefill"], "evicted_tokens": ledger["evicted_tokens"],
                 "shared_hits": (ledger.get("shared_contexts") or {}).get("hits", 0)}
+        if ledger.get("reconstruct_tokens"):
+            # KVzip's passes (only where they ran, so other summaries keep their columns), inside the
+            # worker's eviction time evict_s
+            line.update(reconstruct_tokens=int(ledger["reconstruct_tokens"]),
+                        reconstruct_s=round(float(ledger["reconstruct_s"]), 3),
+                        evict_s=round(float(ledger.get("evict_s", 0.0)), 3))
         for part, keep in (("first", lambda r: r["question"] == 0), ("later", lambda r: r["question"] > 0)):
             per_task = {}
             for row in mine:
@@ -322,6 +379,7 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
     for policy in POLICIES:
         pairs += [(f"{policy} context", f"{policy} prompt"), (f"{policy} first question", f"{policy} prompt"),
                   (f"{policy} context", f"{policy} first question")]
+    pairs += list(EXTRA_PAIRS)
     pairs = [pair for pair in pairs if set(pair) <= present]
     # On first questions the "first question" configuration is the prompt one (the same requests): left out there.
     first = [pair for pair in pairs if not any(name.endswith("first question") for name in pair)]
@@ -341,7 +399,7 @@ def dead_questions(rows: list[dict]) -> tuple[int, int]:
 def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int,
              families: dict[str, list[dict]] | None = None, questions: int = QUESTIONS,
              arrivals: str = "together", dead: tuple[int, int] | None = None,
-             trials: list[dict] | None = None) -> str:
+             trials: list[dict] | None = None, added: list[dict] | None = None) -> str:
     full = next(line for line in table if line["configuration"] == "full")
     lines = [
         "# One context, many questions", "",
@@ -385,6 +443,9 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
               "its own question attends to, so it holds its own copy, as `context unshared` does by setting. "
               + ("Wall time and tok/s in this table are the first trial's; every trial's are below."
                  if trials else "Timings are one run each on the 2-core CPU machine."), ""]
+    lines[-1:-1] = reconstruction_lines(table)
+    for entry in added or []:
+        lines[-1:-1] = [added_line(entry), ""]
     unshared = next((line for line in table if line.get("same_as_shared") is not None), None)
     if unshared is not None:
         lines[-1:-1] = [f"`{unshared['configuration']}` asks the requests of `paged context`, each compressing its "
@@ -398,6 +459,68 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
     if trials:
         lines += throughput_markdown(throughput_table(trials), trials, pool)
     return "\n".join(lines)
+
+
+def reconstruction_lines(table: list[dict]) -> list[str]:
+    """What each reconstructing configuration's passes cost (the ledger's ``reconstruct_tokens`` and
+    ``reconstruct_s``, which its eviction time ``evict_s`` includes), per compressed context too."""
+    lines = []
+    for line in table:
+        tokens = number(line.get("reconstruct_tokens"))
+        if not tokens:
+            continue
+        seconds, evict, evictions = number(line.get("reconstruct_s")), number(line.get("evict_s")), line["prefill_evictions"]
+        lines += [f"`{line['configuration']}` reconstructed its contexts with {tokens:,.0f} tokens of passes in "
+                  f"{seconds:.1f} s (the ledger's `reconstruct_tokens` and `reconstruct_s`; "
+                  + (f"{tokens / evictions:,.0f} tokens and {seconds / evictions:.2f} s per compressed context, "
+                     if evictions else "")
+                  + f"{seconds / line['wall_s']:.0%} of its wall time; its eviction time `evict_s`, passes "
+                  f"included, {evict:.1f} s). A request taking a shared compressed context runs no passes.", ""]
+    return lines
+
+
+def number(value) -> float:
+    """A figure from ``summary.csv`` (pandas reads a column a line lacks as NaN): 0 where absent."""
+    import math
+
+    return 0.0 if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def added_line(entry: dict) -> str:
+    """A configuration a later ``--configs`` run added to this directory's run, and how its full
+    cache compares with the one kept here."""
+    names = ", ".join(f"`{name}`" for name in entry["configurations"])
+    return (f"Added by `{entry['command']}` (another engine, later): {names}. Full cache ran beside "
+            f"{'it' if len(entry['configurations']) == 1 else 'them'} as the comparison and is not in the table: "
+            f"{entry['full_same']} of its {entry['full_requests']} answers are the same text as the full cache above "
+            f"(peak {entry['full_kv_blocks_peak']} blocks, mean {entry['full_kv_blocks_mean']:.1f}, "
+            f"{entry['full_output_tokens_per_s']:.1f} output tok/s, {entry['full_wall_s']:.1f} s wall); the table's "
+            "comparisons with full cache use the one above.")
+
+
+def merge(previous_rows: list[dict], previous_table: list[dict], rows: list[dict], table: list[dict],
+          order: list[str]) -> tuple[list[dict], list[dict], dict]:
+    """An earlier run's rows and summary lines with a ``--configs`` run's: the earlier run's full cache
+    and other configurations kept, the new run's other configurations added (replacing an earlier
+    one of the same name), lines in ``order``; and how the new full cache compares with the kept one."""
+    new = {line["configuration"] for line in table} - {"full"}
+    kept_rows = [row for row in previous_rows if row["configuration"] not in new]
+    merged_rows = kept_rows + [row for row in rows if row["configuration"] in new]
+    by_name = {line["configuration"]: line for line in previous_table if line["configuration"] not in new}
+    by_name.update({line["configuration"]: line for line in table if line["configuration"] in new})
+    unknown = [name for name in by_name if name not in order]
+    merged_table = [by_name[name] for name in order if name in by_name] + [by_name[name] for name in unknown]
+    answer = lambda row: (row["context"], row["question"])
+    old_full = {answer(row): row["prediction"] for row in previous_rows if row["configuration"] == "full"}
+    new_full = [row for row in rows if row["configuration"] == "full"]
+    if not old_full or set(old_full) != {answer(row) for row in new_full}:
+        raise ValueError("the earlier run's full cache did not ask the same questions: not the same workload")
+    full = next(line for line in table if line["configuration"] == "full")
+    check = {"full_same": sum(old_full[answer(row)] == row["prediction"] for row in new_full),
+             "full_requests": len(new_full), "full_kv_blocks_peak": full["kv_blocks_peak"],
+             "full_kv_blocks_mean": full["kv_blocks_mean"], "full_wall_s": full["wall_s"],
+             "full_output_tokens_per_s": full["output_tokens_per_s"], "configurations": sorted(new, key=order.index)}
+    return merged_rows, merged_table, check
 
 
 def plot(table: list[dict], path: Path) -> None:
@@ -436,43 +559,98 @@ def write_comparisons(families: dict[str, list[dict]], out: Path) -> None:
     frame.to_csv(out / "comparisons.csv", index=False)
 
 
-def reanalyse(out: Path) -> int:
-    """The statistics again from what the engine run left (``requests.jsonl``; the timings, KV counts,
-    model and pool in ``summary.csv`` and ``summary.md``), no engine and no model: summary.md,
-    summary.csv and comparisons.csv rewritten, the plot redrawn."""
+def runs_of(previous: list[dict]) -> dict[str, tuple[float, dict]]:
+    """Each configuration's wall time and the ledger figures ``summarize`` reads, from ``summary.csv``'s
+    lines (``Earlier.table``); the reconstruction figures where a line has them."""
+    runs = {}
+    for line in previous:
+        ledger = {"kv_blocks_used_peak": int(line["kv_blocks_peak"]), "kv_blocks_used_mean": float(line["kv_blocks_mean"]),
+                  "evictions": {"prefill": int(line["prefill_evictions"])}, "evicted_tokens": int(line["evicted_tokens"]),
+                  "shared_contexts": {"hits": int(line.get("shared_hits", 0))},
+                  "reconstruct_tokens": number(line.get("reconstruct_tokens")),
+                  "reconstruct_s": number(line.get("reconstruct_s")), "evict_s": number(line.get("evict_s"))}
+        runs[line["configuration"]] = (float(line["wall_s"]), ledger)
+    return runs
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """What a run left in a directory: its command, model, pool and ratio (``summary.md``), its rows
+    (``requests.jsonl``), its summary lines (``summary.csv``; a column a line lacks is absent from
+    it, not NaN) and the configurations added to it since (``added.json``)."""
+
+    command: str
+    model: str
+    pool: int
+    ratio: float
+    rows: list[dict]
+    table: list[dict]
+    added: list[dict]
+
+
+def previous_run(out: Path) -> Earlier | None:
+    """``out``'s run (``Earlier``); None where it holds none."""
     import re
 
     import pandas as pd
 
-    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    previous = pd.read_csv(out / "summary.csv")
+    if not all((out / name).exists() for name in ("requests.jsonl", "summary.csv", "summary.md")):
+        return None
     text = (out / "summary.md").read_text()
-    found = re.search(r"Command: `([^`]*)`", text), re.search(r"one engine \(([^,]+), prefix caching on, a pool of (\d+) ", text)
+    found = (re.search(r"Command: `([^`]*)`", text), re.search(r"one engine \(([^,]+), prefix caching on, a pool of (\d+) ", text),
+             re.search(r"Compression ratio ([\d.]+)", text))
     if not all(found):
-        raise SystemExit(f"{out}/summary.md: no command, model or pool to keep")
-    command, (model, pool) = found[0].group(1), found[1].groups()
-    runs = {}
-    for _, line in previous.iterrows():
-        ledger = {"kv_blocks_used_peak": int(line["kv_blocks_peak"]), "kv_blocks_used_mean": float(line["kv_blocks_mean"]),
-                  "evictions": {"prefill": int(line["prefill_evictions"])}, "evicted_tokens": int(line["evicted_tokens"]),
-                  "shared_contexts": {"hits": int(line.get("shared_hits", 0))}}
-        runs[line["configuration"]] = (float(line["wall_s"]), ledger)
-    table = summarize(rows, runs)
-    for line, old in zip(table, previous.to_dict("records")):  # wall time is kept rounded: keep its rate as printed
+        raise SystemExit(f"{out}/summary.md: no command, model, pool or ratio to keep")
+    table = [{key: value for key, value in line.items() if not (isinstance(value, float) and value != value)}
+             for line in pd.read_csv(out / "summary.csv").to_dict("records")]
+    return Earlier(found[0].group(1), found[1].group(1), int(found[1].group(2)), float(found[2].group(1)),
+                   [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()], table,
+                   json.loads((out / ADDED).read_text()) if (out / ADDED).exists() else [])
+
+
+def reanalyse(out: Path) -> int:
+    """The statistics again from what the engine run left (``requests.jsonl``; the timings, KV counts,
+    model and pool in ``summary.csv`` and ``summary.md``), no engine and no model: summary.md,
+    summary.csv and comparisons.csv rewritten, the plot redrawn."""
+    import pandas as pd
+
+    earlier = previous_run(out)
+    if earlier is None:
+        raise SystemExit(f"{out}: no requests.jsonl, summary.csv and summary.md to reanalyse")
+    rows = earlier.rows
+    table = summarize(rows, runs_of(earlier.table))
+    for line, old in zip(table, earlier.table):  # wall time is kept rounded: keep its rate as printed
         line["output_tokens_per_s"] = old["output_tokens_per_s"]
-    contexts = len({row["context"] for row in rows})
-    ratio = float(re.search(r"Compression ratio ([\d.]+)", text).group(1))
     families = comparisons(rows)
-    questions = 1 + max(row["question"] for row in rows)
-    arrivals = "rounds" if "--arrivals rounds" in command else "together"
     trials = (pd.read_csv(out / "trials.csv").to_dict("records") if (out / "trials.csv").exists() else None)
-    (out / "summary.md").write_text(markdown(table, command, contexts, ratio, model, int(pool), families, questions,
-                                             arrivals, dead_questions(rows), trials))
+    (out / "summary.md").write_text(markdown(
+        table, earlier.command, len({row["context"] for row in rows}), earlier.ratio, earlier.model, earlier.pool,
+        families, 1 + max(row["question"] for row in rows),
+        "rounds" if "--arrivals rounds" in earlier.command else "together", dead_questions(rows), trials,
+        earlier.added or None))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     write_comparisons(families, out)
     plot(table, out / "shared_context.png")
     print((out / "summary.md").read_text())
     return 0
+
+
+def command_line(args, parser) -> str:
+    """The command the summary records: the script with every option not at its default, but
+    ``--configs`` (which configurations of that command ran)."""
+    return "python experiments/shared_context.py" + "".join(
+        f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("questions", args.questions),
+                                                     ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib),
+                                                     ("pool_blocks", args.pool_blocks), ("trials", args.trials))
+        if v != parser.get_default(k)) + (" --context-only" if args.context_only else "") + (
+        f" --arrivals {args.arrivals}" if args.arrivals != "together" else "") + (
+        "" if args.out == OUT else f" --out {args.out}")
+
+
+def shell_quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every configuration this many times on the one engine, in the listed order in odd "
                              "trials and reversed in even ones; throughput ratios with intervals over trials")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--configs", default=None,
+                        help="run only these configurations (comma-separated, as the summary names them, e.g. "
+                             "'kvzip context'), full cache always beside them; where --out holds a run of the same "
+                             "command without --configs, they join it (its configurations kept, full cache checked)")
     parser.add_argument("--reanalyse", action="store_true",
                         help="no engine: recompute the statistics from the committed requests.jsonl and the timings "
                              "and KV counts in summary.csv, and rewrite summary.md and summary.csv")
@@ -505,6 +687,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--contexts and --questions must be at least 2 and --ratio in (0, 1)")
     if args.trials < 1 or args.trials == 2 or (args.pool_blocks is not None and args.pool_blocks < 1):
         parser.error("--trials must be 1 or at least 3 (an interval over two trials says nothing), --pool-blocks positive")
+    try:
+        named = selected(args.context_only, args.configs)
+    except ValueError as error:
+        parser.error(str(error))
+    command = command_line(args, parser)
+    joining = None
+    if args.configs is not None:
+        if args.trials > 1:
+            parser.error("--configs with --trials: the trials' order and ratios are over every configuration")
+        joining = previous_run(args.out)
+        if joining is not None and joining.command != command:
+            parser.error(f"{args.out} holds a run of `{joining.command}`, not of `{command}`: --configs adds to a run of "
+                         "the same command (or give another --out)")
 
     from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer
@@ -525,7 +720,6 @@ def main(argv: list[str] | None = None) -> int:
     blocks = None if args.pool_blocks is None else args.pool_blocks + 1
     engine_settings = replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=blocks)
     engine = Engine(model_path, run.model, engine_settings, run.block_size, seed=run.seed, prefix_caching=True)
-    named = {("full" if c[0] == "full" else f"{c[1]} {c[0]}"): c for c in configurations(args.context_only)}
     rows, runs, trials = [], {}, []
     try:
         for trial, order in enumerate(trial_orders(list(named), args.trials), start=1):
@@ -557,17 +751,26 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.close()
     table = summarize(rows, runs)
-    families = comparisons(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python experiments/shared_context.py" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("questions", args.questions),
-                                                     ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib),
-                                                     ("pool_blocks", args.pool_blocks), ("trials", args.trials))
-        if v != parser.get_default(k)) + (" --context-only" if args.context_only else "") + (
-        f" --arrivals {args.arrivals}" if args.arrivals != "together" else "") + (
-        "" if args.out == OUT else f" --out {args.out}")
     import pandas as pd
 
+    if joining is not None:
+        if joining.pool != pool:
+            raise SystemExit(f"{args.out}'s run had a pool of {joining.pool} blocks, this one {pool}: not joined "
+                             f"(this run's figures: {[(line['configuration'], line['later']) for line in table]})")
+        rows, merged, check = merge(joining.rows, joining.table, rows, table, [name_of(c) for c in configurations(False)])
+        added = [entry for entry in joining.added if not set(entry["configurations"]) <= set(check["configurations"])]
+        added.append({"command": command + f" --configs {shell_quote(args.configs)}", **check})
+        (args.out / ADDED).write_text(json.dumps(added, indent=1) + "\n")
+        pd.DataFrame(merged).to_csv(args.out / "summary.csv", index=False)
+        with open(args.out / "requests.jsonl", "w") as handle:
+            for row in rows:
+                handle.write(json.dumps(row) + "\n")
+        # summary.md (the earlier run's command, model and pool), comparisons and plot from the joined files
+        return reanalyse(args.out)
+    families = comparisons(rows)
+    if args.configs is not None:  # a run of some configurations only, in a directory of its own
+        command += f" --configs {shell_quote(args.configs)}"
     trials = trials if args.trials > 1 else None
     if trials:
         pd.DataFrame(trials).to_csv(args.out / "trials.csv", index=False)

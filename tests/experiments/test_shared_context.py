@@ -92,3 +92,163 @@ def test_trials_alternate_their_order_and_ratios_pair_configurations_within_a_tr
     assert table["a"]["ratio_low"] < 0.8 < table["a"]["ratio_high"] and all(line["same_outputs"] for line in table.values())
     text = "\n".join(experiment.throughput_markdown(list(table.values()), trials, 300))
     assert "trial 2: b > a > full" in text and "| a | 7.8, " in text
+
+
+def test_kvzip_compresses_the_context_once_with_the_prompt_builders_reconstruction_ids(experiment, prompts):
+    """KVzip's configuration (issue 50): the context mode of the others, at their ratio, each request
+    with its prompt's reconstruction ids as run.py's requests carry them (``CellWork.eviction_for``:
+    ``EvictionSettings.for_request`` with the prompt builder's ``Prompt.reconstruction``), which the
+    engine's own checks accept; no other configuration carries any."""
+    from harness.eviction.settings import CONFIG_KEY, EvictionSettings, request_settings
+
+    tokenizer, asked = prompts
+    admitted = lambda raw, tokens: request_settings({CONFIG_KEY: raw}, None, 32).for_prompt(len(tokens), 32)
+    assert ("context", "kvzip") in experiment.configurations() and ("context", "kvzip") in experiment.configurations(True)
+    kvzip = experiment.requests_for(("context", "kvzip"), asked, 0.5, tokenizer)
+    paged = experiment.requests_for(("context", "paged"), asked, 0.5, tokenizer)
+    built = [prompt for _, questions in asked for prompt in questions]
+    assert len(kvzip) == len(built) == 2 * experiment.QUESTIONS
+    cell = EvictionSettings(policy="kvzip", budget=None, compress="context", budget_ratio=0.5, decode_eviction=False)
+    for request, twin, prompt in zip(kvzip, paged, built):
+        assert request.token_ids == twin.token_ids == prompt.token_ids
+        reconstruction = request.settings.pop("reconstruction")
+        # the same ratio, boundary and sharing as the other context-compressing configurations
+        assert request.settings == {**twin.settings, "policy": "kvzip"}
+        assert reconstruction is prompt.reconstruction  # the prompt builder's ids, not a second derivation
+        assert reconstruction == cell.for_request(prompt.context_tokens, prompt.reconstruction).reconstruction.as_dict()
+        assert reconstruction["prefix_tokens"] > 0 and reconstruction["suffix"]  # SmolLM2's chat header and footer
+        request.settings["reconstruction"] = reconstruction
+        # as the engine admits a request (its parse and checks, reconstruction ids included)
+        settings = admitted(request.settings, request.token_ids)
+        assert settings.reconstruction is not None and settings.eviction_point(len(request.token_ids)) == prompt.context_tokens
+        assert settings.budget == admitted(twin.settings, twin.token_ids).budget
+    # a context's questions carry the same ids, so the context compressed by the first is the one the others need
+    for shared_requests in (kvzip[:experiment.QUESTIONS], kvzip[experiment.QUESTIONS:]):
+        assert len({json_of(r.settings["reconstruction"]) for r in shared_requests}) == 1
+    for configuration in experiment.configurations():
+        if configuration[1] != "kvzip":
+            made = experiment.requests_for(configuration, asked, 0.5, tokenizer)
+            assert not any("reconstruction" in r.settings for r in made), configuration
+
+
+def json_of(value) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+def test_a_context_without_reconstruction_ids_is_refused(experiment, prompts):
+    from dataclasses import replace
+
+    tokenizer, asked = prompts
+    (shared, questions), rest = asked[0], asked[1:]
+    broken = [(shared, [replace(questions[0], reconstruction=None)] + questions[1:])] + rest
+    with pytest.raises(RuntimeError, match="no chat header"):
+        experiment.requests_for(("context", "kvzip"), broken, 0.5, tokenizer)
+    experiment.requests_for(("context", "paged"), broken, 0.5, tokenizer)  # only a reconstructing policy needs them
+
+
+def test_configs_runs_the_named_configurations_beside_full_cache(experiment):
+    assert list(experiment.selected()) == [experiment.name_of(c) for c in experiment.configurations()]
+    assert list(experiment.selected(False, "kvzip context")) == ["full", "kvzip context"]
+    assert list(experiment.selected(True, "paged context unshared, kvzip context")) == [
+        "full", "kvzip context", "paged context unshared"]
+    for wrong in ("kvzip", "paged prompt", ""):
+        with pytest.raises(ValueError, match="the configurations are"):
+            experiment.selected(True, wrong)
+
+
+def fake_run(experiment, names: list[str], seed: int, questions: int = 3) -> tuple[list[dict], dict]:
+    """Rows and per-configuration (wall, ledger) as a run leaves them, scores from ``seed``."""
+    import random
+
+    rng = random.Random(seed)
+    rows, runs = [], {}
+    for name in names:
+        for task, prefix in (("key_retrieval", "codes"), ("multi_doc_qa", "births")):
+            for c in range(3):
+                for q in range(questions):
+                    score = float(rng.random() < 0.4)
+                    rows.append({"configuration": name, "task": task, "context": f"{prefix}-{c}", "question": q,
+                                 "prompt_tokens": 2000, "context_tokens": None if name == "full" else 1980,
+                                 "prediction": f"{name}-{task}-{c}-{q}" if name != "full" else f"full-{task}-{c}-{q}",
+                                 "answers": ["x"], "output_tokens": 10, "score": score})
+        ledger = {"kv_blocks_used_peak": 500 if name == "full" else 300, "kv_blocks_used_mean": 400.0,
+                  "evictions": {"prefill": 0 if name == "full" else 6}, "evicted_tokens": 0,
+                  "shared_contexts": {"hits": 0 if name == "full" else 12}, "evict_s": 2.5}
+        if name == "kvzip context":
+            ledger.update(reconstruct_tokens=12_000, reconstruct_s=1.5)
+        runs[name] = (20.0, ledger)
+    return rows, runs
+
+
+def write_run(experiment, out, rows, runs, command: str, pool: int = 2912) -> None:
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    table = experiment.summarize(rows, runs)
+    (out / "summary.md").write_text(experiment.markdown(table, command, 6, 0.5, "smollm2-135m", pool,
+                                                        experiment.comparisons(rows), 3,
+                                                        dead=experiment.dead_questions(rows)))
+    pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
+    (out / "requests.jsonl").write_text("".join(json_of(row) + "\n" for row in rows))
+
+
+def test_the_summary_reports_kvzips_reconstruction_cost_and_compares_it_with_paged(experiment, tmp_path):
+    rows, runs = fake_run(experiment, ["full", "paged context", "kvzip context"], seed=1)
+    table = experiment.summarize(rows, runs)
+    line = next(line for line in table if line["configuration"] == "kvzip context")
+    assert (line["reconstruct_tokens"], line["reconstruct_s"], line["evict_s"]) == (12_000, 1.5, 2.5)
+    assert "reconstruct_tokens" not in next(line for line in table if line["configuration"] == "paged context")
+    families = experiment.comparisons(rows)
+    for family in families.values():
+        assert {(e["row"], e["column"]) for e in family} >= {("kvzip context", "full"), ("kvzip context", "paged context")}
+    text = experiment.markdown(table, "python experiments/shared_context.py", 6, 0.5, "smollm2-135m", 2912, families, 3)
+    assert ("`kvzip context` reconstructed its contexts with 12,000 tokens of passes in 1.5 s" in text
+            and "2,000 tokens and 0.25 s per compressed context, 8% of its wall time" in text)
+    # --reanalyse keeps the figures (summary.csv holds them) and rewrites the same summary
+    out = tmp_path / "run"
+    write_run(experiment, out, rows, runs, "python experiments/shared_context.py --out x")
+    before = (out / "summary.md").read_text()
+    assert experiment.reanalyse(out) == 0
+    assert (out / "summary.md").read_text() == before
+
+
+def test_configs_join_an_earlier_run_keeping_its_configurations_and_its_full_cache(experiment, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "run"
+    command = "python experiments/shared_context.py --out x"
+    earlier_rows, earlier_runs = fake_run(experiment, ["full", "paged context", "paged context unshared"], seed=2)
+    write_run(experiment, out, earlier_rows, earlier_runs, command)
+    found = experiment.previous_run(out)
+    assert (found.command, found.pool, found.ratio, found.added) == (command, 2912, 0.5, [])
+    new_rows, new_runs = fake_run(experiment, ["full", "kvzip context"], seed=3)
+    new_rows = [dict(row, prediction="changed") if row["configuration"] == "full" and row["question"] == 0 else row
+                for row in new_rows]
+    new_table = experiment.summarize(new_rows, new_runs)
+    order = [experiment.name_of(c) for c in experiment.configurations()]
+    rows, table, check = experiment.merge(found.rows, found.table, new_rows, new_table, order)
+    assert [line["configuration"] for line in table] == ["full", "paged context", "kvzip context", "paged context unshared"]
+    kept_full = [row for row in rows if row["configuration"] == "full"]
+    assert kept_full == [row for row in earlier_rows if row["configuration"] == "full"]  # the earlier full cache stays
+    assert [row for row in rows if row["configuration"] == "kvzip context"] == [
+        row for row in new_rows if row["configuration"] == "kvzip context"]
+    assert check["full_same"] == 18 - 6 and check["full_requests"] == 18 and check["configurations"] == ["kvzip context"]
+    # written as main writes it, then the summary from the joined files
+    (out / experiment.ADDED).write_text(json_of([{"command": command + " --configs 'kvzip context'", **check}]))
+    pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
+    (out / "requests.jsonl").write_text("".join(json_of(row) + "\n" for row in rows))
+    experiment.reanalyse(out)
+    text = (out / "summary.md").read_text()
+    assert f"Command: `{command}`" in text and "| kvzip context |" in text and "| paged context unshared |" in text
+    assert "Added by `python experiments/shared_context.py --out x --configs 'kvzip context'`" in text
+    assert "12 of its 18 answers are the same text as the full cache above" in text
+    assert "reconstructed its contexts with 12,000 tokens" in text
+    # the earlier configurations' lines are as they were
+    old = pd.read_csv(tmp_path / "run" / "summary.csv").set_index("configuration")
+    earlier = pd.DataFrame(experiment.summarize(earlier_rows, earlier_runs)).set_index("configuration")
+    assert old.loc["paged context", "later"] == earlier.loc["paged context", "later"]
+    # a run of other settings is not joined
+    with pytest.raises(ValueError, match="same questions"):
+        experiment.merge(found.rows, found.table, [r for r in new_rows if r["question"] < 2], new_table, order)
