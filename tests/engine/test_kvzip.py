@@ -7,11 +7,11 @@ One 620-token context (12 tokens of it taken as its header, never reconstructed)
 asked by KVzip at token granularity with 256-token chunks (three passes, the later ones after the
 previous chunk's last 8 ids), at block granularity, and compressing the whole prompt (one pass):
 half the context (or prompt) kept. A second engine runs the same requests with prefix caching (the
-second question about the context takes the compressed context) and passes of at most 256 tokens
-per forward (``max_num_batched_tokens``: the context's prefill is chunked, and a pass runs in
-pieces): it generates the same; so do the layers as two KV cache groups. (Preemption: skipped, no
-pool setting preempted these requests.) Last, ``run.py`` runs a kvzip cell with the prompt builder's
-ids (a real chat header, and a plain prompt's rule)."""
+second question about the context takes the compressed context), passes of at most 256 tokens per
+forward (``max_num_batched_tokens``: the context's prefill is chunked, and a pass runs in pieces)
+and the layers as two KV cache groups: it generates the same. (Preemption: skipped, no pool setting
+preempted these requests.) ``run.py`` running a kvzip cell with the prompt builder's ids is one
+cell of ``tests/engine/test_run_end_to_end.py``'s compress=context sweep (one engine for both)."""
 from __future__ import annotations
 
 import pytest
@@ -67,8 +67,10 @@ def engine_runs(tmp_path_factory, requests):
     prompts, settings = [p for _, p, _ in requests], [s for _, _, s in requests]
     workdir = tmp_path_factory.mktemp("kvzip")
     plain = run_engine(workdir, "smollm2", prompts, NEW_TOKENS, request_eviction=settings)
+    # One engine for three things that each must leave the outputs alone (CI time: an engine start
+    # and a run saved): shared compressed contexts, passes in pieces, two KV cache groups.
     pieces = run_engine(workdir, "smollm2", prompts, NEW_TOKENS, request_eviction=settings, prefix_caching=True,
-                        max_num_batched_tokens=256)
+                        max_num_batched_tokens=256, layer_groups=2)
     return plain, pieces
 
 
@@ -125,10 +127,12 @@ def test_the_engine_equals_the_harness_reference(engine_runs, requests):
     assert_mostly_equal(run["outputs"], outputs)
 
 
-def test_prefix_caching_and_pieces_generate_the_same(engine_runs, requests):
+def test_prefix_caching_pieces_and_two_groups_generate_the_same(engine_runs, requests):
     """With prefix caching the second question about the context takes the compressed context (its
-    passes never run again), and with passes in pieces of 256 tokens (and the context prefilled in
-    chunks) every request generates what it generated before (near-tie rule)."""
+    passes never run again); with passes in pieces of 256 tokens (and the context prefilled in
+    chunks); and with the layers as two KV cache groups (uniform budgets: each group keeps what one
+    group keeps of its layers; the passes score both groups' layers, the sinks above every group's
+    scores): every request generates what it generated before (near-tie rule)."""
     plain, pieces = engine_runs
     assert_same_outputs(plain, pieces)
     ledger = pieces["ledger"]
@@ -138,18 +142,6 @@ def test_prefix_caching_and_pieces_generate_the_same(engine_runs, requests):
     assert ledger["evictions"]["prefill"] == len(compressing)
     assert ledger["reconstruct_tokens"] == sum(pass_tokens(requests[i][1], requests[i][2]) for i in compressing)
     assert pieces["free_blocks_after"] == ledger["kv_pool_blocks"]
-
-
-def test_two_layer_groups_generate_the_same(tmp_path, engine_runs, requests):
-    """The layers as two KV cache groups (uniform budgets: each group keeps what one group keeps of
-    its layers): the passes score both groups' layers, the sinks above every group's scores, and
-    every request generates what it generated with one group (near-tie rule)."""
-    plain, _ = engine_runs
-    prompts, settings = [p for _, p, _ in requests], [s for _, _, s in requests]
-    grouped = run_engine(tmp_path, "smollm2", prompts, NEW_TOKENS, request_eviction=settings, layer_groups=2)
-    assert_same_outputs(plain, grouped)
-    assert grouped["ledger"]["reconstruct_tokens"] == plain["ledger"]["reconstruct_tokens"]
-    assert grouped["free_blocks_after"] == grouped["ledger"]["kv_pool_blocks"]
 
 
 @pytest.mark.skip(reason="no pool found that preempts these requests: five runs (three unshared requests at 40 and "
@@ -169,36 +161,3 @@ def test_preempted_requests_reconstruct_again_and_generate_the_same(tmp_path, re
     assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
     assert_same_outputs(roomy, tight)
     assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
-
-
-def test_run_py_runs_a_kvzip_cell_with_the_prompt_builder_s_ids(tmp_path):
-    """``python run.py policy=kvzip compress=context budget_ratio=0.5 data.limit=1`` on a chat task
-    and a plain one (its ids from the prompt builder, ``harness.tasks.prompts.reconstruction``): the
-    cell is published, each request evicted once at its context boundary, and the ledger's pass
-    tokens are those of the passes the prompt builder's ids make."""
-    import json
-    import subprocess
-    import sys
-
-    from harness.config import run_settings
-    from harness.run.cell import prepare_cell
-    from tests.support import ROOT
-    from tests.unit.test_kvzip_run import compose_cfg
-
-    overrides = ["policy=kvzip", "compress=context", "budget_ratio=0.5", "data.limit=1",
-                 "data.tasks=[single_doc_qa,code_completion]"]
-    done = subprocess.run([sys.executable, str(ROOT / "run.py"), *overrides, f"output_dir={tmp_path / 'runs'}"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = [p for p in (tmp_path / "runs").glob("smollm2-135m/synthetic/*") if p.is_dir()]
-    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
-    assert [row["evictions"] for row in rows] == [{"prefill": 1, "decode": 0}] * 2
-    assert all(row["answer_tokens"] > 0 for row in rows), "the likelihood's forced requests ran too"
-    kv = json.loads((run_dir / "perf.json").read_text())["kv"]
-    work = prepare_cell(run_settings(compose_cfg(*overrides, f"output_dir={tmp_path / 'again'}")))
-    assert len(work.prompts) == len(rows)
-    assert [p.reconstruction["prefix_tokens"] for p in work.prompts] == [24, 0], "a chat header; a plain prompt's"
-    expected = sum(pass_tokens(prompt.token_ids, work.eviction_for(index).as_dict())
-                   for index, prompt in enumerate(work.prompts))
-    assert kv["reconstruct_tokens"] == expected
-    assert 0 < kv["reconstruct_s"] <= kv["evict_s"]

@@ -94,17 +94,28 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
     assert "2 sample(s) skipped" in done.stdout
 
 
-def test_a_sweep_compressing_the_context_evicts_at_each_prompts_boundary(tmp_path):
+SWEEP = ["budget_ratio=0.5", "compress=context", "data.limit=1", "data.tasks=[single_doc_qa,key_retrieval]",
+         "likelihood=false"]
+
+
+@pytest.fixture(scope="module")
+def context_sweep(tmp_path_factory) -> Path:
+    """``run.py -m policy=full,snapkv,kvzip ... compress=context``: one shared-prefill engine for the
+    three cells (KVzip's cell here rather than in tests/engine/test_kvzip.py: an engine start saved)."""
+    out = tmp_path_factory.mktemp("sweep")
+    args = [sys.executable, str(ROOT / "run.py"), "-m", "policy=full,snapkv,kvzip", *SWEEP, f"output_dir={out}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_a_sweep_compressing_the_context_evicts_at_each_prompts_boundary(context_sweep):
     """``run.py -m ... compress=context``: a ratio on the command line (no budget=null needed), the
     shared-prefill sweep, every prompt evicted where its data says its context ends: each request
     evicts its context's length minus what the policy keeps of it, and records the boundary."""
     from harness.eviction.settings import EvictionSettings, build_policy
 
-    args = [sys.executable, str(ROOT / "run.py"), "-m", "policy=full,snapkv", "budget_ratio=0.5", "compress=context",
-            "data.limit=1", "data.tasks=[single_doc_qa,key_retrieval]", "likelihood=false", f"output_dir={tmp_path}"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.glob("smollm2-135m/synthetic/snapkv_r0.5_context_*") if p.is_dir()]
+    (run_dir,) = [p for p in context_sweep.glob("smollm2-135m/synthetic/snapkv_r0.5_context_*") if p.is_dir()]
     rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     evicted = 0
     for row in rows:
@@ -116,3 +127,26 @@ def test_a_sweep_compressing_the_context_evicts_at_each_prompts_boundary(tmp_pat
     assert kv["evicted_tokens"] == evicted
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert (config["budget"], config["compress"], config["decode_eviction"]) == (None, "context", False)
+
+
+def test_a_kvzip_cell_in_the_sweep_runs_the_prompt_builder_s_passes(context_sweep):
+    """The sweep's kvzip cell (issue 50): each request carries its prompt's reconstruction ids from
+    the prompt builder (``harness.tasks.prompts.reconstruction``: SmolLM2's 24-id chat header), is
+    evicted once at its context boundary, and the ledger's pass tokens are those of the passes those
+    ids make; the passes' time is inside the eviction's."""
+    from harness.config import run_settings
+    from harness.run.cell import prepare_cell
+    from tests.engine.test_kvzip import pass_tokens
+    from tests.unit.test_kvzip_run import compose_cfg
+
+    (run_dir,) = [p for p in context_sweep.glob("smollm2-135m/synthetic/kvzip_r0.5_context_*") if p.is_dir()]
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [row["evictions"] for row in rows] == [{"prefill": 1, "decode": 0}] * 2
+    kv = json.loads((run_dir / "perf.json").read_text())["kv"]
+    work = prepare_cell(run_settings(compose_cfg("policy=kvzip", *SWEEP, f"output_dir={context_sweep / 'again'}")))
+    assert len(work.prompts) == len(rows)
+    assert [p.reconstruction["prefix_tokens"] for p in work.prompts] == [24, 24]
+    expected = sum(pass_tokens(prompt.token_ids, work.eviction_for(index).as_dict())
+                   for index, prompt in enumerate(work.prompts))
+    assert kv["reconstruct_tokens"] == expected > 0
+    assert 0 < kv["reconstruct_s"] <= kv["evict_s"]
