@@ -9,6 +9,9 @@
   vLLM's per-request hook for custom arguments, a logits processor's ``validate_params``
   (``vllm/v1/sample/logits_processor/interface.py:62``), sees the sampling parameters but not the
   engine's block size, which a budget must be a multiple of;
+* there too, a request whose policy reconstructs its context (KVzip) and that brings no
+  ``reconstruction`` ids gets them from the server's tokenizer, as ``run.py``'s prompt builder makes
+  them for the same prompt (``served_reconstruction``): the engine core and workers hold no tokenizer;
 * the policy's message on the HTTP error of a request whose policy failed while it ran: the
   scheduler ends it with ``FinishReason.ERROR`` and the message as its stop reason
   (``harness.engine.scheduler.EvictionScheduler._end_failed``), but vLLM's server answers every
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from dataclasses import replace
 
 from harness.engine.compatibility import check_compatible, layer_groups_of
 from harness.eviction.settings import CONFIG_KEY, admit, request_settings, settings_from
@@ -34,10 +38,13 @@ def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = No
     return state(reset, requests) if state is not None else None
 
 
-def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None:
+def check_request(vllm_config, params, prompt_tokens: int | None = None, reconstruct=None) -> None:
     """Refuse, with the reason, a request whose eviction settings this engine cannot run; with the
     prompt's length, also settings that cannot apply to it (a context boundary beyond the prompt,
-    or missing where the engine compresses contexts by default)."""
+    or missing where the engine compresses contexts by default). ``reconstruct``: where a
+    reconstructing policy's request brings no ids of its own, what makes them for its prompt
+    (given the policy's name: ``served_reconstruction``; a ``ValueError`` says why it cannot); they
+    become the request's own settings, which the scheduler reads."""
     extra = getattr(params, "extra_args", None)
     default = settings_from(vllm_config)
     if (not extra or CONFIG_KEY not in extra) and (default is None or prompt_tokens is None):
@@ -47,6 +54,11 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
     try:
         block_size = vllm_config.cache_config.block_size
         settings = request_settings(extra, default, block_size)
+        if settings is not None and settings.reconstructs and settings.reconstruction is None and reconstruct:
+            settings = replace(settings, reconstruction=reconstruct(settings.policy))
+            # written back as the request's own settings (the engine default's too, copied): the scheduler
+            # reads them there (harness.engine.scheduler.EvictionScheduler.add_request)
+            params.extra_args = {**(extra or {}), CONFIG_KEY: settings.as_dict()}
         if settings is not None:
             check_compatible(vllm_config)
             if prompt_tokens is not None:
@@ -68,18 +80,49 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None) -> None
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 
 
+# The request ids vLLM's server gives a prompt its chat template wrote: "chatcmpl-"
+# (vllm/entrypoints/openai/chat_completion/serving.py:314-316, batch_serving.py:132-134) and the
+# Responses API's "resp_" (vllm/entrypoints/openai/responses/protocol.py:301). They reach
+# ``process_inputs`` as its request_id (vllm/v1/engine/async_llm.py:474-476), before vLLM makes it
+# unique (``assign_request_id``, :512). A prompt with no such id is a chat prompt where it begins
+# with the template's header (``harness.tasks.prompts.ids_reconstruction``).
+CHAT_REQUEST_IDS = ("chatcmpl-", "resp_")
+
+
+def served_reconstruction(tokenizer, token_ids: list[int], request_id: str, policy: str) -> dict:
+    """A served prompt's reconstruction ids, made by ``run.py``'s prompt builder's rule
+    (``harness.tasks.prompts.ids_reconstruction``) with the server's tokenizer; ``ValueError``
+    (HTTP 400) where it cannot make them."""
+    from harness.tasks.prompts import ids_reconstruction
+
+    ask = "give them as reconstruction: {prefix_tokens, first, later, suffix} (harness.eviction.settings.Reconstruction)"
+    if tokenizer is None:
+        raise ValueError(f"{policy} reconstructs the request's context with ids a tokenizer makes, and this server "
+                         f"has none (--skip-tokenizer-init): {ask}")
+    ids = ids_reconstruction(tokenizer, token_ids, chat=str(request_id).startswith(CHAT_REQUEST_IDS))
+    if ids is None:
+        raise ValueError(f"{policy} reconstructs the request's context after its chat header, and this chat prompt "
+                         "does not begin with the header the chat template writes before one user message (a system "
+                         f"message of its own, earlier turns, or a template that does not write the message verbatim): {ask}")
+    return ids
+
+
 def wrap_process_inputs(original):
     """Every request passes ``InputProcessor.process_inputs`` (offline and ``vllm serve``, where a
     ``VLLMValidationError`` is an HTTP 400); its settings are checked there, with its prompt: the
-    returned ``EngineCoreRequest`` carries the prompt's token ids (vllm/v1/engine/input_processor.py:373,
-    ``_validate_params`` at :389 runs before the prompt is known)."""
+    returned ``EngineCoreRequest`` carries the prompt's token ids (vllm/v1/engine/input_processor.py:538-540,
+    ``_validate_params`` at :389 runs before the prompt is known), and the input processor holds the
+    server's tokenizer (``InputProcessor.tokenizer``, :86-88), with which a reconstructing policy's
+    ids are made where the request brings none. ``request.sampling_params`` is the request's own
+    copy (:449), so its settings can be completed there."""
 
     @functools.wraps(original)
     def process_inputs(self, *args, **kwargs):
         request = original(self, *args, **kwargs)
         prompt = request.prompt_token_ids
         if request.sampling_params is not None and prompt is not None:
-            check_request(self.vllm_config, request.sampling_params, len(prompt))
+            reconstruct = functools.partial(served_reconstruction, self.tokenizer, prompt, request.request_id)
+            check_request(self.vllm_config, request.sampling_params, len(prompt), reconstruct)
         return request
 
     return process_inputs

@@ -117,6 +117,27 @@ def reconstruction(tokenizer, text: str, token_ids: list[int], offsets: list[tup
             "suffix": encode(footer)}
 
 
+def ids_reconstruction(tokenizer, token_ids: list[int], chat: bool = False) -> dict | None:
+    """``reconstruction`` for a prompt known only by its token ids (a request ``vllm serve`` got),
+    the same ids ``build_prompt`` makes for the same prompt. Its text is its ids decoded; its
+    character offsets are that text's, encoded again with no special tokens as ``build_prompt``
+    encodes a chat prompt, where that gives back its ids (otherwise none: the prompt must then
+    begin with the header's own ids). It is a chat prompt where ``chat`` says so (the server's
+    chat template wrote it) or where its text begins with the chat template's header (a prompt
+    written with the template, as ``build_prompt``'s chat prompts are); a plain prompt otherwise.
+    None where a chat prompt's header is not found (``reconstruction``)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    parts = chat_parts(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+    if not chat and not (parts and parts[0] and text.startswith(parts[0])):
+        parts = PLAIN_PARTS
+    offsets = None
+    if parts is not PLAIN_PARTS and getattr(tokenizer, "is_fast", False):  # a plain prompt has no header to count
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(encoded["input_ids"]) == list(token_ids):
+            offsets = encoded["offset_mapping"]
+    return reconstruction(tokenizer, text, token_ids, offsets, parts)
+
+
 def context_boundary(text: str, question: str | None, suffix: str | None) -> int | None:
     """Where the question part begins in the final ``text``, in characters: the user message ends
     where ``suffix`` (chat footer and answer prefix) begins, and must end with ``question``, found

@@ -241,3 +241,56 @@ def test_serve_refuses_what_eviction_cannot_run_with(args, message):
     )
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
+
+
+def test_kvzip_gets_the_ids_run_py_s_prompt_builder_makes_from_the_server_s_tokenizer(server):
+    """KVzip with no token ids built by the client (issue 50): a chat completion compressing its
+    whole prompt once (``compress: prompt``, ``decode_eviction: false``: no boundary to count) and a
+    completion of a plain prompt's ids compressing its context name ``kvzip`` and bring no
+    ``reconstruction``; the server makes the ids from its tokenizer as ``run.py``'s prompt builder
+    makes them for the same prompt (``harness.engine.frontend.served_reconstruction``), and each
+    output equals the Hugging Face reference running KVzip with the builder's ids. A chat with a
+    system message of its own (no header the server can find) is refused with HTTP 400."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from harness.eviction.hf_reference import HFReferenceEngine
+    from harness.eviction.settings import EvictionSettings, build_policy
+    from harness.tasks.prompts import build_prompt
+    from harness.tasks.sample import Sample
+    from harness.tasks.spec import TaskSpec
+    from tests.support.engine_support import assert_mostly_equal
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path("tiny"))
+    context = tokenizer.decode(text_prompts("tiny", [600], seed=51)[0], skip_special_tokens=True)
+    sample = Sample("qa", "kvzip", context, "What is the text about?", [])
+    template = "{context}\n\nQuestion: {input}"
+    message = template.format(context=sample.context, input=sample.input)
+    chat = build_prompt(sample, TaskSpec("qa", template, 24, "qa_f1"), tokenizer, 2000)
+    plain = build_prompt(sample, TaskSpec("qa", template + "\nAnswer:", 24, "qa_f1", chat=False), tokenizer, 2000)
+    asked = {"policy": "kvzip", "budget_ratio": 0.5, "decode_eviction": False}
+    on_chat, on_plain = dict(asked, compress="prompt"), dict(asked, compress="context", context_tokens=plain.context_tokens)
+
+    def ask_chat(messages):
+        return server.chat.completions.create(
+            model=model_path("tiny"), messages=messages, max_tokens=24, temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True, "vllm_xargs": {"kv_eviction": json.dumps(on_chat)}})
+
+    response = ask_chat([{"role": "user", "content": message}])
+    assert response.prompt_token_ids == chat.token_ids, "the server's chat prompt is the builder's"
+    assert isinstance(response.choices[0].message.content, str) and len(response.choices[0].token_ids) == 24
+    (from_plain,) = complete_concurrently(server, [plain.token_ids], [on_plain], 24)
+    served = [list(response.choices[0].token_ids), from_plain]
+
+    reference = []
+    for prompt, raw in ((chat, on_chat), (plain, on_plain)):
+        settings = EvictionSettings(**{"budget": None, **raw, "reconstruction": prompt.reconstruction}).for_prompt(
+            len(prompt.token_ids), BLOCK)
+        engine = HFReferenceEngine(model_path("tiny"), build_policy(settings, BLOCK))
+        reference.append(engine.generate(prompt.token_ids, 24, context_tokens=raw.get("context_tokens"),
+                                         reconstruction=settings.reconstruction))
+    assert chat.reconstruction["prefix_tokens"] > 0 and plain.reconstruction["prefix_tokens"] == 0
+    assert_mostly_equal(served, reference)
+
+    with pytest.raises(openai.BadRequestError, match="kvzip reconstructs the request's context after its chat header"):
+        ask_chat([{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": message}])
