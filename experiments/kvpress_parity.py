@@ -38,6 +38,15 @@ when cells disagree) and per cell the number of context tokens each kept (its ra
 against the context), and the runner prefills the context with the press hooked, then the question
 as one pass on the compressed cache (``kvpress_runner.py``'s docstring cites kvpress 0.5.5's
 pipeline). The runner is handed the harness's token ids and boundary: it does not retokenize.
+
+The context parity also runs KVzip (issue 50; ``KVZIP_PAIRS``): one harness ``kvzip`` cell per ratio
+(KVzipPress's defaults: n_sink 4, chunk 2048, 8 ids of the previous chunk) meets two kvpress cells,
+``kvzip_uniform`` (KVzipPress with the harness's level: the same count in every layer and KV head,
+a runner-side selection on KVzipPress's own scores; kvpress has no such option) and ``kvzip`` (the
+default KVzipPress, whose global threshold gives each head its own count, at the same total:
+``cache_ratio``). Their jobs carry each prompt's reconstruction ids from the harness's prompt
+builder, which the runner checks KVzipPress's own against. New jobs keep the runner's rows of every
+cell defined as before (``reusable_cells``), so adding a press runs only that press.
 """
 from __future__ import annotations
 
@@ -64,30 +73,7 @@ KVPRESS_PYTHON = ".venv-kvpress/bin/python"
 LOCK = "/tmp/engine.lock"
 EXPERIMENT = "kvpress_parity"
 VERDICTS = ("identical", "near_tie", "differ")
-
-
-@dataclass(frozen=True)
-class Mode:
-    """What both sides compress (``--compress``) and where that parity's files go: ``prompt``, the
-    whole prompt (kvpress's leaderboard's ``--query_aware`` loop); ``context``, the context before
-    the question (its default pipeline, the leaderboard's main loop)."""
-
-    compress: str
-    out: Path
-    experiment: str  # conf/experiment/<experiment>.yaml: what every harness cell composes
-
-    @property
-    def harness_dir(self) -> Path:
-        return self.out / "harness"
-
-    @property
-    def kvpress_dir(self) -> Path:
-        return self.out / "kvpress"
-
-
-PROMPT = Mode("prompt", OUT, EXPERIMENT)
-CONTEXT = Mode("context", Path("results/kvpress_parity_context"), "kvpress_parity_context")
-MODES = {mode.compress: mode for mode in (PROMPT, CONTEXT)}
+RECONSTRUCTING = {"kvzip", "kvzip_uniform"}  # the runner's presses that repeat the context (KVzip)
 
 
 @dataclass(frozen=True)
@@ -103,6 +89,10 @@ class Pair:
     press_options: dict
     differences: str = ""
     window_is_prompt: bool = field(default=False, compare=False)  # options["window"] := longest prompt
+    # The press's ratio is of its whole cache (layers x KV heads x tokens), its kept counts per head
+    # free (KVzipPress's default): it is given the ratio that keeps the harness's count on average
+    # (``cache_ratio``), the same total; else the ratio that keeps the count in every head (``press_ratio``).
+    whole_cache: bool = field(default=False, compare=False)
 
     def harness_options(self, longest_prompt: int) -> dict:
         if self.window_is_prompt:
@@ -132,6 +122,57 @@ PAIRS = (
 )
 CONTROL = Pair("full", {}, "no_press", {}, "control: no compression on either side (vLLM vs Hugging Face)")
 
+# KVzip (issue 50), context parity only: kvpress 0.5.5's KVzipPress defaults (presses/kvzip_press.py:52-56
+# and prepare's prev_postfix_size=8): n_sink=4, chunk_size=2048, 8 ids of the previous chunk,
+# layerwise=False, kvzip_plus_normalization=False; the harness's kvzip defaults are the same (policies/kvzip.py),
+# given here explicitly. The harness keeps the same count in every (layer, KV head) (the authors'
+# pair-uniform level); KVzipPress has no option for that (layerwise=True evens the layers, not the heads),
+# so the runner's ``kvzip_uniform`` is KVzipPress with only its selection (compress_post) per head; the
+# default KVzipPress, whose global threshold gives each head its own count, runs beside it at the same
+# total. One harness cell per ratio meets both.
+KVZIP_OPTIONS = {"n_sink": 4, "chunk_size": 2048, "postfix": 8}
+KVZIP_PRESS_OPTIONS = {"n_sink": 4, "chunk_size": 2048}
+KVZIP_PAIRS = (
+    Pair("kvzip", KVZIP_OPTIONS, "kvzip_uniform", KVZIP_PRESS_OPTIONS,
+         "none in the rule: KVzipPress's own reconstruction, scores and sinks, the lowest of each (layer, KV head) "
+         "masked (runner-side; kvpress has no per-head option); ranking precision; kvpress masks by fake keys "
+         "(the slots stay, attention to them underflows), the harness removes the tokens"),
+    Pair("kvzip", KVZIP_OPTIONS, "kvzip", KVZIP_PRESS_OPTIONS,
+         "allocation: KVzipPress (default, layerwise=False) prunes the globally lowest scores over layers, heads "
+         "and tokens, so each (layer, KV head) keeps its own count (the same total); the harness keeps the same "
+         "count in each; besides, the kvzip_uniform row's differences", whole_cache=True),
+)
+
+@dataclass(frozen=True)
+class Mode:
+    """What both sides compress (``--compress``) and where that parity's files go: ``prompt``, the
+    whole prompt (kvpress's leaderboard's ``--query_aware`` loop); ``context``, the context before
+    the question (its default pipeline, the leaderboard's main loop)."""
+
+    compress: str
+    out: Path
+    experiment: str  # conf/experiment/<experiment>.yaml: what every harness cell composes
+    pairs: tuple = ()  # the (policy, press) pairs this parity runs; a policy may meet several presses
+
+    def harness_cells(self) -> list["Pair"]:
+        """One pair per harness policy (its first): the harness cells to run, in order."""
+        return list({pair.policy: pair for pair in reversed(self.pairs)}.values())[::-1]
+
+    @property
+    def harness_dir(self) -> Path:
+        return self.out / "harness"
+
+    @property
+    def kvpress_dir(self) -> Path:
+        return self.out / "kvpress"
+
+
+PROMPT = Mode("prompt", OUT, EXPERIMENT, PAIRS)
+CONTEXT = Mode("context", Path("results/kvpress_parity_context"), "kvpress_parity_context", PAIRS + KVZIP_PAIRS)
+MODES = {mode.compress: mode for mode in (PROMPT, CONTEXT)}
+
+
+
 
 # --- pure logic (tested in tests/experiments/test_kvpress_parity.py) ---------------------------------
 
@@ -152,15 +193,18 @@ def kvpress_kept(prompt_tokens: int, ratio: float) -> int:
 
 
 def harness_kept(policy: str, options: dict, ratio: float, prompt_tokens: int, block_size: int,
-                 context_tokens: int | None = None) -> int:
+                 context_tokens: int | None = None, reconstruction: dict | None = None) -> int:
     """How many prompt tokens a harness cell keeps after prefill: its ratio resolved to a budget for
     this prompt (``EvictionSettings.for_prompt``: whole blocks) and the policy's own count. With
     ``context_tokens`` (a ``compress=context`` cell): how many of the context's tokens it keeps, the
-    ratio resolved against the context (``at_context(c).for_prompt``) and counted at the context's end."""
+    ratio resolved against the context (``at_context(c).for_prompt``) and counted at the context's end.
+    ``reconstruction``: the prompt's KVzip ids, which a reconstructing policy's request must carry
+    (``for_request``; the count does not depend on them)."""
     from harness.eviction.settings import EvictionSettings, build_policy
 
     compress = "prompt" if context_tokens is None else "context"
-    settings = EvictionSettings(policy, None, dict(options), ratio, False, compress).at_context(context_tokens)
+    settings = EvictionSettings(policy, None, dict(options), ratio, False, compress).for_request(context_tokens,
+                                                                                              reconstruction)
     settings = settings.for_prompt(prompt_tokens, block_size)
     return build_policy(settings, block_size).prefill_keep_count(settings.eviction_point(prompt_tokens))
 
@@ -176,22 +220,80 @@ def cell_name(press: str, ratio: float) -> str:
     return press if press == "no_press" else f"{press}_r{ratio:g}"
 
 
+def cache_ratio(kept: int, context_tokens: int, heads: int) -> float:
+    """The compression ratio under which a press that prunes ``int(ratio x heads x context_tokens)``
+    entries of its whole cache (KVzipPress's default, ``compress_post``: ``heads`` = layers x KV
+    heads) keeps ``kept`` per head on average: it prunes exactly ``heads x (context_tokens - kept)``
+    (half an entry above, robust to float rounding); 0 when nothing is cut."""
+    if not 0 < kept <= context_tokens or heads < 1:
+        raise ValueError(f"cannot keep {kept} of {context_tokens} tokens in {heads} heads")
+    if kept == context_tokens:
+        return 0.0
+    return (heads * (context_tokens - kept) + 0.5) / (heads * context_tokens)
+
+
+def cache_heads(model_path: str) -> int | None:
+    """Layers x KV heads of the checkpoint at ``model_path`` (its config.json): the entries per token
+    of a cache; None where it cannot be read."""
+    path = Path(model_path) / "config.json"
+    if not path.exists():
+        return None
+    config = json.loads(path.read_text())
+    return config["num_hidden_layers"] * config.get("num_key_value_heads", config["num_attention_heads"])
+
+
 def build_jobs(samples: list[dict], kept: dict[tuple[str, float], dict[str, int]], pairs, model_path: str,
-               eos_token_id, threads: int | None = None) -> dict:
+               eos_token_id, threads: int | None = None, heads: int | None = None,
+               reconstructions: dict[str, dict] | None = None) -> dict:
     """The runner's jobs: ``samples`` (id, task, prompt_token_ids, max_new_tokens, stops, and in
     context mode context_tokens), and one cell per (pair, ratio) in ``kept`` (per sample, the
     harness's kept count and the ratio giving it in kvpress, both of the compressed part: the prompt,
-    or the context), plus the uncompressed control."""
+    or the context; a policy with several pairs, one cell per pair), plus the uncompressed control. A
+    whole-cache pair's ratio is ``cache_ratio`` over ``heads`` (layers x KV heads); a reconstructing
+    press's cell (KVzip) carries per sample the harness's ``reconstructions`` (its chat header's
+    length, repeat prompts and footer, by sample id), which the runner checks kvpress's own against."""
     cells = [{"name": "no_press", "press": "no_press", "ratio": 0.0, "options": {}, "kept": None, "press_ratio": None}]
-    by_press = {pair.policy: pair for pair in pairs}
+    lengths = {s["id"]: compressed_tokens(s) for s in samples}
     for (policy, ratio), per_sample in kept.items():
-        pair = by_press[policy]
-        lengths = {s["id"]: compressed_tokens(s) for s in samples}
-        cells.append({"name": cell_name(pair.press, ratio), "press": pair.press, "ratio": ratio,
-                      "options": dict(pair.press_options), "kept": dict(per_sample),
-                      "press_ratio": {sid: press_ratio(k, lengths[sid]) for sid, k in per_sample.items()}})
+        for pair in [pair for pair in pairs if pair.policy == policy]:
+            if pair.whole_cache:
+                if heads is None:
+                    raise ValueError(f"{pair.press} prunes its whole cache: the model's layers x KV heads are needed")
+                ratios = {sid: cache_ratio(k, lengths[sid], heads) for sid, k in per_sample.items()}
+            else:
+                ratios = {sid: press_ratio(k, lengths[sid]) for sid, k in per_sample.items()}
+            cell = {"name": cell_name(pair.press, ratio), "press": pair.press, "ratio": ratio,
+                    "options": dict(pair.press_options), "kept": dict(per_sample), "press_ratio": ratios}
+            if pair.press in RECONSTRUCTING:
+                missing = [sid for sid in per_sample if (reconstructions or {}).get(sid) is None]
+                if missing:
+                    raise ValueError(f"{pair.press} repeats each context from the harness's reconstruction ids; "
+                                     f"none for {missing[:3]}")
+                cell["reconstruction"] = {sid: reconstructions[sid] for sid in per_sample}
+            cells.append(cell)
     return {"model_path": model_path, "eos_token_id": eos_token_id, "threads": threads, "samples": samples,
             "cells": cells}
+
+
+def reusable_cells(old: dict | None, new: dict) -> set[str]:
+    """The runner's cells whose rows (outputs, ranking) a new set of jobs can keep: those of ``old``
+    defined exactly as in ``new`` (press, options, ratios, kept counts, ids), where both run the same
+    samples, checkpoint and settings; none otherwise. What lets a parity grow by a press without
+    running the others again."""
+    if old is None or {k: v for k, v in old.items() if k != "cells"} != {k: v for k, v in new.items() if k != "cells"}:
+        return set()
+    before = {cell["name"]: cell for cell in old["cells"]}
+    return {cell["name"] for cell in new["cells"] if before.get(cell["name"]) == cell}
+
+
+def keep_rows(path: Path, cells: set[str]) -> int:
+    """Rewrite a runner's rows file (``predictions.jsonl``, ``ranking.jsonl``) with the rows of
+    ``cells`` only; how many stayed."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["cell"] in cells]
+    path.write_text("".join(line + "\n" for line in lines))
+    return len(lines)
 
 
 RANK_KEYS = ("heads", "heads_differing", "tokens_differing")
@@ -311,16 +413,20 @@ def with_boundaries(samples: list[dict], predictions: dict, rebuilt: list[int | 
     return marked
 
 
-def kept_counts(labels, runs, samples: list[dict], predictions: dict, block_size: int) -> dict:
+def kept_counts(labels, runs, samples: list[dict], predictions: dict, block_size: int,
+                reconstructions: dict[str, dict] | None = None) -> dict:
     """Per evicting cell label, per sample, the tokens of the compressed part (the prompt, or under
     ``compress=context`` the context) the harness cell kept, checked against the prefill evictions it
-    recorded: a cell that kept fewer than that part evicted once."""
+    recorded: a cell that kept fewer than that part evicted once. ``reconstructions``: each sample's
+    KVzip ids, by sample id (a KVzip cell's requests carry them)."""
     kept = {}
     for label, run in zip(labels, runs):
         if label[0] == "full":
             continue
         kept[label] = {s["id"]: harness_kept(run.policy, run.options, label[1], len(s["prompt_token_ids"]), block_size,
-                                             s["context_tokens"] if run.compress == "context" else None)
+                                             s["context_tokens"] if run.compress == "context" else None,
+                                             (reconstructions or {}).get(s["id"]) if run.eviction.reconstructs
+                                             else None)
                        for s in samples}
         for sample in samples:
             evicted = (predictions[label][sample["id"]].get("evictions") or {}).get("prefill", 0)
@@ -333,19 +439,20 @@ def kept_counts(labels, runs, samples: list[dict], predictions: dict, block_size
 
 
 def jobs_from_cells(samples: list[dict], labels, runs, predictions: dict, model_path: str, eos, threads=None,
-                    rebuilt: list[int | None] | None = None) -> tuple[list[dict], dict, dict]:
+                    rebuilt: list[int | None] | None = None, pairs=PAIRS, heads: int | None = None,
+                    reconstructions: dict[str, dict] | None = None) -> tuple[list[dict], dict, dict]:
     """The runner's jobs from the harness's cells (``runs``, their ``predictions`` rows) and the
-    prompts rebuilt here (``samples``; ``rebuilt``: their context boundaries): the samples as the
-    jobs carry them (with ``context_tokens`` when the cells compressed the context), the kept counts
-    and the jobs."""
+    prompts rebuilt here (``samples``; ``rebuilt``: their context boundaries; ``reconstructions``:
+    their KVzip ids by sample id): the samples as the jobs carry them (with ``context_tokens`` when
+    the cells compressed the context), the kept counts and the jobs (``pairs``: the mode's)."""
     compress = {run.compress for run in runs}
     if len(compress) != 1:
         raise RuntimeError(f"the harness cells mix compress={sorted(compress)}: one parity compresses one part")
     check_prompt_lengths(samples, predictions)
     if compress == {"context"}:
         samples = with_boundaries(samples, predictions, rebuilt)
-    kept = kept_counts(labels, runs, samples, predictions, runs[0].block_size)
-    return samples, kept, build_jobs(samples, kept, PAIRS, model_path, eos, threads)
+    kept = kept_counts(labels, runs, samples, predictions, runs[0].block_size, reconstructions)
+    return samples, kept, build_jobs(samples, kept, pairs, model_path, eos, threads, heads, reconstructions)
 
 
 # --- stage 1: the harness's cells -----------------------------------------------------------------
@@ -430,7 +537,7 @@ def main(argv: list[str]) -> int:
     cells, labels = [cell_overrides("full", {}, args.ratios[0], args.lengths, args.limit, args.tasks, args.force,
                                     mode)], [("full", 0.0)]
     for ratio in args.ratios:
-        for pair in PAIRS:
+        for pair in mode.harness_cells():
             cells.append(cell_overrides(pair.policy, pair.harness_options(longest), ratio, args.lengths, args.limit,
                                         args.tasks, args.force, mode))
             labels.append((pair.policy, ratio))
@@ -461,12 +568,17 @@ def main(argv: list[str]) -> int:
                for s, tokens, new, stop in zip(work.samples, work.token_ids, work.max_new_tokens, work.stops)]
     eos = sorted({int(t) for t in (tokenizer.eos_token_id, getattr(work.run.model, "eos_token_id", None)) if t is not None}
                  | set(generation_eos(model_path)))
+    reconstructions = {s.id: prompt.reconstruction for s, prompt in zip(work.samples, work.prompts)}
     samples, kept, jobs = jobs_from_cells(samples, labels, runs, predictions, model_path, eos, args.threads,
-                                          work.context_tokens)
+                                          work.context_tokens, mode.pairs, cache_heads(model_path), reconstructions)
     jobs_file, out_file = mode.kvpress_dir / "jobs.json", mode.kvpress_dir / "predictions.jsonl"
-    if args.force or not jobs_file.exists() or jobs_digest(json.loads(jobs_file.read_text())) != jobs_digest(jobs):
-        out_file.unlink(missing_ok=True)  # rows of other jobs must not be resumed
-        (mode.kvpress_dir / "ranking.jsonl").unlink(missing_ok=True)
+    ranking_file = mode.kvpress_dir / "ranking.jsonl"
+    old_jobs = json.loads(jobs_file.read_text()) if jobs_file.exists() else None
+    if args.force or old_jobs is None or jobs_digest(old_jobs) != jobs_digest(jobs):
+        # rows of cells whose job changed must not be resumed; those of unchanged cells stay
+        reuse = set() if args.force else reusable_cells(old_jobs, jobs)
+        print(f"[parity] new jobs: rows kept for {len(reuse)} unchanged runner cell(s) ({keep_rows(out_file, reuse)} "
+              f"outputs, {keep_rows(ranking_file, reuse)} ranking rows)", flush=True)
         jobs_file.write_text(json.dumps(jobs))
 
     # Stage 3: kvpress.
@@ -475,13 +587,14 @@ def main(argv: list[str]) -> int:
     if not expected <= have:
         if not Path(KVPRESS_PYTHON).exists():
             raise SystemExit(f"no {KVPRESS_PYTHON}: build it with experiments/kvpress_env.sh")
-        timing["kvpress_s"] = run_logged(locked([KVPRESS_PYTHON, "experiments/kvpress_runner.py", str(jobs_file),
-                                                 str(out_file)]), "kvpress runner")
+        # KVzip cells write their ranking rows as they run (their kept sets come with their outputs)
+        wall = run_logged(locked([KVPRESS_PYTHON, "experiments/kvpress_runner.py", str(jobs_file), str(out_file),
+                                  str(ranking_file)]), "kvpress runner")
+        timing["kvpress_s"] = timing.get("kvpress_s", 0) + wall if have else wall  # a resumed run adds its wall
         timing_file.write_text(json.dumps(timing, indent=1))
     kv_rows = {(r["cell"], r["id"]): r for r in read_jsonl(out_file)}
 
     # Stage 3b: the ranking diagnostic (the harness's rule on kvpress's own scores; no decoding).
-    ranking_file = mode.kvpress_dir / "ranking.jsonl"
     if not ranking_complete(jobs, ranking_file):
         timing["ranking_s"] = run_logged(locked([KVPRESS_PYTHON, "experiments/kvpress_runner.py", "--ranking",
                                                  str(jobs_file), str(ranking_file)]), "kvpress ranking diagnostic")
@@ -489,34 +602,44 @@ def main(argv: list[str]) -> int:
     ranks = {(r["cell"], r["id"]): r for r in read_jsonl(ranking_file)} if ranking_file.exists() else {}
 
     # Stage 4: compare and report.
-    comparisons = compare(labels, samples, predictions, kv_rows, ranks, kept)
-    write_report(comparisons, pairs_used(args, longest), args, command, timing, runs, samples, mode)
+    comparisons = compare(labels, samples, predictions, kv_rows, ranks, kept, mode.pairs)
+    write_report(comparisons, pairs_used(args, longest, mode), args, command, timing, runs, samples, mode)
     return 0
 
 
-def compare(labels, samples: list[dict], predictions: dict, kv_rows: dict, ranks: dict, kept: dict) -> list[dict]:
-    """Each (harness cell, sample) against its kvpress cell's row: the verdict, where they part, what
-    each kept (of the context, with ``context_tokens``, where the samples carry a boundary) and the
+def compare(labels, samples: list[dict], predictions: dict, kv_rows: dict, ranks: dict, kept: dict,
+            pairs=PAIRS) -> list[dict]:
+    """Each (harness cell, sample) against its kvpress cells' rows (one per pair of its policy): the
+    verdict, where they part, what each kept (of the context, with ``context_tokens``, where the
+    samples carry a boundary; a press whose heads keep different counts, their range) and the
     ranking diagnostic's counts."""
-    by_policy = {pair.policy: pair for pair in PAIRS}
     comparisons = []
     for (policy, ratio) in labels:
-        pair = CONTROL if policy == "full" else by_policy[policy]
-        for sample in samples:
-            h = predictions[(policy, ratio)][sample["id"]]
-            k = kv_rows[(cell_name(pair.press, ratio), sample["id"])]
-            result, why = verdict(h, k)
-            at = first_difference(h["output_token_ids"], k["output_token_ids"])
-            boundary = {} if sample.get("context_tokens") is None else {"context_tokens": sample["context_tokens"]}
-            comparisons.append({
-                "policy": policy, "press": pair.press, "ratio": ratio, "id": sample["id"], "task": sample["task"],
-                "length": sample["length"], "prompt_tokens": len(sample["prompt_token_ids"]), **boundary,
-                "kept": None if policy == "full" else kept[(policy, ratio)][sample["id"]],
-                "kvpress_kept": k["kept_tokens"], "verdict": result, "why": why, "first_difference": at,
-                "harness_prediction": h["prediction"], "kvpress_prediction": k["prediction"],
-                "answers": h["answers"],
-                **{key: ranks.get((cell_name(pair.press, ratio), sample["id"]), {}).get(key) for key in RANK_KEYS},
-            })
+        for pair in [CONTROL] if policy == "full" else [pair for pair in pairs if pair.policy == policy]:
+            comparisons += compare_pair(pair, policy, ratio, samples, predictions, kv_rows, ranks, kept)
+    return comparisons
+
+
+def compare_pair(pair: Pair, policy: str, ratio: float, samples: list[dict], predictions: dict, kv_rows: dict,
+                 ranks: dict, kept: dict) -> list[dict]:
+    comparisons = []
+    for sample in samples:
+        h = predictions[(policy, ratio)][sample["id"]]
+        k = kv_rows[(cell_name(pair.press, ratio), sample["id"])]
+        result, why = verdict(h, k)
+        at = first_difference(h["output_token_ids"], k["output_token_ids"])
+        boundary = {} if sample.get("context_tokens") is None else {"context_tokens": sample["context_tokens"]}
+        comparisons.append({
+            "policy": policy, "press": pair.press, "ratio": ratio, "id": sample["id"], "task": sample["task"],
+            "length": sample["length"], "prompt_tokens": len(sample["prompt_token_ids"]), **boundary,
+            "kept": None if policy == "full" else kept[(policy, ratio)][sample["id"]],
+            "kvpress_kept": k["kept_tokens"],
+            **({"kvpress_kept_per_head": k["kept_per_head"]} if "kept_per_head" in k else {}),
+            "verdict": result, "why": why, "first_difference": at,
+            "harness_prediction": h["prediction"], "kvpress_prediction": k["prediction"],
+            "answers": h["answers"],
+            **{key: ranks.get((cell_name(pair.press, ratio), sample["id"]), {}).get(key) for key in RANK_KEYS},
+        })
     return comparisons
 
 
@@ -534,8 +657,8 @@ def first_difference(a, b):
     return first(a, b)
 
 
-def pairs_used(args, longest: int) -> list[tuple[Pair, dict]]:
-    return [(pair, pair.harness_options(longest)) for pair in PAIRS]
+def pairs_used(args, longest: int, mode: Mode = PROMPT) -> list[tuple[Pair, dict]]:
+    return [(pair, pair.harness_options(longest)) for pair in mode.pairs]
 
 
 # What a context parity's summary adds (``--compress context``): which of kvpress's leaderboard loops
@@ -635,7 +758,7 @@ for it is set above every other, so the rule on kvpress's scores keeps it too).
 
 {counts_table(counts)}
 
-## Option mapping
+{kvzip_section(comparisons, mode)}## Option mapping
 
 {chr(10).join(mapping)}
 
@@ -654,6 +777,60 @@ for it is set above every other, so the rule on kvpress's scores keeps it too).
     (mode.out / "summary.md").write_text(text)
     print(counts_table(counts))
     print(f"[parity] wrote {mode.out / 'summary.md'}")
+
+
+KVZIP_NOTES = "kvzip.md"  # beside summary.md: what the KVzip rows' differences are, with their evidence
+
+
+def kvzip_section(comparisons: list[dict], mode: Mode) -> str:
+    """What the KVzip rows are (only where the parity has them): how the runner runs KVzipPress, what
+    is matched, the per-head spread of the default press's kept counts, and the notes on their
+    differences where written (``KVZIP_NOTES``)."""
+    rows = [row for row in comparisons if row["press"] in RECONSTRUCTING]
+    if not rows:
+        return ""
+    spread = []
+    for press in dict.fromkeys(row["press"] for row in rows):
+        for ratio in dict.fromkeys(row["ratio"] for row in rows if row["press"] == press):
+            mine = [row for row in rows if row["press"] == press and row["ratio"] == ratio]
+            ranges = [row.get("kvpress_kept_per_head") for row in mine if row.get("kvpress_kept_per_head")]
+            if ranges:
+                spread.append(f"| {press} | {ratio:g} | {min(r[0] for r in ranges)} | {max(r[1] for r in ranges)} | "
+                              f"{sum(r[0] == r[1] for r in ranges)}/{len(mine)} |")
+    notes = mode.out / KVZIP_NOTES
+    return f"""## KVzip (issue 50)
+
+The harness's `kvzip` cells (`compress=context`, options {options_text(KVZIP_OPTIONS)}: kvpress 0.5.5's
+`KVzipPress` defaults, `kvzip_press.py:52-56` and `prepare`'s 8 ids) meet two kvpress cells each:
+
+- `kvzip_uniform`: `KVzipPress` with everything its own (chat header and footer from the tokenizer,
+  repeat prompts, one pass per 2048-token chunk from the context's end, `score_val`, sinks at
+  `amax + 1`, masking by fake keys) but its selection: every (layer, KV head) masks its own lowest
+  `c - kept` scores, so each keeps the harness's count (the harness's level, the authors'
+  `pair-uniform`). kvpress has no option for it: `layerwise=False` (default) prunes the globally
+  lowest scores, `layerwise=True` the lowest of each layer over its heads together; either way each
+  head keeps its own count. This is the like-for-like row.
+- `kvzip`: the default `KVzipPress`, given the ratio that prunes exactly layers x KV heads x
+  (c - kept) entries of the whole cache (the same total; `cache_ratio`): the allocation differs.
+
+The runner is given the harness's token ids, context boundary, kept counts and reconstruction ids
+(per sample: chat header length, repeat prompts, footer, from the harness's prompt builder) and
+refuses to run if the ids `KVzipPress` builds its passes from differ from them. Each sample's context
+is prefilled and reconstructed once through `KVzipPress` itself; each cell's press then selects on a
+copy of those scores with its own `compress_post` (the scores do not depend on the ratio or the
+selection); on the first sample each cell's kept sets were compared with its press's own whole run
+(the check under Runs). kvpress hides pruned tokens by fake keys (`attention_patch.py`: the slots
+stay, attention to them underflows) where the harness removes them. The ranking column counts,
+per (layer, KV head), the tokens the harness's rule (11-bit rounding, ties to the earlier token) keeps
+from `KVzipPress`'s own `score_val` (sinks raised) against those the press kept.
+
+Kept context tokens per (layer, KV head) on kvpress's side (from its masks), over the samples:
+
+| press | ratio | fewest | most | samples with equal counts in every head |
+|---|---|---|---|---|
+{chr(10).join(spread)}
+{f"{chr(10)}Why the KVzip rows differ where they do, with the evidence: [`{KVZIP_NOTES}`]({KVZIP_NOTES}).{chr(10)}" if notes.exists() else ""}
+"""
 
 
 def kept_text(row: dict) -> str:

