@@ -84,7 +84,7 @@ def test_each_cell_gets_its_own_request_settings_on_the_same_engine():
     engines = [{k: v for k, v in spec.items() if k != "request_eviction"} for spec in specs.values()]
     assert engines[0] == engines[1] == engines[2]
     spec = engines[0]
-    assert (spec["one_by_one"], spec["max_new_tokens"], spec["max_model_len"], spec["repeats"]) == (True, 1, 265, 3)
+    assert (spec["one_by_one"], spec["max_new_tokens"], spec["max_model_len"], spec["repeats"]) == (True, 1, 265, SETTING.repeats)
     assert spec["engine"]["num_kv_blocks"] == 2 * 9 + 1 and spec["engine"]["max_num_seqs"] == 1
     assert spec["engine"]["kv_cache_gib"] == 4.0 and spec["engine"]["enforce_eager"] is True
     assert "eviction" not in spec, "no engine-wide policy: the requests say"
@@ -183,7 +183,7 @@ def test_a_summary_is_rewritten_from_the_cells_on_disk_alone(tmp_path, capsys):
     assert summary.startswith("# Throughput: reconstruction\n")
     assert "Command: `python experiments/throughput.py reconstruction --out " in summary
     assert "Trials: each of the 3 configurations ran in 4 trials (12 cells, an engine process each" in summary
-    assert "reversed in trials 2, 4" in summary and "3 times, medians reported" in summary
+    assert "reversed in trials 2, 4" in summary
     assert "| kvzip r0.5 context #4 |" in summary.replace("  ", " ").replace("  ", " ")
     assert "vLLM-cpu" in summary and "2 prompts, 464 prompt tokens, 432 of them context" in summary
     assert (tmp_path / "summary.csv").read_text().startswith("cell,configuration,policy,")
@@ -212,7 +212,7 @@ def test_a_stored_cell_is_reused_only_for_the_same_contexts_repeats_and_prompts(
     assert experiment.stored_prefill_cell(path, SETTING, "d" * 16) is not None
     assert experiment.stored_prefill_cell(path, SETTING, "e" * 16) is None
     assert experiment.stored_prefill_cell(path, replace(SETTING, repeats=2), None) is None
-    other = replace(SETTING, contexts=replace(SETTING.contexts, lengths=(1024,)))
+    other = replace(SETTING, contexts=replace(SETTING.contexts, lengths=(2048,)))
     assert experiment.stored_prefill_cell(path, other, None) is None
 
 
@@ -234,7 +234,7 @@ def test_the_shipped_contexts_build_and_every_request_passes_the_engine_s_checks
     for cell in (c for c in SETTING.cells if c.trial == 1):
         spec = experiment.prefill_spec(SETTING, cell, built, "/m")
         assert len(spec["request_eviction"]) == len(built)
-    assert experiment.prompt_facts(built)["context_tokens"] > 10_000
+    assert experiment.prompt_facts(built)["context_tokens"] > 5_000
 
 
 def test_a_run_measures_in_counterbalanced_order_and_reuses_what_it_measured(tmp_path, monkeypatch):
