@@ -443,14 +443,12 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
               "its own question attends to, so it holds its own copy, as `context unshared` does by setting. "
               + ("Wall time and tok/s in this table are the first trial's; every trial's are below."
                  if trials else "Timings are one run each on the 2-core CPU machine."), ""]
-    lines[-1:-1] = reconstruction_lines(table)
-    for entry in added or []:
-        lines[-1:-1] = [added_line(entry), ""]
     unshared = next((line for line in table if line.get("same_as_shared") is not None), None)
     if unshared is not None:
         lines[-1:-1] = [f"`{unshared['configuration']}` asks the requests of `paged context`, each compressing its "
                         f"own copy: {unshared['same_as_shared']} of its {unshared['requests']} answers are the same "
                         "text as with the context shared.", ""]
+    lines += reconstruction_lines(table) + [line for entry in added or [] for line in (added_line(entry), "")]
     if families:
         from harness.analysis.clustered import section
 
