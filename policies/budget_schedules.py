@@ -3,8 +3,10 @@
 The KV memory stays that of the uniform budget (group budgets x L/G sum to B x L), so the group
 budgets, whole blocks, sum to G x B_blocks. A schedule only says how large each group's share is:
 ``uniform`` (equal: the engine as it is), ``pyramid`` (PyramidKV, Cai et al., arXiv 2406.02069:
-lower layers get more) or ``attention`` (CAKE's layer preferences, Qin et al., ICLR 2025, arXiv
-2503.12491, measured on the prompt's last queries). ``apportion`` turns shares into blocks between a
+lower layers get more), ``attention`` (CAKE's layer preferences, Qin et al., ICLR 2025, arXiv
+2503.12491, measured on the prompt's last queries) or ``kvzip`` (KVzip's own allocation, Kim et al.,
+arXiv 2505.23416: one threshold over every layer's and head's reconstruction scores, each layer's
+share what it keeps above it, ``kvzip_layer_counts``). ``apportion`` turns shares into blocks between a
 floor (``min_blocks``) and a cap (the sequence's length: blocks past it would hold nothing), in exact
 arithmetic (``Fraction``) so that equal shares give equal budgets and a tie is a real tie.
 """
@@ -18,7 +20,7 @@ import torch
 
 from policies.attention import Window, window_attention
 
-SCHEDULES = ("uniform", "pyramid", "attention")
+SCHEDULES = ("uniform", "pyramid", "attention", "kvzip")
 # CAKE's observation window: the prompt's last 32 queries (antgroup/cakekv's window_size, as SnapKV's).
 ATTENTION_WINDOW = 32
 
@@ -91,6 +93,42 @@ def window_spread_and_shift(queries: torch.Tensor, keys: torch.Tensor, scale: fl
     return spread_and_shift(attention.reshape(kv_heads * group, n, tokens)[..., : tokens - n])
 
 
+def kvzip_layer_counts(scores: torch.Tensor | Sequence[torch.Tensor], kept_per_layer: int) -> list[Fraction]:
+    """Each layer's share under KVzip's global threshold: how many of its (KV head, token) scores
+    are among the ``layers x kept_per_layer`` best of all layers' and heads' together.
+
+    ``scores``: ``[layers, kv_heads, tokens]`` (or a sequence of ``[layers_g, kv_heads, tokens]``
+    parts, layer groups in order, joined along the layers), every layer over the same tokens. The
+    uniform budget keeps ``kept_per_layer`` per layer and head, ``layers x heads x kept_per_layer``
+    in all; KVzip's default (the authors' ``pair`` level, kvpress's ``KVzipPress`` with
+    ``layerwise=False``, ``kvzip_press.py:384-387``) keeps the same total but the top-scoring
+    entries of the whole cache, one threshold across layers and heads, so each layer keeps what
+    scores above it. A layer's count is its entries strictly above the threshold (the k-th largest
+    score) plus, of the entries equal to it, its part of those still needed, in proportion to how
+    many it holds: exact (``Fraction``), so the counts sum to the total and a tie between layers
+    stays a tie (no order among equal scores is invented). Counts beyond every entry keep all.
+    """
+    if not isinstance(kept_per_layer, int) or isinstance(kept_per_layer, bool) or kept_per_layer < 0:
+        raise ValueError(f"kept_per_layer must be an integer >= 0, got {kept_per_layer!r}")
+    joined = scores if isinstance(scores, torch.Tensor) else torch.cat(list(scores))
+    if joined.dim() != 3 or joined.shape[0] < 1:
+        raise ValueError(f"scores must be [layers, kv_heads, tokens], got {tuple(joined.shape)}")
+    layers, heads, tokens = joined.shape
+    kept = layers * heads * min(kept_per_layer, tokens)
+    if kept == 0:
+        return [Fraction(0)] * layers
+    flat = joined.reshape(-1)
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("scores must be finite")
+    if kept == flat.numel():
+        return [Fraction(heads * tokens)] * layers
+    threshold = flat.kthvalue(flat.numel() - kept + 1).values  # the kept-th largest
+    above = (joined > threshold).sum(dim=(1, 2)).tolist()
+    tied = (joined == threshold).sum(dim=(1, 2)).tolist()
+    needed, ties = kept - sum(above), sum(tied)  # 0 < needed <= ties: the threshold itself is kept
+    return [above_l + Fraction(needed * tied_l, ties) for above_l, tied_l in zip(above, tied)]
+
+
 def _targets(shares: list[Fraction], total: int, low: int, high: int) -> list[Fraction]:
     """clip(lam * share, low, high) per group, lam such that they sum to ``total`` (exactly)."""
     def at(lam: Fraction) -> list[Fraction]:
@@ -154,14 +192,18 @@ def _whole(name: str, value: object, least: int) -> int:
 
 def group_budgets(
     schedule: str, budget_tokens: int, num_layers: int, groups: int, block_size: int, *,
-    beta: float = 20.0, preferences: Sequence[float] | None = None, min_blocks: int = 1, cap_tokens: int | None = None,
+    beta: float = 20.0, preferences: Sequence[float] | None = None, counts: Sequence[int | Fraction] | None = None,
+    min_blocks: int = 1, cap_tokens: int | None = None,
 ) -> tuple[int, ...]:
     """Each group's budget in tokens (multiples of ``block_size``), group 0 holding the first layers.
 
     ``budget_tokens`` is the uniform per-layer budget B; the group budgets in blocks sum to G x B
     blocks unless ``cap_tokens`` (the sequence's length; a partial last block counts whole) caps
     every group. ``beta`` shapes ``pyramid``; ``preferences`` (one per layer, ``layer_preferences``)
-    drive ``attention``.
+    drive ``attention``; ``counts`` (one per layer, ``kvzip_layer_counts``) drive ``kvzip``: a
+    group's share is its layers' kept entries, so its budget per layer and head is their mean over
+    its layers and heads (the heads of a layer stay equal: one paged slot holds every head's token),
+    and the groups' budgets still sum to G x B (equal groups of layers).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown budget schedule {schedule!r}: the schedules are {', '.join(SCHEDULES)}")
@@ -180,6 +222,12 @@ def group_budgets(
         layer_shares: Sequence[float | Fraction] = [1] * num_layers
     elif schedule == "pyramid":
         layer_shares = pyramid_layer_budgets(budget_tokens, num_layers, beta)
+    elif schedule == "kvzip":
+        if counts is None or len(counts) != num_layers:
+            raise ValueError(f"the kvzip schedule needs one kept count per layer ({num_layers}), got {counts}")
+        if not all(Fraction(count) >= 0 for count in counts):
+            raise ValueError(f"kept counts must be non-negative, got {list(counts)}")
+        layer_shares = list(counts)
     else:
         if preferences is None or len(preferences) != num_layers:
             raise ValueError(f"the attention schedule needs one preference per layer ({num_layers}), got {preferences}")

@@ -16,7 +16,9 @@ are never repeated and score 0; the first ``n_sink`` tokens are always kept.
 The harness keeps equal counts per (layer, KV head), the authors' ``pair-uniform`` level: a paged
 engine has one slot per token for every KV head of a layer, and its kernels take one length per
 request (``docs/design_kvzip.md`` §5.2). kvpress's default chooses one global threshold over layers
-and heads instead; that allocation is not built here.
+and heads instead; across layer groups that allocation is the ``kvzip`` budget schedule
+(``policies.budget_schedules.kvzip_layer_counts``, ``budget_schedule=kvzip``), the heads of a layer
+still equal.
 
 This module is pure PyTorch: the score (``chunk_scores``), how a context splits into passes
 (``passes``) and the sinks' rule (``with_sinks``). Running the passes is the engine's

@@ -26,7 +26,8 @@ ledger of each request's *evicted token count* (logical length minus physical le
   the kept ones;
 * freeing a request (finish, abort, preemption) forgets its count; a preempted request is then
   replayed one token per step after its prompt, so it meets the same evictions at the same steps;
-* a request at the attention schedule (``budget_schedule=attention``) has its layer groups'
+* a request at a measured schedule (``budget_schedule=attention``, or ``kvzip``: from KVzip's
+  reconstruction scores) has its layer groups'
   budgets measured by the worker in the step that reaches its eviction point, which also evicts
   by them: that plan cannot count the eviction (``Undecided``), so the step's report brings the
   budgets and the scheduler counts and reshapes from them before it plans again. That needs the
@@ -201,7 +202,7 @@ class Expected:
 
 @dataclass(frozen=True)
 class Undecided:
-    """The prefill eviction of a request at the attention schedule, in the step that measures its
+    """The prefill eviction of a request at a measured schedule (attention, kvzip), in the step that measures its
     group budgets: what it leaves is known when the report brings them (``tokens``: the physical
     tokens it starts from). Synchronous scheduling only, so no plan is made before then."""
 
@@ -633,7 +634,7 @@ class EvictionScheduler(Scheduler):
         settings = self.kv_request_settings.get(request_id)
         request = self.requests.get(request_id)
         if settings is None or request is None or settings.measuring or any(self.kv_ledger.evicted.get(request_id, ())):
-            return num_tokens  # (an attention schedule not measured yet: as if it never evicted)
+            return num_tokens  # (a measured schedule not measured yet: as if it never evicted)
         policy = self.group_policy(settings, group)
         prompt = self.eviction_point(request)
         if num_tokens <= prompt or not policy.evicts:
@@ -853,7 +854,7 @@ class EvictionScheduler(Scheduler):
                 self._publish_contexts()
             for (request_id, _), expected in list(self.kv_expected.items()):
                 if expected.step == plan.step and self._live(request_id):
-                    what = "measure the attention schedule of" if isinstance(expected, Undecided) else "evict"
+                    what = "measure the layer budgets of" if isinstance(expected, Undecided) else "evict"
                     raise EvictionNotActiveError(
                         f"the worker did not {what} request {request_id}, whose eviction step {plan.step} scheduled")
             outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -884,7 +885,7 @@ class EvictionScheduler(Scheduler):
         return ended
 
     def _fix_budgets(self, request_id: str, budgets: tuple[int, ...], step: int) -> None:
-        """An attention schedule's group budgets, measured by the worker in ``step``: the request's
+        """A measured schedule's group budgets (attention, kvzip), measured by the worker in ``step``: the request's
         settings from now on, and that step's prefill eviction counted in each group by them (the
         evictions the report carries are then settled against it, as any)."""
         settings = self.kv_request_settings.get(request_id)

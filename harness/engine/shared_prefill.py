@@ -11,8 +11,8 @@ The KV pool stays bounded: a prompt's requests start only when the estimated blo
 prompt in flight fit in the pool (``admission``), so the cached prompts stay cached until their
 requests have used them; when an estimate is wrong vLLM preempts and recomputes, which changes
 timings, never outputs. On an engine without prefix caching there is nothing to warm: each request
-prefills its own prompt; so does a request at the attention schedule (``budget_schedule=attention``),
-which takes no cache hits: its budgets are measured from its own prefill (``harness.engine.scheduler``).
+prefills its own prompt; so does a request at a measured schedule (``budget_schedule=attention`` or
+``kvzip``), which takes no cache hits: its budgets are measured from its own prefill (``harness.engine.scheduler``).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def blocks_per_prompt(prompt_len: int, cells: list[CellRequest], block_size: int
             settings = cell.settings.for_prompt(prompt_len, block_size)
             point = settings.eviction_point(prompt_len)  # the question (if any) is kept whole after it
             kept = min(point, settings.budget + block_size) + prompt_len - point + cell.max_new_tokens
-            # an attention schedule's request takes no cache hits: it holds its own prompt too
+            # a measured schedule's request (attention, kvzip) takes no cache hits: it holds its own prompt too
             own += 2 * cdiv(kept, block_size) + 1 + (cdiv(point, block_size) if settings.measuring else 0)
     return shared + own
 

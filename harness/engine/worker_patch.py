@@ -15,7 +15,9 @@
   request's window once the step is done. A request at the attention schedule has its prompt's
   last queries copied the same way, apart, and in the step that reaches its eviction point its
   layer groups' budgets are measured from them (``harness.eviction.layer_budgets``): that step's
-  eviction follows them, and the report tells the scheduler.
+  eviction follows them, and the report tells the scheduler. A request at the kvzip schedule has
+  them measured, in the same step, from the reconstruction scores its passes leave
+  (``reconstruct_due``), reported the same way.
 * After a step has written its K/V and sampled, a request whose policy sums attention (H2O) has
   its uncounted queries counted when the prompt completes or its window is all uncounted; the
   requests of the plan whose prompt just completed past their budget, or whose newest block just
@@ -53,7 +55,7 @@ from harness.engine.reconstruction import Done, Reconstruction
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
 )
-from harness.eviction.layer_budgets import measured_settings, spread_and_shift
+from harness.eviction.layer_budgets import kvzip_measured_settings, measured_settings, spread_and_shift
 from harness.eviction.settings import CONFIG_KEY, EvictionSettings, admit, settings_from
 from harness.engine.compatibility import SCHEDULER_CLS, check_compatible
 from policies import Policy
@@ -347,7 +349,7 @@ def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
             if size:
                 wanted.append((request_id, int(starts[row]), int(starts[row + 1]), size, 0))
             request = runner.requests.get(request_id)
-            if settings.measuring and request is not None and \
+            if settings.measuring and settings.budget_schedule == "attention" and request is not None and \
                     request.num_computed_tokens < settings.eviction_point(request.num_prompt_tokens):
                 wanted.append((request_id, int(starts[row]), int(starts[row + 1]), ATTENTION_WINDOW, 1))
     state.capture.plan(wanted, runner.device)
@@ -361,8 +363,9 @@ def measure_schedules(runner, state: WorkerEviction, scheduler_output) -> dict[s
     budgets = {}
     for request_id, settings in plan.settings.items():
         request = runner.requests.get(request_id)
-        if not state.settings_of(request_id, settings).measuring or request is None:
-            continue
+        settings = state.settings_of(request_id, settings)
+        if not settings.measuring or settings.budget_schedule != "attention" or request is None:
+            continue  # (the kvzip schedule is measured from the passes' scores: reconstruct_due)
         before = request.num_computed_tokens
         after = before + scheduler_output.num_scheduled_tokens[request_id]
         if not before < settings.eviction_point(request.num_prompt_tokens) <= after:
@@ -381,11 +384,20 @@ def measure_schedules(runner, state: WorkerEviction, scheduler_output) -> dict[s
     return budgets
 
 
-def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: dict[str, PolicyFailure]) -> Done:
+def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: dict[str, PolicyFailure],
+                    budgets: dict[str, tuple[int, ...]] | None = None) -> Done:
     """A reconstructing policy's passes (KVzip, ``harness.engine.reconstruction``) for each request
     whose prefill reached its eviction point this step, before the step's evictions read their
-    scores. A request whose passes fail goes to ``failures`` (the scheduler ends it; the others run)."""
+    scores. A request whose passes fail goes to ``failures`` (the scheduler ends it; the others run).
+
+    A request at the kvzip schedule, not measured yet, has its group budgets measured here from
+    every group's scores (``harness.eviction.layer_budgets.kvzip_measured_settings``): kept for this
+    step's eviction and until the plan carries them (``state.measured``), and put in ``budgets``
+    for the report, as ``measure_schedules`` does for the attention schedule; a group its budget
+    leaves whole keeps no scores. Where the uniform budget holds the whole context no pass runs and
+    the budgets are the equal shares'."""
     plan = scheduler_output.__dict__.get(PLAN_ATTRIBUTE)
+    budgets = {} if budgets is None else budgets
     done = Done()
     if plan is None or state.reconstruction is None:
         return done
@@ -402,21 +414,46 @@ def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: d
         evicted = plan.evicted_tokens.get(request_id, (0,) * state.groups)
         point = settings.eviction_point(len(request.prompt_token_ids))
         due = state.reconstruction.due(policies, point, before, after, evicted)
-        if not any(due):
+        # the kvzip schedule in its measuring step (until then every group runs the uniform budget:
+        # every group due, or none)
+        measuring = settings.measuring and settings.budget_schedule == "kvzip" and before < point <= after
+        if not any(due) and not measuring:
             continue
+        ran = Done()
         try:
             if any(evicted):
                 raise ValueError(f"it reconstructs the whole context, but {max(evicted)} of its tokens were evicted "
                                  "before its eviction point")
-            ran = state.reconstruction.run(request_id, request, settings, policies, state.policy_states, due)
+            if any(due):
+                ran = state.reconstruction.run(request_id, request, settings, policies, state.policy_states, due)
+            if measuring:
+                # (no pass ran: the uniform budget holds the whole context, so does every group's)
+                scores = [each.scores[request_id] for each in state.policy_states] if any(due) else None
+                measured = _measure_kvzip(state, request_id, settings, scores, point, budgets)
+                kept = state.reconstruction.due(state.policy_for(measured), point, before, after, evicted)
+                for policy_state, evicts in zip(state.policy_states, kept):
+                    if not evicts:  # a group its budget leaves whole: nothing reads its scores
+                        policy_state.scores.pop(request_id, None)
         except Exception as error:  # the request fails, not the step
             failures[request_id] = PolicyFailure(policies[0].name, f"reconstruction: {type(error).__name__}: {error}")
             for policy_state in state.policy_states:
                 policy_state.scores.pop(request_id, None)
+            if measuring:
+                state.measured.pop(request_id, None)
+                budgets.pop(request_id, None)
             continue
         done.tokens += ran.tokens
         done.seconds += ran.seconds
     return done
+
+
+def _measure_kvzip(state: WorkerEviction, request_id: str, settings: EvictionSettings, scores, point: int,
+                   budgets: dict) -> EvictionSettings:
+    layers = sum(len(layers) for layers in state.group_layers)
+    measured = state.measured[request_id] = kvzip_measured_settings(settings, scores, state.block_size, point, layers,
+                                                                    state.groups)
+    budgets[request_id] = measured.group_budgets
+    return measured
 
 
 def evict_after_step(runner, state: WorkerEviction, scheduler_output, failures: dict[str, PolicyFailure]) -> dict:
@@ -526,7 +563,7 @@ def wrap_sample_tokens(original):
         evict_started = time.perf_counter()
         budgets = measure_schedules(self, state, scheduler_output)
         failures: dict[str, PolicyFailure] = {}
-        reconstructed = reconstruct_due(self, state, scheduler_output, failures)  # timed within evict_s
+        reconstructed = reconstruct_due(self, state, scheduler_output, failures, budgets)  # timed within evict_s
         evictions = evict_after_step(self, state, scheduler_output, failures)
         for request_id, failure in failures.items():
             logger.warning("request %s ends with an error: %s", request_id, failure)

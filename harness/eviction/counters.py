@@ -93,7 +93,7 @@ class RequestCounters(EvictionCounters):
 
     policy: str
     budget: int
-    group_budgets: list[int] | None = None  # budget_schedule=attention: each layer group's, as measured
+    group_budgets: list[int] | None = None  # budget_schedule=attention or kvzip: each layer group's, as measured
     failure: str | None = None              # its policy failed: the request ended with this error
     # compress=context with sharing (harness.engine.shared_contexts): "shared" (it took a context
     # another request compressed) or "compressed" (it compressed one and kept it for others)

@@ -22,7 +22,9 @@ numbers of tokens, so the registered attention function also builds each layer's
 own keys (Hugging Face builds one mask, for the first layer's length). With ``schedule`` (settings at
 ``budget_schedule=attention``) the groups' budgets are measured from each prompt's last queries when
 the prefill reaches the eviction point, as the engine's worker measures them
-(``harness.eviction.layer_budgets``), and that eviction follows them.
+(``harness.eviction.layer_budgets``), and that eviction follows them; with ``schedule`` at
+``budget_schedule=kvzip`` they are measured from the reconstruction's scores of every group
+(KVzip's global threshold, ``kvzip_measured_settings``) before that eviction, as the worker does.
 
 KVzip (a policy whose score ``reconstructs``, ``policies.kvzip``): when the prefill reaches the
 eviction point c, the reference runs the reconstruction passes through the model on the request's
@@ -42,11 +44,12 @@ ratio's budget is each turn's own history's), as the engine's scheduler continue
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
 from harness.eviction.step import StepRequest, evict_step
-from harness.eviction.layer_budgets import measured_settings, spread_and_shift
+from harness.eviction.layer_budgets import kvzip_measured_settings, measured_settings, spread_and_shift
 from harness.eviction.settings import EvictionSettings, group_policies
 from harness.eviction.state import PolicyState
 from harness.eviction.kv_view import KVView
@@ -154,7 +157,8 @@ class HFReferenceEngine:
         self.policies: tuple[Policy, ...] = tuple(policy) if isinstance(policy, (list, tuple)) else (policy,)
         self.schedule = schedule if schedule is not None and schedule.measuring else None
         if schedule is not None and self.schedule is None:
-            raise ValueError(f"schedule: settings at budget_schedule=attention not yet measured, got {schedule}")
+            raise ValueError(f"schedule: settings at a measured budget_schedule (attention, kvzip) not yet measured, "
+                             f"got {schedule}")
         self.unmeasured = self.policies
         self.measured_budgets: tuple[int, ...] | None = None
         self.policy = self.policies[0]
@@ -285,12 +289,17 @@ class HFReferenceEngine:
             ).logits
             before, computed = computed, computed + inputs.shape[1]
             self._observe("request")
-            if self.schedule is not None and before < evict_at <= computed:
+            measuring = self.schedule.budget_schedule if self.schedule is not None and before < evict_at <= computed \
+                else None
+            if measuring == "attention":
                 self._measure(cache, computed)
             if self.reconstructs and before < evict_at <= computed and any(evicted):
                 raise ValueError("a reconstructing policy reconstructs the whole context: nothing may be evicted before it")
+            scores = None
             if self.reconstructs and before < evict_at <= computed and self._prefill_due(evict_at):
-                self._reconstruct(cache, prompt_ids[:evict_at], reconstruction)
+                scores = self._reconstruct(cache, prompt_ids[:evict_at], reconstruction)
+            if measuring == "kvzip":
+                self._measure_kvzip(scores, evict_at, reconstruction)
             if computed < prompt_len:  # the context is in: evict it, then the question runs on what stayed
                 evicted = self._after_step(cache, evict_at, before, computed, evicted)
                 inputs = torch.tensor([prompt_ids[computed:]], device=self.device)
@@ -347,6 +356,20 @@ class HFReferenceEngine:
         for policy, layers_of, state in zip(self.policies, self.group_layers, self.policy_states):
             if policy.reconstructs:
                 state.scores["request"] = scores[layers_of.start:layers_of.stop]
+        return scores
+
+    def _measure_kvzip(self, scores, evict_at: int, reconstruction) -> None:
+        """The kvzip schedule's group budgets from every layer's reconstruction scores (None: no
+        pass ran, the uniform budget holding the whole context), as the worker measures them; the
+        groups' policies follow them."""
+        block = self.policy.block_size
+        settings = replace(self.schedule.at_context(evict_at), reconstruction=reconstruction
+                           ).for_prompt(self.prompt_tokens, block)
+        layers = len(self.attention_layers)
+        parts = None if scores is None else [scores[group.start:group.stop] for group in self.group_layers]
+        measured = kvzip_measured_settings(settings, parts, block, evict_at, layers, len(self.policies))
+        self.policies = group_policies(measured, block, layers, len(self.policies))
+        self.measured_budgets = measured.group_budgets
 
     def _measure(self, cache, tokens: int) -> None:
         """The attention schedule's group budgets from this pass's last queries and the cache (the

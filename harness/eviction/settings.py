@@ -42,11 +42,14 @@ How the budget is spread over the layers (``budget_schedule``, on an engine whos
 KV cache groups, ``engine.layer_groups``): ``uniform`` (every group the request's budget),
 ``pyramid`` (PyramidKV's linear schedule, more in the lower layers; ``pyramid_beta`` its slope, 20 as
 kvpress's ``PyramidKVPress``), ``attention`` (CAKE's layer preferences, measured per request from its
-prompt's last 32 queries when the prefill reaches the eviction point: ``harness.eviction.layer_budgets``).
-The budget stays the total: the groups' budgets, in whole blocks, sum to G x the budget
-(``policies.budget_schedules.group_budgets``). An ``attention`` request's budgets are its own
-(``group_budgets``, fixed once measured); until then its groups run the uniform budgets, which no
-eviction reads (the first one follows the measurement).
+prompt's last 32 queries when the prefill reaches the eviction point: ``harness.eviction.layer_budgets``),
+``kvzip`` (KVzip's own allocation, for ``policy=kvzip`` at ``compress=context`` only: one threshold
+over every layer's and head's reconstruction scores, each group its layers' entries above it,
+measured from the scores the passes leave in the same step). The budget stays the total: the groups'
+budgets, in whole blocks, sum to G x the budget (``policies.budget_schedules.group_budgets``). An
+``attention`` or ``kvzip`` request's budgets are its own (``group_budgets``, fixed once measured);
+until then its groups run the uniform budgets, which no eviction reads (the first one follows the
+measurement).
 """
 from __future__ import annotations
 
@@ -128,8 +131,8 @@ class EvictionSettings:
     # compress=context: carry a finished turn's compressed cache into the next turn of its conversation
     # instead of compressing the pristine history again (``harness.engine.shared_contexts``, chain entries)
     chain: bool = False
-    # budget_schedule=attention: this request's group budgets, once measured from its prompt (the
-    # engine's, never a user's: parse_settings does not take it)
+    # budget_schedule=attention or kvzip: this request's group budgets, once measured from its prompt
+    # (the engine's, never a user's: parse_settings does not take it)
     group_budgets: tuple[int, ...] | None = None
     # A reconstructing policy's (KVzip's) inputs for this request (``Reconstruction``); the request's own
     reconstruction: Reconstruction | None = None
@@ -229,14 +232,24 @@ class EvictionSettings:
 
     @property
     def measuring(self) -> bool:
-        """An attention schedule whose group budgets are not measured yet."""
-        return self.budget_schedule == "attention" and self.group_budgets is None
+        """A measured schedule (``attention``, ``kvzip``) whose group budgets are not measured yet."""
+        return self.budget_schedule in MEASURED_SCHEDULES and self.group_budgets is None
 
     def with_preferences(self, preferences, block_size: int, num_layers: int, groups: int) -> "EvictionSettings":
         """These settings with the attention schedule's group budgets, from each layer's measured
         preference (``policies.budget_schedules.preference``)."""
         budgets = group_budgets("attention", self.budget, num_layers, groups, block_size, preferences=list(preferences),
                                 min_blocks=least_blocks(self, block_size))
+        return replace(self, group_budgets=budgets)
+
+    def with_kept_counts(self, counts, block_size: int, num_layers: int, groups: int, context: int
+                         ) -> "EvictionSettings":
+        """These settings with the kvzip schedule's group budgets, from each layer's count of
+        entries above KVzip's global threshold (``policies.budget_schedules.kvzip_layer_counts``),
+        none past the ``context`` it compresses (a block more than the context would hold nothing:
+        its surplus goes to the other groups)."""
+        budgets = group_budgets("kvzip", self.budget, num_layers, groups, block_size, counts=list(counts),
+                                min_blocks=least_blocks(self, block_size), cap_tokens=context)
         return replace(self, group_budgets=budgets)
 
     def at_context(self, context_tokens: int | None) -> "EvictionSettings":
@@ -356,14 +369,19 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
 
 
 
-ENGINE_SCHEDULES = ("uniform", "pyramid", "attention")
-# Why an asynchronous scheduler cannot run the attention schedule (the scheduler, the request check
-# and the run's config check say it alike).
-ATTENTION_NEEDS_SYNC = (
-    "budget_schedule=attention sets each layer group's budget from the attention of the step that "
-    "prefills the prompt's end, and evicts in that step; an asynchronous scheduler plans the next step "
-    "before that step's report, so it could not know what the eviction left: run with synchronous "
-    "scheduling (engine.async_scheduling=false, vllm serve --no-async-scheduling)")
+ENGINE_SCHEDULES = ("uniform", "pyramid", "attention", "kvzip")
+# The schedules whose group budgets each request measures in its eviction step (``measuring``).
+MEASURED_SCHEDULES = ("attention", "kvzip")
+
+
+def needs_sync(schedule: str) -> str:
+    """Why an asynchronous scheduler cannot run a measured schedule (the scheduler, the request check
+    and the run's config check say it alike)."""
+    source = {"attention": "attention", "kvzip": "reconstruction scores"}[schedule]
+    return (f"budget_schedule={schedule} sets each layer group's budget from the {source} of the step that "
+            "reaches the eviction point, and evicts in that step; an asynchronous scheduler plans the next step "
+            "before that step's report, so it could not know what the eviction left: run with synchronous "
+            "scheduling (engine.async_scheduling=false, vllm serve --no-async-scheduling)")
 
 
 def check_schedule(schedule, beta, where: str) -> tuple[str, float]:
@@ -384,8 +402,8 @@ def unshareable(compress: str, schedule: str) -> str | None:
     if compress != "context":
         return ("compress=prompt keeps what the question attends to (query-aware): the kept set is the "
                 "request's own, so no other request can take it")
-    if schedule == "attention":
-        return ("budget_schedule=attention measures each request's layer budgets from its own prompt "
+    if schedule in MEASURED_SCHEDULES:
+        return (f"budget_schedule={schedule} measures each request's layer budgets from its own prompt "
                 "(its eviction step's report), which a request taking a shared context would not have")
     return None
 
@@ -427,7 +445,7 @@ def check_reconstructing_policy(settings: EvictionSettings, policy: Policy) -> N
     if settings.budget_schedule == "attention":
         raise ValueError(f"budget_schedule=attention measures layer budgets from the prompt's last queries; {policy.name}"
                          " evicts from its reconstruction passes in the same step, which that measurement does not "
-                         "follow: use uniform or pyramid")
+                         "follow: use uniform, pyramid or kvzip")
 
 
 def check_reconstruction(settings: EvictionSettings, policy: Policy, eviction_point: int) -> None:
@@ -566,7 +584,7 @@ def group_policies(settings: EvictionSettings, block_size: int, num_layers: int,
             raise ValueError(f"budget_schedule={settings.budget_schedule} spreads the budget over the engine's layer "
                              "groups; this engine has one (set engine.layer_groups)")
         return (whole,) * groups
-    if settings.budget_schedule == "attention":
+    if settings.budget_schedule in MEASURED_SCHEDULES:
         # measured: the request's own; not yet: the uniform ones, which only say what is the same in
         # every group (window, phases) until the measurement fixes them
         budgets = settings.group_budgets or (settings.budget,) * groups
@@ -642,12 +660,25 @@ def check_grouped(policy: Policy, groups: int) -> None:
 
 
 def check_schedule_runs(settings: EvictionSettings, enforce_eager: bool, async_scheduling: bool) -> None:
-    """What the attention schedule needs of the engine: its measurement reads the prompt's queries
-    through the hooks compiled graphs skip, and it evicts in the step it measures in."""
+    """What a measured schedule needs of the engine: it evicts in the step it measures in (so the
+    scheduler learns the budgets from that step's report); the attention schedule reads the
+    prompt's queries through the hooks compiled graphs skip; the kvzip schedule reads KVzip's
+    reconstruction scores, so it needs that policy, and it is built for a context compressed alone."""
+    if settings.budget_schedule == "kvzip":
+        if not settings.reconstructs:
+            raise ValueError(f"budget_schedule=kvzip sets the layer groups' budgets from KVzip's reconstruction "
+                             f"scores; policy {settings.policy} computes none: use policy=kvzip (or another schedule)")
+        if settings.compress != "context":
+            raise ValueError("budget_schedule=kvzip is built for compress=context only (KVzip's query-agnostic "
+                             "setting, the context compressed once before the question; compress=prompt is untested "
+                             "with it): pass compress=context")
+        if async_scheduling:
+            raise ValueError(needs_sync("kvzip"))
+        return
     if settings.budget_schedule != "attention":
         return
     if async_scheduling:
-        raise ValueError(ATTENTION_NEEDS_SYNC)
+        raise ValueError(needs_sync("attention"))
     if not enforce_eager:
         raise ValueError("budget_schedule=attention reads the prompt's queries through hooks that compiled graphs "
                          "skip: run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")

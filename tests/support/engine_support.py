@@ -58,6 +58,20 @@ def plain_policy(name: str, budget: int, block: int = BLOCK, granularity: str | 
     return PlainPolicy(name, granularity, budget, block, weights=entry.options.get("weights"))
 
 
+def kvzip_reconstruction(model: str, prefix_tokens: int) -> dict:
+    """A KVzip request's reconstruction ids (``harness.eviction.settings.Reconstruction``'s wire form):
+    kvpress 0.5.5's repeat prompts, as the prompt builder has them, and the chat footer, as the
+    model's tokenizer writes them, with ``prefix_tokens`` of header."""
+    from transformers import AutoTokenizer
+
+    from harness.tasks.prompts import REPEAT_FIRST, REPEAT_LATER, chat_footer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path(model))
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+    return {"prefix_tokens": prefix_tokens, "first": encode(REPEAT_FIRST), "later": encode(REPEAT_LATER),
+            "suffix": encode(chat_footer(tokenizer))}
+
+
 def reference_outputs(model: str, policy, prompts, max_new_tokens: int) -> list[list[int]]:
     from harness.eviction.hf_reference import HFReferenceEngine
 

@@ -36,6 +36,9 @@ def attention_rows(rows: list[list[float]], heads: int = 2) -> torch.Tensor:
 def budgets(schedule: str, budget_blocks: int, groups: int, layers: int = LAYERS, block_size: int = BLOCK, **kw):
     if schedule == "attention" and "preferences" not in kw:
         kw["preferences"] = some_preferences(layers, seed=budget_blocks * 100 + groups)
+    if schedule == "kvzip" and "counts" not in kw:  # kept entries per layer (kvzip_layer_counts), zeros too
+        rng = random.Random(budget_blocks * 100 + groups)
+        kw["counts"] = [rng.choice([0, 1, rng.randrange(1000)]) for _ in range(layers)]
     return group_budgets(schedule, budget_blocks * block_size, layers, groups, block_size, **kw)
 
 

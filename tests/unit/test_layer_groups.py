@@ -98,7 +98,8 @@ def test_what_a_policy_cannot_do_per_group_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="budget_schedule=pyramid spreads the budget over the engine's layer groups; "
                                          "this engine has one"):
         group_policies(parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "pyramid"}, "t"), 32, 30, 1)
-    with pytest.raises(ValueError, match="budget_schedule must be one of uniform, pyramid, attention, got 'cake'"):
+    with pytest.raises(ValueError, match="budget_schedule must be one of uniform, pyramid, attention, kvzip, "
+                                         "got 'cake'"):
         parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "cake"}, "test")
     attention = parse_settings({"policy": "paged", "budget": 512, "budget_schedule": "attention"}, "test")
     assert attention.measuring and [p.budget for p in group_policies(attention, 32, 30, 3)] == [512] * 3  # until measured
