@@ -35,7 +35,9 @@ ROOMS: dict[str, set[str]] = {
     "harness.records": set(),
     "harness.scoring": {"harness.tasks", "harness.records"},
     "harness.config": {"policies", "harness.eviction", "harness.tasks"},
-    "harness.engine": {"policies", "harness.eviction", "harness.records", "harness.config"},
+    # harness.tasks: `vllm serve` fills a KVzip request's reconstruction ids with the prompt builder's
+    # own rule (harness/engine/frontend.py -> harness.tasks.prompts.ids_reconstruction), one derivation.
+    "harness.engine": {"policies", "harness.eviction", "harness.tasks", "harness.records", "harness.config"},
     "harness.analysis": {"policies", "harness.eviction", "harness.tasks", "harness.records", "harness.config"},
     "harness.bench": {"policies", "harness.tasks", "harness.records", "harness.config", "harness.engine",
                       "harness.analysis"},
