@@ -17,6 +17,15 @@ request's ``num_computed_tokens`` never includes them, so its question and decod
 no rewind (the issue's "continues from the context's end"). The cost: the passes' attention runs in
 PyTorch, tiled over queries (``TILE``), not in the paged kernel.
 
+A context's scores depend on its token ids, its reconstruction ids and the score's options alone,
+never on the request's budget or question, so the worker keeps the scores of recent contexts
+(``RecentScores``, host memory, ``RECENT_SCORES_BYTES``): a sweep over ratios (every cell's request
+for a prompt has the same context), or a context asked again after its compressed copy was dropped,
+runs its passes once. The context's K/V they were computed from is the same computation of the same
+ids (with prefix caching, the same blocks); the ledger's ``reconstruct_tokens`` and
+``reconstruct_s`` count the passes that ran, and ``reconstruct_reused`` the contexts that took
+their scores from here instead.
+
 What this relies on in vLLM 0.32 (cited where used):
 
 * ``Attention.forward(query, key, value, output_shape=None, output_dtype=None)`` receives post-RoPE
@@ -47,6 +56,7 @@ stored, so every rank holds every head's, as the evictor expects (``HeadShards.g
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -55,14 +65,45 @@ from harness.eviction.evictor import phase_due
 from policies.kvzip import chunk_scores, passes, with_sinks
 
 TILE = 256  # queries per attention tile in the passes: bounds one layer's logits
+# Host memory for recent contexts' scores: 30 layers x 3 KV heads x 2k tokens (SmolLM2) is 0.7 MB a
+# context, 32 x 8 x 32k (Llama-3.1-8B) 32 MB: a sweep's contexts fit, a server's recent ones.
+RECENT_SCORES_BYTES = 256 << 20
 
 
 @dataclass
 class Done:
-    """What one step's passes cost: tokens run through the model and seconds spent."""
+    """What one step's passes cost: tokens run through the model and seconds spent (a context whose
+    scores were reused counts its lookup's seconds only), and the contexts reused."""
 
     tokens: int = 0
     seconds: float = 0.0
+    reused: int = 0
+
+
+class RecentScores:
+    """The scores of recently reconstructed contexts, newest last, within ``limit`` bytes: each
+    group's ``[layers, heads, context]`` with the sinks already on top, on the host."""
+
+    def __init__(self, limit: int = RECENT_SCORES_BYTES):
+        self.limit, self.held = limit, 0
+        self.entries: OrderedDict[tuple, list[torch.Tensor]] = OrderedDict()
+
+    def get(self, key: tuple, device) -> list[torch.Tensor] | None:
+        parts = self.entries.get(key)
+        if parts is None:
+            return None
+        self.entries.move_to_end(key)
+        return [part.to(device, copy=True) for part in parts]  # the request's own: the evictor may write
+
+    def put(self, key: tuple, parts: list[torch.Tensor]) -> None:
+        size = sum(part.numel() * part.element_size() for part in parts)
+        if key in self.entries or size > self.limit:
+            return
+        while self.held + size > self.limit:
+            _, dropped = self.entries.popitem(last=False)
+            self.held -= sum(part.numel() * part.element_size() for part in dropped)
+        self.entries[key] = [part.to("cpu", copy=True) for part in parts]
+        self.held += size
 
 
 def pass_attention(query: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
@@ -107,6 +148,7 @@ class Reconstruction:
         self.where = {layer: (group, index) for group, layers in enumerate(group_layers)
                       for index, layer in enumerate(layers)}
         self.piece = int(runner.scheduler_config.max_num_batched_tokens)
+        self.recent = RecentScores()
 
     def due(self, policies, point: int, before: int, after: int, evicted: tuple[int, ...]) -> list[bool]:
         """Per KV cache group, whether this step ends with its reconstructing policy's prefill eviction."""
@@ -124,6 +166,21 @@ class Reconstruction:
         if spec is None:  # (admission refuses it; a request reaching here without ids is a bug)
             raise RuntimeError(f"request {request_id}: {policies[0].name} has no reconstruction ids")
         context = request.prompt_token_ids[:point]
+        # What the scores depend on (every rank computes the same key: their passes stay in step).
+        key = (tuple(context), spec, type(score).__name__, score.chunk_size, score.postfix, score.n_sink)
+        gathered = self.recent.get(key, self.runner.device)
+        reused, tokens = gathered is not None, 0
+        if not reused:
+            gathered, tokens = self._scores(context, point, request, spec, score)
+            self.recent.put(key, gathered)
+        for group, (policy, part) in enumerate(zip(policies, gathered)):
+            if policy.reconstructs and (due is None or due[group]):
+                states[group].scores[request_id] = part
+        return Done(tokens, time.perf_counter() - started, reused=int(reused))
+
+    def _scores(self, context: list[int], point: int, request, spec, score) -> tuple[list[torch.Tensor], int]:
+        """Every group's ``[layers, heads, point]`` scores from the passes over the request's cached
+        context, the sinks on top, and the tokens the passes ran."""
         device = self.runner.device
         kv_heads = self.views[0].num_heads
         scores = [torch.zeros(view.num_layers, kv_heads, point, device=device) for view in self.views]
@@ -140,13 +197,11 @@ class Reconstruction:
                 tokens += len(piece)
         gathered = self.shards.gather_heads(scores)
         # The sinks above every score of every group (kvpress: the whole score's amax + 1); reading
-        # the maximum also waits for the device, so the seconds below are the passes'.
+        # the maximum also waits for the device, so the seconds are the passes'.
         top = max(float(part.max()) for part in gathered)
-        for group, (policy, part) in enumerate(zip(policies, gathered)):
+        for part in gathered:
             with_sinks(part, score.n_sink, above=top)
-            if policy.reconstructs and (due is None or due[group]):
-                states[group].scores[request_id] = part
-        return Done(tokens, time.perf_counter() - started)
+        return list(gathered), tokens
 
     def _forward(self, ids: list[int], first_position: int, own: dict, slots: list, scores: list,
                  chunk: tuple[int, int, int]) -> None:

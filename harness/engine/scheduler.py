@@ -106,9 +106,11 @@ class Ledger:
     evict_s: float = 0.0
     model_s: float = 0.0
     capture_s: float = 0.0
-    # KVzip's reconstruction passes (inside evict_s: the eviction's share counts them), and their tokens
+    # KVzip's reconstruction passes (inside evict_s: the eviction's share counts them), their tokens,
+    # and the contexts that took an earlier request's scores instead (harness.engine.reconstruction)
     reconstruct_s: float = 0.0
     reconstruct_tokens: int = 0
+    reconstruct_reused: int = 0
     state_bytes_peak: int = 0      # per-request policy state held by the worker (scores, windows)
     # the compressed-context cache's figures (``harness.engine.shared_contexts``), where it runs
     contexts: ContextStats | None = None
@@ -130,6 +132,7 @@ class Ledger:
         self.capture_s += report.capture_s
         self.reconstruct_s += report.reconstruct_s
         self.reconstruct_tokens += report.reconstruct_tokens
+        self.reconstruct_reused += report.reconstruct_reused
         self.state_bytes_peak = max(self.state_bytes_peak, report.state_bytes)
 
     def snapshot(self) -> dict:
@@ -154,9 +157,10 @@ class Ledger:
             "capture_s": self.capture_s,
             "capture_share_of_step": self.capture_s / self.model_s if self.model_s else 0.0,
             "policy_state_bytes_peak": self.state_bytes_peak,
-            # only where a reconstructing policy (KVzip) ran its passes, so that other records keep their keys
-            **({"reconstruct_s": self.reconstruct_s, "reconstruct_tokens": self.reconstruct_tokens}
-               if self.reconstruct_tokens else {}),
+            # only where a reconstructing policy (KVzip) ran, so that other records keep their keys
+            **({"reconstruct_s": self.reconstruct_s, "reconstruct_tokens": self.reconstruct_tokens,
+                "reconstruct_reused": self.reconstruct_reused}
+               if self.reconstruct_tokens or self.reconstruct_reused else {}),
             # only with several groups, so that one group's records keep their keys
             **({"kv_cache_groups": self.groups, "evicting_group_blocks_peak": self.evicting_group_blocks_peak}
                if self.groups > 1 else {}),

@@ -444,6 +444,7 @@ def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: d
             continue
         done.tokens += ran.tokens
         done.seconds += ran.seconds
+        done.reused += ran.reused
     return done
 
 
@@ -571,7 +572,7 @@ def wrap_sample_tokens(original):
         finished = time.perf_counter()
         report = EvictionReport(evictions, model_s=evict_started - started, evict_s=finished - evict_started,
                                 capture_s=capture_s, budgets=budgets, reconstruct_s=reconstructed.seconds,
-                                reconstruct_tokens=reconstructed.tokens,
+                                reconstruct_tokens=reconstructed.tokens, reconstruct_reused=reconstructed.reused,
                                 failures={request_id: str(failure) for request_id, failure in failures.items()},
                                 state_bytes=sum(each.nbytes() for each in state.policy_states + state.schedule_states))
         for key in state.seconds:  # this rank's own sums of the report's seconds

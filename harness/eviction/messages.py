@@ -64,9 +64,11 @@ class EvictionReport:
     model_s: float = 0.0
     evict_s: float = 0.0
     capture_s: float = 0.0
-    # a reconstructing policy's (KVzip's) passes this step: their seconds (inside evict_s) and tokens
+    # a reconstructing policy's (KVzip's) passes this step: their seconds (inside evict_s) and tokens,
+    # and the contexts whose scores the worker had from an earlier request (no pass ran)
     reconstruct_s: float = 0.0
     reconstruct_tokens: int = 0
+    reconstruct_reused: int = 0
     state_bytes: int = 0
     budgets: dict[str, tuple[int, ...]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)

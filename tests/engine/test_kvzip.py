@@ -19,7 +19,7 @@ import pytest
 from harness.eviction.settings import EvictionSettings
 from policies.kvzip import passes
 from tests.support.engine_support import (BLOCK, assert_mostly_equal, assert_same_outputs, model_path, plain_policy,
-                                          run_engine, text_prompts)
+                                          run_engine, scored_contexts, text_prompts)
 
 pytestmark = pytest.mark.engine
 
@@ -85,7 +85,9 @@ def pass_tokens(prompt: list[int], raw: dict) -> int:
 def test_the_engine_equals_the_plain_reference(engine_runs, requests):
     """Each request's output equals the plain reference's (near-tie rule as the other reference
     comparisons: ``assert_mostly_equal``); one prefill eviction per request, none in decode; the
-    passes' tokens are the ledger's, and their time is inside the eviction's."""
+    passes' tokens are the ledger's, run once per context (token and block granularity at the same
+    chunk size, and a context's two questions, share its scores), and their time is inside the
+    eviction's."""
     from tests.support.plain_reference import PlainReference, Repeat
 
     plain = PlainReference(model_path("smollm2"))
@@ -105,7 +107,10 @@ def test_the_engine_equals_the_plain_reference(engine_runs, requests):
     assert_mostly_equal(run["outputs"], reference)
     ledger = run["ledger"]
     assert ledger["evictions"] == {"prefill": len(requests), "decode": 0}
-    assert ledger["reconstruct_tokens"] == sum(pass_tokens(prompt, raw) for _, prompt, raw in requests)
+    scored = scored_contexts([(prompt, raw) for _, prompt, raw in requests])
+    assert len(scored) == 3  # the context at 256-token chunks; each whole prompt
+    assert ledger["reconstruct_tokens"] == sum(pass_tokens(requests[i][1], requests[i][2]) for i in scored)
+    assert ledger["reconstruct_reused"] == len(requests) - len(scored)
     assert 0 < ledger["reconstruct_s"] <= ledger["evict_s"]
     assert run["free_blocks_after"] == run["free_blocks_before"] == ledger["kv_pool_blocks"]
 
@@ -140,7 +145,9 @@ def test_prefix_caching_pieces_and_two_groups_generate_the_same(engine_runs, req
     assert shared["hits"] == 2  # token_chunks' and block's second questions
     compressing = [index for index, (_, _, raw) in enumerate(requests) if raw["compress"] == "prompt" or index % 2 == 0]
     assert ledger["evictions"]["prefill"] == len(compressing)
-    assert ledger["reconstruct_tokens"] == sum(pass_tokens(requests[i][1], requests[i][2]) for i in compressing)
+    scored = [compressing[i] for i in scored_contexts([requests[i][1:] for i in compressing])]
+    assert ledger["reconstruct_tokens"] == sum(pass_tokens(requests[i][1], requests[i][2]) for i in scored)
+    assert ledger["reconstruct_reused"] == len(compressing) - len(scored)
     assert pieces["free_blocks_after"] == ledger["kv_pool_blocks"]
 
 

@@ -27,7 +27,7 @@ import pytest
 from harness.eviction.settings import Reconstruction, group_policies, parse_settings
 from policies.kvzip import passes
 from tests.support.engine_support import (BLOCK, assert_mostly_equal, assert_same_outputs, kvzip_reconstruction,
-                                          model_path, plain_policy, run_engine, text_prompts)
+                                          model_path, plain_policy, run_engine, scored_contexts, text_prompts)
 
 pytestmark = pytest.mark.engine
 
@@ -189,20 +189,24 @@ def test_the_engine_equals_the_plain_reference_keeping_each_groups_budget(engine
         assert counts["lengths"] == [min(b, context) + question + NEW_TOKENS - 1 for b in budgets for _ in range(span)]
     ledger = run["ledger"]
     assert ledger["evictions"]["decode"] == 0
-    assert ledger["reconstruct_tokens"] == sum(pass_tokens(c, p, raw) for c, p, raw in requests)
+    scored = scored_contexts([(p, raw) for _, p, raw in requests])  # the first context's second question reuses
+    assert ledger["reconstruct_tokens"] == sum(pass_tokens(*requests[i]) for i in scored)
+    assert ledger["reconstruct_reused"] == len(requests) - len(scored) == 1
     assert run["free_blocks_after"] == run["free_blocks_before"] == ledger["kv_pool_blocks"]
 
 
 def test_prefix_caching_and_pieces_generate_the_same_and_share_nothing(engine_runs, requests):
     """With prefix caching on, the context prefilled in chunks and the passes in pieces of 256
     tokens: the same budgets and outputs; the second question about the first context does not take
-    its compressed context (each measured request computes and measures its own), so every request's
-    passes run again."""
+    its compressed context (each measured request computes and measures its own; its passes' scores
+    are the worker's from the first question, as without prefix caching)."""
     plain, pieces = engine_runs
     assert engine_budgets(pieces) == engine_budgets(plain)
     assert_same_outputs(plain, pieces)
     ledger = pieces["ledger"]
     assert ledger.get("shared_contexts", {}).get("hits", 0) == 0
     assert all("context" not in counters for counters in pieces["request_counters"])
-    assert ledger["reconstruct_tokens"] == sum(pass_tokens(c, p, raw) for c, p, raw in requests)
+    scored = scored_contexts([(p, raw) for _, p, raw in requests])  # the first context's second question reuses
+    assert ledger["reconstruct_tokens"] == sum(pass_tokens(*requests[i]) for i in scored)
+    assert ledger["reconstruct_reused"] == len(requests) - len(scored) == 1
     assert pieces["free_blocks_after"] == ledger["kv_pool_blocks"]

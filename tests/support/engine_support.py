@@ -72,6 +72,26 @@ def kvzip_reconstruction(model: str, prefix_tokens: int) -> dict:
             "suffix": encode(chat_footer(tokenizer))}
 
 
+def scored_contexts(requests) -> list[int]:
+    """Of KVzip requests ``(prompt, raw settings)`` run on one engine, the indices of those whose
+    passes run: the first of each context (its ids up to the eviction point, its reconstruction ids
+    and chunk size). The worker keeps a context's scores (``harness.engine.reconstruction``,
+    ``RecentScores``), so a later request about the same context runs none (the ledger's
+    ``reconstruct_reused``)."""
+    from harness.eviction.settings import EvictionSettings
+
+    seen, first = set(), []
+    for index, (prompt, raw) in enumerate(requests):
+        settings = EvictionSettings(**raw).for_prompt(len(prompt), BLOCK)
+        spec = settings.reconstruction
+        key = (tuple(prompt[:settings.eviction_point(len(prompt))]), spec.prefix_tokens, spec.first, spec.later,
+               spec.suffix, raw.get("options", {}).get("chunk_size", 2048))
+        if key not in seen:
+            seen.add(key)
+            first.append(index)
+    return first
+
+
 def reference_outputs(model: str, policy, prompts, max_new_tokens: int) -> list[list[int]]:
     from harness.eviction.hf_reference import HFReferenceEngine
 

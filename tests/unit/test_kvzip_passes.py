@@ -180,3 +180,49 @@ def test_the_worker_runs_the_passes_of_the_requests_due_and_fails_only_a_broken_
     assert state.policy_states[0].scores["due"].shape == (LAYERS, KV_HEADS, c)
     assert done.tokens == sum(len(ids) for ids, _, _ in Repeat(2, [1, 2], [3], [4], 16).passes(context))
     assert set(failures) == {"broken"} and "8 of its tokens were evicted" in str(failures["broken"])
+
+
+def test_a_context_scored_before_takes_its_scores_and_runs_no_pass():
+    """The worker keeps recent contexts' scores (``RecentScores``): a second request about the same
+    context, with the same reconstruction ids and chunk size, gets equal scores (its own copy) and runs
+    no pass; another chunk size runs its passes; the oldest context goes when the bytes run out."""
+    from harness.engine.reconstruction import RecentScores
+
+    context = torch.randint(8, VOCAB, (29,), generator=torch.Generator().manual_seed(5)).tolist()
+    c, blocks = len(context), [3, 0, 2, 1]
+    model = TinyModel()
+    cache = [torch.zeros(8, KV_HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
+    view = FlashAttnView(cache)
+    table, positions = torch.tensor(blocks), torch.arange(c)
+    for layer, (_, k, v) in enumerate(model.whole(context)):
+        view.write_layer(layer, table[positions // BLOCK], positions % BLOCK, k.transpose(0, 1).contiguous(),
+                         v.transpose(0, 1).contiguous())
+    runner = SimpleNamespace(device=torch.device("cpu"), model=model, vllm_config=None,
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=64))
+    worker = Reconstruction(runner, list(model.attn), [SCALE] * LAYERS, [view], [list(range(LAYERS))], SINGLE,
+                            forward_context=lambda tokens: nullcontext())
+    settings = EvictionSettings("kvzip", 16, decode_eviction=False, compress="context", context_tokens=c,
+                                reconstruction={"prefix_tokens": 5, "first": [1, 2, 3], "later": [4, 5],
+                                                "suffix": [6, 7]})
+
+    def run(request_id: str, question: list[int], chunk: int):
+        request = SimpleNamespace(prompt_token_ids=context + question, block_ids=(blocks,), num_computed_tokens=0)
+        states = [PolicyState()]
+        done = worker.run(request_id, request, settings, (make_policy("kvzip", 16, BLOCK, chunk_size=chunk),), states)
+        return done, states[0].scores[request_id]
+
+    first, scores = run("a", [9, 10], 9)
+    again, same = run("b", [11, 12, 13], 9)
+    assert first.tokens > 0 and first.reused == 0
+    assert again.tokens == 0 and again.reused == 1
+    assert torch.equal(same, scores) and same.data_ptr() != scores.data_ptr()
+    other, _ = run("c", [9, 10], 2048)
+    assert other.tokens > 0 and other.reused == 0
+
+    recent = RecentScores(limit=2 * 4 * 10)  # two entries of ten float32s
+    for key in "xyz":
+        recent.put(key, [torch.zeros(10)])
+    assert list(recent.entries) == ["y", "z"] and recent.held == 80
+    assert recent.get("x", "cpu") is None and torch.equal(recent.get("y", "cpu")[0], torch.zeros(10))
+    recent.put("big", [torch.zeros(100)])  # larger than the whole limit: not kept
+    assert list(recent.entries) == ["z", "y"]
