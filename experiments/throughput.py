@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from harness.analysis.studies import refuse_uncommitted
-from harness.bench.throughput import (Cell, Setting, Workload, median_of, run_order, run_setting, summarize_setting,
-                                     trials_text, write_report)
+from harness.bench.throughput import (Cell, Setting, Workload, median_of, read_cells, run_order, run_setting,
+                                     summarize_setting, trials_text, write_report)
 from harness.records.provenance import code_version
 
 POLICIES = ("paged", "streaming", "knorm")
@@ -527,22 +527,9 @@ def summarize_prefill_setting(setting: PrefillSetting, out: Path) -> list[dict]:
     refused when one is missing, the folder holds cells the setting does not name, or the cells
     measured different prompts."""
     check_prefill_setting(setting)
-    cells_dir = out / "cells"
-    stored, missing = [], []
-    for cell in setting.cells:
-        found = stored_prefill_cell(cells_dir / f"{cell.slug}.json", setting, None)
-        if found is None:
-            missing.append(cell.name)
-        else:
-            stored.append(found)
-    slugs = {cell.slug for cell in setting.cells}
-    extra = sorted(path.stem for path in cells_dir.glob("*.json") if path.stem not in slugs)
-    problems = []
-    if missing:
-        problems.append(f"not measured on these contexts and repeats in {cells_dir}: {', '.join(missing)}")
-    if extra:
-        problems.append(f"{cells_dir} holds cells this setting does not name (run with other --trials?): "
-                        f"{', '.join(extra)}")
+    found, problems = read_cells(setting.cells, out / "cells", lambda path: stored_prefill_cell(path, setting, None),
+                                 "these contexts and repeats")
+    stored = list(found.values())
     digests = {cell["prompts"]["digest"] for cell in stored}
     if len(digests) > 1:
         problems.append(f"the cells measured different prompts (digests {', '.join(sorted(digests))}): rerun with --force")

@@ -253,25 +253,33 @@ def summarize_setting(setting: Setting, out: Path) -> pd.DataFrame:
     setting does not name (they ran with other trials: give the same ``--trials``), so that the
     summary is always of exactly the cells on disk."""
     check_setting(setting)
-    cells_dir = out / "cells"
+    results, problems = read_cells(setting.cells, out / "cells", lambda path: stored_cell(path, setting.workload),
+                                   "this workload")
+    if problems:
+        raise ValueError(f"{setting.name}: " + "; ".join(problems))
+    return cell_table(setting, results)
+
+
+def read_cells(cells, cells_dir: Path, load, measured_on: str) -> tuple[dict, list[str]]:
+    """Each cell's stored record (``load(path)``: None when absent or measured on something else),
+    and what is wrong with the folder: cells missing, and cells it holds that none of ``cells`` names
+    (they ran with other trials)."""
     results, missing = {}, []
-    for cell in setting.cells:
-        stored = stored_cell(cells_dir / f"{cell.slug}.json", setting.workload)
+    for cell in cells:
+        stored = load(cells_dir / f"{cell.slug}.json")
         if stored is None:
             missing.append(cell.name)
         else:
             results[cell] = stored
-    slugs = {cell.slug for cell in setting.cells}
+    slugs = {cell.slug for cell in cells}
     extra = sorted(path.stem for path in cells_dir.glob("*.json") if path.stem not in slugs)
     problems = []
     if missing:
-        problems.append(f"not measured on this workload in {cells_dir}: {', '.join(missing)}")
+        problems.append(f"not measured on {measured_on} in {cells_dir}: {', '.join(missing)}")
     if extra:
         problems.append(f"{cells_dir} holds cells this setting does not name (run with other --trials?): "
                         f"{', '.join(extra)}")
-    if problems:
-        raise ValueError(f"{setting.name}: " + "; ".join(problems))
-    return cell_table(setting, results)
+    return results, problems
 
 
 def median_of(perf: list[dict], key: str, sub: str | None = None):
