@@ -181,8 +181,9 @@ def check_same_prompts(works: list[CellWork]) -> None:
 
 def cell_kv(ledger: dict | None, run: RunSettings, requests: list[dict | None]) -> dict | None:
     """One cell's eviction ledger: the shared engine's ledger with its counters replaced by the sum
-    of this cell's requests' (``EvictionCounters.over``); the memory figures (pool, peaks) stay the
-    whole group's."""
+    of this cell's requests' (``EvictionCounters.over``); the memory figures (pool, peaks) and the
+    reconstruction passes' figures (KVzip's, counted per step, not per request) stay the whole
+    group's, and ``shared_figures`` names them."""
     if ledger is None:
         return None
     return {
@@ -194,5 +195,6 @@ def cell_kv(ledger: dict | None, run: RunSettings, requests: list[dict | None]) 
         "decode_eviction": run.decode_eviction,
         "shared_figures": ["kv_pool_blocks", "steps", "kv_blocks_used_peak", "kv_blocks_used_mean",
                            "running_requests_peak", "decode_blocks_peak", "model_s", "evict_share_of_step",
-                           *(["shared_contexts"] if "shared_contexts" in ledger else [])],
+                           *(["shared_contexts"] if "shared_contexts" in ledger else []),
+                           *[key for key in ("reconstruct_s", "reconstruct_tokens", "reconstruct_reused") if key in ledger]],
     }

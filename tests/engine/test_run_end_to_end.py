@@ -133,7 +133,7 @@ def test_a_kvzip_cell_in_the_sweep_runs_the_prompt_builder_s_passes(context_swee
     """The sweep's kvzip cell (issue 50): each request carries its prompt's reconstruction ids from
     the prompt builder (``harness.tasks.prompts.reconstruction``: SmolLM2's 24-id chat header), is
     evicted once at its context boundary, and the ledger's pass tokens are those of the passes those
-    ids make; the passes' time is inside the eviction's."""
+    ids make (the group's figure, counted per step: the only reconstructing cell's here)."""
     from harness.config import run_settings
     from harness.run.cell import prepare_cell
     from tests.engine.test_kvzip import pass_tokens
@@ -148,5 +148,5 @@ def test_a_kvzip_cell_in_the_sweep_runs_the_prompt_builder_s_passes(context_swee
     assert [p.reconstruction["prefix_tokens"] for p in work.prompts] == [24, 24]
     expected = sum(pass_tokens(prompt.token_ids, work.eviction_for(index).as_dict())
                    for index, prompt in enumerate(work.prompts))
-    assert kv["reconstruct_tokens"] == expected > 0
-    assert 0 < kv["reconstruct_s"] <= kv["evict_s"]
+    assert kv["reconstruct_tokens"] == expected > 0 and kv["reconstruct_s"] > 0
+    assert {"reconstruct_s", "reconstruct_tokens", "reconstruct_reused"} <= set(kv["shared_figures"])

@@ -74,5 +74,11 @@ def test_a_cells_counters_are_the_sum_of_its_requests_beside_the_engines_shared_
     assert counted["copy_target_blocks"] == 1 and counted["evict_s"] == 0.875
     assert counted["kv_pool_blocks"] == 100 and counted["steps"] == 7 and "steps" in counted["shared_figures"]
     assert counted["policy"] == "paged" and counted["budget"] == 256
+    assert not any(key.startswith("reconstruct") for key in counted["shared_figures"])
+    # KVzip's passes are counted per engine step, not per request: the group's figures, named so
+    with_passes = cell_kv({**engine_ledger, "reconstruct_s": 3.5, "reconstruct_tokens": 900, "reconstruct_reused": 2},
+                          cell("policy=paged", "budget=256"), [first.as_dict()])
+    assert with_passes["reconstruct_tokens"] == 900
+    assert {"reconstruct_s", "reconstruct_tokens", "reconstruct_reused"} <= set(with_passes["shared_figures"])
     assert EvictionCounters.of(first.as_dict()).counts() == {k: v for k, v in first.as_dict().items()
                                                              if k not in ("policy", "budget")}
