@@ -36,12 +36,18 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.tasks.embedded.dataset import at_depth, insert_at_depth, insert_at_random
-from harness.tasks.sample import DataError, Sample
-from harness.tasks.spec import TaskSpec
+# This checkout's code, not whichever one the venv's editable install points at.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from harness.tasks.embedded.dataset import at_depth, insert_at_depth, insert_at_random  # noqa: E402
+from harness.tasks.sample import DataError, Sample  # noqa: E402
+from harness.tasks.spec import TaskSpec  # noqa: E402
 
 SEED = 20240611          # the training text's seed (no evaluation generator is involved at all)
 PER_SHAPE = 6            # prompts per shape the script generates by default

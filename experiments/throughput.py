@@ -40,13 +40,18 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from harness.analysis.studies import refuse_uncommitted
+# This checkout's code, not whichever one the venv's editable install points at (a worktree's run
+# would otherwise import the main checkout's harness, and its engine processes run there too).
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from harness.analysis.studies import refuse_uncommitted  # noqa: E402
 from harness.bench.throughput import (Cell, Setting, Workload, median_of, read_cells, run_order, run_setting,
                                      summarize_setting, trials_text, write_report)
 from harness.records.provenance import code_version
 
 POLICIES = ("paged", "streaming", "knorm")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def eviction_cells(policies, budgets, pool="fixed") -> tuple[Cell, ...]:
