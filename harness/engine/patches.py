@@ -81,7 +81,8 @@ PATCHES: tuple[Patch, ...] = (
           ("self", "request_id", "prompt", "params", "supported_tasks", "arrival_time", "lora_request",
            "tokenization_kwargs", "trace_headers", "priority", "data_parallel_rank", "resumable", "session_id",
            "kv_hints"),
-          "refuse a request whose eviction settings cannot run, with its prompt's length (HTTP 400)",
+          "refuse a request whose eviction settings cannot run, with its prompt's length (HTTP 400); give a "
+          "KVzip request without reconstruction ids those its prompt builder's rule makes from the tokenizer",
           "harness.engine.frontend.wrap_process_inputs", _lazy("harness.engine.frontend", "wrap_process_inputs")),
     # The server: a request ended by its policy's failure gets a fixed error text.
     Patch("vllm.v1.engine.output_processor:RequestState", "make_request_output", "wrapped",
