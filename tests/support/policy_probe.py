@@ -36,3 +36,15 @@ def decode_keep(policy: TokenPolicy, keys: torch.Tensor, values: torch.Tensor, w
 def decode_evict_block(policy: BlockPolicy, keys: torch.Tensor, values: torch.Tensor, windows: list | None = None) -> int:
     """The position of the block a block policy drops at a decode eviction."""
     return policy.select_victim(scores_of(policy, keys, values, windows), keys.shape[1])
+
+
+def assert_pool_holds(view, blocks: list[int], kept_blocks, kept: torch.Tensor, keys, values) -> None:
+    """What the evictor left in the paged pool (``view``, read through the blocks it kept) is exactly
+    the plain rule's ``kept`` ``[layers, heads, kept]`` entries of the per-layer ``[heads, tokens,
+    dim]`` ``keys``/``values``: same tokens, same order, bit for bit."""
+    slots = [blocks[position] for position in kept_blocks]
+    for layer in range(len(keys)):
+        left_keys, left_values = view.read_layer(layer, slots, 0, kept.shape[-1])
+        index = kept[layer].T.unsqueeze(-1).expand(-1, -1, keys[layer].shape[-1])
+        torch.testing.assert_close(left_keys, keys[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
+        torch.testing.assert_close(left_values, values[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)

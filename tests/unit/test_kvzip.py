@@ -16,6 +16,7 @@ from policies import REGISTRY, make_policy
 from policies.kvzip import chunk_scores, passes, with_sinks
 from tests.support.plain_reference import PlainPolicy, Repeat, kvzip_chunk_scores
 from tests.support.policy_matrix import MATRIX
+from tests.support.policy_probe import assert_pool_holds
 
 RECONSTRUCTION = {"prefix_tokens": 6, "first": [11, 12, 13], "later": [21, 22], "suffix": [31]}
 
@@ -124,12 +125,7 @@ def test_the_evictor_keeps_what_the_plain_rule_keeps(granularity, block, whole_b
     rule.reconstructed = scores
     kept = rule.keep(keys, values, "prefill", whole_blocks=whole_blocks)
     assert kept.shape[-1] == (budget if granularity == "token" or whole_blocks else budget + tokens % block)
-    slots = [blocks[position] for position in eviction.kept_blocks]
-    for layer in range(layers):
-        left_keys, left_values = view.read_layer(layer, slots, 0, kept.shape[-1])
-        index = kept[layer].T.unsqueeze(-1).expand(-1, -1, dim)
-        torch.testing.assert_close(left_keys, keys[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
-        torch.testing.assert_close(left_values, values[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
+    assert_pool_holds(view, blocks, eviction.kept_blocks, kept, keys, values)
     assert (kept[..., :4] == torch.arange(4)).all()  # the sinks stayed in every layer and head
     assert not (kept[0, 0] == kept[0, 1]).all()  # heads chose apart
 

@@ -14,6 +14,7 @@ from policies import make_policy
 from tests.support.engine_support import BLOCK, model_path, plain_policy, text_prompts
 from tests.support.plain_reference import PlainReference
 from tests.support.policy_matrix import MATRIX, MATRIX_IDS, model_cases
+from tests.support.policy_probe import assert_pool_holds
 
 
 def test_the_plain_reference_imports_no_harness_code():
@@ -77,12 +78,7 @@ def evict_as_both(name: str, options: dict, phase: str, block: int, policy, whol
     if isinstance(kept, int):  # a whole block left: the block list lost it, nothing moved
         assert eviction.dropped_blocks == (kept,)
         return None
-    slots = [blocks[position] for position in eviction.kept_blocks]
-    for layer in range(layers):
-        left_keys, left_values = view.read_layer(layer, slots, 0, kept.shape[-1])
-        index = kept[layer].T.unsqueeze(-1).expand(-1, -1, dim)
-        torch.testing.assert_close(left_keys, keys[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
-        torch.testing.assert_close(left_values, values[layer].permute(1, 0, 2).gather(0, index), rtol=0, atol=0)
+    assert_pool_holds(view, blocks, eviction.kept_blocks, kept, keys, values)
     return kept.shape[-1]
 
 
