@@ -13,20 +13,19 @@ import pytest
 from harness.eviction.counters import EvictionCounters
 from policies import make_policy
 from tests.support.engine_support import (
-    BLOCK, assert_mostly_equal, assert_same_outputs, mixed_lengths, reference_outputs, run_engine,
+    BLOCK, DECODE_EVICTING_TOKENS, assert_mostly_equal, assert_same_outputs, mixed_lengths, reference_outputs, run_engine,
     text_prompts,
 )
 
 pytestmark = pytest.mark.engine
 
 POLICIES = ["paged", "streaming", "knorm", "keydiff"]
-# Prompts of 600-1500 tokens with budgets well below them: eviction in prefill, and 40 new tokens
-# take every request past budget + block (32) after the prefill eviction, so decode evicts too
-# (asserted per policy), at 5/8 of the cost of 64 (CI time; test_prefix_caching generates 80).
+# Prompts of 600-1500 tokens with budgets well below them: eviction in prefill, then decode
+# eviction too (asserted per policy; test_prefix_caching generates 80 tokens, two of them).
 # SmolLM2 takes two prompts (each policy's Hugging Face reference generates them one by one: the
 # costly part); the tiny model's twenty cover the mix of lengths.
 CASES = {"tiny": dict(prompts=20, budget=128), "smollm2": dict(prompts=2, budget=256)}
-NEW_TOKENS = 40
+NEW_TOKENS = DECODE_EVICTING_TOKENS
 
 
 @pytest.fixture(scope="module")

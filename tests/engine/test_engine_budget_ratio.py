@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 
 from harness.eviction.settings import budget_for_ratio
-from tests.support.engine_support import BLOCK, assert_mostly_equal, mixed_lengths, model_path, plain_policy, run_engine, text_prompts
+from tests.support.engine_support import BLOCK, DECODE_EVICTING_TOKENS, assert_mostly_equal, mixed_lengths, model_path, plain_policy, run_engine, text_prompts
 
 pytestmark = pytest.mark.engine
 
-# 40 new tokens: past the budget plus a block (32) after the prefill eviction, so the cases with
-# decode eviction on evict in decode too (asserted per case), at 5/8 of the cost of 64 (CI time).
-NEW_TOKENS = 40
+# The cases with decode eviction on evict in decode too (asserted per case).
+NEW_TOKENS = DECODE_EVICTING_TOKENS
 # (policy, ratio, decode eviction): token and block granularity, attention-free and attention-aware.
 CASES = [("knorm", 0.5, True), ("paged", 0.75, True), ("snapkv", 0.5, False), ("paged", 0.5, False)]
 

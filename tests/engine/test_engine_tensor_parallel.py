@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.engine_support import assert_same_outputs, mixed_lengths, run_engine, text_prompts
+from tests.support.engine_support import DECODE_EVICTING_TOKENS, assert_same_outputs, mixed_lengths, run_engine, text_prompts
 from tests.support.policy_matrix import MATRIX, MATRIX_IDS
 
 pytestmark = pytest.mark.engine
 
-# 40 new tokens: past the budget plus a block (32) after the prefill eviction, so every matrix case
-# evicts in decode too, at 5/8 of the cost of 64 (CI time).
-BUDGET, NEW_TOKENS = 256, 40
+# Every matrix case evicts in decode too.
+BUDGET, NEW_TOKENS = 256, DECODE_EVICTING_TOKENS
 PREEMPTED = ["paged", "knorm", "h2o"]  # cached scores, compacted tokens, attention totals and windows: what a replay rebuilds
 PREEMPT_BUDGET, PREEMPT_TOKENS = 512, 300
 # Query-agnostic compression (compress=context): half of a context (the first prompt's first 70%) evicted
