@@ -139,6 +139,14 @@ PER_TASK = 4                # samples per task an accuracy replay runs
 PAPER_POLICY = "paged"      # a verification replays PagedEviction first
 
 
+def prefill_settings() -> dict:
+    """``experiments/throughput.py``'s prefill settings (their cells replay by ``replay_prefill_cell``)."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from throughput import PREFILL_SETTINGS
+
+    return PREFILL_SETTINGS
+
+
 def replay_subset(step: Step, version: str | None = None) -> list[Path]:
     """The cells a verification replays, fixed by what is committed: for an accuracy study, full
     cache and, per budget label in reading order, one evicting cell, each budget taking the next
@@ -150,8 +158,12 @@ def replay_subset(step: Step, version: str | None = None) -> list[Path]:
     if step.folder.startswith("throughput/"):
         stored = [(cell, json.loads(cell.read_text())["cell"]) for cell in cells]
         # trial 1, the smallest budgets first: the cells whose engine work evicts the most
-        first = sorted(((cell, c) for cell, c in stored if c.get("trial", 1) == 1), key=lambda pair: pair[1]["budget"] or 0)
-        pick = (next((cell for cell, c in first if c["policy"] == "paged"), None)
+        first = sorted(((cell, c) for cell, c in stored if c.get("trial", 1) == 1),
+                       key=lambda pair: pair[1].get("budget") or pair[1].get("budget_ratio") or 0)
+        subject = PAPER_POLICY
+        if step.folder.split("/", 1)[1] in prefill_settings():  # what a prefill setting measures: its subject's passes
+            subject = prefill_settings()[step.folder.split("/", 1)[1]].subject
+        pick = (next((cell for cell, c in first if c["policy"] == subject), None)
                 or next((cell for cell, c in first if c["policy"] != "full"), None)
                 or next((cell for cell, c in first if not c.get("stock")), first[0][0]))
         return [pick]
@@ -185,13 +197,16 @@ def verify(step: Step, version: str, commit: str) -> dict:
 
         from harness.bench.replay import replay_cell
 
-        sys.path.insert(0, str(ROOT / "experiments"))
-        from throughput import SETTINGS
+        from throughput import SETTINGS, replay_prefill_cell
 
-        setting = SETTINGS[step.folder.split("/", 1)[1]]
+        name = step.folder.split("/", 1)[1]
+        prefill = name in prefill_settings()
+        replayer, setting = (replay_prefill_cell, prefill_settings()[name]) if prefill else (replay_cell, SETTINGS[name])
         with tempfile.TemporaryDirectory() as scratch:
-            compared = [replay_cell(setting, json.loads(cell.read_text()), Path(scratch)) for cell in subset]
-        what = "every count of the engine's work (tokens, steps, preemptions, peak blocks, evictions, freed blocks, evicted and copied tokens); timings are not compared"
+            compared = [replayer(setting, json.loads(cell.read_text()), Path(scratch)) for cell in subset]
+        what = ("every count of the engine's work (tokens, steps, preemptions, peak blocks, evictions, freed blocks, "
+                "evicted and copied tokens" + (", reconstruction tokens" if prefill else "")
+                + "); timings are not compared")
     else:
         from harness.run.replay import replay
 

@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harness.analysis.studies import refuse_uncommitted  # noqa: E402
+from harness.bench.replay import EXACT, compared_runs  # noqa: E402
 from harness.bench.throughput import (Cell, Setting, Workload, median_of, read_cells, run_order, run_setting,
                                      summarize_setting, trials_text, write_report)
 from harness.records.provenance import code_version
@@ -541,6 +542,29 @@ def summarize_prefill_setting(setting: PrefillSetting, out: Path) -> list[dict]:
     if problems:
         raise ValueError(f"{setting.name}: " + "; ".join(problems))
     return stored
+
+
+# What a replay of a prefill cell compares exactly: the engine's counts every replay of unchanged
+# code reproduces (``harness.bench.replay.EXACT``) and the tokens KVzip's passes ran.
+PREFILL_EXACT = EXACT + ("kv.reconstruct_tokens",)
+
+
+def replay_prefill_cell(setting: PrefillSetting, stored: dict, scratch: Path) -> dict:
+    """One committed cell of ``setting`` run again at this code (``experiments/regenerate.py
+    --verify``): its prompts must be the committed ones (digest), then every count of the engine's
+    work is compared (``PREFILL_EXACT``); timings are printed beside, not compared."""
+    from transformers import AutoTokenizer
+
+    from harness.config.models import resolve_model_path
+    from harness.engine.batch_run import run_in_subprocess
+
+    cell = PrefillCell(**stored["cell"])
+    model_path = resolve_model_path(setting.contexts.model)
+    prompts = prefill_prompts(setting, AutoTokenizer.from_pretrained(model_path))
+    if prompt_facts(prompts)["digest"] != stored["prompts"]["digest"]:
+        return {"cell": cell.slug, "moved": ["the prompts are not the committed ones (digest)"]}
+    run = run_in_subprocess(prefill_spec(setting, cell, prompts, model_path), scratch)
+    return compared_runs(cell.slug, stored["perf"], run["perf"], PREFILL_EXACT)
 
 
 def prefill_table(setting: PrefillSetting, stored: list[dict]):

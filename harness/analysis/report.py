@@ -15,7 +15,8 @@ Throughput settings (``THROUGHPUT``): from each ``results/throughput/<setting>/s
 cell's ratio of output tok/s against the setting's baseline cell of the same trial: the geometric
 mean over trials with a 95% t-interval (``harness.analysis.stats.ratio_interval``) where there are at least
 two trials, the single ratio otherwise (said so), and the eviction and query-capture shares of step
-time.
+time; for the prefill setting (``reconstruction``), prefill seconds against full cache's and the
+share of them KVzip's reconstruction passes took.
 
 Every section names the code versions its cells ran at (``harness.records.provenance.code_version``; the
 commit for results older than it): a table is comparable with another only at one code version,
@@ -198,21 +199,29 @@ def family_size(runs: pd.DataFrame, quantity: Quantity) -> int:
 
 # ---------------------------------------------------------------- throughput
 def throughput_section(setting: str, root: Path) -> list[str]:
+    """A setting's cells as ratios over its baseline, per configuration over its trials. A prefill
+    setting (``experiments/throughput.py reconstruction``) states prefill seconds over full cache's
+    (higher is slower) and the reconstruction passes' share of them, not output tok/s."""
     folder = root / RESULTS / "throughput" / setting
     frame = read_summary(folder)
     if "trial" not in frame:
         frame["trial"] = 1
     frame["base"] = frame["cell"].str.replace(r" #\d+$", "", regex=True)
-    baseline = frame.loc[frame["x_baseline"] == 1.0, "base"].iloc[0]
+    prefill = "x_baseline" not in frame
+    ratio_column = "x_full" if prefill else "x_baseline"
+    baseline = frame.loc[frame[ratio_column] == 1.0, "base"].iloc[0]
     commits = [version_of(read_json(path).get("provenance")) for path in sorted((folder / "cells").glob("*.json"))]
     trials = int(frame["trial"].max())
+    shares = (("reconstruct % of prefill", "reconstruct_share"),) if prefill else (
+        ("evict % of step", "evict_share"), ("capture % of step", "capture_share"))
+    measure = "prefill s, " if prefill else ""
     parts = [f"### `{setting}`", "",
              f"`results/throughput/{setting}/summary.md` (workload and command there); {len(frame)} cells, "
              f"up to {trials} trial{'s' if trials > 1 else ''}; ran at: {commits_text(commits)}.", "",
-             f"| cell | trials | x {baseline} (95% t-interval) | evict % of step | capture % of step |",
-             "|---|---|---|---|---|"]
+             f"| cell | trials | {measure}x {baseline} (95% t-interval) | " + " | ".join(h for h, _ in shares) + " |",
+             "|---|---|---|" + "---|" * len(shares)]
     for base, cells in frame.groupby("base", sort=False):
-        ratios = cells["x_baseline"].astype(float).tolist()
+        ratios = cells[ratio_column].astype(float).tolist()
         if base == baseline:
             ratio = "1 (baseline)"
         elif len(ratios) >= 2:
@@ -220,8 +229,7 @@ def throughput_section(setting: str, root: Path) -> list[str]:
             ratio = f"{interval.estimate:.2f} ({interval.low:.2f}, {interval.high:.2f})"
         else:
             ratio = f"{ratios[0]:.2f} (one trial: no interval)"
-        parts.append(f"| {base} | {len(ratios)} | {ratio} | {percent(cells, 'evict_share')} | "
-                     f"{percent(cells, 'capture_share')} |")
+        parts.append(f"| {base} | {len(ratios)} | {ratio} | " + " | ".join(percent(cells, c) for _, c in shares) + " |")
     return parts + [""]
 
 

@@ -102,6 +102,9 @@ STUDIES: tuple[Study, ...] = (
     throughput("layer_groups", 9),
     throughput("budget_schedules", 17, trials=5, measured=True),
     throughput("group_overhead", 10, trials=10, measured=True),
+    # KVzip's reconstruction passes against a plain prefill (a prefill setting: its ratios are of
+    # prefill seconds against full cache, not of output tok/s)
+    throughput("reconstruction", 7, trials=4, measured=True),
 )
 
 

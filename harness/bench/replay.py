@@ -42,14 +42,20 @@ def replay_cell(setting: Setting, stored: dict, scratch: Path) -> dict:
         return {"cell": cell.slug, "moved": ["the setting's workload is not the committed one"]}
     model_path = resolve_model_path(setting.workload.model)
     run = run_in_subprocess(engine_spec(setting, cell, setting_prompts(setting, model_path), model_path), scratch)
+    return compared_runs(cell.slug, stored["perf"], run["perf"])
+
+
+def compared_runs(slug: str, committed: list[dict], replayed: list[dict], keys: tuple[str, ...] = EXACT) -> dict:
+    """A replay's perf records (one per repeat) against the committed ones: ``moved`` lists every
+    count of ``keys`` that differs (a count the committed cell did not record is not compared)."""
     moved = []
-    for repeat, (want, got) in enumerate(zip(stored["perf"], run["perf"]), 1):
-        for key in EXACT:
+    for repeat, (want, got) in enumerate(zip(committed, replayed), 1):
+        for key in keys:
             expected, measured = field_of(want, key), field_of(got, key)
             if expected is not None and expected != measured:
                 moved.append(f"repeat {repeat} {key}: {measured} against {expected}")
-    if len(stored["perf"]) != len(run["perf"]):
-        moved.append(f"{len(run['perf'])} repeats against {len(stored['perf'])}")
-    return {"cell": cell.slug, "repeats": len(run["perf"]), "compared": [k for k in EXACT if field_of(stored["perf"][0], k) is not None],
-            "moved": moved, "wall_s": [p["wall_s"] for p in run["perf"]],
-            "committed_wall_s": [p["wall_s"] for p in stored["perf"]]}
+    if len(committed) != len(replayed):
+        moved.append(f"{len(replayed)} repeats against {len(committed)}")
+    return {"cell": slug, "repeats": len(replayed), "compared": [k for k in keys if field_of(committed[0], k) is not None],
+            "moved": moved, "wall_s": [p["wall_s"] for p in replayed],
+            "committed_wall_s": [p["wall_s"] for p in committed]}

@@ -21,7 +21,7 @@ def test_every_step_runs_something_that_exists():
                 experiment = next(a for a in command if a.startswith("+experiment=")).split("=", 1)[1]
                 assert (ROOT / "conf" / "experiment" / f"{experiment}.yaml").exists(), step.name
             if "experiments/throughput.py" in command:
-                assert command[command.index("experiments/throughput.py") + 1] in throughput.SETTINGS, step.name
+                assert command[command.index("experiments/throughput.py") + 1] in throughput.SETTINGS | throughput.PREFILL_SETTINGS, step.name
 
 
 def test_trials_interleave_every_configuration():

@@ -270,3 +270,36 @@ def test_a_run_measures_in_counterbalanced_order_and_reuses_what_it_measured(tmp
     asked["prompts"] = prompts(200, 265)
     experiment.run_prefill_setting(setting, tmp_path, progress=lambda line: None)
     assert len(ran) == 6, "other prompts: measured again"
+
+
+def test_a_replay_compares_every_count_of_the_engine_s_work_and_the_prompts(tmp_path, monkeypatch):
+    """replay_prefill_cell (``regenerate.py --verify``) with the engine process replaced: the same
+    counts replay equal whatever the timings; a changed reconstruction count, or other prompts, is named."""
+    import harness.engine.batch_run as batch_run
+
+    cell = experiment.PrefillCell("kvzip", 0.5)
+    asked = {"prompts": prompts(200, 264)}
+    kv = {"steps": 2, "evictions": 2, "evicted_tokens": 200, "reconstruct_s": 0.5, "reconstruct_tokens": 430}
+    committed = {"cell": asdict(cell), "prompts": experiment.prompt_facts(asked["prompts"]),
+                 "perf": [{"wall_s": 2.0, "requests": 2, "prompt_tokens": 464, "output_tokens": 2, "kv": kv}] * 2}
+    replayed = {"kv": dict(kv)}
+
+    def engine(spec, workdir, timeout_s=None):
+        batch_run.check_spec(spec)
+        assert spec["request_eviction"][0]["policy"] == "kvzip"
+        return {"pool_blocks": 19, "perf": [{"wall_s": 3.0, "requests": 2, "prompt_tokens": 464, "output_tokens": 2,
+                                             "kv": replayed["kv"]}] * spec["repeats"]}
+
+    monkeypatch.setattr(batch_run, "run_in_subprocess", engine)
+    monkeypatch.setattr(experiment, "prefill_prompts", lambda setting, tokenizer: asked["prompts"])
+    setting = replace(SETTING, repeats=2)
+    equal = experiment.replay_prefill_cell(setting, committed, tmp_path)
+    assert equal["moved"] == [] and "kv.reconstruct_tokens" in equal["compared"] and equal["wall_s"] == [3.0, 3.0]
+
+    replayed["kv"] = {**kv, "reconstruct_tokens": 431}
+    moved = experiment.replay_prefill_cell(setting, committed, tmp_path)["moved"]
+    assert moved == ["repeat 1 kv.reconstruct_tokens: 431 against 430", "repeat 2 kv.reconstruct_tokens: 431 against 430"]
+
+    asked["prompts"] = prompts(200, 265)
+    assert experiment.replay_prefill_cell(setting, committed, tmp_path)["moved"] == [
+        "the prompts are not the committed ones (digest)"]
