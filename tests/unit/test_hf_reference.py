@@ -22,7 +22,9 @@ def test_full_cache_reference_equals_transformers_generate(prompt):
     assert ours == generated[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("policy", ["paged", "streaming", "knorm", "keydiff"])
+# the token policies that compact per token (knorm, keydiff) take several seconds each: slow (CI runs them)
+@pytest.mark.parametrize("policy", ["paged", "streaming", pytest.param("knorm", marks=pytest.mark.slow),
+                                    pytest.param("keydiff", marks=pytest.mark.slow)])
 def test_reference_cache_stays_within_budget(prompt, policy, monkeypatch):
     budget = 128
     engine = HFReferenceEngine(model_path("tiny"), make_policy(policy, budget, BLOCK))

@@ -30,8 +30,15 @@ def cache_of(engine: HFReferenceEngine) -> list[tuple[torch.Tensor, torch.Tensor
     return [(layer.keys.clone(), layer.values.clone()) for layer in engine.cache.layers]
 
 
-@pytest.mark.parametrize("groups", [2, 4])
-@pytest.mark.parametrize("name", PER_HEAD)
+def cases(names, sizes, fast, ids=None) -> list:
+    """Every (name, size) case; the fast loop (``-m "not engine and not slow"``) keeps ``fast``
+    alone, each case being two Hugging Face generations of several seconds (CI runs them all)."""
+    return [pytest.param(name, size, id=f"{name}-{ids[i] if ids else size}",
+                         marks=() if (name, size) == fast else pytest.mark.slow)
+            for name in names for i, size in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("name, groups", cases(PER_HEAD, [2, 4], fast=("snapkv", 2)))
 def test_groups_of_a_per_head_policy_equal_one_group(prompt, name, groups):
     """SnapKV from each group's own layers' window, H2O counting every query in every group."""
     one = HFReferenceEngine(model_path("tiny"), make_policy(name, 48, BLOCK))
@@ -44,8 +51,8 @@ def test_groups_of_a_per_head_policy_equal_one_group(prompt, name, groups):
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
 
 
-@pytest.mark.parametrize("budgets", [[72, 40], [64, 48, 40, 40]], ids=["2_groups", "4_groups"])
-@pytest.mark.parametrize("name", ["paged", "knorm", "snapkv", "h2o"])
+@pytest.mark.parametrize("name, budgets", cases(["paged", "knorm", "snapkv", "h2o"], [[72, 40], [64, 48, 40, 40]],
+                                                fast=("paged", [72, 40]), ids=["2_groups", "4_groups"]))
 def test_groups_at_their_own_budgets_equal_the_plain_reference(prompt, name, budgets):
     """Each group's layers keep what their own budget says (the layers then hold different numbers
     of tokens, so each attends under its own mask), as the plain reference evicts them."""
