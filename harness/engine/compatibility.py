@@ -11,6 +11,9 @@ SCHEDULER_CLS = "harness.engine.scheduler.EvictionScheduler"
 # KV cache dtypes whose K/V the harness reads and copies exactly ("auto" = the model's dtype).
 # fp8 caches hold scaled 8-bit values: scores would need the scales, so they are refused.
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+# How the message of a request the scheduler refused on arrival starts (its backstop, where the
+# frontend did not refuse it: harness.engine.scheduler.EvictionScheduler.add_request).
+REFUSED = "kv_eviction refused the request: "
 
 
 def uses_eviction_scheduler(scheduler_cls) -> bool:
@@ -71,3 +74,40 @@ def check_parallel(parallel) -> None:
         raise ValueError(f"KV eviction runs under tensor parallelism only: vLLM's world size is {parallel.world_size} "
                          f"for tensor_parallel_size={parallel.tensor_parallel_size}")
 
+
+
+def prefix_cache_unreachable(*, prefix_caching: bool, connector: bool, skips_prefix_cache: bool) -> str | None:
+    """Why a request cannot take a compressed context or a chained turn, which reach it only through
+    vLLM's prefix-cache hits, on this engine (None: it can). Said alike by the frontend, which
+    refuses a ``share_context=true`` or ``chain=true`` request for it with HTTP 400
+    (``harness.engine.frontend.check_request``), and by the scheduler, which then does not share
+    (``share_context`` left unset) or, as the backstop, ends the request with the reason."""
+    if not prefix_caching:
+        return "this engine takes no prefix-cache hits (prefix caching is off): start it with prefix caching on"
+    if connector:
+        # a connector may load a pristine copy of blocks whose hash the compressed entry also answers to
+        # (the scheduler builds one from kv_transfer_config: vllm/v1/core/sched/scheduler.py:171-180)
+        return ("this engine has a KV connector, which could load a pristine copy where a compressed one is "
+                "expected: serve without one")
+    if skips_prefix_cache:
+        # vLLM sets skip_reading_prefix_cache for a request asking prompt log-probabilities (or the
+        # log-probabilities of given prompt tokens), unless the request sets it itself
+        # (vllm/sampling_params.py:622-629; read as Request.skip_reading_prefix_cache, vllm/v1/request.py:314-325)
+        return ("the request skips the prefix cache (it asks for prompt log-probabilities, or sets "
+                "skip_reading_prefix_cache): ask for them without share_context or chain")
+    return None
+
+
+def prefix_cache_refusal(settings, *, prefix_caching: bool, connector: bool, skips_prefix_cache: bool) -> str | None:
+    """The refusal of settings that insist on the prefix cache (``share_context=true``, ``chain=true``)
+    for a request that cannot reach it here (``prefix_cache_unreachable``); None where they do not
+    insist, or it can."""
+    reason = prefix_cache_unreachable(prefix_caching=prefix_caching, connector=connector,
+                                      skips_prefix_cache=skips_prefix_cache)
+    if reason is None:
+        return None
+    if settings.share_context:
+        return f"share_context=true: a compressed context reaches later requests through vLLM's prefix-cache hits, but {reason}"
+    if settings.chain:
+        return f"chain=true: a turn's compressed cache reaches the next turn through vLLM's prefix-cache hits, but {reason}"
+    return None

@@ -28,7 +28,8 @@ import functools
 from collections import OrderedDict
 from dataclasses import replace
 
-from harness.engine.compatibility import check_compatible, layer_groups_of
+from harness.engine import patches
+from harness.engine.compatibility import REFUSED, check_compatible, layer_groups_of, prefix_cache_refusal
 from harness.eviction.settings import CONFIG_KEY, admit, request_settings, settings_from
 
 
@@ -58,7 +59,7 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None, reconst
             settings = replace(settings, reconstruction=reconstruct(settings.policy))
             # written back as the request's own settings (the engine default's too, copied): the scheduler
             # reads them there (harness.engine.scheduler.EvictionScheduler.add_request)
-            params.extra_args = {**(extra or {}), CONFIG_KEY: settings.as_dict()}
+            patches.set_on(params, "extra_args", {**(extra or {}), CONFIG_KEY: settings.as_dict()})
         if settings is not None:
             check_compatible(vllm_config)
             if prompt_tokens is not None:
@@ -69,14 +70,12 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None, reconst
             layers = vllm_config.model_config.hf_text_config.num_hidden_layers if groups > 1 else 1
             admit(settings, block_size, layers, groups, enforce_eager=vllm_config.model_config.enforce_eager,
                   async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
-            if settings.share_context and not vllm_config.cache_config.enable_prefix_caching:
-                # (the scheduler's backstop says the same: harness.engine.scheduler.unshared_reason)
-                raise ValueError("share_context=true, but compressed contexts are shared through vLLM's prefix-cache "
-                                 "hits, which this engine does not take: start it with prefix caching on")
-            if settings.chain and not vllm_config.cache_config.enable_prefix_caching:
-                raise ValueError("chain=true, but a turn's compressed cache reaches the next turn through vLLM's "
-                                 "prefix-cache hits, which this engine does not take: start it with prefix caching on")
-    except ValueError as error:
+            refusal = prefix_cache_refusal(settings, prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+                                           connector=vllm_config.kv_transfer_config is not None,
+                                           skips_prefix_cache=bool(getattr(params, "skip_reading_prefix_cache", False)))
+            if refusal is not None:
+                raise ValueError(refusal)
+    except (ValueError, TypeError) as error:  # (a TypeError: an option of the wrong type for its policy)
         raise VLLMValidationError(str(error), parameter=CONFIG_KEY) from None
 
 
@@ -128,7 +127,7 @@ def wrap_process_inputs(original):
     return process_inputs
 
 
-# Policy failures noted by the frontend, by the request id its output carries (the id the server
+# Policy failures and the scheduler's refusals noted by the frontend, by the request id its output carries (the id the server
 # gave the request, with "-<prompt index>" for a completion's prompts), until the server answers
 # them; offline runs read the message from the output itself and never take these, so only the
 # latest FAILURES_KEPT are kept.
@@ -145,7 +144,7 @@ def wrap_make_request_output(original):
         from vllm.v1.engine import FinishReason
 
         if (finish_reason == FinishReason.ERROR and isinstance(stop_reason, str)
-                and stop_reason.startswith(POLICY_FAILURE)):
+                and stop_reason.startswith((POLICY_FAILURE, REFUSED))):
             _FAILURES[self.external_req_id] = stop_reason
             while len(_FAILURES) > FAILURES_KEPT:
                 _FAILURES.popitem(last=False)

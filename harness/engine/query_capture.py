@@ -6,7 +6,8 @@ num_heads * head_size]`` with the requests' tokens one after the other in batch 
 (``query_start_loc``). A forward pre-hook, torch's own module hook, on each attention layer copies
 the rows of the requests whose policy reads attention, the newest ``query_window`` of each (and,
 apart, those of a prompt whose attention schedule is measured: ``harness.eviction.layer_budgets``);
-no kernel is touched. After the step the copies join each request's window in the worker's
+no kernel is touched. The hook reads ``forward``'s first positional argument as the query: listed,
+with ``forward``'s parameters, in ``harness.engine.patches`` ("hooked on an instance"). After the step the copies join each request's window in the worker's
 ``PolicyState`` (or the measurement's); nothing is captured (and no hook does any work) for a step in which no request
 needs it.
 

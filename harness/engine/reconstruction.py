@@ -17,14 +17,16 @@ request's ``num_computed_tokens`` never includes them, so its question and decod
 no rewind (the issue's "continues from the context's end"). The cost: the passes' attention runs in
 PyTorch, tiled over queries (``TILE``), not in the paged kernel.
 
-A context's scores depend on its token ids, its reconstruction ids and the score's options alone,
-never on the request's budget or question, so the worker keeps the scores of recent contexts
+A context's scores depend on its K/V and its reconstruction ids and the score's options, never on
+the request's budget or question, so the worker keeps the scores of recent contexts
 (``RecentScores``, host memory, ``RECENT_SCORES_BYTES``): a sweep over ratios (every cell's request
 for a prompt has the same context), or a context asked again after its compressed copy was dropped,
-runs its passes once. The context's K/V they were computed from is the same computation of the same
-ids (with prefix caching, the same blocks); the ledger's ``reconstruct_tokens`` and
-``reconstruct_s`` count the passes that ran, and ``reconstruct_reused`` the contexts that took
-their scores from here instead.
+runs its passes once. A context is named as vLLM names a block of its prefix cache
+(``score_key``): its token ids and what vLLM hashes with them, the LoRA adapter, the multimodal
+items and the cache salt, so a context shares scores exactly where it could share cached blocks.
+A prefix-cache reset (weights may have changed) empties it: the scheduler counts resets in its plan
+(``forget_before``). The ledger's ``reconstruct_tokens`` and ``reconstruct_s`` count the passes that
+ran, and ``reconstruct_reused`` the contexts that took their scores from here instead.
 
 What this relies on in vLLM 0.32 (cited where used):
 
@@ -32,8 +34,9 @@ What this relies on in vLLM 0.32 (cited where used):
   ``[tokens, heads * head_size]`` query and key (``vllm/model_executor/layers/attention/attention.py:
   488-497``; Llama calls it after ``rotary_emb`` at ``vllm/model_executor/models/llama.py:231-232``)
   and returns ``[tokens, num_heads * head_size_v]`` (``attention.py:524-527``); it is replaced, on the
-  module instance, for the passes only: ``nn.Module.__call__`` calls ``self.forward``, so every
-  registered hook (the query capture's, idle then) still runs.
+  module instance, for the passes only (``patches.replaced_on``, listed in ``harness.engine.patches``
+  with its parameters): ``nn.Module.__call__`` calls ``self.forward``, so every registered hook (the
+  query capture's, idle then) still runs.
 * The model is called as the runner calls it (``GPUModelRunner._model_forward``,
   ``vllm/v1/worker/gpu_model_runner.py:3620-3651``: ``input_ids``, ``positions``,
   ``intermediate_tensors``, ``inputs_embeds``), inside ``set_forward_context`` with no attention
@@ -42,7 +45,8 @@ What this relies on in vLLM 0.32 (cited where used):
   directly (``vllm/compilation/decorators.py:402-407, 528-529``), which is why the policy needs
   enforce_eager (also for the query hooks).
 * ``CachedRequestState.prompt_token_ids``, ``block_ids`` and ``num_computed_tokens`` (the value
-  before the step; ``vllm/v1/worker/gpu_input_batch.py:35-44``), the runner's ``vllm_config``,
+  before the step; ``vllm/v1/worker/gpu_input_batch.py:35-44``), its ``lora_request``,
+  ``mm_features`` and ``prompt_embeds`` (``:38, 49-50``) for ``score_key``, the runner's ``vllm_config``,
   ``scheduler_config``, ``device`` (``gpu_model_runner.py:476-492``; ``CPUModelRunner`` subclasses
   it) and ``model`` (``:5057``, eager: no CUDA-graph or micro-batch wrapper, ``:5200-5224``), and
   ``scheduler_config.max_num_batched_tokens`` (``:516``).
@@ -57,10 +61,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
+from harness.engine import patches
 from harness.eviction.evictor import phase_due
 from policies.kvzip import chunk_scores, passes, with_sinks
 
@@ -104,6 +110,35 @@ class RecentScores:
             self.held -= sum(part.numel() * part.element_size() for part in dropped)
         self.entries[key] = [part.to("cpu", copy=True) for part in parts]
         self.held += size
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.held = 0
+
+
+def score_key(request, point: int, spec, score, cache_salt: str | None) -> tuple:
+    """What a context's scores depend on: its token ids, what vLLM hashes with them to name a block
+    of its prefix cache (``generate_block_hash_extra_keys``, ``vllm/v1/core/kv_cache_utils.py:625-663``),
+    the reconstruction ids and the score's options.
+
+    vLLM's extra keys, from the worker's request state (``CachedRequestState``,
+    ``vllm/v1/worker/gpu_input_batch.py:35-50``, filled from ``NewRequestData`` at
+    ``vllm/v1/worker/gpu_model_runner.py:1275-1288``): the LoRA adapter (vLLM keys its name and path,
+    ``kv_cache_utils.py:578-595``; its id as well here), whose weights change every K/V; each
+    multimodal item the context holds, by its identifier and place (``:510-575``; a prefix-cached
+    item's data is stripped before it reaches the worker, its ``identifier`` and ``mm_position``
+    kept: ``vllm/multimodal/utils.py:213-245``), whose embeddings stand behind placeholder ids; and
+    the cache salt (``kv_cache_utils.py:647-650``), which keeps one tenant's contexts from another's:
+    a reused context would show in its prefill time. The worker's state has no cache salt (the
+    scheduler's ``Request`` has, ``vllm/v1/request.py:185``): the plan carries it. (Prompt embeddings,
+    vLLM's fourth key, never reach here: ``Reconstruction.run`` refuses them.)"""
+    lora = request.lora_request
+    return (tuple(request.prompt_token_ids[:point]), spec, type(score).__name__, score.chunk_size, score.postfix,
+            score.n_sink,
+            None if lora is None else (lora.lora_name, lora.lora_int_id, lora.lora_path),
+            tuple((item.identifier, item.mm_position.offset, item.mm_position.length)
+                  for item in request.mm_features if item.mm_position.offset < point),
+            cache_salt)
 
 
 def pass_attention(query: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
@@ -149,25 +184,40 @@ class Reconstruction:
                       for index, layer in enumerate(layers)}
         self.piece = int(runner.scheduler_config.max_num_batched_tokens)
         self.recent = RecentScores()
+        self.resets = 0  # the scheduler's count of prefix-cache resets the scores were computed after
+
+    def forget_before(self, resets: int) -> None:
+        """Drop every kept score once the scheduler's prefix cache was reset (``resets``, its count in
+        the plan, moved on): a reset may follow new weights, under which the same ids score otherwise."""
+        if resets != self.resets:
+            self.recent.clear()
+            self.resets = resets
 
     def due(self, policies, point: int, before: int, after: int, evicted: tuple[int, ...]) -> list[bool]:
         """Per KV cache group, whether this step ends with its reconstructing policy's prefill eviction."""
         return [policy.reconstructs and phase_due(policy, point, before, after, done) == "prefill"
                 for policy, done in zip(policies, evicted)]
 
-    def run(self, request_id: str, request, settings, policies, states, due: list[bool] | None = None) -> Done:
+    def run(self, request_id: str, request, settings, policies, states, due: list[bool] | None = None,
+            cache_salt: str | None = None) -> Done:
         """The passes for one request whose prefill reached its eviction point ``c`` this step (its
         whole context cached, nothing evicted): its scores ``[group layers, heads, c]`` go to
         ``states[g].scores`` of each group whose eviction is ``due`` (every group: None); a group
-        whose budget holds the whole context evicts nothing and keeps no scores."""
+        whose budget holds the whole context evicts nothing and keeps no scores. ``cache_salt``: the
+        request's, from the plan (part of the kept scores' key)."""
         started = time.perf_counter()
+        if request.prompt_embeds is not None:
+            # the passes repeat the context by its ids; a prompt given (even in part) as embeddings has
+            # none there (the worker's prompt_token_ids is None, or sentinels where prompt_is_token_ids is
+            # False: vllm/v1/worker/gpu_input_batch.py:37, 50, 54-56; vllm/v1/request.py:147-160)
+            raise ValueError("it repeats the context by its token ids, and this prompt was given as embeddings")
         point = settings.eviction_point(len(request.prompt_token_ids))
         spec, score = settings.reconstruction, policies[0].score
         if spec is None:  # (admission refuses it; a request reaching here without ids is a bug)
             raise RuntimeError(f"request {request_id}: {policies[0].name} has no reconstruction ids")
         context = request.prompt_token_ids[:point]
-        # What the scores depend on (every rank computes the same key: their passes stay in step).
-        key = (tuple(context), spec, type(score).__name__, score.chunk_size, score.postfix, score.n_sink)
+        # every rank computes the same key: their passes stay in step
+        key = score_key(request, point, spec, score, cache_salt)
         gathered = self.recent.get(key, self.runner.device)
         reused, tokens = gathered is not None, 0
         if not reused:
@@ -211,21 +261,14 @@ class Reconstruction:
         n = len(ids)
         input_ids = torch.tensor(ids, dtype=torch.int32, device=device)
         positions = torch.arange(first_position, first_position + n, dtype=torch.int64, device=device)
-        saved = {}
-        try:
+        with ExitStack() as replaced:  # every layer back to its own forward after the piece
             for layer, module in enumerate(self.modules):
-                saved[layer] = module.__dict__.get("forward")
-                module.forward = self._attention(layer, module, own, slots, scores, chunk)
+                replaced.enter_context(patches.replaced_on(
+                    module, "forward", self._attention(layer, module, own, slots, scores, chunk)))
             # No attention metadata: every attention layer's forward is ours (the runner's dummy runs
             # enter the same context without metadata, gpu_model_runner.py:5831-5849).
             with torch.inference_mode(), self.forward_context(n):
                 runner.model(input_ids=input_ids, positions=positions, intermediate_tensors=None, inputs_embeds=None)
-        finally:
-            for layer, module in enumerate(self.modules):
-                if saved.get(layer) is None:
-                    module.__dict__.pop("forward", None)  # back to the class's Attention.forward
-                else:
-                    module.forward = saved[layer]
 
     def _vllm_forward_context(self, tokens: int):
         from vllm.forward_context import set_forward_context

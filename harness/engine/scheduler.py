@@ -69,12 +69,14 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
+from harness.engine import patches
 from harness.eviction.counters import EvictionCounters, RequestCounters
 from harness.eviction.evictor import cdiv, compaction_positions, kept_tokens, phase_due
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
 )
-from harness.engine.compatibility import check_compatible, layer_groups_of
+from harness.engine.compatibility import (REFUSED, check_compatible, layer_groups_of, prefix_cache_refusal,
+                                         prefix_cache_unreachable)
 from harness.engine.shared_contexts import ContextCache, ContextStats, Entry, chain_entry_key, context_key
 from harness.eviction.settings import (EvictionSettings, admit, build_policy, request_settings, settings_from,
                                        unshareable)
@@ -344,11 +346,13 @@ class EvictionScheduler(Scheduler):
         self.kv_context_compressing: dict[str, tuple] = {}  # compressing a context others wait for
         self.kv_context_waits: dict[str, int] = {}     # steps a request has waited for its context
         self.kv_chain_missed: set[str] = set()        # chained, found no chain entry in this schedule()
+        self.kv_refused: list[tuple] = []  # (request, message): refused on arrival, reported with the next output
+        self.kv_prefix_cache_resets = 0  # told to the workers in every plan (their kept reconstruction scores)
         if self.kv_unsupported is None:
             for group, manager in enumerate(managers):
-                manager.__class__ = PhysicalLengthManager  # this engine's managers only, same state
-                manager.kv_scheduler = self
-                manager.kv_group = group
+                patches.swap_class(manager, PhysicalLengthManager)  # this engine's managers only, same state
+                patches.set_on(manager, "kv_scheduler", self)
+                patches.set_on(manager, "kv_group", group)
             self._cap_replayed_cache_hits()
         if default is not None:
             if self.kv_unsupported is not None:
@@ -374,25 +378,16 @@ class EvictionScheduler(Scheduler):
         """Why this request's compressed context is not shared (None: it is)."""
         if settings.share_context is False:
             return "share_context=false"
-        reason = unshareable(settings.compress, settings.budget_schedule)
-        if reason:
-            return reason
-        if self.kv_contexts is None:
-            return ("compressed contexts are shared through vLLM's prefix-cache hits, which this engine does not take "
-                    "(prefix caching off, or a KV connector configured): turn prefix caching on")
-        if request.skip_reading_prefix_cache:
-            return "the request skips the prefix cache (prompt log-probabilities)"
-        return None
+        return unshareable(settings.compress, settings.budget_schedule) or self._prefix_cache_unreachable(request)
 
-    def unchained_reason(self, request) -> str | None:
-        """Why a ``chain=true`` request cannot continue its conversation's compressed cache here
-        (None: it can; the settings themselves are checked by ``parse_settings`` and ``admit``)."""
-        if self.kv_contexts is None:
-            return ("a turn's compressed cache reaches the next turn through vLLM's prefix-cache hits, which this "
-                    "engine does not take (prefix caching off, or a KV connector configured): turn prefix caching on")
-        if request.skip_reading_prefix_cache:
-            return "the request skips the prefix cache (prompt log-probabilities), through which the chain is taken"
-        return None
+    def _prefix_cache_unreachable(self, request) -> str | None:
+        """Why shared contexts and chain entries cannot reach ``request`` here (the frontend's words:
+        ``harness.engine.compatibility.prefix_cache_unreachable``)."""
+        if self.kv_contexts is not None and not request.skip_reading_prefix_cache:
+            return None
+        return prefix_cache_unreachable(prefix_caching=bool(self.cache_config.enable_prefix_caching),
+                                        connector=self.connector is not None,
+                                        skips_prefix_cache=bool(request.skip_reading_prefix_cache))
 
     def policy_for(self, settings: EvictionSettings) -> Policy:
         """The policy of the settings' whole budget (what is the same in every group: its kind,
@@ -417,31 +412,55 @@ class EvictionScheduler(Scheduler):
         return counts[group] if counts else 0
 
     def add_request(self, request) -> None:
-        # The frontend refuses bad settings with HTTP 400 (``plugin.check_request``); this is the
-        # backstop for a frontend without the plugin.
-        params = request.sampling_params
-        settings = request_settings(params.extra_args if params else None, self.kv_settings, self.kv_block_size)
-        if settings is not None:
-            # A budget_ratio becomes this request's token budget; the worker gets it in the plan.
-            settings = settings.for_prompt(request.num_prompt_tokens, self.kv_block_size)
-            if self.kv_unsupported is not None:
-                raise ValueError(f"request {request.request_id} asks for KV eviction: {self.kv_unsupported}")
-            self.group_policies(settings)
-            unshared = self.unshared_reason(request, settings) if settings.compress == "context" else None
-            if unshared is not None and settings.share_context:
-                raise ValueError(f"request {request.request_id}: share_context=true, but {unshared}")
-            unchained = self.unchained_reason(request) if settings.chain else None
-            if unchained is not None:
-                raise ValueError(f"request {request.request_id}: chain=true, but {unchained}")
+        # The frontend refuses what cannot run with HTTP 400 (``harness.engine.frontend.check_request``);
+        # this is the backstop, for a frontend without the plugin, and it never raises: an exception
+        # here leaves vLLM's engine core (``EngineCore.add_request``, vllm/v1/engine/core.py:508-548,
+        # runs in its busy loop) and stops the engine. A request refused here ends with an error and
+        # the reason (``REFUSED``), like one whose policy failed.
+        try:
+            admitted = self._admit(request)
+        except Exception as error:  # noqa: BLE001 - a user's policy may raise anything when built
+            super().add_request(request)
+            text = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+            for ended in self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR):
+                self.kv_refused.append((ended, f"{REFUSED}{text}"))
+            return
+        if admitted is not None:
+            settings, uncached, key = admitted
             self.kv_request_settings[request.request_id] = settings
             self._counters(request.request_id, settings)
-            if self.cache_config.enable_prefix_caching and (settings.measuring or not self._copies_fit(request, settings)):
+            if uncached:
                 self.kv_uncached.add(request.request_id)
-            key = context_key(request, settings, self.kv_cache_manager.block_pool.hash_block_size) \
-                if settings.compress == "context" and unshared is None else None
             if key is not None:
                 self.kv_context_keys[request.request_id] = key
         super().add_request(request)
+
+    def _admit(self, request) -> tuple[EvictionSettings, bool, tuple | None] | None:
+        """A request's settings as it will run (None: it keeps its whole cache), whether it stays out
+        of the prefix cache, and its context's key where it may share one; ``ValueError`` where this
+        engine cannot run them. Changes nothing: the caller records what it returns."""
+        params = request.sampling_params
+        settings = request_settings(params.extra_args if params else None, self.kv_settings, self.kv_block_size)
+        if settings is None:
+            return None
+        # A budget_ratio becomes this request's token budget; the worker gets it in the plan.
+        settings = settings.for_prompt(request.num_prompt_tokens, self.kv_block_size)
+        if self.kv_unsupported is not None:
+            raise ValueError(f"request {request.request_id} asks for KV eviction: {self.kv_unsupported}")
+        self.group_policies(settings)
+        refusal = prefix_cache_refusal(settings, prefix_caching=bool(self.cache_config.enable_prefix_caching),
+                                       connector=self.connector is not None,
+                                       skips_prefix_cache=bool(request.skip_reading_prefix_cache))
+        if refusal is not None:
+            raise ValueError(f"request {request.request_id}: {refusal}")
+        unshared = self.unshared_reason(request, settings) if settings.compress == "context" else None
+        if unshared is not None and settings.share_context:
+            raise ValueError(f"request {request.request_id}: share_context=true, but {unshared}")
+        uncached = bool(self.cache_config.enable_prefix_caching) and (
+            settings.measuring or not self._copies_fit(request, settings))
+        key = context_key(request, settings, self.kv_cache_manager.block_pool.hash_block_size) \
+            if settings.compress == "context" and unshared is None else None
+        return settings, uncached, key
 
     def _copies_fit(self, request, settings: EvictionSettings) -> bool:
         """Whether the pool can ever hold this request's blocks plus the copies its evictions
@@ -493,7 +512,7 @@ class EvictionScheduler(Scheduler):
             capped = manager.create_kv_cache_blocks(tuple(list(group[:keep]) for group in blocks.blocks))
             return capped, keep * self.kv_block_size, 0
 
-        manager.get_computed_blocks = get_computed_blocks
+        patches.set_on(manager, "get_computed_blocks", get_computed_blocks)
 
     def _take_context(self, request):
         """A request about a context compressed and kept already takes its blocks as a prefix-cache
@@ -758,6 +777,8 @@ class EvictionScheduler(Scheduler):
                           for key, (positions, blocks) in planned.items()},
             released=released,
             step=self.kv_step,
+            cache_salts={rid: self.requests[rid].cache_salt for rid in settings if self.requests[rid].cache_salt},
+            prefix_cache_resets=self.kv_prefix_cache_resets,
         ))
         if output.total_num_scheduled_tokens:
             used = ledger.pool_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -861,16 +882,21 @@ class EvictionScheduler(Scheduler):
                     what = "measure the layer budgets of" if isinstance(expected, Undecided) else "evict"
                     raise EvictionNotActiveError(
                         f"the worker did not {what} request {request_id}, whose eviction step {plan.step} scheduled")
-            outputs = super().update_from_output(scheduler_output, model_runner_output)
-            for request, failure in failed:
-                # as vLLM reports the requests it ends with an error itself (vllm/v1/core/sched/scheduler.py:2313-2326);
-                # the frontend turns FinishReason.ERROR into HTTP 500 (entrypoints/generate/base/serving.py:200-207)
-                # and an offline run reads the policy's message from the output's stop_reason
-                outputs.setdefault(request.client_index, EngineCoreOutputs(outputs=[])).outputs.append(EngineCoreOutput(
-                    request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
-                    stop_reason=failure, events=request.take_events(), trace_headers=request.trace_headers))
-            return outputs
-        return super().update_from_output(scheduler_output, model_runner_output)
+            return self._with_errors(super().update_from_output(scheduler_output, model_runner_output), failed)
+        return self._with_errors(super().update_from_output(scheduler_output, model_runner_output), [])
+
+    def _with_errors(self, outputs: dict, failed: list) -> dict:
+        """vLLM's outputs of a step, plus the requests this scheduler ended with an error since the
+        last: those whose policy failed in the step, and those refused on arrival (``add_request``)."""
+        ended, self.kv_refused = [*self.kv_refused, *failed], []
+        for request, message in ended:
+            # as vLLM reports the requests it ends with an error itself (vllm/v1/core/sched/scheduler.py:2313-2326);
+            # the frontend turns FinishReason.ERROR into HTTP 500 (entrypoints/generate/base/serving.py:200-207)
+            # and an offline run reads the message from the output's stop_reason
+            outputs.setdefault(request.client_index, EngineCoreOutputs(outputs=[])).outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
+                stop_reason=message, events=request.take_events(), trace_headers=request.trace_headers))
+        return outputs
 
     def _end_failed(self, report, step: int) -> list:
         """The requests whose policy failed in ``step`` end with an error (``FINISHED_ERROR``): their
@@ -985,6 +1011,9 @@ class EvictionScheduler(Scheduler):
         # of them first, so that vLLM's reset finds every block free (block_pool.py:837-844).
         if self.kv_contexts is not None:
             self.kv_contexts.clear()
+        # and so do the workers' kept reconstruction scores, at their next plan (vLLM tells only the
+        # scheduler of a reset: vllm/v1/engine/core.py:871-876)
+        self.kv_prefix_cache_resets += 1
         return super().reset_prefix_cache(*args, **kwargs)
 
     def _settle(self, request_id: str, group: int, eviction, step: int) -> None:

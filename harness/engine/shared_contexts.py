@@ -7,8 +7,12 @@ them. This cache, kept by the scheduler (``harness.engine.scheduler``), names an
 decides the compressed context instead:
 
 * the context's logical tokens: vLLM's own chained hash of its last whole block (which covers every
-  block before it, and the request's LoRA, cache salt and multimodal keys: ``kv_cache_utils.py:625-663``)
-  and the token ids of its partial last block, which no hash covers without question tokens;
+  block before it, and the request's LoRA, cache salt, multimodal and prompt-embedding keys:
+  ``kv_cache_utils.py:625-663``), and its partial last block, which no hash covers without question
+  tokens, as vLLM would hash it once whole: its token ids and vLLM's extra keys for that token range
+  (``tail_key``). Token ids alone do not name a block: a prompt given as embeddings has all-zero ids
+  (``vllm/v1/request.py:147-148``) and a multimodal item's placeholder ids are the same for every
+  image; the extra keys carry the embeddings' digest and the item's identifier and offset;
 * every setting that decides what is kept (``EvictionSettings.key``: policy and options, budget or
   ratio, schedule); the block size, layer groups, model and dtype are the engine's, one per cache.
 
@@ -54,6 +58,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 
 @dataclass
@@ -102,6 +108,28 @@ class ContextStats:
         return dict(self.__dict__)
 
 
+def tail_key(request, start: int, end: int) -> tuple:
+    """A partial block (the request's tokens ``start``..``end``, after its last whole block) named as
+    vLLM names a whole block, less the parent hash (the caller's key holds it): its token ids and
+    vLLM's own extra keys for that range (``generate_block_hash_extra_keys``,
+    ``vllm/v1/core/kv_cache_utils.py:625-663``: LoRA name and path, each multimodal item the range
+    touches with its offset in it (:510-575), the SHA-256 of the range's prompt embeddings (:598-622);
+    the cache salt only at token 0, which a tail never starts at). They are what
+    ``hash_block_tokens`` (:695-725) hashes with the parent, so two tails are one key exactly where
+    vLLM would give the block one hash; kept unhashed, they cannot collide at all.
+
+    vLLM computes these keys for any token range (the per-request hasher calls it per whole block,
+    :984-986; starting from multimodal index 0 it skips the items before the range, :547-556). For
+    prompt embeddings it caches the digest on the request under the range (``_prompt_embeds_per_block_hashes``,
+    :615-621): the digest of exactly that range, which vLLM's whole-block lookups (other ranges) never read."""
+    end = min(end, len(request.all_token_ids))
+    ids = tuple(request.all_token_ids[start:end])
+    if start >= end:
+        return ids, None  # no tail: the last whole block's hash names everything
+    extra, _ = generate_block_hash_extra_keys(request, start, end, 0)
+    return ids, extra
+
+
 def context_key(request, settings, hash_block_size: int) -> tuple | None:
     """The entry a request's context would be under (None where a context has no whole block: no
     policy compresses one, a budget being at least two blocks)."""
@@ -109,7 +137,7 @@ def context_key(request, settings, hash_block_size: int) -> tuple | None:
     whole = length // hash_block_size
     if whole == 0 or len(request.block_hashes) < whole:
         return None
-    tail = tuple(request.all_token_ids[whole * hash_block_size: length])
+    tail = tail_key(request, whole * hash_block_size, length)
     # A reconstructing policy's kept set also depends on the ids it repeated the context with (the
     # request's own, not in the settings' key): a context compressed with other ids is another entry.
     return request.block_hashes[whole - 1], tail, settings.key, settings.reconstruction
@@ -120,11 +148,11 @@ def chain_entry_key(request, settings, length: int, hash_block_size: int) -> tup
     hold no whole block, or its hash is not computed yet): vLLM's chained hash of the last whole
     block (``block_hashes`` grow with the outputs: ``vllm/v1/request.py:272-288``; each hash covers
     its whole prefix and the request's extra keys, ``kv_cache_utils.py:625-663, 695-725``), the
-    partial block's token ids and the settings' ``chain_key``."""
+    partial block's ``tail_key`` and the settings' ``chain_key``."""
     whole = length // hash_block_size
     if whole == 0 or len(request.block_hashes) < whole:
         return None
-    tail = tuple(request.all_token_ids[whole * hash_block_size: length])
+    tail = tail_key(request, whole * hash_block_size, length)
     return "chain", request.block_hashes[whole - 1], tail, settings.chain_key
 
 
@@ -179,12 +207,13 @@ class ContextCache:
         ``request`` and are fewer than ``limit`` (its context boundary: what it must still compute
         and compress), or None."""
         chain_key = settings.chain_key
-        hashes, tokens = request.block_hashes, request.all_token_ids
+        hashes = request.block_hashes
         for whole in range(min((limit - 1) // hash_block_size, len(hashes)), 0, -1):
             found = [self.entries[key] for key in self.chains.get((hashes[whole - 1], chain_key), ())
                      if key in self.entries]
+            # the partial block named as the entry's (token ids and vLLM's extra keys: ``tail_key``)
             found = [entry for entry in found if entry.length < limit and
-                     tuple(tokens[whole * hash_block_size: entry.length]) == entry.key[2]]
+                     tail_key(request, whole * hash_block_size, entry.length) == entry.key[2]]
             if found:
                 return max(found, key=lambda entry: entry.length).key
         return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from harness.engine import patches
 from harness.eviction.evictor import cdiv
 from harness.engine.llm import TOP_LOGPROBS, Engine, GenerationResult, result_of, sampling_params
 from harness.eviction.settings import NO_EVICTION, CONFIG_KEY, EvictionSettings
@@ -100,7 +101,7 @@ def generate_shared(engine: Engine, prompts: list[list[int]], cells: list[list[C
     bar = tqdm(total=sum(map(len, cells)), file=progress, unit="req", desc="requests")
 
     def add(request_id: str, prompt: list[int], params) -> str:
-        params.output_kind = RequestOutputKind.FINAL_ONLY
+        patches.set_on(params, "output_kind", RequestOutputKind.FINAL_ONLY)
         return core.add_request(request_id, {"prompt_token_ids": prompt}, params)
 
     warm = engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching

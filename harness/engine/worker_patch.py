@@ -28,13 +28,14 @@
 
 vLLM offers no hook around input preparation or after sampling, so four runner methods and the
 attention groups' ``build_metadata`` are wrapped; the wrappers are made here (``wrap_*``) and
-installed, with every other patch, by ``harness.engine.patches``. ``CPUModelRunner`` subclasses
-``GPUModelRunner``: one patch serves CPU and GPU (the V1 runner; vLLM 0.32's Model Runner V2
-builds positions and seq_lens in one Triton kernel and is refused, see ``settings``).
+installed, with every other patch, by ``harness.engine.patches``, through whose helpers this
+module also sets its state on the runner and its attention groups (each attribute listed there).
+``CPUModelRunner`` subclasses ``GPUModelRunner``: one patch serves CPU and GPU (the V1 runner; vLLM
+0.32's Model Runner V2 builds positions and seq_lens in one Triton kernel and is refused, see
+``settings``).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import time
@@ -49,6 +50,7 @@ from harness.eviction.step import StepRequest, evict_step
 from harness.eviction.shards import SINGLE, HeadShards
 from harness.eviction.state import PolicyState
 from harness.eviction.kv_view import KVView
+from harness.engine import patches
 from harness.engine.backend_views import UnsupportedLayoutError, make_view
 from harness.engine.query_capture import QueryCapture
 from harness.engine.reconstruction import Done, Reconstruction
@@ -214,7 +216,7 @@ def attention_layers(runner) -> list:
 def attach_eviction_state(runner) -> None:
     """Called once the KV cache exists. An engine whose default evicts is checked here and
     refused if it cannot; otherwise requests may still ask for eviction one by one."""
-    runner._kv_eviction = WorkerEviction(runner, settings_from(runner.vllm_config))
+    patches.set_on(runner, "_kv_eviction", WorkerEviction(runner, settings_from(runner.vllm_config)))
 
 
 def eviction_state(runner) -> WorkerEviction | None:
@@ -301,7 +303,7 @@ class GroupLengths:
             for attention_group in attention_groups:
                 # a plain dataclass without slots (vllm/v1/worker/utils.py:261-262): its KV cache
                 # group rides on it for the wrapped build_metadata, which is not told the group
-                attention_group._kv_group_lengths = (self, group)
+                patches.set_on(attention_group, "_kv_group_lengths", (self, group))
 
     def set(self, group: int, extra: torch.Tensor, num_reqs: int) -> None:
         """The group's lengths: the common ones minus the group's ``extra`` evicted tokens per request."""
@@ -323,9 +325,8 @@ class GroupLengths:
         if common.data_ptr() != self.runner.seq_lens.data_ptr():
             # a micro-batch's slice (vllm/v1/worker/ubatch_utils.py:333): not the step's whole batch
             raise EvictionNotActiveError("layer groups with different budgets cannot run with micro-batching (DBO)")
-        metadata = copy.copy(metadata)
-        metadata.seq_lens = lengths[: common.shape[0]]
-        return metadata
+        # a copy with the group's lengths (vLLM's own dataclasses.replace: vllm/v1/attention/backend.py:483-484)
+        return metadata.replace(seq_lens=lengths[: common.shape[0]])
 
 
 def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
@@ -401,6 +402,9 @@ def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: d
     done = Done()
     if plan is None or state.reconstruction is None:
         return done
+    # No score kept from before a prefix-cache reset is read (vLLM tells the scheduler only:
+    # vllm/v1/engine/core.py:871-876; the plan counts them)
+    state.reconstruction.forget_before(plan.prefix_cache_resets)
     for request_id, settings in plan.settings.items():
         request = runner.requests.get(request_id)
         if request is None:
@@ -425,7 +429,8 @@ def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: d
                 raise ValueError(f"it reconstructs the whole context, but {max(evicted)} of its tokens were evicted "
                                  "before its eviction point")
             if any(due):
-                ran = state.reconstruction.run(request_id, request, settings, policies, state.policy_states, due)
+                ran = state.reconstruction.run(request_id, request, settings, policies, state.policy_states, due,
+                                               cache_salt=plan.cache_salts.get(request_id))
             if measuring:
                 # (no pass ran: the uniform budget holds the whole context, so does every group's)
                 scores = [each.scores[request_id] for each in state.policy_states] if any(due) else None
@@ -506,7 +511,7 @@ def wrap_initialize_kv_cache(original):
             # A throw-away cache for CUDA-graph memory profiling (vllm/v1/worker/gpu_model_runner.py:6231,
             # freed by _cleanup_profiling_kv_cache): no view may keep it alive while the real
             # cache is allocated.
-            self.__dict__.pop("_kv_eviction", None)
+            patches.take_from(self, "_kv_eviction")
             return
         attach_eviction_state(self)
 
@@ -529,7 +534,7 @@ def wrap_prepare_inputs(original):
 def wrap_execute_model(original):
     @functools.wraps(original)
     def execute_model(self, scheduler_output, *args, **kwargs):
-        self._kv_step = (scheduler_output, time.perf_counter())
+        patches.set_on(self, "_kv_step", (scheduler_output, time.perf_counter()))
         try:
             return original(self, scheduler_output, *args, **kwargs)
         finally:
@@ -546,7 +551,7 @@ def wrap_sample_tokens(original):
     @functools.wraps(original)
     def sample_tokens(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
-        step, self._kv_step = self.__dict__.get("_kv_step"), None
+        step = patches.take_from(self, "_kv_step")
         state = eviction_state(self)
         capture_s = (state.capture.absorb([state.policy_states, state.schedule_states], state.group_layers)
                      if state is not None and state.capture is not None else 0.0)

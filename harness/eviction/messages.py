@@ -39,6 +39,10 @@ class EvictionPlan:
     preempted: the worker drops their cached scores).
     ``step``: the scheduler's count of plans; its report is matched to it (under asynchronous
     scheduling a report comes back after the next plan was made).
+    ``cache_salts``: each scheduled request that evicts and has a cache salt, with it (the worker's
+    request state has none; its kept reconstruction scores are keyed by it, as vLLM's prefix cache is).
+    ``prefix_cache_resets``: how many times the scheduler's prefix cache was reset (weights may have
+    changed): a worker drops its kept reconstruction scores when the count moves.
     """
 
     default: EvictionSettings | None
@@ -47,6 +51,8 @@ class EvictionPlan:
     copy_targets: dict[tuple[str, int], tuple[tuple[int, int], ...]] = field(default_factory=dict)
     released: tuple[str, ...] = ()
     step: int = 0
+    cache_salts: dict[str, str] = field(default_factory=dict)
+    prefix_cache_resets: int = 0
 
 
 @dataclass
@@ -75,7 +81,9 @@ class EvictionReport:
 
 
 def attach(message_holder, attribute: str, message) -> None:
-    setattr(message_holder, attribute, message)
+    from harness.engine import patches  # here: a top-level import is circular (harness.engine's __init__)
+
+    patches.set_on(message_holder, attribute, message)
 
 
 def required(message_holder, attribute: str, sender: str, remedy: str):

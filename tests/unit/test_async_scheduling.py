@@ -407,8 +407,13 @@ def test_budgets_measured_in_the_evicting_step_keep_what_planned_budgets_keep(se
 
 
 def test_an_asynchronous_scheduler_refuses_the_attention_schedule_with_the_reason():
-    with pytest.raises(ValueError, match="an asynchronous scheduler plans the next step before that step's report"):
-        add_requests(make_scheduler(True, groups=3), {"policy": "paged", "budget": 16, "budget_schedule": "attention"})
+    # (the scheduler's backstop: the request ends with the reason, the engine goes on; the frontend refuses it
+    # with HTTP 400 first: tests/unit/test_request_refusals.py)
+    asynchronous = make_scheduler(True, groups=3)
+    add_requests(asynchronous, {"policy": "paged", "budget": 16, "budget_schedule": "attention"})
+    assert not asynchronous.kv_request_settings and len(asynchronous.kv_refused) == len(PROMPTS)
+    assert all("an asynchronous scheduler plans the next step before that step's report" in message
+               for _, message in asynchronous.kv_refused)
     scheduler = make_scheduler(False, groups=3)
     add_requests(scheduler, {"policy": "paged", "budget": 16, "budget_schedule": "attention"})
     assert all(settings.measuring for settings in scheduler.kv_request_settings.values())

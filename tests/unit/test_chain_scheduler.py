@@ -231,17 +231,6 @@ def test_two_layer_groups_chain_each_group_by_its_own_counts():
     check_against_the_oracle(worker, turns, groups=2)
 
 
-def test_a_chain_without_prefix_caching_is_refused_with_its_reason():
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    scheduler = make_scheduler(False, 160)
-    params = SamplingParams(max_tokens=2, extra_args={CONFIG_KEY: settings_of("paged", CONTEXT)})
-    with pytest.raises(ValueError, match="chain=true, but a turn's compressed cache reaches the next turn through "
-                                         "vLLM's prefix-cache hits"):
-        scheduler.add_request(Request("r1", [100] * PROMPT, params, None))
-
-
 def test_batch_runs_conversations_build_each_turn_from_the_last_prompt_answer_and_message():
     """``harness.engine.batch_run``'s conversations (what the engine test runs), on a stand-in engine:
     a later turn's prompt is the previous prompt, its output and the message; its boundary the

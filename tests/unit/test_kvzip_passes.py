@@ -4,7 +4,9 @@ passes replace their forward), its context K/V in a paged cache at scattered blo
 passes leave in the request's state equal an independent computation: the model run over the
 whole sequence ``context + pass`` with plain causal attention, and the plain reference's rule
 (``tests/support/plain_reference.kvzip_chunk_scores``) on its queries and keys; chunks, pieces
-smaller than a pass, one or two layer groups. Nothing of the cache is written."""
+smaller than a pass, one or two layer groups. Nothing of the cache is written. The worker's kept
+scores (``RecentScores``) are keyed as vLLM keys its prefix cache: a LoRA, a cache salt or a
+multimodal item in the context makes another context, and a prefix-cache reset empties them."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -23,6 +25,17 @@ from tests.support.plain_reference import Repeat, kvzip_chunk_scores
 
 LAYERS, HEADS, KV_HEADS, DIM, VOCAB, BLOCK = 4, 4, 2, 8, 50, 8
 SCALE = DIM ** -0.5
+
+
+def cached_request(prompt: list[int], block_ids: tuple, computed: int = 0, lora=None, mm_features=(), embeds=None):
+    """A request as vLLM's runner keeps it (``CachedRequestState``, vllm/v1/worker/gpu_input_batch.py:35):
+    the passes read its ids, blocks and computed count; its LoRA, multimodal items and prompt
+    embeddings decide the key of its kept scores."""
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    return CachedRequestState(req_id="r", prompt_token_ids=prompt, mm_features=list(mm_features), sampling_params=None,
+                              generator=None, block_ids=block_ids, num_computed_tokens=computed, output_token_ids=[],
+                              lora_request=lora, prompt_embeds=embeds)
 
 
 class StandIn(torch.nn.Module):
@@ -126,8 +139,7 @@ def test_the_passes_leave_the_scores_of_an_independent_computation(groups, chunk
                                                 "suffix": suffix})
     policies = (make_policy("kvzip", 16, BLOCK, chunk_size=chunk),) * groups
     states = [PolicyState() for _ in range(groups)]
-    request = SimpleNamespace(prompt_token_ids=context + [9, 10, 11], block_ids=tuple([blocks] * groups),
-                              num_computed_tokens=0)
+    request = cached_request(context + [9, 10, 11], tuple([blocks] * groups))
     done = passes.run("r", request, settings, policies, states)
 
     want = torch.zeros(LAYERS, KV_HEADS, c)
@@ -168,9 +180,8 @@ def test_the_worker_runs_the_passes_of_the_requests_due_and_fails_only_a_broken_
         reconstruction=Reconstruction(runner, list(model.attn), [SCALE] * LAYERS, [view], [list(range(LAYERS))],
                                       SINGLE, forward_context=lambda tokens: nullcontext()),
         policy_for=lambda s: policies, settings_of=lambda rid, s: s, groups=1, policy_states=[PolicyState()])
-    requests = {rid: SimpleNamespace(prompt_token_ids=context + [5, 6], block_ids=([0, 1, 2, 3, 4],),
-                                     num_computed_tokens=done) for rid, done in (("due", 20), ("early", 0),
-                                                                                  ("broken", 20))}
+    requests = {rid: cached_request(context + [5, 6], ([0, 1, 2, 3, 4],), done)
+                for rid, done in (("due", 20), ("early", 0), ("broken", 20))}
     plan = EvictionPlan(None, {rid: settings for rid in requests}, evicted_tokens={"broken": (8,)})
     step = SimpleNamespace(num_scheduled_tokens={"due": c - 20, "early": 10, "broken": c - 20})
     step.__dict__[PLAN_ATTRIBUTE] = plan
@@ -206,7 +217,7 @@ def test_a_context_scored_before_takes_its_scores_and_runs_no_pass():
                                                 "suffix": [6, 7]})
 
     def run(request_id: str, question: list[int], chunk: int):
-        request = SimpleNamespace(prompt_token_ids=context + question, block_ids=(blocks,), num_computed_tokens=0)
+        request = cached_request(context + question, (blocks,))
         states = [PolicyState()]
         done = worker.run(request_id, request, settings, (make_policy("kvzip", 16, BLOCK, chunk_size=chunk),), states)
         return done, states[0].scores[request_id]
@@ -226,3 +237,110 @@ def test_a_context_scored_before_takes_its_scores_and_runs_no_pass():
     assert recent.get("x", "cpu") is None and torch.equal(recent.get("y", "cpu")[0], torch.zeros(10))
     recent.put("big", [torch.zeros(100)])  # larger than the whole limit: not kept
     assert list(recent.entries) == ["z", "y"]
+
+
+def written_context(seed: int = 5):
+    """A worker (its passes' ``Reconstruction``) whose paged cache holds a 29-token context's K/V,
+    the context, its blocks and KVzip settings over it."""
+    context = torch.randint(8, VOCAB, (29,), generator=torch.Generator().manual_seed(seed)).tolist()
+    c, blocks = len(context), [3, 0, 2, 1]
+    model = TinyModel()
+    view = FlashAttnView([torch.zeros(8, KV_HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)])
+    table, positions = torch.tensor(blocks), torch.arange(c)
+    for layer, (_, k, v) in enumerate(model.whole(context)):
+        view.write_layer(layer, table[positions // BLOCK], positions % BLOCK, k.transpose(0, 1).contiguous(),
+                         v.transpose(0, 1).contiguous())
+    runner = SimpleNamespace(device=torch.device("cpu"), model=model, vllm_config=None,
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=64))
+    worker = Reconstruction(runner, list(model.attn), [SCALE] * LAYERS, [view], [list(range(LAYERS))], SINGLE,
+                            forward_context=lambda tokens: nullcontext())
+    settings = EvictionSettings("kvzip", 16, decode_eviction=False, compress="context", context_tokens=c,
+                                reconstruction={"prefix_tokens": 5, "first": [1, 2, 3], "later": [4, 5],
+                                                "suffix": [6, 7]})
+    return worker, context, blocks, settings
+
+
+def test_a_lora_a_cache_salt_or_an_image_in_the_context_never_shares_another_context_s_scores():
+    """Two requests share kept scores only where vLLM would give their contexts the same cached
+    blocks (``score_key``): same ids and no LoRA, salt or image share; a LoRA request with the same
+    context ids as a base request runs its own passes (and a second request with the same adapter
+    takes those), as does another adapter, a cache salt, or an image inside the context; an image
+    after the context, in the question, changes nothing of it."""
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from harness.engine.reconstruction import score_key
+
+    worker, context, blocks, settings = written_context()
+    c = len(context)
+    policies = (make_policy("kvzip", 16, BLOCK, chunk_size=9),)
+    lora, other_lora = LoRARequest("adapter", 1, "/adapters/a"), LoRARequest("adapter-b", 2, "/adapters/b")
+
+    def image(offset: int, identifier: str = "image-hash"):
+        return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                     mm_position=PlaceholderRange(offset=offset, length=4))
+
+    def run(salt=None, **inputs):
+        request = cached_request(context + [9, 10, 11, 12, 13, 14], (blocks,), **inputs)
+        states = [PolicyState()]
+        done = worker.run("r", request, settings, policies, states, cache_salt=salt)
+        return done.reused, score_key(request, c, settings.reconstruction, policies[0].score, salt), states[0].scores["r"]
+
+    base_reused, base_key, base_scores = run()
+    assert not base_reused
+    assert run()[0] == 1
+    lora_reused, lora_key, lora_scores = run(lora=lora)
+    assert not lora_reused and lora_key != base_key
+    assert run(lora=LoRARequest("adapter", 1, "/adapters/a"))[0] == 1  # the same adapter: its own entry
+    assert not run(lora=other_lora)[0]
+    assert not run(salt="tenant-a")[0] and run(salt="tenant-a")[0] == 1 and not run(salt="tenant-b")[0]
+    assert not run(mm_features=[image(3)])[0]
+    assert not run(mm_features=[image(3, "another-image")])[0]
+    assert run(mm_features=[image(c + 1)])[0] == 1  # after the context: the base request's scores
+    # the tiny model has no adapter: the LoRA request's passes computed the base's scores again
+    torch.testing.assert_close(lora_scores, base_scores)
+    assert len(worker.recent.entries) == 7
+
+
+def test_a_prompt_given_as_embeddings_is_refused_its_passes():
+    """The passes repeat the context by its ids; a prompt given as embeddings has none: the request
+    fails with the reason (``reconstruct_due`` ends it, not the step)."""
+    worker, context, blocks, settings = written_context()
+    request = cached_request(None, (blocks,), embeds=torch.zeros(len(context) + 4, HEADS * DIM))
+    with pytest.raises(ValueError, match="given as embeddings"):
+        worker.run("r", request, settings, (make_policy("kvzip", 16, BLOCK, chunk_size=9),), [PolicyState()])
+
+
+def test_a_prefix_cache_reset_empties_the_kept_scores_before_the_next_request_reads_them():
+    """The scheduler counts its prefix-cache resets in the plan (``EvictionPlan.prefix_cache_resets``,
+    weights may have changed with one) and its requests' cache salts (``cache_salts``, which the
+    worker's request state lacks); ``reconstruct_due`` drops every kept score once the count moves,
+    so the request after a reset runs its passes again, and it keys scores by the plan's salt."""
+    from harness.engine.worker_patch import reconstruct_due
+    from harness.eviction.messages import PLAN_ATTRIBUTE, EvictionPlan
+
+    worker, context, blocks, settings = written_context()
+    c = len(context)
+    policies = (make_policy("kvzip", 16, BLOCK, chunk_size=9),)
+    state = SimpleNamespace(reconstruction=worker, policy_for=lambda s: policies, settings_of=lambda rid, s: s,
+                            groups=1, policy_states=[PolicyState()])
+
+    def step(resets: int, salt: str | None = None):
+        request = cached_request(context + [9, 10], (blocks,), 20)
+        plan = EvictionPlan(None, {"r": settings}, cache_salts={"r": salt} if salt else {}, prefix_cache_resets=resets)
+        output = SimpleNamespace(num_scheduled_tokens={"r": c - 20})
+        output.__dict__[PLAN_ATTRIBUTE] = plan
+        failures = {}
+        done = reconstruct_due(SimpleNamespace(requests={"r": request}), state, output, failures)
+        assert not failures
+        state.policy_states[0].forget(["r"])
+        return done
+
+    assert step(0).tokens > 0
+    assert step(0).reused == 1 and len(worker.recent.entries) == 1
+    assert step(0, salt="tenant").reused == 0 and len(worker.recent.entries) == 2
+    again = step(1)  # after a reset: nothing kept from before it is read
+    assert again.reused == 0 and again.tokens > 0 and len(worker.recent.entries) == 1
+    assert step(1).reused == 1
+    worker.forget_before(2)
+    assert not worker.recent.entries and worker.recent.held == 0

@@ -201,7 +201,7 @@ def worker_case(budget: int):
     from harness.engine.reconstruction import Reconstruction
     from harness.engine.worker_patch import WorkerEviction
     from harness.eviction.messages import PLAN_ATTRIBUTE, EvictionPlan
-    from tests.unit.test_kvzip_passes import BLOCK, DIM, KV_HEADS, LAYERS, SCALE, VOCAB, TinyModel
+    from tests.unit.test_kvzip_passes import BLOCK, DIM, KV_HEADS, LAYERS, SCALE, VOCAB, TinyModel, cached_request
 
     context = torch.randint(8, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     c = len(context)
@@ -225,8 +225,7 @@ def worker_case(budget: int):
         groups=2, group_layers=[[0, 1], [2, 3]], block_size=BLOCK, measured={},
         policy_states=[PolicyState(), PolicyState()])
     state.settings_of = lambda rid, s: WorkerEviction.settings_of(state, rid, s)
-    request = SimpleNamespace(prompt_token_ids=context + [5, 6], block_ids=(list(range(5)), list(range(5))),
-                              num_computed_tokens=24)
+    request = cached_request(context + [5, 6], (list(range(5)), list(range(5))), 24)
     step = SimpleNamespace(num_scheduled_tokens={"r": c - 24})
     step.__dict__[PLAN_ATTRIBUTE] = EvictionPlan(None, {"r": settings})
     return SimpleNamespace(requests={"r": request}), state, step, settings, c

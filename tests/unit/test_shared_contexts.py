@@ -9,12 +9,30 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
+from vllm import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, hash_block_tokens, init_none_hash
+from vllm.v1.request import Request
 
 from harness.engine.shared_contexts import ContextCache, chain_entry_key, context_key
-from harness.eviction.settings import EvictionSettings, parse_settings
+from harness.eviction.settings import CONFIG_KEY, EvictionSettings, parse_settings
 
 BLOCK = 4
+# vLLM's block hashes as an engine computes them: its default hash (CacheConfig's
+# prefix_caching_hash_algo), the seed it starts every chain from, and its per-request hasher
+# (as vllm/v1/engine/core.py:236-240 builds it; vllm/v1/core/kv_cache_utils.py:941-1000)
+HASH = get_hash_fn_by_name("sha256")
+init_none_hash(HASH)
+HASHER = get_request_block_hasher(BLOCK, HASH)
+
+
+def request(tokens=None, rid: str = "r", **vllm_inputs) -> Request:
+    """A real vLLM request with its block hashes (token ids, or ``prompt_embeds=`` and the other
+    inputs vLLM keys blocks by: ``lora_request``, ``cache_salt``, ``mm_features``)."""
+    return Request(rid, None if tokens is None else list(tokens), SamplingParams(max_tokens=4), None,
+                   block_hasher=HASHER, **vllm_inputs)
 
 
 def pool_and_cache(blocks: int = 10):
@@ -96,15 +114,11 @@ def test_only_the_compressing_request_writes_on_past_its_partial_last_kept_block
 
 
 def test_a_context_key_is_its_last_whole_blocks_hash_its_tail_tokens_and_the_settings():
-    class Request:
-        def __init__(self, tokens):
-            self.all_token_ids = tokens
-            self.block_hashes = [hash(tuple(tokens[: end])) for end in range(BLOCK, len(tokens) + 1, BLOCK)]
-
     settings = EvictionSettings("paged", 8, compress="context", context_tokens=6, decode_eviction=False)
-    one, two = Request([1, 2, 3, 4, 5, 6, 7, 8, 9]), Request([1, 2, 3, 4, 5, 6, 9, 9, 9])
+    one, two = request([1, 2, 3, 4, 5, 6, 7, 8, 9]), request([1, 2, 3, 4, 5, 6, 9, 9, 9])
     assert context_key(one, settings, BLOCK) == context_key(two, settings, BLOCK)  # the question is not in it
-    assert context_key(Request([1, 2, 3, 4, 5, 0, 7, 8]), settings, BLOCK) != context_key(one, settings, BLOCK)
+    assert context_key(one, settings, BLOCK)[:2] == (one.block_hashes[0], ((5, 6), None))
+    assert context_key(request([1, 2, 3, 4, 5, 0, 7, 8]), settings, BLOCK) != context_key(one, settings, BLOCK)
     assert context_key(one, settings.__class__(**{**settings.__dict__, "budget": 12}), BLOCK) != \
         context_key(one, settings, BLOCK)
     assert context_key(one, settings.__class__(**{**settings.__dict__, "context_tokens": 3}), BLOCK) is None
@@ -133,13 +147,10 @@ def test_the_share_setting_travels_and_names_a_cell_only_when_set():
 
 # --- chain=true: a finished turn's whole kept cache, for the next turn ----------------------------
 
-class Turn:
-    """A request's token ids and vLLM's chained hashes of its whole blocks (``hash`` of the prefix:
-    chained like vLLM's, kv_cache_utils.py:695-725)."""
-
-    def __init__(self, tokens):
-        self.all_token_ids = list(tokens)
-        self.block_hashes = [hash(tuple(tokens[: end])) for end in range(BLOCK, len(tokens) + 1, BLOCK)]
+def Turn(tokens, **vllm_inputs) -> Request:
+    """A turn's tokens (its prompt and answer) in a real vLLM request, with vLLM's chained hashes of
+    its whole blocks (kv_cache_utils.py:695-725; they cover the answer as it grows, request.py:272-288)."""
+    return request(tokens, **vllm_inputs)
 
 
 CHAIN = EvictionSettings("paged", None, budget_ratio=0.5, compress="context", context_tokens=9,
@@ -221,3 +232,155 @@ def test_the_chain_setting_travels_names_a_cell_only_when_set_and_keys_by_its_ra
     turn1, turn2 = ratio.at_context(300).for_prompt(320, 32), ratio.at_context(600).for_prompt(640, 32)
     assert turn1.budget != turn2.budget and turn1.chain_key == turn2.chain_key  # the budget: each turn's own history
     assert on.chain_key == on.key  # a token budget is the same every turn
+
+
+# --- keys that cannot collide: a partial last block named by vLLM's own extra keys ----------------
+# (issue 63: token ids alone name neither a prompt given as embeddings, all-zero ids, nor a
+# multimodal item's placeholders; vLLM's whole-block hashes carry them as extra keys,
+# vllm/v1/core/kv_cache_utils.py:625-663, and so does the tail of every key here)
+
+SIX = EvictionSettings("paged", 8, compress="context", context_tokens=6, decode_eviction=False)  # a whole block and 2
+
+
+def embeddings(rows: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def tail_hash(key) -> bytes:
+    """What vLLM would hash the key's partial block to once whole (kv_cache_utils.py:695-725)."""
+    parent, (ids, extra) = (key[1], key[2]) if key[0] == "chain" else (key[0], key[1])
+    return hash_block_tokens(HASH, parent, ids, extra)
+
+
+def test_prompts_given_as_embeddings_differing_only_inside_the_partial_last_block_get_two_keys():
+    """Two 9-token prompts as embeddings (every token id 0: vllm/v1/request.py:147-148), equal but for
+    token 5, inside the 6-token context's partial block: vLLM's hash of their whole block is one,
+    the token ids of their tail are one, and still their keys differ (vLLM's digest of the tail's
+    embeddings, kv_cache_utils.py:598-622), as vLLM's own hash of that tail would. Identical
+    embeddings (another question after the context) still share; the same ids given as ids do not."""
+    base = embeddings()
+    changed = base.clone()
+    changed[5] += 1.0
+    one, other = request(prompt_embeds=base), request(prompt_embeds=changed)
+    assert list(one.all_token_ids) == list(other.all_token_ids) == [0] * 9
+    assert one.block_hashes[0] == other.block_hashes[0]  # the difference is in no whole block
+    key_one, key_other = context_key(one, SIX, BLOCK), context_key(other, SIX, BLOCK)
+    assert key_one[1][0] == key_other[1][0] == (0, 0)  # the old key: token ids alone, one entry
+    assert key_one != key_other
+    assert tail_hash(key_one) != tail_hash(key_other)  # vLLM's hashing tells them apart the same way
+    question = base.clone()
+    question[6:] = embeddings(3, seed=1)  # the same context, another question
+    assert context_key(request(prompt_embeds=question), SIX, BLOCK) == key_one
+    assert context_key(request(prompt_embeds=base.clone()), SIX, BLOCK) == key_one
+    assert context_key(request([0] * 9), SIX, BLOCK) != key_one  # ids 0 are not these embeddings
+
+
+def test_a_multimodal_placeholder_inside_the_partial_last_block_is_keyed_by_its_item_and_offset():
+    """A unit test on vLLM's hashing: two prompts with the same placeholder ids, an image's two
+    placeholder tokens at 4-5 (the 6-token context's partial block). Another image there, or the
+    same image one token later, is another key (vLLM's ("mm", identifier, offset) keys,
+    kv_cache_utils.py:510-575), as vLLM's hash of that tail would be; the same image is one."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    def image(identifier, offset, length=2):
+        return [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                      mm_position=PlaceholderRange(offset=offset, length=length))]
+
+    tokens = [1, 2, 3, 4, 7, 7, 7, 8, 9]  # 7: the image placeholder id
+    one = request(tokens, mm_features=image("img-a", 4))
+    keys = [context_key(request(tokens, mm_features=features), SIX, BLOCK)
+            for features in (image("img-a", 4), image("img-b", 4), image("img-a", 5, 1), [])]
+    assert all(request(tokens, mm_features=f).block_hashes[0] == one.block_hashes[0]
+               for f in (image("img-b", 4), []))  # no whole block holds the image
+    assert keys[0] == context_key(one, SIX, BLOCK) and keys[0][1] == ((7, 7), (("mm", "img-a", 0),))
+    assert len(set(keys)) == 4
+    assert len({tail_hash(key) for key in keys}) == 4
+
+
+def test_a_lora_or_a_cache_salt_is_another_entry_and_identical_prompts_are_one():
+    """LoRA and cache salt reach the key through vLLM's block hash (the LoRA on every block, the salt
+    on the first: kv_cache_utils.py:578-595, 646-651) and the LoRA through the tail's extra keys too."""
+    from vllm.lora.request import LoRARequest
+
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    lora_a, lora_b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+    base = context_key(request(tokens), SIX, BLOCK)
+    assert context_key(request(tokens, rid="again"), SIX, BLOCK) == base
+    with_a = context_key(request(tokens, lora_request=lora_a), SIX, BLOCK)
+    assert with_a == context_key(request(tokens, lora_request=LoRARequest("a", 1, "/adapters/a")), SIX, BLOCK)
+    assert with_a[1] == ((5, 6), (("lora", "a", "/adapters/a"),))
+    assert len({base, with_a, context_key(request(tokens, lora_request=lora_b), SIX, BLOCK),
+                context_key(request(tokens, lora_request=LoRARequest("a", 1, "/adapters/a2")), SIX, BLOCK)}) == 4
+    salted = context_key(request(tokens, cache_salt="s"), SIX, BLOCK)
+    assert salted == context_key(request(tokens, cache_salt="s"), SIX, BLOCK)
+    assert len({base, salted, context_key(request(tokens, cache_salt="t"), SIX, BLOCK)}) == 3
+    # the same for a chain entry's key
+    chained = [chain_entry_key(request(tokens, **inputs), CHAIN, 6, BLOCK)
+               for inputs in ({}, {"lora_request": lora_a}, {"cache_salt": "s"})]
+    assert len(set(chained)) == 3 and chained[0] == chain_entry_key(request(tokens), CHAIN, 6, BLOCK)
+
+
+def test_a_chain_entry_is_not_found_by_a_turn_whose_embeddings_differ_inside_its_partial_block():
+    """A turn given as embeddings publishes its first 10 tokens (two whole blocks and 2): a later
+    turn whose embeddings begin with the same ones finds it; one differing only at token 9 (all
+    ids 0, the whole blocks' hashes the same) does not."""
+    pool, cache = pool_and_cache()
+    history = embeddings(15)
+    first = Turn(None, prompt_embeds=history[:11].clone())
+    key = chain_entry_key(first, CHAIN, 10, BLOCK)
+    assert cache.publish(key, "turn1", 10, (6,), (compressed(pool, 2),))
+    settings = CHAIN.at_context(11).for_prompt(15, BLOCK)
+    assert cache.find_chain(Turn(None, prompt_embeds=history.clone()), settings, 11, BLOCK) == key
+    changed = history.clone()
+    changed[9] += 1.0
+    other = Turn(None, prompt_embeds=changed)
+    assert other.block_hashes[:2] == first.block_hashes[:2]
+    assert cache.find_chain(other, settings, 11, BLOCK) is None
+    assert chain_entry_key(other, CHAIN, 10, BLOCK) != key
+
+
+CONTEXT_TOKENS, QUESTION, OUTPUTS, BUDGET = 14, 5, 6, 8
+
+
+def test_the_scheduler_never_shares_a_context_between_embeddings_that_differ_in_its_partial_block():
+    """The real scheduler with prefix caching, a real block pool and vLLM's block hasher, the fake
+    worker (``test_chain_scheduler``): three questions as embeddings about a 14-token context
+    (whole blocks 0-11, a partial block 12-13), PagedEviction at a budget of 8, all at once. The
+    second's context differs from the first's only at token 13: it compresses its own (two entries
+    published, two misses); the third's context is the first's: it takes that entry (one hit)."""
+    from tests.unit.test_async_scheduling import make_scheduler
+    from tests.unit.test_chain_scheduler import CopyingWorker, drive
+
+    class EmbeddingsWorker(CopyingWorker):
+        """The fake worker reads a new request's prompt length from its token ids, which a prompt
+        given as embeddings has none of (vllm/v1/core/sched/output.py:41-51): its length instead."""
+
+        def step(self, output):
+            for new in output.scheduled_new_reqs:
+                if new.prompt_token_ids is None:
+                    new.prompt_token_ids = [0] * len(new.prompt_embeds)
+            return super().step(output)
+
+    pool = 64
+    scheduler = make_scheduler(False, pool, prefix_caching=True)
+    assert scheduler.kv_cache_manager.block_pool.hash_block_size == BLOCK
+    hasher = get_request_block_hasher(BLOCK, get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo))
+    worker = EmbeddingsWorker(pool, scheduler)
+    raw = {"policy": "paged", "budget": BUDGET, "decode_eviction": False, "compress": "context",
+           "context_tokens": CONTEXT_TOKENS}
+    context = embeddings(CONTEXT_TOKENS, seed=2)
+    changed = context.clone()
+    changed[13] += 1.0
+    for index, ctx in enumerate((context, changed, context)):
+        prompt = torch.cat([ctx, embeddings(QUESTION, seed=10 + index)])
+        params = SamplingParams(max_tokens=OUTPUTS, ignore_eos=True, extra_args={CONFIG_KEY: raw})
+        scheduler.add_request(Request(f"r{index + 1}", None, params, None, prompt_embeds=prompt, block_hasher=hasher))
+    keys = scheduler.kv_context_keys
+    assert keys["r1"] == keys["r3"] != keys["r2"] and keys["r1"][0] == keys["r2"][0]
+    drive(scheduler, worker, asynchronous=False)
+
+    stats = scheduler.kv_contexts.stats
+    assert (stats.published, stats.hits, stats.misses) == (2, 1, 2)
+    assert {entry.owner for entry in scheduler.kv_contexts.entries.values()} == {"r1", "r2"}
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == pool - 1
+    assert not scheduler.kv_contexts.pinned
