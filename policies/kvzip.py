@@ -49,29 +49,43 @@ def chunk_scores(queries: torch.Tensor, sink_keys: torch.Tensor, chunk_keys: tor
     are the pass's last n tokens (m >= n; a pass run in pieces gives every piece its earlier
     pieces' keys), so query j reads own keys ``0 .. m - n + j``. The maximum over queries is taken
     ``tile`` queries at a time: each softmax row is whole within a tile, so tiles combine exactly."""
-    n, query_heads, dim = queries.shape
-    m, kv_heads, _ = own_keys.shape
+    n, m = queries.shape[0], own_keys.shape[0]
     if n > m:
         raise ValueError(f"{n} queries but only {m} own keys: the queries are the pass's newest tokens")
-    group = query_heads // kv_heads
     chunk = chunk_keys.shape[0]
-    keys = torch.cat([sink_keys, chunk_keys, own_keys]).float().permute(1, 2, 0)  # [kv_heads, dim, keys]
     lead = sink_keys.shape[0]
-    best = torch.zeros(kv_heads, chunk, device=queries.device)
+    best = torch.zeros(own_keys.shape[1], chunk, device=queries.device)
+    for _, _, probabilities in causal_tiles(queries, torch.cat([sink_keys, chunk_keys]), own_keys, scale, tile):
+        received = probabilities[..., lead:lead + chunk]  # [kv_heads, group, rows, chunk]
+        best = torch.maximum(best, received.amax(dim=(1, 2)))
+    return best
+
+
+def causal_tiles(queries: torch.Tensor, earlier_keys: torch.Tensor, own_keys: torch.Tensor, scale: float,
+                 tile: int = TILE):
+    """The softmax of a pass's newest n queries ``[n, query_heads, dim]`` over ``earlier_keys``
+    ``[e, kv_heads, dim]`` (all visible) and the pass's ``own_keys`` ``[m, kv_heads, dim]`` (m >= n,
+    causal: query j reads own keys ``0 .. m - n + j``), in float32, ``tile`` queries at a time:
+    yields ``(first, last, probabilities [kv_heads, group, last - first, e + m])``. Query head h
+    reads KV head h // group (vLLM's and Hugging Face's GQA layout). The one tiled causal attention
+    of KVzip's passes: its scores (``chunk_scores``) and the engine's pass outputs
+    (``harness.engine.reconstruction.pass_attention``)."""
+    n, query_heads, dim = queries.shape
+    m, kv_heads, _ = own_keys.shape
+    group = query_heads // kv_heads
+    keys = torch.cat([earlier_keys, own_keys]).float().permute(1, 2, 0)  # [kv_heads, dim, keys]
+    lead = earlier_keys.shape[0]
+    own = torch.arange(m, device=queries.device)
     for first in range(0, n, tile):
         last = min(first + tile, n)
         rows = last - first
-        # Query head h reads KV head h // group (vLLM's and Hugging Face's GQA layout).
         q = queries[first:last].float().reshape(rows, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(
             kv_heads, group * rows, dim)
         logits = torch.bmm(q, keys).mul_(scale).view(kv_heads, group, rows, -1)
         # Own key i is hidden from query j (the pass's token m - n + first + j) when i > m - n + first + j.
-        own = torch.arange(m, device=queries.device)
         sees = m - n + torch.arange(first, last, device=queries.device)
-        logits[..., lead + chunk:].masked_fill_(own[None, :] > sees[:, None], float("-inf"))
-        received = torch.softmax(logits, dim=-1)[..., lead:lead + chunk]  # [kv_heads, group, rows, chunk]
-        best = torch.maximum(best, received.amax(dim=(1, 2)))
-    return best
+        logits[..., lead:].masked_fill_(own[None, :] > sees[:, None], float("-inf"))
+        yield first, last, torch.softmax(logits, dim=-1)
 
 
 def chunk_spans(context: int, prefix: int, chunk_size: int) -> list[tuple[int, int]]:

@@ -201,9 +201,9 @@ PATCHES: tuple[Patch, ...] = (
     # The messages: each rides as one attribute on the object vLLM already passes (harness.eviction.messages).
     Patch("vllm.v1.core.sched.output:SchedulerOutput", "kv_eviction_plan", "added on an instance", (),
           "the scheduler's eviction plan for the step, read by every worker (pickled with the output's __dict__)",
-          "harness.eviction.messages.attach"),
+          "harness.engine.scheduler.EvictionScheduler.schedule"),
     Patch("vllm.v1.outputs:ModelRunnerOutput", "kv_eviction_report", "added on an instance", (),
-          "the worker's eviction report for the step, read by the scheduler", "harness.eviction.messages.attach"),
+          "the worker's eviction report for the step, read by the scheduler", "harness.engine.worker_patch.wrap_sample_tokens"),
     # The worker's model runner and its attention.
     Patch(RUNNER, "_kv_eviction", "added on an instance", (),
           "the runner's eviction state (WorkerEviction), once its KV cache exists; dropped for a profiling cache",

@@ -68,7 +68,7 @@ import torch
 
 from harness.engine import patches
 from harness.eviction.evictor import phase_due
-from policies.kvzip import chunk_scores, passes, with_sinks
+from policies.kvzip import causal_tiles, chunk_scores, passes, with_sinks
 
 TILE = 256  # queries per attention tile in the passes: bounds one layer's logits
 # Host memory for recent contexts' scores: 30 layers x 3 KV heads x 2k tokens (SmolLM2) is 0.7 MB a
@@ -147,24 +147,13 @@ def pass_attention(query: torch.Tensor, context_keys: torch.Tensor, context_valu
     dim]`` over the whole cached context (``[c, kv_heads, dim]``) and the pass's own K/V so far
     (``[m, kv_heads, dim]``, m >= n, causal: query j reads own tokens up to m - n + j): what vLLM's
     kernel computes for a prefill of the pass on top of the context, in float32."""
-    n, query_heads, dim = query.shape
-    m, kv_heads, _ = own_keys.shape
-    group = query_heads // kv_heads
-    keys = torch.cat([context_keys, own_keys]).float().permute(1, 2, 0)     # [kv_heads, dim, c + m]
+    query_heads, kv_heads = query.shape[1], own_keys.shape[1]
     values = torch.cat([context_values, own_values]).float().permute(1, 0, 2)  # [kv_heads, c + m, dim_v]
-    c = context_keys.shape[0]
     out = []
-    for first in range(0, n, tile):
-        last = min(first + tile, n)
+    for first, last, probabilities in causal_tiles(query, context_keys, own_keys, scale, tile):
         rows = last - first
-        q = query[first:last].float().reshape(rows, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(
-            kv_heads, group * rows, dim)
-        logits = torch.bmm(q, keys).mul_(scale).view(kv_heads, group, rows, -1)
-        own = torch.arange(m, device=query.device)
-        sees = m - n + torch.arange(first, last, device=query.device)
-        logits[..., c:].masked_fill_(own[None, :] > sees[:, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).view(kv_heads, group * rows, -1)
-        attended = torch.bmm(probs, values).view(kv_heads, group, rows, -1)  # [kv_heads, group, rows, dim_v]
+        probabilities = probabilities.reshape(kv_heads, -1, probabilities.shape[-1])  # [kv_heads, group * rows, c + m]
+        attended = torch.bmm(probabilities, values).view(kv_heads, -1, rows, values.shape[-1])
         out.append(attended.permute(2, 0, 1, 3).reshape(rows, query_heads, -1))
     return torch.cat(out)
 

@@ -73,7 +73,7 @@ from harness.engine import patches
 from harness.eviction.counters import EvictionCounters, RequestCounters
 from harness.eviction.evictor import cdiv, compaction_positions, kept_tokens, phase_due
 from harness.eviction.messages import (
-    PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, attach, required,
+    PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionPlan, required,
 )
 from harness.engine.compatibility import (REFUSED, check_compatible, layer_groups_of, prefix_cache_refusal,
                                          prefix_cache_unreachable)
@@ -769,7 +769,7 @@ class EvictionScheduler(Scheduler):
         if released:
             self.kv_released = set()
         self.kv_step += 1
-        attach(output, PLAN_ATTRIBUTE, EvictionPlan(
+        patches.set_on(output, PLAN_ATTRIBUTE, EvictionPlan(
             default=self.kv_settings,
             settings=settings,
             evicted_tokens={rid: tuple(ledger.evicted[rid]) for rid in scheduled if rid in ledger.evicted},

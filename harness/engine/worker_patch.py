@@ -55,7 +55,7 @@ from harness.engine.backend_views import UnsupportedLayoutError, make_view
 from harness.engine.query_capture import QueryCapture
 from harness.engine.reconstruction import Done, Reconstruction
 from harness.eviction.messages import (
-    PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport, attach,
+    PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport,
 )
 from harness.eviction.layer_budgets import kvzip_measured_settings, measured_settings, spread_and_shift
 from harness.eviction.settings import CONFIG_KEY, EvictionSettings, admit, settings_from
@@ -582,7 +582,7 @@ def wrap_sample_tokens(original):
                                 state_bytes=sum(each.nbytes() for each in state.policy_states + state.schedule_states))
         for key in state.seconds:  # this rank's own sums of the report's seconds
             state.seconds[key] += getattr(report, key)
-        attach(carrier, REPORT_ATTRIBUTE, report)
+        patches.set_on(carrier, REPORT_ATTRIBUTE, report)
         return output
 
     return sample_tokens

@@ -80,12 +80,6 @@ class EvictionReport:
     failures: dict[str, str] = field(default_factory=dict)
 
 
-def attach(message_holder, attribute: str, message) -> None:
-    from harness.engine import patches  # here: a top-level import is circular (harness.engine's __init__)
-
-    patches.set_on(message_holder, attribute, message)
-
-
 def required(message_holder, attribute: str, sender: str, remedy: str):
     """The message ``attribute`` of ``message_holder``; its absence stops the engine."""
     message = message_holder.__dict__.get(attribute)

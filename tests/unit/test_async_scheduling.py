@@ -21,7 +21,8 @@ import torch
 
 from harness.engine.backend_views import FlashAttnView
 from harness.eviction.step import StepRequest, evict_step
-from harness.eviction.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport, attach
+from harness.engine.patches import set_on
+from harness.eviction.messages import PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionReport
 from harness.eviction.settings import CONFIG_KEY, group_policies, parse_settings
 from harness.eviction.state import PolicyState
 from policies import make_policy
@@ -169,7 +170,7 @@ class Worker:
         result = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                    sampled_token_ids=[[TOKEN] if steps[rid] >= self.requests[rid]["prompt"] else []
                                                       for rid in ids])
-        attach(result, REPORT_ATTRIBUTE, EvictionReport(report, budgets=budgets))
+        set_on(result, REPORT_ATTRIBUTE, EvictionReport(report, budgets=budgets))
         return result
 
     def physical(self, request, group: int) -> torch.Tensor:
