@@ -94,7 +94,9 @@ PATCHES: tuple[Patch, ...] = (
           "remember the step for the eviction after sampling; drop the step's per-group lengths",
           "harness.engine.worker_patch.wrap_execute_model", _lazy("harness.engine.worker_patch", "wrap_execute_model")),
     Patch(RUNNER, "sample_tokens", "wrapped", ("self", "grammar_output"),
-          "run the step's evictions once its K/V are written, and attach the report to the runner's output",
+          "run the step's evictions once its K/V are written, and attach the report to the runner's output; "
+          "sample a partial prefill's discarded token without its CPU generator, which vLLM's rewind "
+          "(set_offset, gpu_model_runner.py:3495-3502) would crash on (worker_patch.hold_unrewindable_generators)",
           "harness.engine.worker_patch.wrap_sample_tokens", _lazy("harness.engine.worker_patch", "wrap_sample_tokens")),
     Patch(RUNNER, "get_kv_cache_spec", "wrapped", ("self",),
           "tag each layer's spec with its layer group, so vLLM forms engine.layer_groups KV cache groups",

@@ -545,12 +545,31 @@ def wrap_execute_model(original):
     return execute_model
 
 
+def hold_unrewindable_generators(runner) -> dict:
+    """Takes out of the batch, for this step's sampling, the seeded generators that vLLM would
+    rewind and cannot: a request whose prefill is partial this step (its context boundary splits it,
+    ``compress=context``; or a chunked prefill) samples a token that is discarded, and vLLM then
+    rewinds its generator by ``set_offset`` (vllm/v1/worker/gpu_model_runner.py:3495-3502), which a
+    CPU generator does not have: the worker raised and the engine stopped. Sampled without its
+    generator, the discarded token leaves the generator where it was, as the rewind would (the
+    sampler reads the batch's own dict: ``SamplingMetadata.generators``, gpu_input_batch.py:940);
+    the caller puts them back. CUDA generators rewind as vLLM does."""
+    batch = runner.input_batch
+    discarded = runner.discard_request_mask.np[:batch.num_reqs].nonzero()[0]
+    return {int(i): batch.generators.pop(int(i)) for i in discarded
+            if int(i) in batch.generators and batch.generators[int(i)].device.type == "cpu"}
+
+
 def wrap_sample_tokens(original):
     from vllm.v1.outputs import ModelRunnerOutput
 
     @functools.wraps(original)
     def sample_tokens(self, *args, **kwargs):
-        output = original(self, *args, **kwargs)
+        held = hold_unrewindable_generators(self)
+        try:
+            output = original(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(held)
         step = patches.take_from(self, "_kv_step")
         state = eviction_state(self)
         capture_s = (state.capture.absorb([state.policy_states, state.schedule_states], state.group_layers)

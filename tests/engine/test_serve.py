@@ -40,14 +40,16 @@ EVICTION_ARGS = ["--scheduler-cls", "harness.engine.scheduler.EvictionScheduler"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     port = free_port()
+    # the server's output goes to a file: a pipe nobody reads would fill and stop the server mid-test
+    log = open(tmp_path_factory.mktemp("serve") / "vllm.log", "w+")
     # the faulty scores a user might write (tests/support/faulty_scores.py), known to every server process
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS=str(os.cpu_count()),
                KVH_POLICY_MODULES="tests.support.faulty_scores")
     process = subprocess.Popen(
         serve_args(port, "--enable-prefix-caching", *EVICTION_ARGS, "--additional-config", json.dumps(SETTINGS)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
     )
     from openai import OpenAI
 
@@ -55,7 +57,7 @@ def server():
     deadline = time.time() + 300
     while time.time() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"vllm serve exited:\n{process.stdout.read()[-4000:]}")
+            raise RuntimeError(f"vllm serve exited:\n{log_tail(log)}")
         try:
             client.models.list()
             break
@@ -65,8 +67,16 @@ def server():
         process.kill()
         raise RuntimeError("vllm serve did not come up in 300 s")
     yield client
+    alive = process.poll() is None
     process.terminate()
     process.wait(timeout=60)
+    assert alive, f"vllm serve died during the tests:\n{log_tail(log)}"
+
+
+def log_tail(log, size: int = 4000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-size:]
 
 
 def test_openai_completions_apply_eviction(server):
@@ -294,3 +304,152 @@ def test_kvzip_gets_the_ids_run_py_s_prompt_builder_makes_from_the_server_s_toke
 
     with pytest.raises(openai.BadRequestError, match="kvzip reconstructs the request's context after its chat header"):
         ask_chat([{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": message}])
+
+
+def test_a_shared_or_chained_request_asking_prompt_logprobs_gets_400_and_the_server_goes_on(server):
+    """vLLM skips the prefix cache for a request asking prompt log-probabilities, through which a
+    shared context and a chained turn are taken: such a request is refused at the frontend (before,
+    the scheduler's refusal raised inside the engine core and took the server down)."""
+    import openai
+
+    context = text_prompts("tiny", [300], seed=61)[0]
+    prompt = context + text_prompts("tiny", [30], seed=62)[0]
+    for insisting in ({"share_context": True}, {"chain": True}):
+        settings = {"policy": "paged", "budget_ratio": 0.5, "decode_eviction": False, "compress": "context",
+                    "context_tokens": len(context), **insisting}
+        with pytest.raises(openai.BadRequestError, match="but the request skips the prefix cache"):
+            server.completions.create(model=model_path("tiny"), prompt=prompt, max_tokens=4, extra_body={
+                "prompt_logprobs": 1, "vllm_xargs": {"kv_eviction": json.dumps(settings)}})
+    assert len(served_with_logprobs(server, prompt, 4)[0]) == 4  # still serving
+
+
+def test_a_seeded_request_whose_prefill_its_context_boundary_splits_samples_the_same_twice(server):
+    """A request's prefill stops at its context boundary (``compress=context``), so its first step
+    samples a token vLLM discards, and vLLM rewinds a seeded request's generator by an offset a CPU
+    generator does not have (the engine stopped; ``worker_patch.hold_unrewindable_generators``):
+    now the same seeded request, sent twice, samples the same answer, and the server goes on."""
+    context = text_prompts("tiny", [200], seed=65)[0]
+    prompt = context + text_prompts("tiny", [20], seed=66)[0]
+    settings = {"policy": "paged", "budget_ratio": 0.5, "decode_eviction": False, "compress": "context",
+                "context_tokens": len(context), "share_context": False}
+
+    def sample():
+        response = server.completions.create(model=model_path("tiny"), prompt=prompt, max_tokens=12, temperature=1.0,
+                                             seed=5, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                                 "vllm_xargs": {"kv_eviction": json.dumps(settings)}})
+        return list(response.choices[0].token_ids)
+
+    first = sample()
+    assert len(first) == 12 and sample() == first
+
+
+# The fuzzer's eviction settings: each a function of (context length, random draw) -> settings;
+# None sends no vllm_xargs (the engine's default), a string is sent as given.
+FUZZ_VALID = (
+    lambda context, draw: None,
+    lambda context, draw: {"policy": "full"},
+    lambda context, draw: {"policy": draw.choice(["paged", "knorm", "snapkv", "streaming", "h2o"]),
+                           "budget": draw.choice([64, 96, 128])},
+    lambda context, draw: {"policy": draw.choice(["paged", "keydiff"]), "budget_ratio": draw.choice([0.25, 0.5]),
+                           "decode_eviction": draw.choice([True, False])},
+    lambda context, draw: {"policy": draw.choice(["paged", "snapkv", "knorm"]), "budget_ratio": 0.5,
+                           "decode_eviction": False, "compress": "context", "context_tokens": context,
+                           "share_context": draw.choice([True, False, None])},
+    lambda context, draw: {"policy": "paged", "budget_ratio": 0.5, "decode_eviction": False, "compress": "context",
+                           "context_tokens": context, "chain": True},
+)
+FUZZ_INVALID = (
+    lambda context, draw: {"policy": "paged", "budget": 100},
+    lambda context, draw: {"policy": "no_such_policy", "budget": 64},
+    lambda context, draw: {"policy": "paged", "budget": 64, "share_context": "maybe"},
+    lambda context, draw: {"policy": "paged", "budget": 64, "share_context": True},  # compress=prompt: never shared
+    lambda context, draw: {"policy": "paged", "budget_ratio": 1.5},
+    lambda context, draw: {"policy": "paged", "budget": 64, "budget_schedule": "pyramid"},  # one layer group
+    lambda context, draw: {"policy": "paged", "budget_ratio": 0.5, "decode_eviction": False, "compress": "context",
+                           "context_tokens": 100_000},
+    lambda context, draw: {"policy": "streaming", "budget": 64, "options": {"n_sink": "x"}},
+    lambda context, draw: {"policy": "paged", "budget": 64, "chain": True},
+    lambda context, draw: "{not json",
+    lambda context, draw: {"policy": "paged"},
+    lambda context, draw: {"policy": "paged", "budget": 64, "unknown_setting": 1},
+)
+
+
+def fuzz_case(draw, contexts: list[list[int]], questions: list[list[int]]) -> dict:
+    """One request: eviction settings (valid or not) and sampling parameters drawn at random."""
+    context = draw.choice(contexts)
+    valid = draw.random() < 0.6
+    settings = draw.choice(FUZZ_VALID if valid else FUZZ_INVALID)(len(context), draw)
+    body = {"ignore_eos": draw.choice([True, False]), "return_token_ids": True}
+    if settings is not None:
+        body["vllm_xargs"] = {"kv_eviction": settings if isinstance(settings, str) else json.dumps(settings)}
+    if draw.random() < 0.3:
+        body["prompt_logprobs"] = draw.choice([0, 1])
+    temperature = draw.choice([0.0, 0.8])
+    return {"valid": valid, "settings": settings, "prompt": context + draw.choice(questions),
+            "max_tokens": draw.choice([0, 1, 8, 16, 16, 100_000]), "n": draw.choice([1, 1, 2]),
+            "logprobs": draw.choice([None, None, 2]), "stop": draw.choice([None, None, ["e"], ["\n", " the"]]),
+            "temperature": temperature, "seed": draw.choice([None, 7]) if temperature else None,
+            "stream": draw.random() < 0.3, "abort": draw.random() < 0.5, "extra_body": body}
+
+
+def send_fuzzed(client, case: dict) -> tuple[str, str]:
+    """("served" | "aborted" | "refused", message); anything else raises (a 5xx, a lost connection)."""
+    import openai
+
+    asked = {name: case[name] for name in ("max_tokens", "n", "logprobs", "stop", "temperature", "seed", "extra_body")}
+    try:
+        if not case["stream"]:
+            response = client.completions.create(model=model_path("tiny"), prompt=case["prompt"], **asked)
+            return "served", response.choices[0].finish_reason
+        stream = client.completions.create(model=model_path("tiny"), prompt=case["prompt"], stream=True, **asked)
+        for _ in stream:
+            if case["abort"]:
+                stream.close()  # the client goes away: vLLM aborts the request
+                return "aborted", ""
+        return "served", ""
+    except openai.APIStatusError as error:
+        if 400 <= error.status_code < 500:
+            return "refused", str(error)
+        raise
+    except openai.APIError as error:
+        # a stream's error comes after its 200, as an error event with vLLM's status code in it
+        # (create_streaming_error_response: vllm/entrypoints/generate/base/serving.py:183-198)
+        if case["stream"] and isinstance(error.body, dict) and 400 <= int(error.body.get("code") or 0) < 500:
+            return "refused", str(error)
+        raise
+
+
+def test_fuzzed_requests_never_stop_the_server_and_every_block_comes_back(server):
+    """400 requests, eight at a time, of random eviction settings, valid and invalid, and random
+    sampling parameters (prompt log-probabilities, n, logprobs, stop, max_tokens 0/1/16/huge, seed,
+    streaming, a client that goes away mid-stream), seed fixed: every request is served or refused
+    with a 4xx and a message (never a 5xx, never a dropped connection), an invalid setting is never
+    served, the server keeps serving, and every block is back in the pool."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    draw = random.Random(63)
+    contexts = text_prompts("tiny", [100, 180, 260], seed=63)
+    questions = text_prompts("tiny", [12, 20, 33], seed=64)
+    cases = [fuzz_case(draw, contexts, questions) for _ in range(400)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda case: send_fuzzed(server, case), cases))
+    outcomes = [outcome for outcome, _ in results]
+    for case, (outcome, message) in zip(cases, results):
+        if outcome == "refused":
+            assert message.strip(), case
+        elif not case["valid"]:
+            raise AssertionError(f"served an invalid setting: {case['settings']}")
+    assert outcomes.count("served") >= 100 and outcomes.count("refused") >= 100 and "aborted" in outcomes, outcomes
+    shared_with_prompt_logprobs = [r for c, r in zip(cases, results) if c["valid"] and isinstance(c["settings"], dict)
+                                   and (c["settings"].get("share_context") or c["settings"].get("chain"))
+                                   and "prompt_logprobs" in c["extra_body"] and c["max_tokens"] in (1, 8, 16)]
+    assert shared_with_prompt_logprobs and all(
+        outcome == "refused" and "skips the prefix cache" in message for outcome, message in shared_with_prompt_logprobs)
+    assert len(served_with_logprobs(server, contexts[0], 4)[0]) == 4  # the server still serves
+    deadline = time.time() + 60  # aborted requests leave as the server notices their clients are gone
+    while metric(server, "vllm:num_requests_running") + metric(server, "vllm:num_requests_waiting") and time.time() < deadline:
+        time.sleep(1)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0.0, "every block is back in the pool"

@@ -127,3 +127,23 @@ def test_without_prefix_caching_the_scheduler_ends_a_chained_request_with_its_re
     assert refused.finish_reason == FinishReason.ERROR
     assert "chain=true: a turn's compressed cache reaches the next turn through vLLM's prefix-cache hits, but this " \
            "engine takes no prefix-cache hits" in refused.stop_reason
+
+
+def test_a_partial_prefill_samples_without_its_cpu_generator_which_is_left_where_it_was():
+    """vLLM rewinds the generator of a request whose prefill is partial this step (its sampled token
+    is discarded) by ``set_offset``, which a CPU generator lacks: the worker raised and the engine
+    stopped. The generator is held out of that step's sampling instead, and stays where it was."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from harness.engine.worker_patch import hold_unrewindable_generators
+
+    with pytest.raises(RuntimeError, match="does not use offset"):  # what vLLM's rewind meets on a CPU
+        torch.Generator().set_offset(0)
+    partial, whole = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
+    runner = SimpleNamespace(input_batch=SimpleNamespace(num_reqs=3, generators={0: partial, 2: whole}),
+                             discard_request_mask=SimpleNamespace(np=np.array([True, True, False, True])))
+    held = hold_unrewindable_generators(runner)
+    assert held == {0: partial} and runner.input_batch.generators == {2: whole}  # (index 3: not in the batch)
