@@ -294,12 +294,12 @@ class PrefillCell:
 
     def settings(self):
         """The request settings every prompt's are made from (None: full cache)."""
-        from harness.eviction.settings import EvictionSettings
+        from harness.eviction.settings import parse_settings
 
         if self.policy == "full":
             return None
-        return EvictionSettings(self.policy, None, budget_ratio=self.budget_ratio, decode_eviction=False,
-                                compress="context")
+        return parse_settings({"policy": self.policy, "budget": None, "budget_ratio": self.budget_ratio,
+                               "decode_eviction": False, "compress": "context"}, f"cell {self.name}")
 
     @property
     def configuration(self) -> str:

@@ -20,7 +20,12 @@ from policies.score import Score, function_score
 from policies.selection import ScoredBlockPolicy, ScoredTokenPolicy
 
 SELECTIONS = {"token": ScoredTokenPolicy, "block": ScoredBlockPolicy}
-NOT_OPTIONS = {"budget", "block_size", "score", "decode_eviction", "whole_blocks"}  # the last two: run settings
+# What a policy class's fields hold that are not its options: ``Policy``'s own fields (its budget and
+# block size, and the run settings it carries, which the settings record sets: decode_eviction,
+# whole_blocks; ``harness.eviction.settings.EvictionSettings.policy_fields``) and a selection's score.
+# A field added to ``Policy`` is never an option: an option would enter every policy's default config
+# and rename every committed cell.
+NOT_OPTIONS = frozenset({f.name for f in dataclasses.fields(Policy)} | {"score"})
 
 
 class UnknownPolicyError(ValueError):

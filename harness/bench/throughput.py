@@ -18,7 +18,7 @@ import json
 import math
 import statistics
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import pandas as pd
@@ -64,6 +64,25 @@ class Cell:
     enforce_eager: bool = True
     layer_groups: int = 1       # the layers as this many KV cache groups (harness.engine.layer_groups)
     budget_schedule: str = "uniform"  # how the budget spreads over the groups (uniform, pyramid)
+    # (policy, budget and budget_schedule are the cell's eviction settings, by the settings record's
+    # own names: ``settings`` reads them through its one parse; a new setting a cell varies is a field
+    # here by the record's name, and reaches the engine with them)
+
+    @property
+    def settings(self):
+        """The cell's eviction settings (``harness.eviction.settings.EvictionSettings``) from its
+        fields named as the record's, through the one parse that every path takes (``parse_settings``:
+        ``ValueError`` in one line); None for full cache."""
+        from harness.config import parse_settings
+
+        return parse_settings({name: getattr(self, name) for name in cell_settings()}, f"cell {self.name}")
+
+    @property
+    def eviction(self) -> dict | None:
+        """The engine's eviction settings for this cell in their wire form (``EvictionSettings.as_dict``)
+        as far as a cell gives them: its own fields, each other setting at its default; None for full cache."""
+        settings = self.settings
+        return None if settings is None else {k: v for k, v in settings.as_dict().items() if k in cell_settings()}
 
     @property
     def name(self) -> str:
@@ -78,6 +97,13 @@ class Cell:
     @property
     def slug(self) -> str:
         return self.name.replace(" / ", "__").replace(" #", "__trial-").replace(" ", "-")
+
+
+def cell_settings() -> tuple[str, ...]:
+    """The ``Cell`` fields that are eviction settings: those named as the settings record's wire fields."""
+    from harness.config import WIRE_FIELDS
+
+    return tuple(f.name for f in fields(Cell) if f.name in WIRE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -119,8 +145,8 @@ class Setting:
         return f"{blocks} blocks: {full_length:.0f} requests at full length"
 
 
-def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_path: str) -> dict:
-    """The batch_run spec of one cell: its engine at the device's defaults (``conf/engine/<device>.yaml``,
+def cell_engine(setting: Setting, cell: Cell):
+    """The cell's engine (``harness.config.EngineSettings``): the device's defaults (``conf/engine/<device>.yaml``,
     ``harness.config.engine_settings``), changed only where the cell says otherwise."""
     from harness.config import engine_settings
 
@@ -140,22 +166,46 @@ def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_pa
         changes["num_kv_blocks"] = blocks + 1  # vLLM keeps one null block out of the pool
     if setting.gpu_memory_utilization is not None:
         changes["gpu_memory_utilization"] = setting.gpu_memory_utilization
+    return engine_settings(workload.device, **changes)
+
+
+def engine_spec(setting: Setting, cell: Cell, prompts: list[list[int]], model_path: str) -> dict:
+    """The batch_run spec of one cell: its engine (``cell_engine``) and its eviction settings (``Cell.eviction``)."""
+    workload = setting.workload
     spec = {
         "model_path": model_path, "prompts": prompts, "max_new_tokens": workload.output_tokens,
         "max_model_len": workload.max_model_len, "dtype": workload.dtype, "repeats": cell.repeats, "stock": cell.stock,
-        "prefix_caching": cell.prefix_caching, "engine": asdict(engine_settings(workload.device, **changes)),
+        "prefix_caching": cell.prefix_caching, "engine": asdict(cell_engine(setting, cell)),
     }
-    if cell.policy != "full":
-        spec["eviction"] = {"policy": cell.policy, "budget": cell.budget}
-        if cell.budget_schedule != "uniform":
-            spec["eviction"]["budget_schedule"] = cell.budget_schedule
+    eviction = cell.eviction
+    if eviction is not None:
+        spec["eviction"] = eviction
     return spec
+
+
+def admit_cell(setting: Setting, cell: Cell) -> tuple | None:
+    """The policy each layer group of the cell's engine runs, through the one admission every path
+    takes (``harness.config.admit_on``: the settings' policy, options, budget and schedule,
+    and what they need of that engine); ``ValueError`` in one line naming the cell; None for full cache."""
+    from harness.config import admit_on
+    from harness.config.models import ModelNotFoundError, model_shape, resolve_model_path
+
+    try:
+        settings = cell.settings
+        if settings is None:
+            return None
+        engine = cell_engine(setting, cell)
+        try:
+            shape = model_shape(resolve_model_path(setting.workload.model, prepare=False), setting.workload.dtype)
+        except ModelNotFoundError:
+            shape = None  # not prepared here (a GPU setting's model): admitted at one layer per group
+        return admit_on(settings, engine, shape.layers if shape else engine.layer_groups)
+    except (TypeError, ValueError) as error:  # (a TypeError: an option of the wrong type)
+        raise ValueError(f"{setting.name}: {cell.name}: {error}") from None
 
 
 def check_setting(setting: Setting) -> None:
     """Refuse a setting that cannot measure what it claims, before any engine starts."""
-    from policies import make_policy
-
     workload = setting.workload
     if setting.fixed_pool_requests is not None and setting.fixed_pool_budget is not None:
         raise ValueError(f"{setting.name}: size the fixed pool by fixed_pool_requests or by fixed_pool_budget, not both")
@@ -163,8 +213,7 @@ def check_setting(setting: Setting) -> None:
     if len(set(names)) != len(names):
         raise ValueError(f"{setting.name}: cells repeat ({names}); give repeated configurations distinct trials")
     for cell in setting.cells:
-        if cell.policy != "full":
-            make_policy(cell.policy, cell.budget, workload.block_size)  # budget rules, policy name
+        if admit_cell(setting, cell) is not None:  # its settings, policy, budget and engine
             if cell.budget + workload.block_size >= workload.max_model_len:
                 raise ValueError(
                     f"{setting.name}: {cell.name} never evicts (budget {cell.budget} + one block "
@@ -486,13 +535,13 @@ def recompute_lines(setting: Setting) -> list[str]:
     """For attention-aware cells: the FLOP floor of recomputing their window's attention, on this
     model and on Llama-3.1-8B at the same budget and block."""
     from harness.config.models import model_shape, resolve_model_path
-    from policies import make_policy
 
     workload = setting.workload
     windows = {}
     for cell in setting.cells:
-        if cell.policy != "full":
-            window = make_policy(cell.policy, cell.budget, workload.block_size).query_window
+        policies = admit_cell(setting, cell)
+        if policies is not None:
+            window = policies[0].query_window
             if window:
                 windows[(cell.policy, cell.budget)] = window
     if not windows:

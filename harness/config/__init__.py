@@ -19,10 +19,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.tasks import DataError, check_data_config
-from harness.eviction.settings import (RUN_FIELDS, EvictionSettings, admit, budget_for_ratio, check_layer_groups,
-                                       check_ratio, check_schedule, check_scope, scheduling_is_async)
+# (parse_settings and WIRE_FIELDS also for the rooms that read eviction settings through the config's
+# room, not harness.eviction's: the throughput bench's cells, harness.bench.throughput.Cell)
+from harness.eviction.settings import (DECLARED, WIRE_FIELDS, EvictionSettings, admit, budget_for_ratio,  # noqa: F401
+                                       check_layer_groups, parse_settings, scheduling_is_async)
 from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
-from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget, make_policy
+from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget
 
 DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
 
@@ -178,8 +180,9 @@ class RunSettings:
             "data": self.resolved["data"],
             "engine": engine,
         }
-        if self.evicts:  # settings added after cells were committed, named only away from their defaults
-            identity.update(self.request.identity())
+        if self.evicts:  # settings added after cells were committed, named only away from their defaults,
+            # as the run's config wrote them (the parse may hold another type: 5 as 5.0)
+            identity.update({name: self.resolved.get(name, value) for name, value in self.request.identity().items()})
         return identity
 
     @property
@@ -198,7 +201,7 @@ class RunSettings:
 
 
 # The eviction record's fields a run reads as its own (RunSettings.__getattr__).
-RECORD_FIELDS = frozenset(("policy", "budget", "options", "group_budgets", "context_tokens", *RUN_FIELDS))
+RECORD_FIELDS = frozenset(DECLARED)
 
 # Engine settings added after cells were committed, with the value every earlier cell ran at: a
 # cell at that value keeps the name it had (one worker, vLLM's own executor choice).
@@ -212,7 +215,8 @@ class ConfigError(ValueError):
 
 def run_settings(cfg: DictConfig, checked: bool = True) -> RunSettings:
     """A Hydra config as typed settings, checked unless ``checked=False`` (a cell already checked,
-    read again); ``ConfigError`` says what is wrong and what is allowed."""
+    read again: its eviction settings still pass the one parse, ``typed``); ``ConfigError`` says
+    what is wrong and what is allowed."""
     try:
         run = typed(cfg)
         if checked:
@@ -234,8 +238,13 @@ def typed(cfg: DictConfig) -> RunSettings:
         return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
     try:
+        # the run's eviction settings through the one parse of every path (each field's check)
+        request = EvictionSettings.from_run_config(resolved)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    try:
         return RunSettings(
-            request=EvictionSettings.from_run_config(resolved),
+            request=request,
             block_size=resolved["block_size"],
             model=section(ModelSettings, resolved["model"], "model"),
             # a cell committed before a later engine setting ran at its LATER_ENGINE_KEYS value
@@ -268,10 +277,6 @@ def check_run_layer_groups(run: RunSettings) -> None:
     if not run.evicts:
         return
     try:
-        check_schedule(run.budget_schedule, run.pyramid_beta, "the run")
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    try:
         # The run's one admission (its policy, options, schedule and what they need of the engine),
         # refused before a model loads: at the budget the policy was always checked at (a ratio's
         # largest), which check_memory's prediction then finds admitted.
@@ -286,8 +291,16 @@ def admit_run(run: RunSettings, num_layers: int, budget: int | None = None):
     """The run's eviction settings through the engine's admission (``harness.eviction.settings.admit``),
     at its own budget or ``budget`` (the largest a ratio gives, for the memory prediction)."""
     settings = run.eviction if budget is None else replace(run.eviction, budget=budget)
-    return admit(settings, run.block_size, num_layers, run.engine.layer_groups, enforce_eager=run.engine.enforce_eager,
-                 async_scheduling=scheduling_is_async(run.engine.async_scheduling, run.engine.device))
+    return admit_on(settings, run.engine, num_layers, run.block_size)
+
+
+def admit_on(settings: EvictionSettings, engine: EngineSettings, num_layers: int, block_size: int | None = None):
+    """Eviction settings through the one admission (``harness.eviction.settings.admit``) on ``engine``
+    (at its block size unless the run gives its own): the policy each of its layer groups runs, or
+    ``ValueError`` saying what cannot run there and why."""
+    return admit(settings, block_size or engine.block_size, num_layers, engine.layer_groups,
+                 enforce_eager=engine.enforce_eager,
+                 async_scheduling=scheduling_is_async(engine.async_scheduling, engine.device))
 
 
 def check(run: RunSettings) -> None:
@@ -300,27 +313,15 @@ def check(run: RunSettings) -> None:
             f"block_size={run.block_size} cannot be used on {device}: its attention backend needs a "
             f"positive multiple of {multiple}"
         )
-    if run.policy not in REGISTRY:
-        raise ConfigError(f"unknown policy {run.policy!r}; valid: {', '.join(REGISTRY)}")
-    if run.budget_ratio is not None:
-        try:
-            check_ratio(run.budget_ratio)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        if run.budget is not None:
-            raise ConfigError(f"budget_ratio={run.budget_ratio} sets each request's budget from its prompt: pass "
-                              f"budget=null with it (budget={run.budget} was also given)")
-    else:
+    # (every eviction setting by itself and against the others, the policy's name among them, was
+    # checked by the one parse every path takes, in ``typed``; what is left is the run's own: its
+    # budget against its block size and model here, then the engine's admission in
+    # check_run_layer_groups)
+    if run.budget_ratio is None:
         # Full cache ignores the budget, but a budget no policy could use is a typo: refuse it too.
         if run.budget is None:
             raise ConfigError("budget=null needs a budget_ratio (share of each prompt removed, in [0, 1))")
         check_budget(run.budget, run.block_size)
-    if not isinstance(run.decode_eviction, bool):
-        raise ConfigError(f"decode_eviction must be true or false, got {run.decode_eviction!r}")
-    try:
-        check_scope(run.compress, None, run.decode_eviction and run.evicts, run.chain, run.budget_schedule, "the run")
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
     if not isinstance(run.likelihood, bool):
         raise ConfigError(f"likelihood must be true or false, got {run.likelihood!r}")
     # (the policy, its options and what it needs of the engine: admitted once, with the engine's
@@ -413,9 +414,8 @@ def check_memory(run: RunSettings) -> None:
         pool = int(run.engine.kv_cache_gib * 2**30) * ranks
     else:
         return
-    policy = make_policy(run.policy, run.policy_budget, run.block_size, **run.options)
-    groups = admit_run(run, shape.layers, budget=run.policy_budget)
-    memory = predict(policy, shape, run.engine.max_num_seqs, run.model.max_model_len, JOINT_READ_BYTES["cpu"], groups)
+    groups = admit_run(run, shape.layers, budget=run.policy_budget)  # the policies at the budget the run checks
+    memory = predict(groups[0], shape, run.engine.max_num_seqs, run.model.max_model_len, JOINT_READ_BYTES["cpu"], groups)
     available, need = available_memory(), weights + pool + memory.total * ranks
     if available is not None and need > available:
         per_rank = f" on each of {ranks} ranks" if ranks > 1 else ""

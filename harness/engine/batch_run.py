@@ -10,7 +10,8 @@ max_num_seqs, in_process, enforce_eager, async_scheduling, tensor_parallel_size,
 distributed_executor_backend, layer_groups, ...), each one not given at its device's default
 (``conf/engine/<device>.yaml``, the defaults Hydra runs use; device defaults to cpu), built by
 ``harness.config.engine_settings``. Optionally: eviction ({policy, budget, options}: the engine's
-default), stock (true: vLLM without this plugin), top_logprobs (that many best tokens per generated
+default; like every eviction setting here, read by the one parse before any engine starts,
+``spec_eviction``), stock (true: vLLM without this plugin), top_logprobs (that many best tokens per generated
 position), repeats (generate the same batch that many times on the one engine; ``perf`` has one
 entry per repeat, the other keys describe the last), one_by_one (each prompt alone, in order,
 instead of one batch), prefix_caching (vLLM's prefix cache on), request_eviction (per prompt, that
@@ -48,14 +49,48 @@ SPEC_KEYS = frozenset((
 
 def check_spec(spec: dict):
     """The spec's engine settings (``harness.config.EngineSettings``), or ``ValueError`` in one line
-    for a key the spec does not have or an engine setting ``EngineSettings`` does not name."""
-    from harness.config import engine_settings
+    for a key the spec does not have, an engine setting ``EngineSettings`` does not name, eviction
+    settings the one parse refuses (``spec_eviction``), or an engine default the admission refuses
+    on this engine (``harness.config.admit_on``): before any engine starts. (Each request's own
+    settings are then admitted by the engine, as every request's are: offline, vLLM refuses the
+    whole call.)"""
+    from harness.config import admit_on, engine_settings
+    from harness.config.models import model_shape
 
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
         raise ValueError(f"batch_run spec has unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))} "
                          "(the engine's settings go under 'engine', by EngineSettings' field names)")
-    return engine_settings(**spec.get("engine", {}))
+    engine = engine_settings(**spec.get("engine", {}))
+    default, _ = spec_eviction(spec)
+    if default is not None and not spec.get("stock"):
+        shape = model_shape(spec["model_path"], spec.get("dtype", "float32")) if spec.get("model_path") else None
+        try:
+            admit_on(default, engine, shape.layers if shape else engine.layer_groups)
+        except (TypeError, ValueError) as error:  # (a TypeError: an option of the wrong type)
+            raise ValueError(f"batch_run spec eviction: {error}") from None
+    return engine
+
+
+def spec_eviction(spec: dict):
+    """The spec's eviction settings through the one parse (``harness.eviction.settings.parse_settings``):
+    the engine's default (None: none, or full cache) and each request's ``extra_args`` (None: the
+    engine's default), or None where the spec gives no ``request_eviction``. A conversation's
+    settings are checked with its first turn's boundary."""
+    from harness.eviction.settings import CONFIG_KEY, NO_EVICTION, parse_settings
+
+    default = parse_settings(spec["eviction"], "batch_run spec eviction") if spec.get("eviction") else None
+    extra = None
+    if spec.get("request_eviction"):
+        extra = []
+        for index, raw in enumerate(spec["request_eviction"]):
+            settings = None if raw is None else parse_settings(raw, f"batch_run spec request_eviction[{index}]")
+            extra.append(None if raw is None else {CONFIG_KEY: NO_EVICTION} if settings is None
+                         else settings.as_extra_args())
+    for index, conversation in enumerate(spec.get("conversations") or ()):
+        parse_settings({**conversation["eviction"], "context_tokens": conversation["context_tokens"]},
+                       f"batch_run spec conversations[{index}] eviction")
+    return default, extra
 
 
 def run(spec: dict) -> dict:
@@ -65,18 +100,15 @@ def run(spec: dict) -> dict:
     from harness.config import ModelSettings
     from harness.engine.llm import Engine
     from harness.records.perf import summarize_perf
-    from harness.eviction.settings import CONFIG_KEY, NO_EVICTION, EvictionSettings
+    from harness.eviction.settings import CONFIG_KEY, NO_EVICTION
 
-    eviction = EvictionSettings(**spec["eviction"]) if spec.get("eviction") else None
+    eviction, extra = spec_eviction(spec)
     model = ModelSettings(name=Path(spec["model_path"]).name, path=spec["model_path"], max_model_len=spec["max_model_len"],
                           max_prompt_tokens=spec["max_model_len"], dtype=spec.get("dtype", "float32"))
     engine = Engine(spec["model_path"], model, settings, settings.block_size, eviction=eviction,
                     stock=bool(spec.get("stock")), prefix_caching=bool(spec.get("prefix_caching")))
     free_before = engine.free_blocks()
-    per_request = spec.get("request_eviction")
     keep_all = {CONFIG_KEY: NO_EVICTION}
-    extra = [None if s is None else EvictionSettings(**s).as_extra_args() if s.get("policy") != "full"
-             else keep_all for s in per_request] if per_request else None
     top_logprobs = spec.get("top_logprobs", 0)
     snapshot = None
     if spec.get("warm_cache"):

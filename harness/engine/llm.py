@@ -179,15 +179,16 @@ class Engine:
         """vLLM gives the KV pool whatever its share of the device (``total x
         gpu_memory_utilization``, vllm/v1/worker/utils.py:724-726) leaves after weights and
         activations (vllm/v1/worker/gpu_worker.py:740-744); the eviction state lives outside the
-        pool, so the share shrinks by its prediction (the engine-wide policy's; a request that
-        brings another policy is not counted)."""
+        pool, so the share shrinks by its prediction (the engine-wide policy's, admitted at the budget
+        it runs at: a ratio's largest, a prompt of ``max_model_len``; a request that brings another
+        policy is not counted)."""
         import torch
 
         from harness.engine.backend_views import FlashAttnView
         from harness.eviction.memory import predict
         from dataclasses import replace
 
-        from harness.eviction.settings import admit, budget_for_ratio, build_policy, scheduling_is_async
+        from harness.eviction.settings import admit, budget_for_ratio, scheduling_is_async
         from harness.config.models import model_shape
 
         shape = model_shape(model_path, model.dtype)
@@ -197,8 +198,8 @@ class Engine:
         groups = admit(replace(eviction, budget=budget), block_size, shape.layers, engine.layer_groups,
                        enforce_eager=engine.enforce_eager,
                        async_scheduling=scheduling_is_async(engine.async_scheduling, engine.device))
-        memory = predict(build_policy(eviction, block_size), shape, engine.max_num_seqs, model.max_model_len,
-                         FlashAttnView.joint_read_bytes, groups)
+        memory = predict(groups[0], shape, engine.max_num_seqs, model.max_model_len, FlashAttnView.joint_read_bytes,
+                         groups)
         total = torch.cuda.mem_get_info()[1]
         shrunk = utilization - memory.total / total
         if shrunk < 0.1:

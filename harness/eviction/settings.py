@@ -50,18 +50,36 @@ budgets, in whole blocks, sum to G x the budget (``policies.budget_schedules.gro
 ``attention`` or ``kvzip`` request's budgets are its own (``group_budgets``, fixed once measured);
 until then its groups run the uniform budgets, which no eviction reads (the first one follows the
 measurement).
+
+The record's fields are declared once (``EvictionSettings``, each with ``setting(...)``): its check
+(``harness.eviction.checks``), whether a user gives it (the wire form: ``WIRE_FIELDS``,
+``as_dict``), whether a run's Hydra config gives it and names its cell by it (``RUN_FIELDS``,
+``identity``), whether it decides what the policy keeps (``key``), the ``Policy`` field it sets
+(``policy_fields``), and how it shows in a cell's name, a label and a table's variant (``Names``).
+Every form derives from that declaration, and every path reads settings through the one parse of it
+(``read_settings``: ``parse_settings`` for requests and engines, ``from_run_config`` for runs).
+What the settings need of an engine is ``harness.eviction.admission``'s (``admit``).
 """
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Callable
 import json
 import math
 
-from policies import REGISTRY, BudgetError, Policy, UnknownPolicyError, make_policy
+from policies import REGISTRY, BudgetError, UnknownPolicyError
 from policies.budget_schedules import group_budgets
 
+from harness.eviction import checks
+# The admission and the field checks, asked here by many importers (the engine, the config, tests).
+from harness.eviction.admission import (PROBE_BLOCKS, admit, build_policy, check_chain_policy,  # noqa: F401
+                                        check_grouped, check_layer_groups, check_policy_runs, check_reconstructing_policy,
+                                        check_reconstruction, check_schedule_runs, group_policies, least_blocks,
+                                        needs_sync, scheduling_is_async, try_score)
+from harness.eviction.checks import (COMPRESS, ENGINE_SCHEDULES, MEASURED_SCHEDULES, PYRAMID_BETA,  # noqa: F401
+                                     check_ratio, unshareable)
+
 CONFIG_KEY = "kv_eviction"
-PYRAMID_BETA = 20.0  # kvpress 0.5.5's PyramidKVPress default
 
 
 @dataclass(frozen=True)
@@ -84,25 +102,68 @@ class Reconstruction:
                 "suffix": list(self.suffix)}
 
     @classmethod
-    def parse(cls, raw, where: str) -> "Reconstruction | None":
+    def parse(cls, raw, where: str | None) -> "Reconstruction | None":
         if raw is None or isinstance(raw, cls):
             return raw
+        at = f"{where}: " if where else ""
         if not isinstance(raw, dict) or set(raw) != {"prefix_tokens", "first", "later", "suffix"}:
-            raise ValueError(f"{where}: reconstruction must be a mapping of prefix_tokens, first, later and suffix "
+            raise ValueError(f"{at}reconstruction must be a mapping of prefix_tokens, first, later and suffix "
                              f"(token ids), got {raw!r}")
         prefix = raw["prefix_tokens"]
         if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
-            raise ValueError(f"{where}: reconstruction.prefix_tokens must be a number of tokens >= 0, got {prefix!r}")
+            raise ValueError(f"{at}reconstruction.prefix_tokens must be a number of tokens >= 0, got {prefix!r}")
         ids = {}
         for name in ("first", "later", "suffix"):
             value = raw[name]
             if not isinstance(value, (list, tuple)) or not all(
                     isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-                raise ValueError(f"{where}: reconstruction.{name} must be a list of token ids, got {value!r}")
+                raise ValueError(f"{at}reconstruction.{name} must be a list of token ids, got {value!r}")
             ids[name] = tuple(value)
         if not ids["first"] or not ids["later"]:
-            raise ValueError(f"{where}: reconstruction.first and .later are the repeat prompts: they cannot be empty")
+            raise ValueError(f"{at}reconstruction.first and .later are the repeat prompts: they cannot be empty")
         return cls(prefix, ids["first"], ids["later"], ids["suffix"])
+
+
+def check_reconstruction_ids(raw, given: dict) -> Reconstruction | None:
+    """The ``reconstruction`` field's check: its wire form (a mapping of ids) as its record."""
+    return Reconstruction.parse(raw, None)
+
+
+# --- the declaration: what each field of the record is, given once ----------------------------------
+
+@dataclass(frozen=True)
+class Names:
+    """How a field shows where it is away from its default (a field without a default: always),
+    each a function of the settings giving its text ('' for none): in a cell's directory name
+    (``slug``, in field order), a label (``label``: the budget, then how it spreads over the layer
+    groups, then what is compressed; by ``aspect``: "size", "spread" or "scope") and a table's
+    variant (``mark``, in field order, the engine's layer groups before the first "spread" field)."""
+
+    slug: Callable | None = None
+    label: Callable | None = None
+    mark: Callable | None = None
+    aspect: str = "scope"
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One field's roles (``setting``)."""
+
+    check: Callable | None    # (value, settings checked before it) -> the value held; ValueError says why not
+    wire: bool | str          # given by users (the wire form); "always": in every wire form, at any value
+    run: bool                 # a run's Hydra config gives it by its name; the cell is named by it off its default
+    key: bool                 # it decides what the policy keeps (the policy's key)
+    names: Names | None
+    policy_field: str | None  # the Policy field it sets (``policies.base.Policy``: not a policy option) ...
+    policy_value: Callable    # ... to this function of its value
+
+
+def setting(default=MISSING, *, factory=MISSING, check=None, wire: bool | str = True, run: bool = False,
+            key: bool = True, names: Names | None = None, policy_field: str | None = None,
+            policy_value: Callable = lambda value: value):
+    """A field of ``EvictionSettings`` with its roles (``Declared``)."""
+    return field(default=default, default_factory=factory, metadata={
+        "setting": Declared(check, wire, run, key, names, policy_field, policy_value)})
 
 
 @dataclass(frozen=True)
@@ -110,69 +171,105 @@ class EvictionSettings:
     """A request's eviction settings: the one record of them. It owns their forms: the dict that
     ``extra_args`` / ``additional_config`` carry (``as_dict``, read back by ``parse_settings``), the
     Hydra config a run gives (``from_run_config``), a label (``label``, ``describe``), a cell's name
-    (``slug``, ``identity``) and a table's variant (``variant_marks``). A new setting is a field
-    here, its check in ``parse_settings``, and the code that acts on it.
+    (``slug``, ``identity``) and a table's variant (``variant_marks``), each derived from the fields'
+    declarations below. A new setting is a field here (its check in ``harness.eviction.checks``,
+    its roles in ``setting``) and the code that acts on it (docs/extending.md, "Adding a setting").
 
     ``policy`` "full" is a run that keeps its whole cache (its budget is then only checked); a
     request's settings are None for it (``parse_settings``)."""
 
-    policy: str
-    budget: int | None       # tokens kept per request; None with a budget_ratio until resolved
-    options: dict = field(default_factory=dict)
-    budget_ratio: float | None = None  # share of the prompt removed (kvpress's compression ratio)
-    decode_eviction: bool = True       # False: compress the prompt only
-    compress: str = "prompt"           # "context": evict at the request's context boundary
-    context_tokens: int | None = None  # the request's context, in token ids (compress="context")
-    budget_schedule: str = "uniform"   # how the budget is spread over the engine's layer groups
-    pyramid_beta: float = PYRAMID_BETA  # the pyramid's slope (1 is flat)
+    policy: str = setting(check=checks.check_policy, wire="always", names=Names(slug=lambda s: s.policy))
+    # tokens kept per request; None with a budget_ratio until resolved
+    budget: int | None = setting(check=checks.check_budget, wire="always", names=Names(
+        slug=lambda s: "" if s.budget_ratio is not None else f"_b{s.budget}",
+        label=lambda s: "" if s.budget_ratio is not None else f"budget={s.budget}", aspect="size"))
+    options: dict = setting(factory=dict, check=checks.check_options, wire="always")
+    # share of the prompt removed (kvpress's compression ratio)
+    budget_ratio: float | None = setting(None, check=checks.check_budget_ratio, run=True, names=Names(
+        slug=lambda s: f"_r{s.budget_ratio:g}", label=lambda s: f"budget_ratio={s.budget_ratio:g}", aspect="size"))
+    # False: compress the prompt only
+    decode_eviction: bool = setting(True, check=checks.check_decode_eviction, run=True, policy_field="decode_eviction",
+                                    names=Names(slug=lambda s: "_context" if s.compress == "context" else "_prompt",
+                                                label=lambda s: "context only" if s.compress == "context" else "prompt only",
+                                                mark=lambda s: "" if s.compress == "context" else "decode_eviction=False"))
+    # "context": evict at the request's context boundary. The context compressed alone keeps whole
+    # blocks (a block rule's L mod B more would end it in a partial block, which every request sharing
+    # it copies; no decode eviction follows it to need them).
+    compress: str = setting("prompt", check=checks.check_compress, run=True, policy_field="whole_blocks",
+                            policy_value=lambda compress: compress == "context",
+                            names=Names(mark=lambda s: "compress=context"))  # before the question (and only then)
+    # the request's context, in token ids (compress="context"); the request's own, never a run's
+    context_tokens: int | None = setting(None, check=checks.check_context_tokens, key=False)
+    # how the budget is spread over the engine's layer groups
+    budget_schedule: str = setting("uniform", check=checks.check_budget_schedule, run=True, names=Names(
+        slug=lambda s: f"_{s.budget_schedule}", label=lambda s: s.budget_schedule,
+        mark=lambda s: f"budget_schedule={s.budget_schedule}", aspect="spread"))
+    # the pyramid's slope (1 is flat)
+    pyramid_beta: float = setting(PYRAMID_BETA, check=checks.check_pyramid_beta, run=True, names=Names(
+        slug=lambda s: f"_beta{s.pyramid_beta:g}", label=lambda s: f"beta={s.pyramid_beta:g}",
+        mark=lambda s: f"pyramid_beta={s.pyramid_beta:g}", aspect="spread"))
     # compress=context: hand the compressed context to later requests asking about it (None: where
     # sharing is exact; True: that, or refuse the request; False: never; ``harness.engine.shared_contexts``)
-    share_context: bool | None = None
+    share_context: bool | None = setting(None, check=checks.check_share_context, run=True, key=False)
     # compress=context: carry a finished turn's compressed cache into the next turn of its conversation
     # instead of compressing the pristine history again (``harness.engine.shared_contexts``, chain entries)
-    chain: bool = False
+    chain: bool = setting(False, check=checks.check_chain, run=True, names=Names(
+        slug=lambda s: "_chain", label=lambda s: "chained",
+        mark=lambda s: "chain=true"))  # each turn compresses the previous turn's compressed cache
     # budget_schedule=attention or kvzip: this request's group budgets, once measured from its prompt
-    # (the engine's, never a user's: parse_settings does not take it)
-    group_budgets: tuple[int, ...] | None = None
+    # (the engine's, never a user's: not in the wire form)
+    group_budgets: tuple[int, ...] | None = setting(None, wire=False)
     # A reconstructing policy's (KVzip's) inputs for this request (``Reconstruction``); the request's own
-    reconstruction: Reconstruction | None = None
+    reconstruction: Reconstruction | None = setting(None, check=check_reconstruction_ids, key=False)
 
     def __post_init__(self) -> None:
         # A reconstruction given as its wire form (a mapping) becomes its record.
         if isinstance(self.reconstruction, dict):
             object.__setattr__(self, "reconstruction", Reconstruction.parse(self.reconstruction, "settings"))
 
+    def away(self, name: str) -> bool:
+        """Whether field ``name`` is away from its default (a field without one always is)."""
+        return name not in DEFAULTS or getattr(self, name) != DEFAULTS[name]
+
     def as_dict(self) -> dict:
         """The wire form: policy, budget and options, and every other setting away from its default."""
-        raw = {"policy": self.policy, "budget": self.budget, "options": dict(self.options)}
-        raw.update({name: getattr(self, name) for name in WIRE_FIELDS[3:] if getattr(self, name) != DEFAULTS[name]})
-        if self.reconstruction is not None:
-            raw["reconstruction"] = self.reconstruction.as_dict()
-        return raw
+        return {name: wire_value(getattr(self, name)) for name in WIRE_FIELDS
+                if DECLARED[name].wire == "always" or self.away(name)}
 
     @classmethod
-    def from_run_config(cls, resolved: dict) -> "EvictionSettings":
+    def from_run_config(cls, resolved: dict, where: str = "the run") -> "EvictionSettings":
         """The settings a run's Hydra config gives (``conf/config.yaml`` and the command line; a
-        committed cell's ``config.yaml``, which may predate a setting: then its default)."""
+        committed cell's ``config.yaml``, which may predate a setting: then its default), read by the
+        one parse (``read_settings``); ``ValueError`` says what is wrong. A run's budget against its
+        block size and model is the config's check (``harness.config.check``)."""
         policy = resolved.get("policy") or {}
-        return cls(policy.get("name", "full"), resolved.get("budget"), dict(policy.get("options") or {}),
-                   **{name: resolved.get(name, DEFAULTS[name]) for name in RUN_FIELDS})
+        raw = {"policy": policy.get("name", "full"), "budget": resolved.get("budget"), "options": policy.get("options"),
+               **{name: resolved[name] for name in RUN_FIELDS if name in resolved}}
+        return read_settings(raw, where, run=True)
 
-    # --- names: every rule that turns settings into text lives here -------------------------------
+    # --- names: every rule that turns settings into text, from the fields' ``Names`` ---------------
+
+    def _texts(self, form: str, aspect: str | None = None) -> list[str]:
+        """The ``form`` texts ("slug", "label" or "mark") of the named fields away from their
+        defaults, in field order (those of ``aspect`` only, where given); none empty."""
+        texts = []
+        for name in NAMED_FIELDS:
+            names = DECLARED[name].names
+            write = getattr(names, form)
+            if write is not None and aspect in (None, names.aspect) and self.away(name) and write(self):
+                texts.append(write(self))
+        return texts
 
     def size_text(self) -> str:
-        return f"budget_ratio={self.budget_ratio:g}" if self.budget_ratio is not None else f"budget={self.budget}"
+        return "".join(self._texts("label", "size"))
 
     def scope_text(self) -> str:
         """What is compressed, where it is not the whole cache at every step."""
-        scope = "" if self.decode_eviction else " context only" if self.compress == "context" else " prompt only"
-        return scope + (" chained" if self.chain else "")
+        return "".join(" " + text for text in self._texts("label", "scope"))
 
     def label(self) -> str:
         """``budget=512``, ``budget_ratio=0.5 pyramid context only``: the budget and how it applies."""
-        schedule = "" if self.budget_schedule == "uniform" else f" {self.budget_schedule}"
-        beta = "" if self.pyramid_beta == PYRAMID_BETA else f" beta={self.pyramid_beta:g}"
-        return self.size_text() + schedule + beta + self.scope_text()
+        return " ".join([self.size_text(), *self._texts("label", "spread")]) + self.scope_text()
 
     def describe(self) -> str:
         """``policy=paged budget=256``, ``policy=snapkv budget_ratio=0.5 context only``."""
@@ -180,34 +277,24 @@ class EvictionSettings:
 
     def slug(self) -> str:
         """The start of a cell's directory name: ``paged_b512``, ``snapkv_r0.5_context_pyramid``."""
-        slug = f"{self.policy}_r{self.budget_ratio:g}" if self.budget_ratio is not None else f"{self.policy}_b{self.budget}"
-        slug += "" if self.decode_eviction else "_context" if self.compress == "context" else "_prompt"
-        slug += "" if self.budget_schedule == "uniform" else f"_{self.budget_schedule}"
-        slug += "" if self.pyramid_beta == PYRAMID_BETA else f"_beta{self.pyramid_beta:g}"
-        return slug + ("_chain" if self.chain else "")
+        return "".join(self._texts("slug"))
 
     def identity(self) -> dict:
         """What names a cell beyond policy and budget: each setting away from its default (settings
         added after cells were committed are named only there, so earlier cells keep their names)."""
-        return {name: getattr(self, name) for name in RUN_FIELDS if getattr(self, name) != DEFAULTS[name]}
+        return {name: getattr(self, name) for name in RUN_FIELDS if self.away(name)}
 
     def variant_marks(self, layer_groups: int = 1) -> list[str]:
         """What a table's variant label adds for these settings (with the engine's layer groups,
         which a schedule spreads the budget over): ``compress=context``, ``layer_groups=3``, ..."""
-        marks = []
-        if self.compress == "context":
-            marks.append("compress=context")  # the context compressed before the question (and only then)
-        elif self.decode_eviction is False:
-            marks.append("decode_eviction=False")  # the prompt compressed only
-        if layer_groups != 1:
-            marks.append(f"layer_groups={layer_groups}")  # the layers as G KV cache groups, each its own budget
-        if self.budget_schedule != "uniform":
-            marks.append(f"budget_schedule={self.budget_schedule}")
-        if self.pyramid_beta != PYRAMID_BETA:
-            marks.append(f"pyramid_beta={self.pyramid_beta:g}")
-        if self.chain:
-            marks.append("chain=true")  # each turn compresses the previous turn's compressed cache
-        return marks
+        marks, groups = [], [f"layer_groups={layer_groups}"] if layer_groups != 1 else []
+        for name in NAMED_FIELDS:
+            names = DECLARED[name].names
+            if names.aspect == "spread":  # the layers as G KV cache groups, each its own budget: then how
+                marks, groups = marks + groups, []  # the budget spreads over them
+            if names.mark is not None and self.away(name) and names.mark(self):
+                marks.append(names.mark(self))
+        return marks + groups
 
     def as_additional_config(self) -> dict:
         return {CONFIG_KEY: self.as_dict()}
@@ -218,11 +305,15 @@ class EvictionSettings:
 
     @property
     def key(self) -> tuple:
-        """Hashable identity of the policy these settings build (one per distinct key); a
-        request's boundary is not part of it (the policy does not depend on it)."""
-        return (self.policy, self.budget, json.dumps(self.options, sort_keys=True),  # options may nest (hybrid's weights)
-                self.budget_ratio, self.decode_eviction, self.compress, self.budget_schedule, self.pyramid_beta,
-                self.group_budgets, self.chain)
+        """Hashable identity of the policy these settings build (one per distinct key): the fields
+        declared ``key`` (a request's boundary is not one: the policy does not depend on it)."""
+        return tuple(json.dumps(value, sort_keys=True) if isinstance(value, dict) else value  # options may nest
+                     for value in (getattr(self, name) for name in KEY_FIELDS))
+
+    def policy_fields(self) -> dict:
+        """The ``Policy`` fields these settings set on the policy they build (``build_policy``)."""
+        return {declared.policy_field: declared.policy_value(getattr(self, name))
+                for name, declared in DECLARED.items() if declared.policy_field}
 
     @property
     def chain_key(self) -> tuple:
@@ -298,12 +389,24 @@ class EvictionSettings:
         return resolved
 
 
-# The record's fields in their wire form (what a user may give), and those a run's Hydra config
-# gives beside policy, budget and options (a request's context boundary is its own, never a run's).
-WIRE_FIELDS = ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress", "context_tokens",
-               "budget_schedule", "pyramid_beta", "share_context", "chain", "reconstruction")
-RUN_FIELDS = tuple(name for name in WIRE_FIELDS[3:] if name not in ("context_tokens", "reconstruction"))
-DEFAULTS = {f.name: f.default for f in fields(EvictionSettings) if f.default is not MISSING}
+# What the declaration gives: each field's roles, the wire form's fields (what a user may give, in
+# order), those a run's Hydra config gives beside policy, budget and options (a request's context
+# boundary and reconstruction ids are its own, never a run's), the policy's key, the named fields,
+# and each field's default.
+DECLARED: dict[str, Declared] = {f.name: f.metadata["setting"] for f in fields(EvictionSettings)}
+WIRE_FIELDS = tuple(name for name, declared in DECLARED.items() if declared.wire)
+RUN_FIELDS = tuple(name for name, declared in DECLARED.items() if declared.run)
+KEY_FIELDS = tuple(name for name, declared in DECLARED.items() if declared.key)
+NAMED_FIELDS = tuple(name for name, declared in DECLARED.items() if declared.names is not None)
+DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_factory()
+            for f in fields(EvictionSettings) if f.default is not MISSING or f.default_factory is not MISSING}
+# What the wire form reads where a field is not given (no policy: full cache; no budget: a ratio's).
+WIRE_DEFAULTS = {"policy": "full", "budget": None, **DEFAULTS}
+
+
+def wire_value(value):
+    """A field's value in the wire form (a record, such as ``Reconstruction``, as its mapping)."""
+    return value.as_dict() if hasattr(value, "as_dict") else dict(value) if isinstance(value, dict) else value
 
 
 def budget_for_ratio(ratio: float, prompt_tokens: int, block_size: int) -> int:
@@ -316,18 +419,16 @@ def budget_for_ratio(ratio: float, prompt_tokens: int, block_size: int) -> int:
     return max(2, blocks) * block_size
 
 
-def check_ratio(ratio) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
-        raise ValueError(f"budget_ratio is the share of the prompt removed, a number in [0, 1); got {ratio!r}")
-    return float(ratio)
-
-
 # The settings of a request that keeps its whole cache, whatever the engine's default.
 NO_EVICTION = {"policy": "full"}
 
 
-def parse_settings(raw, where: str) -> EvictionSettings | None:
-    """``{policy, budget, options}`` (or its JSON text) as settings; None for ``policy: full``."""
+def read_settings(raw, where: str, *, run: bool = False) -> EvictionSettings:
+    """The one parse of eviction settings: ``{policy, budget, options, ...}`` (or its JSON text) as
+    the record, each field (or its default) through its declared check, in field order, full cache
+    included; ``ValueError`` in one line, naming ``where`` the settings came from. An evicting
+    request needs a budget or a ratio; a run's budget (which full cache's too must give) is the
+    run's own check (``harness.config.check``: ``run``)."""
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
@@ -335,169 +436,27 @@ def parse_settings(raw, where: str) -> EvictionSettings | None:
             raise ValueError(f"{where} is not valid JSON ({error.msg}): {raw!r}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a mapping with policy, budget and options; got {raw!r}")
-    allowed = WIRE_FIELDS
-    unknown = set(raw) - set(allowed)
+    unknown = set(raw) - set(WIRE_FIELDS)
     if unknown:
-        raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; valid: {', '.join(allowed)}")
-    if raw.get("policy", "full") == "full":
-        return None
-    budget, ratio = raw.get("budget"), raw.get("budget_ratio")
-    if (budget is None) == (ratio is None):
-        raise ValueError(f"{where} needs a 'budget' (KV tokens kept per request) or a 'budget_ratio' (share of "
-                         "the prompt removed), exactly one of them")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                               and not (isinstance(budget, str) and budget.isdigit())):
-        raise ValueError(f"{where}: budget must be an integer number of tokens, got {budget!r}")
-    if ratio is not None:
+        raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}; valid: {', '.join(WIRE_FIELDS)}")
+    given = {}
+    for name in WIRE_FIELDS:
+        value = raw.get(name, WIRE_DEFAULTS[name])
+        check = DECLARED[name].check
         try:
-            ratio = check_ratio(ratio)
+            given[name] = check(value, given) if check is not None else value
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
-    decode = raw.get("decode_eviction", True)
-    if not isinstance(decode, bool):
-        raise ValueError(f"{where}: decode_eviction must be true or false, got {decode!r}")
-    options = raw.get("options") or {}
-    if not isinstance(options, dict):
-        raise ValueError(f"{where}: options must be a mapping, got {options!r}")
-    compress, context, chain = check_scope(raw.get("compress", "prompt"), raw.get("context_tokens"), decode,
-                                           raw.get("chain", False), raw.get("budget_schedule", "uniform"), where)
-    schedule, beta = check_schedule(raw.get("budget_schedule", "uniform"), raw.get("pyramid_beta", PYRAMID_BETA), where)
-    share = check_share(raw.get("share_context"), compress, schedule, where)
-    reconstruction = Reconstruction.parse(raw.get("reconstruction"), where)
-    return EvictionSettings(str(raw["policy"]), None if budget is None else int(budget), dict(options), ratio, decode,
-                            compress, context, schedule, beta, share, chain=chain, reconstruction=reconstruction)
+    if not run and given["policy"] != "full" and given["budget"] is None and given["budget_ratio"] is None:
+        raise ValueError(f"{where} needs a 'budget' (KV tokens kept per request) or a 'budget_ratio' (share of "
+                         "the prompt removed), exactly one of them")
+    return EvictionSettings(**given)
 
 
-
-ENGINE_SCHEDULES = ("uniform", "pyramid", "attention", "kvzip")
-# The schedules whose group budgets each request measures in its eviction step (``measuring``).
-MEASURED_SCHEDULES = ("attention", "kvzip")
-
-
-def needs_sync(schedule: str) -> str:
-    """Why an asynchronous scheduler cannot run a measured schedule (the scheduler, the request check
-    and the run's config check say it alike)."""
-    source = {"attention": "attention", "kvzip": "reconstruction scores"}[schedule]
-    return (f"budget_schedule={schedule} sets each layer group's budget from the {source} of the step that "
-            "reaches the eviction point, and evicts in that step; an asynchronous scheduler plans the next step "
-            "before that step's report, so it could not know what the eviction left: run with synchronous "
-            "scheduling (engine.async_scheduling=false, vllm serve --no-async-scheduling)")
-
-
-def check_schedule(schedule, beta, where: str) -> tuple[str, float]:
-    if schedule not in ENGINE_SCHEDULES:
-        raise ValueError(f"{where}: budget_schedule must be one of {', '.join(ENGINE_SCHEDULES)}, got {schedule!r}")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 1:
-        raise ValueError(f"{where}: pyramid_beta is the pyramid's slope, a number >= 1 (1 is flat), got {beta!r}")
-    if beta != PYRAMID_BETA and schedule != "pyramid":
-        raise ValueError(f"{where}: pyramid_beta shapes budget_schedule=pyramid; this one is {schedule}")
-    return schedule, float(beta)
-
-
-COMPRESS = ("prompt", "context")
-
-
-def unshareable(compress: str, schedule: str) -> str | None:
-    """Why settings' compressed contexts cannot be shared exactly, or None where they can."""
-    if compress != "context":
-        return ("compress=prompt keeps what the question attends to (query-aware): the kept set is the "
-                "request's own, so no other request can take it")
-    if schedule in MEASURED_SCHEDULES:
-        return (f"budget_schedule={schedule} measures each request's layer budgets from its own prompt "
-                "(its eviction step's report), which a request taking a shared context would not have")
-    return None
-
-
-def check_share(share, compress: str, schedule: str, where: str) -> bool | None:
-    if share is not None and not isinstance(share, bool):
-        raise ValueError(f"{where}: share_context must be true, false or null (share where exact), got {share!r}")
-    reason = unshareable(compress, schedule) if share else None
-    if reason:
-        raise ValueError(f"{where}: share_context=true, but {reason}")
-    return share
-
-
-def check_chain(chain, compress: str, schedule: str, where: str) -> bool:
-    """``chain`` against the settings it carries a turn's state under (the policy's own limits:
-    ``check_chain_policy``; the engine's: the scheduler and the frontend)."""
-    if not isinstance(chain, bool):
-        raise ValueError(f"{where}: chain must be true or false, got {chain!r}")
-    if chain and compress != "context":
-        raise ValueError(f"{where}: chain=true carries a turn's compressed context into the next turn; it needs "
-                         "compress=context (the history compressed before each new message)")
-    if chain and schedule == "attention":
-        raise ValueError(f"{where}: chain=true, but budget_schedule=attention measures each request's layer budgets "
-                         "from its own prompt's queries, which a turn continuing a compressed history does not have")
-    return chain
-
-
-def check_reconstructing_policy(settings: EvictionSettings, policy: Policy) -> None:
-    """What a reconstructing policy (KVzip) needs of its settings: it compresses once, at the
-    eviction point, from passes that repeat what came before it (``policies.kvzip``)."""
-    if not policy.reconstructs:
-        return
-    if settings.decode_eviction:
-        raise ValueError(f"{policy.name} scores the context by reconstructing it once, before the eviction; it has no "
-                         "rule for generated tokens: pass decode_eviction=false (with compress=context or prompt)")
-    if settings.chain:
-        raise ValueError(f"chain=true, but {policy.name} reconstructs the pristine context; a chained turn holds the "
-                         "previous turn's compressed cache: use chain=false")
-    if settings.budget_schedule == "attention":
-        raise ValueError(f"budget_schedule=attention measures layer budgets from the prompt's last queries; {policy.name}"
-                         " evicts from its reconstruction passes in the same step, which that measurement does not "
-                         "follow: use uniform, pyramid or kvzip")
-
-
-def check_reconstruction(settings: EvictionSettings, policy: Policy, eviction_point: int) -> None:
-    """A request's reconstruction inputs, against its policy and where it evicts."""
-    if not policy.reconstructs:
-        if settings.reconstruction is not None:
-            raise ValueError(f"reconstruction gives the ids a reconstructing policy (kvzip) repeats the context with; "
-                             f"{policy.name} does not reconstruct")
-        return
-    if settings.reconstruction is None:
-        raise ValueError(f"{policy.name} reconstructs the request's context: the request must give its reconstruction "
-                         "ids (reconstruction: prefix_tokens, first, later, suffix; harness.eviction.settings.Reconstruction)")
-    if settings.reconstruction.prefix_tokens >= eviction_point:
-        raise ValueError(f"reconstruction.prefix_tokens={settings.reconstruction.prefix_tokens} leaves nothing of the "
-                         f"{eviction_point} tokens before the eviction point to reconstruct")
-
-
-def check_chain_policy(policy: Policy) -> None:
-    """What a chained turn cannot give a policy: the next request holds the previous turn's kept K/V,
-    not its queries, so a rule reading a window of queries before the boundary (SnapKV, TOVA) or
-    summing every query (H2O, LRU) would see only the new tokens' few."""
-    if policy.query_window or policy.accumulates:
-        raise ValueError(f"chain=true, but {policy.name} reads attention queries (a window before the boundary or "
-                         "every query so far); a chained turn carries the previous turn's kept K/V, not its queries: "
-                         "use an attention-free policy or chain=false")
-
-
-def check_scope(compress, context_tokens, decode_eviction: bool, chain, schedule, where: str
-                ) -> tuple[str, int | None, bool]:
-    """What is compressed, where, and whether a conversation's turns carry it on: ``compress`` and a
-    request's ``context_tokens`` against ``decode_eviction``, then ``chain`` against them and the
-    schedule. The one check of these fields, for a request's settings (``parse_settings``) and a
-    run's (``harness.config.check``, which gives no boundary: each request brings its own)."""
-    compress, context_tokens = check_compress(compress, context_tokens, decode_eviction, where)
-    return compress, context_tokens, check_chain(chain, compress, schedule, where)
-
-
-def check_compress(compress, context_tokens, decode_eviction: bool, where: str) -> tuple[str, int | None]:
-    """``compress`` and a request's ``context_tokens``, checked against each other."""
-    if compress not in COMPRESS:
-        raise ValueError(f"{where}: compress must be one of {', '.join(COMPRESS)} (where the prefill eviction runs: "
-                         f"after the whole prompt, or at the end of the context), got {compress!r}")
-    if compress == "context" and decode_eviction:
-        raise ValueError(f"{where}: compress=context compresses the context once, before the question (kvpress's "
-                         "query-agnostic setting); pass decode_eviction=false with it")
-    if context_tokens is None:
-        return compress, None
-    if compress != "context":
-        raise ValueError(f"{where}: context_tokens is the boundary compress=context evicts at; it needs compress=context")
-    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
-        raise ValueError(f"{where}: context_tokens must be a positive number of tokens, got {context_tokens!r}")
-    return compress, context_tokens
+def parse_settings(raw, where: str) -> EvictionSettings | None:
+    """A request's or an engine's settings (``read_settings``); None for ``policy: full``."""
+    settings = read_settings(raw, where)
+    return None if settings.policy == "full" else settings
 
 
 def settings_from(vllm_config) -> EvictionSettings | None:
@@ -523,171 +482,3 @@ def request_settings(extra_args: dict | None, default: EvictionSettings | None, 
         except (BudgetError, UnknownPolicyError, TypeError, ValueError) as error:
             raise ValueError(f"request {CONFIG_KEY}: {error}") from None
     return settings
-
-
-# The budget a ratio's settings are checked at before any prompt is seen (names and options).
-PROBE_BLOCKS = 64
-
-
-def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
-    """The policy these settings run. Settings with a ``budget_ratio`` not yet resolved against a
-    prompt (``for_prompt``) are built at a probe budget: enough to check the name and options.
-    Its score is tried once on a tiny input (``try_score``): a score that raises or returns the
-    wrong shape is refused here, at admission, with its message."""
-    budget = settings.budget if settings.budget is not None else PROBE_BLOCKS * block_size
-    policy = make_policy(settings.policy, budget, block_size, **settings.options)
-    policy.decode_eviction = settings.decode_eviction
-    # The context compressed alone keeps whole blocks (a block rule's L mod B more would end it in a
-    # partial block, which every request sharing it copies; no decode eviction follows it to need them).
-    policy.whole_blocks = settings.compress == "context"
-    try_score(policy, (settings.policy, json.dumps(settings.options, sort_keys=True), block_size))
-    return policy
-
-
-_TRIED_SCORES: set[tuple] = set()
-
-
-def try_score(policy: Policy, key: tuple) -> None:
-    """An attention-free score run once per policy and options on two blocks of random K/V (two
-    heads): what a user's new score gets wrong most often (it raises, or returns other than
-    ``[kv_heads, tokens]`` finite numbers) fails its request at admission, not in the engine.
-    What depends on real input can still fail there: the engine then ends that request alone
-    (``harness.eviction.evictor.PolicyFailure``). Attention scores need a query window and are
-    the harness's own (their tests check them)."""
-    if key in _TRIED_SCORES or not policy.needs_kv or policy.query_window or policy.reconstructs \
-            or not hasattr(policy, "score"):
-        return  # (a reconstructing score is not computed from K/V: its passes are the engine's)
-    import torch
-
-    from harness.eviction.evictor import PolicyFailure, as_failure, checked_scores
-
-    generator = torch.Generator().manual_seed(0)
-    keys, values = (torch.randn(2 * policy.block_size, 2, 8, generator=generator) for _ in range(2))
-    try:
-        checked_scores(policy, policy.layer_scores(keys, values), keys)
-    except Exception as error:
-        failure: PolicyFailure = as_failure(policy, error)
-        raise ValueError(f"{failure} (tried at admission on {keys.shape[0]} tokens of random K/V)") from None
-    _TRIED_SCORES.add(key)
-
-
-def group_policies(settings: EvictionSettings, block_size: int, num_layers: int, groups: int) -> tuple[Policy, ...]:
-    """The policy each of an engine's ``groups`` KV cache groups runs for these settings: the
-    budget spread by the settings' schedule (whole blocks, at least two per group, summing to
-    ``groups`` x the budget), group 0 holding the first layers. One group: the settings' policy.
-    A schedule that leaves a group less than its policy needs (SnapKV's window) is refused."""
-    whole = build_policy(settings, block_size)
-    if groups > 1:
-        check_grouped(whole, groups)
-    if groups == 1 or settings.budget is None:
-        if settings.budget_schedule != "uniform" and groups == 1:
-            raise ValueError(f"budget_schedule={settings.budget_schedule} spreads the budget over the engine's layer "
-                             "groups; this engine has one (set engine.layer_groups)")
-        return (whole,) * groups
-    if settings.budget_schedule in MEASURED_SCHEDULES:
-        # measured: the request's own; not yet: the uniform ones, which only say what is the same in
-        # every group (window, phases) until the measurement fixes them
-        budgets = settings.group_budgets or (settings.budget,) * groups
-        if len(budgets) != groups or sum(budgets) > groups * settings.budget:
-            raise ValueError(f"group budgets {list(budgets)} for {groups} groups of budget {settings.budget}")
-    else:
-        budgets = group_budgets(settings.budget_schedule, settings.budget, num_layers, groups, block_size,
-                                beta=settings.pyramid_beta, min_blocks=least_blocks(settings, block_size))
-    try:
-        return tuple(build_policy(replace(settings, budget=budget), block_size) for budget in budgets)
-    except BudgetError as error:
-        raise ValueError(f"budget_schedule={settings.budget_schedule} gives the layer groups budgets {list(budgets)}: "
-                         f"{error}") from None
-
-
-def check_layer_groups(groups: object, num_layers: int | None = None) -> int:
-    """``engine.layer_groups`` itself: a positive integer dividing the model's layer count (equal
-    groups: vLLM sizes a block by its largest group, so unequal ones waste memory, and tags of
-    unequal sizes split into more groups than tags, vllm/v1/core/kv_cache_utils.py:1467-1501)."""
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"layer_groups must be a positive integer, got {groups!r}")
-    if num_layers is not None and num_layers % groups:
-        raise ValueError(f"layer_groups={groups} does not divide the model's {num_layers} attention layers "
-                         f"into equal groups; choose a divisor of {num_layers}")
-    return groups
-
-
-_ADMITTED: dict[tuple, tuple[Policy, ...]] = {}
-
-
-def admit(settings: EvictionSettings, block_size: int, num_layers: int, groups: int, *, enforce_eager: bool,
-          async_scheduling: bool) -> tuple[Policy, ...]:
-    """The one admission of eviction settings on an engine: what the engine needs of them (an
-    attention schedule synchronous scheduling and eager mode, an attention-reading policy eager
-    mode), their budget spread over the engine's ``groups`` KV cache groups, and the policy each
-    group runs; ``ValueError`` says what cannot run and why. The run's config check, the frontend's
-    request check, the scheduler, the worker and the memory predictions all ask here; the answer
-    is cached per settings and engine."""
-    key = (settings.key, block_size, num_layers, groups, bool(enforce_eager), bool(async_scheduling))
-    policies = _ADMITTED.get(key)
-    if policies is None:
-        check_schedule_runs(settings, enforce_eager, async_scheduling)
-        policies = group_policies(settings, block_size, num_layers, groups)
-        for policy in {id(policy): policy for policy in policies}.values():
-            check_policy_runs(policy, enforce_eager)
-            check_reconstructing_policy(settings, policy)
-            if settings.chain:
-                check_chain_policy(policy)
-        if len(_ADMITTED) >= 4096:  # ratio budgets differ per prompt length: bounded, not a leak
-            _ADMITTED.clear()
-        _ADMITTED[key] = policies
-    return policies
-
-
-def scheduling_is_async(async_scheduling: bool | None, device: str) -> bool:
-    """Whether vLLM will schedule asynchronously: as asked, or by default where the platform has
-    it: on a GPU, not on CPU (vllm/platforms/cpu.py:329-331)."""
-    return async_scheduling if async_scheduling is not None else device == "cuda"
-
-
-def least_blocks(settings: EvictionSettings, block_size: int) -> int:
-    """The fewest blocks a group's budget may have: two (a first block and a recent one), or more
-    where the policy needs them (SnapKV's window inside its budget); at most the whole budget."""
-    return min(build_policy(settings, block_size).min_budget(), settings.budget) // block_size
-
-
-def check_grouped(policy: Policy, groups: int) -> None:
-    """What a policy cannot do on an engine of several layer groups (each group scores and evicts
-    its own layers, ``harness.engine.worker_patch``)."""
-    if getattr(policy, "score_layers", "all") != "all":
-        raise ValueError(f"score_layers names one layer of the model; with layer_groups={groups} each group scores "
-                         "its own layers")
-
-
-def check_schedule_runs(settings: EvictionSettings, enforce_eager: bool, async_scheduling: bool) -> None:
-    """What a measured schedule needs of the engine: it evicts in the step it measures in (so the
-    scheduler learns the budgets from that step's report); the attention schedule reads the
-    prompt's queries through the hooks compiled graphs skip; the kvzip schedule reads KVzip's
-    reconstruction scores, so it needs that policy, and it is built for a context compressed alone."""
-    if settings.budget_schedule == "kvzip":
-        if not settings.reconstructs:
-            raise ValueError(f"budget_schedule=kvzip sets the layer groups' budgets from KVzip's reconstruction "
-                             f"scores; policy {settings.policy} computes none: use policy=kvzip (or another schedule)")
-        if settings.compress != "context":
-            raise ValueError("budget_schedule=kvzip is built for compress=context only (KVzip's query-agnostic "
-                             "setting, the context compressed once before the question; compress=prompt is untested "
-                             "with it): pass compress=context")
-        if async_scheduling:
-            raise ValueError(needs_sync("kvzip"))
-        return
-    if settings.budget_schedule != "attention":
-        return
-    if async_scheduling:
-        raise ValueError(needs_sync("attention"))
-    if not enforce_eager:
-        raise ValueError("budget_schedule=attention reads the prompt's queries through hooks that compiled graphs "
-                         "skip: run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")
-
-
-def check_policy_runs(policy: Policy, enforce_eager: bool) -> None:
-    """What a policy needs of the engine beyond eviction itself: an attention-aware policy's query
-    window is copied by Python hooks on the attention layers, which compiled graphs skip."""
-    if (policy.query_window or policy.reconstructs) and not enforce_eager:
-        raise ValueError(
-            f"{policy.name} reads attention queries through hooks that compiled graphs skip: "
-            "run with enforce_eager (engine.enforce_eager=true, vllm serve --enforce-eager)")

@@ -22,6 +22,7 @@ def vllm_config(**changes):
                                         prefill_context_parallel_size=1, decode_context_parallel_size=1,
                                         data_parallel_size=1),
         speculative_config=None,
+        kv_transfer_config=None,
         use_v2_model_runner=False,
         scheduler_config=SimpleNamespace(async_scheduling=False, scheduler_cls=SCHEDULER_CLS),
     )
@@ -282,3 +283,32 @@ def test_cpu_view_stores_keys_transposed_within_a_block():
     flat = cache.flatten().tolist()
     assert flat[:12] == [0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0]
     assert flat[12:] == [0, 0, 0, 7, 8, 9, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_gpu_engine_reserves_room_for_the_admitted_policy_at_the_budget_it_runs_at(monkeypatch):
+    """The GPU engine shrinks vLLM's share of the device by the eviction state's prediction: for a
+    ratio, that of the policy admitted at the largest budget the ratio gives (a prompt of
+    ``max_model_len``), not the probe budget a ratio's name and options are checked at (issue 63:
+    the probe's 64 blocks underestimated a longer context's state)."""
+    import torch
+
+    from harness.config import ModelSettings, engine_settings
+    from harness.config.models import model_shape
+    from harness.eviction.memory import predict
+    from harness.eviction.settings import PROBE_BLOCKS, budget_for_ratio, build_policy
+    from tests.support.engine_support import model_path
+
+    path, total = model_path("smollm2"), 80 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (total, total))
+    model = ModelSettings(name="smollm2", path=path, max_model_len=8192, max_prompt_tokens=8192, dtype="bfloat16")
+    engine = engine_settings("cuda", max_num_seqs=4)
+    eviction = EvictionSettings("knorm", None, {}, budget_ratio=0.5)
+    reserving = SimpleNamespace()
+    shrunk = llm.Engine._leave_room_for_eviction(reserving, path, model, engine, 16, eviction, 0.9)
+    budget = budget_for_ratio(0.5, 8192, 16)
+    shape = model_shape(path, "bfloat16")
+    runs_at = predict(build_policy(EvictionSettings("knorm", budget), 16), shape, 4, 8192, FlashAttnView.joint_read_bytes)
+    probe = predict(build_policy(eviction, 16), shape, 4, 8192, FlashAttnView.joint_read_bytes)
+    assert budget == 4096 and build_policy(eviction, 16).budget == PROBE_BLOCKS * 16 == 1024
+    assert reserving.eviction_reserved == runs_at.total > probe.total
+    assert shrunk == pytest.approx(0.9 - runs_at.total / total)
