@@ -77,7 +77,8 @@ from harness.eviction.messages import (
 )
 from harness.engine.compatibility import (REFUSED, check_compatible, layer_groups_of, prefix_cache_refusal,
                                          prefix_cache_unreachable)
-from harness.engine.shared_contexts import ContextCache, ContextStats, Entry, chain_entry_key, context_key
+from harness.engine.context_sharing import ContextSharing
+from harness.engine.shared_contexts import ContextCache, ContextStats, context_key
 from harness.eviction.settings import (EvictionSettings, admit, build_policy, request_settings, settings_from,
                                        unshareable)
 from policies import BlockPolicy, Policy
@@ -174,9 +175,6 @@ class Ledger:
 
 
 KEPT_REQUEST_COUNTERS = 100_000  # finished requests' stats kept for the harness (oldest dropped)
-# The most steps a request waits for another to compress its context (a long context compresses in
-# as many chunks as it has: far fewer); then it compresses its own, and the figures count it.
-CONTEXT_WAIT_STEPS = 256
 
 
 @dataclass(frozen=True)
@@ -341,11 +339,8 @@ class EvictionScheduler(Scheduler):
         # and no KV connector would take a compressed hit for a pristine one.
         self.kv_contexts = ContextCache(self.kv_cache_manager.block_pool) if self._shares_contexts() else None
         self.kv_ledger.contexts = self.kv_contexts.stats if self.kv_contexts is not None else None
-        self.kv_context_keys: dict[str, tuple] = {}    # live requests that may share: their context's key
-        self.kv_context_taking: dict[str, Entry] = {}  # took an entry in this schedule(), not yet scheduled
-        self.kv_context_compressing: dict[str, tuple] = {}  # compressing a context others wait for
-        self.kv_context_waits: dict[str, int] = {}     # steps a request has waited for its context
-        self.kv_chain_missed: set[str] = set()        # chained, found no chain entry in this schedule()
+        # who takes, compresses, waits for and publishes them (harness.engine.context_sharing)
+        self.kv_sharing = ContextSharing(self, self.kv_contexts) if self.kv_contexts is not None else None
         self.kv_refused: list[tuple] = []  # (request, message): refused on arrival, reported with the next output
         self.kv_prefix_cache_resets = 0  # told to the workers in every plan (their kept reconstruction scores)
         if self.kv_unsupported is None:
@@ -432,7 +427,7 @@ class EvictionScheduler(Scheduler):
             if uncached:
                 self.kv_uncached.add(request.request_id)
             if key is not None:
-                self.kv_context_keys[request.request_id] = key
+                self.kv_sharing.admit(request.request_id, key)
         super().add_request(request)
 
     def _admit(self, request) -> tuple[EvictionSettings, bool, tuple | None] | None:
@@ -496,7 +491,7 @@ class EvictionScheduler(Scheduler):
         find = manager.get_computed_blocks
 
         def get_computed_blocks(request):
-            shared = self._take_context(request)
+            shared = self.kv_sharing.take(request) if self.kv_sharing is not None else None
             if shared is not None:
                 return shared
             if request.request_id in self.kv_uncached:
@@ -514,134 +509,11 @@ class EvictionScheduler(Scheduler):
 
         patches.set_on(manager, "get_computed_blocks", get_computed_blocks)
 
-    def _take_context(self, request):
-        """A request about a context compressed and kept already takes its blocks as a prefix-cache
-        hit of the context's logical length (its evicted counts set first, so its KV manager sizes
-        it by what the blocks hold, and its question is prefilled at its logical positions); one
-        that compresses the context itself is recorded, so that others asking about it wait."""
-        key = self.kv_context_keys.get(request.request_id)
-        settings = self.kv_request_settings.get(request.request_id)
-        chained = settings is not None and settings.chain and request.request_id not in self.kv_uncached
-        if settings is not None and settings.chain and not chained:
-            self.kv_chain_missed.add(request.request_id)  # its copies could not fit: it compacts in place
-        if key is None and not chained:
-            return None
-        length = settings.context_tokens
-        entry = self.kv_contexts.take(key) if key is not None and length <= request.num_tokens - 1 else None
-        if entry is None and chained:
-            # The previous turn's kept cache (the longest chain entry shorter than this context: a
-            # turn's boundary comes after that cache's last token, so what is left is computed here
-            # and compressed with it). Never for a request kept out of the prefix cache: it would
-            # compact in place, into the entry's blocks.
-            found = self.kv_contexts.find_chain(request, settings, length,
-                                                self.kv_cache_manager.block_pool.hash_block_size)
-            entry = self.kv_contexts.take(found) if found is not None else None
-            if entry is None:
-                self.kv_chain_missed.add(request.request_id)  # counted if it is scheduled so (_settle_contexts)
-        if entry is None or entry.chain:
-            policies = self.group_policies(settings)
-            if key is not None and any(policy.needs_prefill_eviction(length) for policy in policies):
-                # the first compresses for everyone (the others wait: _handle_blocked_waiting_request)
-                self.kv_contexts.owners.setdefault(key, request.request_id)
-                self.kv_context_compressing[request.request_id] = key
-        if entry is None:
-            return None
-        self.kv_ledger.evicted[request.request_id] = [entry.length - kept for kept in entry.kept]
-        self.kv_context_taking[request.request_id] = entry
-        blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(list(group) for group in entry.blocks))
-        return blocks, entry.length, 0
-
     def _handle_blocked_waiting_request(self, request) -> bool:
         """A request whose context another request is compressing now waits for it (skipped this
-        step, keeping its place: vllm/v1/core/sched/scheduler.py:904-910, 929-931), at most
-        ``CONTEXT_WAIT_STEPS`` steps; then it compresses its own."""
+        step, keeping its place: vllm/v1/core/sched/scheduler.py:904-910, 929-931; ``ContextSharing.ready``)."""
         ready = super()._handle_blocked_waiting_request(request)
-        key = self.kv_context_keys.get(request.request_id)
-        if not ready or key is None or request.num_computed_tokens:
-            return ready
-        owner = self.kv_contexts.owners.get(key)
-        if owner is None or owner == request.request_id or key in self.kv_contexts.entries:
-            return True
-        waited = self.kv_context_waits[request.request_id] = self.kv_context_waits.get(request.request_id, 0) + 1
-        if waited > CONTEXT_WAIT_STEPS:
-            if waited == CONTEXT_WAIT_STEPS + 1:
-                self.kv_contexts.stats.waits_given_up += 1
-            return True
-        self.kv_contexts.stats.wait_steps += 1
-        counters = self.kv_request_counters.get(request.request_id)
-        if counters is not None:
-            counters.context_wait_steps += 1
-        return False
-
-    def _settle_contexts(self) -> None:
-        """After a schedule: the requests that took an entry and were scheduled hold its blocks
-        (counted as hits); those that could not be (no room) give their claim back, as do
-        compressing requests that were not scheduled."""
-        stats = self.kv_contexts.stats
-        for request_id, entry in self.kv_context_taking.items():
-            request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                counters = self.kv_request_counters.get(request_id)
-                if entry.chain:
-                    # held until the request finishes: a preempted turn finds the same cache again
-                    self.kv_contexts.hold(entry.key, request_id)
-                    stats.chain_hits += 1
-                    stats.chain_reused_tokens += entry.length
-                    if counters is not None:
-                        counters.chain_hits += 1
-                        counters.chain_reused_tokens += entry.length
-                    continue
-                stats.hits += 1
-                stats.blocks_shared += entry.block_count
-                if counters is not None:
-                    counters.context = "shared"
-            else:
-                self.kv_ledger.evicted.pop(request_id, None)
-        self.kv_context_taking.clear()
-        for request_id in self.kv_chain_missed:
-            request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                # a first turn, or a later one whose previous turn's entry was reclaimed (it compresses the
-                # pristine history again): the run's records tell them apart by turn
-                stats.chain_misses += 1
-                counters = self.kv_request_counters.get(request_id)
-                if counters is not None:
-                    counters.chain_misses += 1
-        self.kv_chain_missed.clear()
-        for request_id, key in list(self.kv_context_compressing.items()):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                self._stop_compressing(request_id)
-
-    def _stop_compressing(self, request_id: str) -> None:
-        key = self.kv_context_compressing.pop(request_id, None)
-        if key is not None and self.kv_contexts.owners.get(key) == request_id:
-            del self.kv_contexts.owners[key]
-
-    def _publish_contexts(self) -> None:
-        """Keep the contexts whose compression every group has reported (the worker wrote the kept
-        blocks), under their keys; the requests that waited for them take them next."""
-        for request_id, key in list(self.kv_context_compressing.items()):
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished():
-                self._stop_compressing(request_id)
-                continue
-            length = self.kv_request_settings[request_id].context_tokens
-            if request.num_computed_tokens < length or any((request_id, g) in self.kv_expected for g in range(self.kv_groups)):
-                continue
-            self._stop_compressing(request_id)
-            evicted = self.kv_ledger.evicted.get(request_id)
-            if not evicted or not any(evicted):
-                continue  # nothing compressed (a policy that failed, or a context within its budgets)
-            kept = tuple(length - count for count in evicted)
-            managers = self.kv_cache_manager.coordinator.single_type_managers
-            blocks = tuple(manager.req_to_blocks[request_id][: cdiv(count, self.kv_block_size)]
-                           for manager, count in zip(managers, kept))
-            self.kv_contexts.stats.misses += 1
-            if self.kv_contexts.publish(key, request_id, length, kept, blocks):
-                counters = self.kv_request_counters.get(request_id)
-                if counters is not None:
-                    counters.context = "compressed"
+        return ready and (self.kv_sharing is None or self.kv_sharing.ready(request))
 
     def eviction_point(self, request) -> int:
         """Where an evicting request's prefill eviction runs: the end of its prompt, or of its
@@ -673,7 +545,7 @@ class EvictionScheduler(Scheduler):
         by this very allocation: ``allocate_slots`` caches the step's full blocks) or shared."""
         settings = self.kv_request_settings.get(request_id)
         request = self.requests.get(request_id)
-        taking = self.kv_context_taking.get(request_id)
+        taking = self.kv_sharing.taking.get(request_id) if self.kv_sharing is not None else None
         if settings is None or request is None or not self.cache_config.enable_prefix_caching or \
                 request_id in self.kv_uncached or (taking is not None and not taking.chain):
             return ()  # (a request taking a compressed context: its prefill eviction is the context's, done)
@@ -750,7 +622,7 @@ class EvictionScheduler(Scheduler):
             self.kv_contexts.release_idle()
         output = super().schedule(*args, **kwargs)
         if self.kv_contexts is not None:
-            self._settle_contexts()
+            self.kv_sharing.settle()
             if not output.total_num_scheduled_tokens and not self.running and self.waiting and \
                     self.kv_contexts.holders:
                 # Nothing runs and nothing could be admitted: the chain entries held for preempted turns
@@ -875,8 +747,8 @@ class EvictionScheduler(Scheduler):
                 self._fix_budgets(request_id, budgets, plan.step)
             for (request_id, group), eviction in report.evictions.items():
                 self._settle(request_id, group, eviction, plan.step)
-            if self.kv_context_compressing:
-                self._publish_contexts()
+            if self.kv_sharing is not None and self.kv_sharing.compressing:
+                self.kv_sharing.publish_compressed()
             for (request_id, _), expected in list(self.kv_expected.items()):
                 if expected.step == plan.step and self._live(request_id):
                     what = "measure the layer budgets of" if isinstance(expected, Undecided) else "evict"
@@ -944,7 +816,7 @@ class EvictionScheduler(Scheduler):
         request_id = request.request_id
         ledger = self.kv_ledger
         if self.kv_contexts is not None and request.is_finished():
-            self._publish_chain(request)
+            self.kv_sharing.publish_chain(request)
             self.kv_contexts.let_go(request_id)
         if any(ledger.evicted.pop(request_id, ())) and not request.is_finished():
             ledger.totals.preempted_after_eviction += 1
@@ -962,49 +834,11 @@ class EvictionScheduler(Scheduler):
             if request.is_finished():
                 del self.kv_request_settings[request_id]
                 self.kv_uncached.discard(request_id)
-                self.kv_context_keys.pop(request_id, None)
-                self.kv_context_waits.pop(request_id, None)
-        self.kv_context_taking.pop(request_id, None)
-        self._stop_compressing(request_id)
+        if self.kv_sharing is not None:
+            self.kv_sharing.forget(request, request.is_finished())
         super()._free_request_blocks(request)
         if self.kv_contexts is not None:
             self.kv_contexts.release_idle()  # an entry no request holds now counts as free
-
-    def _publish_chain(self, request) -> None:
-        """A finished ``chain=true`` request that compressed (or continued a compressed cache)
-        leaves its whole kept cache for the next turn: per group its first ``cdiv(kept, block)``
-        blocks, standing for the logical tokens it computed (``prompt + output - 1``: the last
-        output token's K/V is never computed). Called before vLLM frees its blocks (the entry's
-        reference keeps them). Not after an error, nor with an eviction not yet settled.
-
-        vLLM internals it rests on: a request's last sampled token is appended and the stop checked
-        before its blocks are freed (``vllm/v1/core/sched/scheduler.py:2167, 2493-2510``, then
-        ``_free_request`` at :2230 -> ``_free_blocks`` :2746 -> ``_free_request_blocks`` :2766, this
-        override), so its computed tokens are ``num_tokens - 1`` (under asynchronous scheduling one
-        more may be counted for a step in flight, whose write lands past the kept slots: hence the
-        ``min``); ``Request.block_hashes`` grow with its outputs (``vllm/v1/request.py:272-288``), so
-        the key covers the answer; a KV connector's deferred free never applies (no cache with one,
-        ``_shares_contexts``; ``scheduler.py:2757-2775``)."""
-        request_id = request.request_id
-        settings = self.kv_request_settings.get(request_id)
-        if settings is None or not settings.chain or request.status == RequestStatus.FINISHED_ERROR:
-            return
-        evicted = self.kv_ledger.evicted.get(request_id)
-        if not evicted or not any(evicted) or any((request_id, g) in self.kv_expected for g in range(self.kv_groups)):
-            return
-        length = min(request.num_computed_tokens, request.num_tokens - 1)
-        if length < self.eviction_point(request):
-            return  # ended before its boundary (an abort): the previous turn's entry still stands
-        key = chain_entry_key(request, settings, length, self.kv_cache_manager.block_pool.hash_block_size)
-        if key is None:
-            return
-        kept = tuple(length - count for count in evicted)
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        held = [manager.req_to_blocks.get(request_id, []) for manager in managers]
-        if any(len(blocks) < cdiv(count, self.kv_block_size) for blocks, count in zip(held, kept)):
-            return
-        blocks = tuple(blocks[: cdiv(count, self.kv_block_size)] for blocks, count in zip(held, kept))
-        self.kv_contexts.publish(key, request_id, length, kept, blocks)
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
         # Compressed contexts go with the prefix cache (weights may have changed): the cache lets go

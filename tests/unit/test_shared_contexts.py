@@ -375,7 +375,7 @@ def test_the_scheduler_never_shares_a_context_between_embeddings_that_differ_in_
         prompt = torch.cat([ctx, embeddings(QUESTION, seed=10 + index)])
         params = SamplingParams(max_tokens=OUTPUTS, ignore_eos=True, extra_args={CONFIG_KEY: raw})
         scheduler.add_request(Request(f"r{index + 1}", None, params, None, prompt_embeds=prompt, block_hasher=hasher))
-    keys = scheduler.kv_context_keys
+    keys = scheduler.kv_sharing.keys
     assert keys["r1"] == keys["r3"] != keys["r2"] and keys["r1"][0] == keys["r2"][0]
     drive(scheduler, worker, asynchronous=False)
 
