@@ -65,6 +65,13 @@ class Policy:
     # ``harness.eviction.settings.build_policy`` sets it where the context is compressed alone
     # (compress=context), which no decode eviction follows and whose kept blocks other requests share.
     whole_blocks: bool = field(default=False, kw_only=True)
+    # The request's first N tokens, never evicted by any selection (a system prompt it must keep): a
+    # run setting too (``EvictionSettings.protect_prefix``). They count inside the budget. Kept from
+    # the first eviction on, they stay in the request's first N slots (a compaction keeps its tokens
+    # in order, a dropped block leaves the slots before it), so a selection keeps its first N slots
+    # (``first_kept``) and a block selection never drops a block holding one (``protected_blocks``);
+    # ``check_carried`` refuses a prefix that leaves the rule no room beside it.
+    protect_prefix: int = field(default=0, kw_only=True)
 
     name: ClassVar[str] = ""
     granularity: ClassVar[Granularity] = "none"
@@ -87,9 +94,54 @@ class Policy:
 
     def min_budget(self) -> int:
         """The smallest budget, in tokens (whole blocks, at least two), at which this policy with
-        its options is valid: what a ratio's budget on a short prompt, or a layer group's share,
-        is raised to. A policy whose options need more says so here, beside its check."""
-        return 2 * self.block_size
+        its options (and its protected prefix: ``fit_prefix``) is valid: what a ratio's budget on a
+        short prompt, or a layer group's share, is raised to. A policy whose options need more says
+        so here, beside its check."""
+        return self.fit_prefix(2 * self.block_size)
+
+    # --- the protected prefix (``protect_prefix``): every selection below honours it -------------
+    def first_kept(self, first: int = 0) -> int:
+        """The first slots a selection keeps: its rule's own (``first``: a block of sinks, StreamingLLM's
+        sinks) or the protected prefix, the longer."""
+        return max(first, self.protect_prefix)
+
+    def protected_blocks(self) -> int:
+        """The leading blocks holding a protected token: a block selection never drops one."""
+        return -(-self.protect_prefix // self.block_size)
+
+    def prefix_span(self) -> int:
+        """What the protected prefix takes of the budget: its tokens (a block policy: the whole
+        blocks holding them, which are never dropped)."""
+        return self.protect_prefix
+
+    def kept_beside_prefix(self, budget: int) -> int:
+        """The fewest tokens the rule must keep beside the protected prefix at ``budget``: at least a
+        block of its own choice (a rule that always keeps its newest tokens says how many)."""
+        return self.block_size
+
+    def fits_prefix(self, budget: int) -> bool:
+        return not self.protect_prefix or self.prefix_span() + self.kept_beside_prefix(budget) <= budget
+
+    def fit_prefix(self, budget: int) -> int:
+        """``budget``, raised by whole blocks until the protected prefix fits beside what the rule keeps."""
+        while not self.fits_prefix(budget):
+            budget += self.block_size
+        return budget
+
+    def check_carried(self) -> None:
+        """The run settings the policy carries (set once it is built: ``harness.eviction.admission.
+        build_policy``) against its budget: a protected prefix must leave the rule room to choose."""
+        prefix = self.protect_prefix
+        if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+            raise ValueError(f"protect_prefix must be a number of tokens >= 0, got {prefix!r}")
+        if not self.evicts or self.fits_prefix(self.budget):
+            return
+        span, beside = self.prefix_span(), self.kept_beside_prefix(self.budget)
+        held = f"the {span // self.block_size} block(s) holding it" if span != prefix else "it"
+        raise BudgetError(
+            f"protect_prefix={prefix} leaves {self.budget - span} of budget={self.budget} tokens beside {held}; "
+            f"{self.name or type(self).__name__} needs {beside} there (at least a block, and the newest tokens its "
+            f"rule keeps): raise the budget to {self.fit_prefix(self.budget)} or protect fewer tokens")
 
     def prefill_keep_count(self, prompt_len: int) -> int:
         """How many prompt tokens stay after prefill; the engine sizes its copies from this."""
@@ -126,6 +178,9 @@ class BlockPolicy(Policy):
     """Evicts whole blocks in decode: the victim leaves the block table, nothing is copied."""
 
     granularity: ClassVar[Granularity] = "block"
+
+    def prefix_span(self) -> int:
+        return self.protected_blocks() * self.block_size
 
     def select_victim(self, scores: torch.Tensor | None, tokens: int) -> int:
         """Position, in the request's block list, of the block to drop."""

@@ -16,6 +16,10 @@
   sets are per KV head or one per request: a score whose rule chooses per layer (TOVA) is averaged
   per request here.
 
+A request's protected prefix (``Policy.protect_prefix``) stays at both granularities: it is the
+first edge where it reaches past the rule's own (``first_kept``), and a block holding one of its
+tokens is never a decode victim (``protected_blocks``); it counts inside the budget.
+
 Both wrap a ``policies.score.Score``: what the engine must keep for it (static scores, a query
 window, accumulated totals) is the score's to declare.
 """
@@ -55,7 +59,7 @@ class ScoredPolicy:
         return self.score(keys, values, window)
 
     def min_budget(self) -> int:
-        return max(2 * self.block_size, self.score.min_budget(self.block_size, self.granularity))
+        return self.fit_prefix(max(2 * self.block_size, self.score.min_budget(self.block_size, self.granularity)))
 
     def shares_per_head(self) -> bool:
         return self.score.share == "head" if self.score.share is not None else self.per_head
@@ -71,11 +75,20 @@ class ScoredTokenPolicy(ScoredPolicy, TokenPolicy):
         super().__post_init__()
         self.score.check(self.budget, self.block_size, self.granularity)
 
-    def select_decode(self, scores, tokens, layers, heads):
-        edges = self.score.token_edges(self.budget, self.block_size)
+    def edges(self, budget: int) -> tuple[int, int]:
+        """The (first, last) tokens the rule always keeps at ``budget``: the score's, or the first and
+        last block (``protect_edges``)."""
+        edges = self.score.token_edges(budget, self.block_size)
         if edges is None:
             edges = (self.block_size, self.block_size) if self.protect_edges else (0, 0)
-        first, last = edges
+        return edges
+
+    def kept_beside_prefix(self, budget: int) -> int:
+        return max(self.block_size, self.edges(budget)[1])
+
+    def select_decode(self, scores, tokens, layers, heads):
+        first, last = self.edges(self.budget)
+        first = self.first_kept(first)  # the protected prefix stays
         if self.score.share == "layer":  # one choice per layer, from its heads' average
             per_layer = keep_edges_and_best(scores.mean(dim=1), first, last, self.budget)
             return per_layer[:, None, :].expand(layers, heads, -1).contiguous()
@@ -130,22 +143,29 @@ class ScoredBlockPolicy(ScoredPolicy, BlockPolicy):
         """The newest blocks that always stay: one, or those holding what the score's rule keeps."""
         return max(1, -(-self.score.newest_kept() // self.block_size))
 
+    def kept_beside_prefix(self, budget: int) -> int:
+        return self.newest_blocks * self.block_size  # and a decode eviction then has one block to drop
+
     def select_prefill(self, scores, tokens, layers, heads):
+        first = self.first_kept(self.block_size)  # the first block, or the protected prefix
         tail = self.newest_blocks * self.block_size + self.remainder(tokens)
         total = self.prefill_keep_count(tokens)
         if self.shares_per_head():
-            return keep_edges_and_best(scores.expand(layers, -1, -1), self.block_size, tail, total)
-        kept = keep_edges_and_best(scores.mean(dim=(0, 1)), self.block_size, tail, total)
+            return keep_edges_and_best(scores.expand(layers, -1, -1), first, tail, total)
+        kept = keep_edges_and_best(scores.mean(dim=(0, 1)), first, tail, total)
         return broadcast_keep(kept, layers, heads)
 
     def select_victim(self, scores, tokens):
         blocks = tokens // self.block_size
-        last_candidate = blocks - 1 - self.newest_blocks  # the newest block is blocks - 1
-        if self.candidates == "local":
-            last_candidate = min(last_candidate, self.local_blocks)
-        if last_candidate < 1:
-            raise ValueError(f"no evictable block among {blocks} (need at least {self.newest_blocks + 2} full blocks)")
+        # never the first block nor one holding a protected token, never the newest (blocks - 1)
+        first_candidate = max(1, self.protected_blocks())
+        last_candidate = blocks - 1 - self.newest_blocks
+        if self.candidates == "local":  # the local_blocks oldest of those that may leave
+            last_candidate = min(last_candidate, first_candidate + self.local_blocks - 1)
+        if last_candidate < first_candidate:
+            raise ValueError(f"no evictable block among {blocks} (need at least "
+                             f"{first_candidate + self.newest_blocks + 1} full blocks)")
         usable = blocks * self.block_size
         block_scores = scores.mean(dim=(0, 1))[:usable].view(blocks, self.block_size).mean(dim=-1)
         # argmin returns the first minimum: ties go to the oldest candidate, deterministically.
-        return 1 + int(torch.argmin(comparable(block_scores[1 : last_candidate + 1])))
+        return first_candidate + int(torch.argmin(comparable(block_scores[first_candidate : last_candidate + 1])))

@@ -25,7 +25,7 @@ class StreamingLLM(TokenPolicy):
     n_sink: int = 4  # attention sinks: the first tokens, always kept
 
     def min_budget(self) -> int:
-        return blocks_above(self.n_sink, self.block_size)
+        return self.fit_prefix(blocks_above(self.n_sink, self.block_size))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -33,8 +33,9 @@ class StreamingLLM(TokenPolicy):
             raise ValueError(f"n_sink must be in [0, budget={self.budget}), got {self.n_sink}")
 
     def _keep(self, tokens: int, layers: int, heads: int) -> torch.Tensor:
-        recent = self.budget - self.n_sink
-        kept = torch.cat([torch.arange(self.n_sink), torch.arange(tokens - recent, tokens)])
+        sinks = self.first_kept(self.n_sink)  # the sinks, or the protected prefix
+        recent = self.budget - sinks
+        kept = torch.cat([torch.arange(sinks), torch.arange(tokens - recent, tokens)])
         return broadcast_keep(kept, layers, heads)
 
     def select_decode(self, scores, tokens, layers, heads):

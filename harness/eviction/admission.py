@@ -32,12 +32,20 @@ def build_policy(settings: EvictionSettings, block_size: int) -> Policy:
     Its score is tried once on a tiny input (``try_score``): a score that raises or returns the
     wrong shape is refused here, at admission, with its message."""
     budget = settings.budget if settings.budget is not None else PROBE_BLOCKS * block_size
-    policy = make_policy(settings.policy, budget, block_size, **settings.options)
-    # The run settings a policy carries (``Policy``'s own fields beyond budget and block size:
-    # decode_eviction, whole_blocks), as the record declares them (``EvictionSettings.policy_fields``).
+    policy = carrying(make_policy(settings.policy, budget, block_size, **settings.options), settings)
+    if settings.budget is None and not policy.fits_prefix(budget):  # a ratio's budget rises to fit it
+        policy = carrying(make_policy(settings.policy, policy.min_budget(), block_size, **settings.options), settings)
+    policy.check_carried()
+    try_score(policy, (settings.policy, json.dumps(settings.options, sort_keys=True), block_size))
+    return policy
+
+
+def carrying(policy: Policy, settings: EvictionSettings) -> Policy:
+    """``policy`` with the run settings it carries (``Policy``'s own fields beyond budget and block
+    size: decode_eviction, whole_blocks, protect_prefix), as the record declares them
+    (``EvictionSettings.policy_fields``); ``Policy.check_carried`` checks them against its budget."""
     for name, value in settings.policy_fields().items():
         setattr(policy, name, value)
-    try_score(policy, (settings.policy, json.dumps(settings.options, sort_keys=True), block_size))
     return policy
 
 

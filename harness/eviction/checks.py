@@ -138,3 +138,12 @@ def check_chain(chain, given: dict) -> bool:
         raise ValueError("chain=true, but budget_schedule=attention measures each request's layer budgets from its "
                          "own prompt's queries, which a turn continuing a compressed history does not have")
     return chain
+
+
+def check_protect_prefix(prefix, given: dict) -> int:
+    """The request's first tokens never evicted; what the budget must leave beside them is the
+    policy's (``policies.base.Policy.check_carried``, at admission: it needs the block size)."""
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        raise ValueError(f"protect_prefix is how many of the request's first tokens are never evicted, an integer "
+                         f">= 0; got {prefix!r}")
+    return prefix

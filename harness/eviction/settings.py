@@ -216,6 +216,12 @@ class EvictionSettings:
     chain: bool = setting(False, check=checks.check_chain, run=True, names=Names(
         slug=lambda s: "_chain", label=lambda s: "chained",
         mark=lambda s: "chain=true"))  # each turn compresses the previous turn's compressed cache
+    # the request's first N tokens never evicted, by any policy, in prefill or decode (a system prompt
+    # it must keep); they count inside the budget (``policies.base.Policy.protect_prefix``)
+    protect_prefix: int = setting(0, check=checks.check_protect_prefix, run=True, policy_field="protect_prefix",
+                                  names=Names(slug=lambda s: f"_prefix{s.protect_prefix}",
+                                              label=lambda s: f"protect_prefix={s.protect_prefix}",
+                                              mark=lambda s: f"protect_prefix={s.protect_prefix}"))
     # budget_schedule=attention or kvzip: this request's group budgets, once measured from its prompt
     # (the engine's, never a user's: not in the wire form)
     group_budgets: tuple[int, ...] | None = setting(None, wire=False)

@@ -109,3 +109,30 @@ def test_the_policy_state_the_worker_held_stays_within_its_prediction(matrix_run
                     for name, options in MATRIX for _ in prompts)
     held = matrix_run["ledger"]["policy_state_bytes_peak"]
     assert 0 < held <= predicted < 4 * held
+
+
+def test_a_protected_prefix_in_the_engine_equals_the_plain_reference(tmp_path, prompts):
+    """``protect_prefix`` (a request's own setting) in the engine: PagedEviction (blocks) and StreamingLLM
+    (tokens) with the prompt's first 100 tokens protected equal the plain reference token for token,
+    which keeps the tokens at logical positions below 100 by its own rule (its cache still holds them
+    after both phases' evictions); the same requests unprotected, in the same batch (the file's
+    engine), answer otherwise: the setting reached the engine and changed what it kept."""
+    import torch
+
+    from tests.support.plain_reference import PlainReference
+
+    cases, prefix = ("paged", "streaming"), 100
+    settings = [{"policy": name, "budget": BUDGET, "protect_prefix": protected}
+                for protected in (prefix, 0) for name in cases]
+    run = run_engine(tmp_path, "smollm2", prompts[:1] * len(settings), NEW_TOKENS, request_eviction=settings)
+    plain = PlainReference(model_path("smollm2"))
+    for index, name in enumerate(cases):
+        rule = plain_policy(name, BUDGET, BLOCK)
+        rule.protect_prefix = prefix
+        ids, counts = plain.generate(prompts[0], NEW_TOKENS, rule)
+        assert counts["prefill"] == 1 and counts["decode"] >= 1, "both phases evict"
+        assert all((held[:, :prefix] == torch.arange(prefix)).all() for held in plain.positions), "the prefix stayed"
+        assert run["outputs"][index] == ids, name
+        assert run["outputs"][len(cases) + index] != ids, f"{name}: unprotected, the engine answers otherwise"
+    assert run["ledger"]["evictions"]["prefill"] == len(settings)
+    assert run["free_blocks_after"] == run["free_blocks_before"] == run["ledger"]["kv_pool_blocks"]

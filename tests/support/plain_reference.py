@@ -15,6 +15,11 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
   first block, the last B tokens and the best middle; the project's decision for ``compress=context``,
   whose rules never evict in decode): ``context_tokens`` given to a rule that evicts in decode (only
   ``len(prompt)`` allows it) is prompt compression, L mod B kept as ever;
+* a protected prefix (``protect_prefix`` N, the request's own setting): every cached token whose
+  logical position is below N stays, whatever the rule, in prefill and in decode. They count inside
+  the budget C: a token rule keeps them in place of its first edge where they reach past it (and
+  its best middle shrinks by them); a block rule's prefill likewise, and in decode it never drops a
+  block holding one; StreamingLLM's sinks are the first max(4, N) tokens;
 * scores are compared at 11 significant bits, ties going to the earlier token (the harness's
   documented tie rule, so last-bit differences between two engines' K/V cannot flip a choice);
 * attention-aware rules (SnapKV, H2O) read the queries of the newest W tokens: here each layer's
@@ -211,8 +216,9 @@ class PlainPolicy:
 
     def __init__(self, score: str, granularity: str, budget: int, block: int, per_head: bool | None = None,
                  protect_edges: bool = True, weights: dict | None = None, decode_eviction: bool = True,
-                 repeat: Repeat | None = None):
+                 repeat: Repeat | None = None, protect_prefix: int = 0):
         self.score, self.granularity, self.budget, self.block = score, granularity, budget, block
+        self.protect_prefix = protect_prefix  # tokens at logical positions below it always stay
         self.repeat = repeat  # kvzip: the request's reconstruction inputs
         self.reconstructed: torch.Tensor | None = None  # kvzip: [layers, heads, context] scores, set by generate
         self.decode_eviction = decode_eviction  # False: the prompt is compressed, the answer never
@@ -290,20 +296,38 @@ class PlainPolicy:
             return "head" if fixed == "head" or (fixed is None and self.per_head) else "request"
         return fixed or ("head" if self.per_head else "request")
 
+    def protected(self, positions: list[torch.Tensor] | None, length: int) -> int:
+        """How many cached tokens the protected prefix holds: those at logical positions below N
+        (``positions[l]``: ``[heads, tokens]``, what each slot holds; None: the cache is the
+        request's first ``length`` tokens, nothing evicted yet). Kept from the first eviction on,
+        they are the first slots of every layer and head (asserted here)."""
+        if not self.protect_prefix:
+            return 0
+        if positions is None:
+            return min(self.protect_prefix, length)
+        held = int((positions[0][0] < self.protect_prefix).sum())
+        for layer in positions:
+            assert ((layer < self.protect_prefix) == (torch.arange(layer.shape[-1]) < held)).all(), \
+                "the protected tokens are the first slots of every layer and head"
+        return held
+
     def keep(self, keys: list[torch.Tensor], values: list[torch.Tensor], phase: str,
              queries: list[torch.Tensor] | None = None, scale: float = 1.0,
-             whole_blocks: bool = False) -> torch.Tensor | int:
+             whole_blocks: bool = False, positions: list[torch.Tensor] | None = None) -> torch.Tensor | int:
         """``keys[l]``/``values[l]``: ``[heads, tokens, dim]``; ``queries[l]``: the window,
-        ``[n, query heads, dim]``; ``whole_blocks``: a block rule's prefill keeps C exactly."""
+        ``[n, query heads, dim]``; ``whole_blocks``: a block rule's prefill keeps C exactly;
+        ``positions[l]``: the logical position each slot holds (``protected``)."""
         C, B = self.budget, self.block
         heads, length = keys[0].shape[0], keys[0].shape[1]
         layers = len(keys)
-        if self.score == "streaming":  # 4 attention sinks + the most recent tokens
-            kept = torch.cat([torch.arange(4), torch.arange(length - (C - 4), length)])
+        held = self.protected(positions, length)  # the first slots, never evicted
+        if self.score == "streaming":  # 4 attention sinks (or the protected prefix) + the most recent tokens
+            sinks = max(4, held)
+            kept = torch.cat([torch.arange(sinks), torch.arange(length - (C - sinks), length)])
             return kept.expand(layers, heads, -1)
         scores = self.scores(keys, values, queries, scale)
         if self.granularity == "block" and phase == "decode":
-            victim = self._lowest_block(scores.mean(dim=(0, 1)), length)
+            victim = self._lowest_block(scores.mean(dim=(0, 1)), length, held)
             if self.totals is not None:
                 self.totals = torch.cat([self.totals[..., : victim * B], self.totals[..., (victim + 1) * B:]], dim=-1)
             return victim
@@ -314,6 +338,7 @@ class PlainPolicy:
             rule = ATTENTION_RULES.get(self.score)
             first, last = rule["edges"](C, B) if rule else ((B, B) if self.protect_edges else (0, 0))
             total = C
+        first = max(first, held)  # the protected tokens lead the cache: they stay with the first edge
         share = self.share()
         if share == "head":
             kept = keep_with_edges(scores.expand(layers, heads, -1), first, last, total)
@@ -330,12 +355,14 @@ class PlainPolicy:
         newest = ATTENTION_RULES.get(self.score, {}).get("newest", 0)
         return max(1, -(-newest // self.block))
 
-    def _lowest_block(self, per_token: torch.Tensor, length: int) -> int:
+    def _lowest_block(self, per_token: torch.Tensor, length: int, held: int = 0) -> int:
         B = self.block
         blocks = length // B
         block_scores = rounded(per_token[: blocks * B].view(blocks, B).mean(dim=-1))
-        candidates = block_scores[1 : blocks - self._newest_blocks()]  # never the first, never the newest
-        return 1 + int(torch.nonzero(candidates == candidates.min())[0])
+        # never the first, never one holding a protected token (the first ``held`` slots), never the newest
+        start = max(1, -(-held // B))
+        candidates = block_scores[start : blocks - self._newest_blocks()]
+        return start + int(torch.nonzero(candidates == candidates.min())[0])
 
 
 def reads_queries(policy: PlainPolicy) -> bool:
@@ -572,7 +599,7 @@ class PlainReference:
         keys = [cache.layers[l].keys[0] for l in members]
         values = [cache.layers[l].values[0] for l in members]
         kept = policy.keep(keys, values, phase, self.queries[members.start:members.stop], self.head_dim ** -0.5,
-                           whole_blocks)
+                           whole_blocks, [self.positions[l] for l in members])
         if isinstance(kept, int):  # a whole block leaves
             length = keys[0].shape[1]
             index = torch.cat([torch.arange(kept * policy.block), torch.arange((kept + 1) * policy.block, length)])

@@ -54,14 +54,17 @@ def test_compressing_a_context_the_evictor_keeps_what_the_plain_rule_keeps(name,
     assert evict_as_both(name, options, "prefill", block, build_policy(settings, block), whole_blocks=True) == 64
 
 
-def evict_as_both(name: str, options: dict, phase: str, block: int, policy, whole_blocks: bool = False) -> int | None:
-    """One eviction by the harness's evictor (``policy``, budget 64) and by the plain rule on the same
-    random K/V; asserts both kept the same K/V (or dropped the same block); the tokens kept (None
-    where a block was dropped)."""
-    budget, layers, heads, dim = 64, 3, 2, 8
-    tokens = 100 if phase == "prefill" else budget + block
+def evict_as_both(name: str, options: dict, phase: str, block: int, policy, whole_blocks: bool = False,
+                  budget: int = 64, prompt: int = 100, protect_prefix: int = 0) -> int | None:
+    """One eviction by the harness's evictor (``policy``, at ``budget``) and by the plain rule on the
+    same random K/V (``prompt`` tokens in prefill); asserts both kept the same K/V (or dropped the
+    same block), and the first ``protect_prefix`` tokens among them; the tokens kept (None where a
+    block was dropped)."""
+    layers, heads, dim = 3, 2, 8
+    tokens = prompt if phase == "prefill" else budget + block
     gen = torch.Generator().manual_seed(len(name) + tokens)
-    view = FlashAttnView([torch.randn(8, heads, block, 2 * dim, generator=gen) for _ in range(layers)])
+    pool = max(8, -(-tokens // block) + 1)  # blocks in the pool
+    view = FlashAttnView([torch.randn(pool, heads, block, 2 * dim, generator=gen) for _ in range(layers)])
     blocks = list(range(-(-tokens // block)))
     keys = [view.read_layer(l, blocks, 0, tokens)[0].permute(1, 0, 2) for l in range(layers)]
     values = [view.read_layer(l, blocks, 0, tokens)[1].permute(1, 0, 2) for l in range(layers)]
@@ -72,14 +75,32 @@ def evict_as_both(name: str, options: dict, phase: str, block: int, policy, whol
     eviction = evict(policy, view, blocks, tokens, phase, state, "r")
 
     rule = plain_policy(name, budget, block, options.get("granularity"))
+    rule.protect_prefix = protect_prefix
     if rule.counts_queries:
         rule.count(keys, list(queries), 0.3)
     kept = rule.keep(keys, values, phase, list(queries), 0.3, whole_blocks)
     if isinstance(kept, int):  # a whole block left: the block list lost it, nothing moved
         assert eviction.dropped_blocks == (kept,)
+        assert kept * block >= protect_prefix, "no block holding a protected token leaves"
         return None
     assert_pool_holds(view, blocks, eviction.kept_blocks, kept, keys, values)
+    assert (kept[..., :protect_prefix] == torch.arange(protect_prefix)).all(), "the protected prefix stays"
     return kept.shape[-1]
+
+
+@pytest.mark.parametrize("block", [BLOCK, 16], ids=["cpu_block", "gpu_block"])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+def test_with_a_protected_prefix_the_evictor_keeps_what_the_plain_rule_keeps(name, options, phase, block):
+    """The same with ``protect_prefix=50`` (past a 32-token block, and three 16-token blocks and part of a
+    fourth), budget 128 and a 200-token prompt: the policy the engine builds for the setting
+    (``build_policy``) and the plain rule, which protects the tokens at logical positions below 50 by
+    its own rule, keep the same K/V, the prefix among it, counted inside the budget."""
+    settings = EvictionSettings(name, 128, dict(options), protect_prefix=50)
+    policy = build_policy(settings, block)
+    kept = evict_as_both(name, options, phase, block, policy, budget=128, prompt=200, protect_prefix=50)
+    if phase == "prefill":
+        assert kept == 128 + (200 % block if policy.granularity == "block" else 0)
 
 
 # 40 new tokens at budget 128 and block 32: every rule's cache reaches C + B = 160 in decode (a token

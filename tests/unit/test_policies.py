@@ -274,3 +274,102 @@ def test_a_policys_min_budget_is_the_smallest_budget_it_accepts(name, options, b
     probed = probed_min_budget(name, options, block_size)
     declared = make_policy(name, 64 * block_size, block_size, **options).min_budget()
     assert declared == probed
+
+
+# --- the protected prefix (``protect_prefix``, a request's setting the policy carries) -------------------
+
+PROTECTED = 13  # at B = 4: three whole blocks and one token of a fourth
+
+
+def protecting(name: str, options: dict, budget: int, prefix: int = PROTECTED, block_size: int = B):
+    """The policy these settings build, as the engine builds it (``build_policy``: the prefix set and
+    checked against the budget)."""
+    from harness.eviction.settings import EvictionSettings, build_policy
+
+    return build_policy(EvictionSettings(name, budget, dict(options), protect_prefix=prefix), block_size)
+
+
+def random_scores(policy, tokens: int, seed: int) -> torch.Tensor | None:
+    if not policy.needs_kv:
+        return None
+    return torch.rand(LAYERS, HEADS, tokens, generator=torch.Generator().manual_seed(seed))
+
+
+def decisions(policy, tokens: int, phase: str, seed: int):
+    """The policy's decision on random scores: the kept ``[layers, heads, kept]`` or the victim block."""
+    scores = random_scores(policy, tokens, seed)
+    if phase == "prefill":
+        return policy.select_prefill(scores, tokens, LAYERS, HEADS)
+    if policy.granularity == "block":
+        return policy.select_victim(scores, tokens)
+    return policy.select_decode(scores, tokens, LAYERS, HEADS)
+
+
+def drops_protected(decision, prefix: int) -> bool:
+    if isinstance(decision, int):  # the victim block
+        return decision * B < prefix
+    return not (decision[..., :prefix] == torch.arange(prefix)).all()
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("name, options", MATRIX + [("kvzip", {})], ids=MATRIX_IDS + ["kvzip"])
+def test_no_policy_evicts_a_protected_token(name, options, phase):
+    """Every registered policy, at both granularities (and KVzip, whose scores its passes leave), keeps
+    the first ``protect_prefix`` slots at every prefill and decode eviction, and a block policy never
+    drops a block holding one; without the prefix the same scores drop some of them (the test bites).
+    They count inside the budget: the keep sets are as large as without the prefix."""
+    budget, tokens = 64, {"prefill": 100, "decode": 64 + B}[phase]
+    bare, kept = protecting(name, options, budget, prefix=0), protecting(name, options, budget)
+    bitten = False
+    for seed in range(20):
+        decision = decisions(kept, tokens, phase, seed)
+        assert not drops_protected(decision, PROTECTED), (seed, decision)
+        plain = decisions(bare, tokens, phase, seed)
+        bitten |= drops_protected(plain, PROTECTED)
+        if not isinstance(decision, int):
+            assert decision.shape == plain.shape and (decision.diff(dim=-1) > 0).all()
+    assert bitten, "without the prefix the same decisions drop a protected token"
+
+
+def test_a_block_policy_drops_the_best_block_after_the_protected_ones():
+    """PagedEviction's lowest block is block 1; with 5 tokens protected (blocks 0 and 1 hold them)
+    the next lowest leaves, and with the ``local`` candidates the window of oldest blocks starts after them."""
+    value_norm = torch.tensor([5.0, 1.0, 2.0, 3.0, 4.0, 5.0]).repeat_interleave(B)
+    keys, values = with_norms(torch.ones(6 * B), value_norm)
+    assert decode_evict_block(protecting("paged", {}, 20, prefix=0), keys, values) == 1
+    assert decode_evict_block(protecting("paged", {}, 20, prefix=5), keys, values) == 2
+    local = protecting("paged", {"candidates": "local", "local_blocks": 1}, 20, prefix=9)  # blocks 0-2 held
+    assert decode_evict_block(local, keys, values) == 3
+
+
+def test_streaming_keeps_the_protected_prefix_as_its_sinks():
+    kept = decisions(protecting("streaming", {}, 32, prefix=10), 50, "prefill", 0)[0, 0].tolist()
+    assert kept == list(range(10)) + list(range(28, 50))
+
+
+@pytest.mark.parametrize("name, budget, message", [
+    ("paged", 16, "protect_prefix=13 leaves 0 of budget=16 tokens beside the 4 block(s) holding it; paged needs 4 "
+                  "there (at least a block, and the newest tokens its rule keeps): raise the budget to 20"),
+    ("knorm", 16, "protect_prefix=13 leaves 3 of budget=16 tokens beside it; knorm needs 4 there"),
+    ("h2o", 24, "protect_prefix=13 leaves 11 of budget=24 tokens beside it; h2o needs 12 there"),
+    ("snapkv_block", 44, "snapkv_block needs 32 there"),  # the 8 blocks holding its window of 32
+])
+def test_a_prefix_that_leaves_the_rule_no_room_is_refused_in_one_line(name, budget, message):
+    with pytest.raises(BudgetError) as error:
+        protecting(name, {}, budget)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("prefix", [1, 13, 40])
+@pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
+def test_min_budget_with_a_protected_prefix_is_the_smallest_budget_admitted(name, options, prefix):
+    """What a ratio's budget on a short prompt, or a layer group's share, is raised to fits the prefix."""
+    admitted = []
+    for blocks in range(2, 65):
+        try:
+            protecting(name, options, blocks * B, prefix)
+            admitted.append(blocks * B)
+        except ValueError:
+            continue
+    assert admitted and protecting(name, options, 64 * B, prefix).min_budget() == admitted[0]
+    assert admitted == list(range(admitted[0], 65 * B, B)), "every larger budget too"

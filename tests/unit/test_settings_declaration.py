@@ -32,6 +32,7 @@ AWAY = {
     "pyramid_beta": {"budget_schedule": "pyramid", "pyramid_beta": 5.0},
     "share_context": {"share_context": False},
     "chain": {**CONTEXT, "chain": True},
+    "protect_prefix": {"protect_prefix": 16},
     "group_budgets": {"group_budgets": (96, 32)},
     "reconstruction": {"reconstruction": {"prefix_tokens": 1, "first": [5], "later": [6], "suffix": [7]}},
 }
@@ -81,9 +82,10 @@ def test_the_key_the_identity_and_the_names_follow_the_declaration(name):
 
 def test_the_derived_lists_are_the_declaration_read_in_field_order():
     assert WIRE_FIELDS == ("policy", "budget", "options", "budget_ratio", "decode_eviction", "compress",
-                           "context_tokens", "budget_schedule", "pyramid_beta", "share_context", "chain", "reconstruction")
+                           "context_tokens", "budget_schedule", "pyramid_beta", "share_context", "chain",
+                           "protect_prefix", "reconstruction")
     assert RUN_FIELDS == ("budget_ratio", "decode_eviction", "compress", "budget_schedule", "pyramid_beta",
-                          "share_context", "chain")
+                          "share_context", "chain", "protect_prefix")
     assert set(KEY_FIELDS) == set(DECLARED) - {"context_tokens", "share_context", "reconstruction"}
     assert all(DECLARED[name].check is not None for name in WIRE_FIELDS), "every field a user gives is checked"
     assert set(DEFAULTS) == set(DECLARED) - {"policy", "budget"}
@@ -113,7 +115,8 @@ def test_a_run_field_away_from_its_default_names_another_cell():
              "compress": (("decode_eviction=false",), ("compress=context",)),
              "budget_schedule": ((), ("budget_schedule=pyramid",)),
              "pyramid_beta": (("budget_schedule=pyramid",), ("pyramid_beta=5",)),
-             "share_context": ((), ("share_context=false",)), "chain": (("compress=context",), ("chain=true",))}
+             "share_context": ((), ("share_context=false",)), "chain": (("compress=context",), ("chain=true",)),
+             "protect_prefix": ((), ("protect_prefix=16",))}
     assert set(pairs) == set(RUN_FIELDS)
     for name, (before, change) in pairs.items():
         plain, other = run_settings(compose_cfg(*base, *before)), run_settings(compose_cfg(*base, *before, *change))

@@ -54,6 +54,10 @@ BAD = {
               ({**PAGED, "chain": True}, "chain=true carries a turn's compressed context into the next turn; it "
                "needs compress=context"),
               ({**CONTEXT, "budget_schedule": "attention", "chain": True}, "chain=true, but budget_schedule=attention")],
+    "protect_prefix": [({**PAGED, "protect_prefix": -1}, "protect_prefix is how many of the request's first tokens are "
+                        "never evicted, an integer >= 0; got -1"),
+                       ({**PAGED, "protect_prefix": "all"}, "protect_prefix is how many of the request's first tokens"),
+                       ({**PAGED, "protect_prefix": 2.5}, "protect_prefix is how many of the request's first tokens")],
     "group_budgets": [({**PAGED, "group_budgets": [64, 64]}, "unknown key(s) ['group_budgets']")],
     "reconstruction": [({**CONTEXT, "reconstruction": [1, 2]}, "reconstruction must be a mapping of prefix_tokens"),
                        ({**CONTEXT, "reconstruction": {"prefix_tokens": 1, "first": [], "later": [2], "suffix": []}},
@@ -161,6 +165,8 @@ ADMISSION = [
     ({**PAGED, "budget_schedule": "pyramid"}, "budget_schedule=pyramid spreads the budget over the engine's layer "
      "groups; this engine has one"),
     ({**CONTEXT, "policy": "snapkv", "chain": True}, "a chained turn carries the previous turn's kept K/V"),
+    ({**PAGED, "protect_prefix": 40}, "protect_prefix=40 leaves 0 of budget=64 tokens beside the 2 block(s) holding it; "
+     "paged needs 32 there"),
 ]
 
 
