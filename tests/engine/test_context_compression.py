@@ -167,24 +167,6 @@ def test_a_shared_context_is_cached_once_and_never_written(engine_runs):
     assert cached["ledger"]["copy_target_blocks"] > 0  # compaction wrote blocks of its own
 
 
-def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tmp_path, requests):
-    """A pool too small for every request at once: vLLM preempts requests that had already
-    compressed their context or taken a shared one; each takes the shared context again (or, where
-    the pool reclaimed it, compresses the context again at the same boundary) and generates what it
-    generated, computing its own, without preemption."""
-    context = [(p, s) for p, s in requests if s.get("compress") == "context"]
-    chosen = [(p, s) for p, s in context if s["policy"] == "paged"] + context[-3:]  # two, and three SnapKV questions
-    prompts, settings = [p for p, _ in chosen], [s for _, s in chosen]
-    roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings)
-    tight = run_engine(tmp_path / "tight", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings,
-                       num_kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN, prefix_caching=True)
-    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
-    assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding a compressed context"
-    assert tight["ledger"]["shared_contexts"]["hits"] > 0
-    assert_same_outputs(roomy, tight)
-    assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
-
-
 def test_a_kept_context_no_request_holds_is_taken_again_by_the_next_question(tmp_path, requests):
     """Questions that come one at a time (each sent when the one before has finished): between
     them the compressed context is held by no running request, so the cache lets its blocks go
@@ -276,3 +258,21 @@ def test_a_chained_conversation_equals_the_plain_reference_and_never_writes_a_ke
     blocks = run["chain_blocks"]
     assert blocks["checked"] > 0 and blocks["changed"] == 0
     assert run["free_blocks_after"] == ledger["kv_pool_blocks"]
+
+
+def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tmp_path, requests):
+    """A pool too small for every request at once: vLLM preempts requests that had already
+    compressed their context or taken a shared one; each takes the shared context again (or, where
+    the pool reclaimed it, compresses the context again at the same boundary) and generates what it
+    generated, computing its own, without preemption."""
+    context = [(p, s) for p, s in requests if s.get("compress") == "context"]
+    chosen = [(p, s) for p, s in context if s["policy"] == "paged"] + context[-3:]  # two, and three SnapKV questions
+    prompts, settings = [p for p, _ in chosen], [s for _, s in chosen]
+    roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings)
+    tight = run_engine(tmp_path / "tight", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings,
+                       num_kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN, prefix_caching=True)
+    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
+    assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding a compressed context"
+    assert tight["ledger"]["shared_contexts"]["hits"] > 0
+    assert_same_outputs(roomy, tight)
+    assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]

@@ -1,6 +1,7 @@
 """The eviction engine inside vLLM 0.32 against stock vLLM and the Hugging Face reference.
 
-Every engine runs in its own process (harness.engine.batch_run); the reference runs here. The
+Every engine runs in a process of its own (harness.engine.batch_run's batches, on the engine tests'
+kept engines: tests/support/engine_pool.py); the reference runs here. The
 policies share one engine per model (``every_policy``): each is checked on its own requests, by
 their outputs and their own eviction counters (batch_run's request_counters).
 """
@@ -31,23 +32,6 @@ NEW_TOKENS = DECODE_EVICTING_TOKENS
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("engines")
-
-
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_full_cache_equals_stock_vllm(workdir, model):
-    """20 prompts of mixed lengths (12 on SmolLM2): stock vLLM, the patched engine with eviction off, and with a
-    budget no prompt reaches (the physical-length machinery active, nothing evicted) agree token for
-    token (up to fp32 rounding ties, see assert_same_outputs)."""
-    prompts = text_prompts(model, mixed_lengths(20 if model == "tiny" else 12, 16, 1500, seed=1), seed=1)
-    stock = run_engine(workdir, model, prompts, 32, stock=True)
-    patched = run_engine(workdir, model, prompts, 32, eviction={"policy": "paged", "budget": 2048})
-    assert patched["ledger"]["policy"] == "paged" and stock["ledger"] is None, "plugin on / off as asked"
-    assert patched["ledger"]["freed_blocks"] == 0
-    assert_same_outputs(stock, patched)
-    if model == "tiny":
-        off = run_engine(workdir, model, prompts, 32)
-        assert off["ledger"]["policy"] is None
-        assert_same_outputs(stock, off)
 
 
 def every_policy(workdir, model: str, **spec) -> tuple[list[list[int]], dict]:
@@ -135,3 +119,22 @@ def test_engine_core_in_its_own_process_gives_the_same_outputs(policy_runs, work
     assert [c and (c["policy"], c["evictions"]) for c in separate["request_counters"]] == \
         [c and (c["policy"], c["evictions"]) for c in in_process["request_counters"]]
     assert separate["free_blocks_after"] == separate["ledger"]["kv_pool_blocks"]
+
+
+# Last, and the tiny model last: its engine without eviction is the first the next file asks for
+# (tests/engine/test_engine_tensor_parallel.py: one engine start fewer, tests/support/engine_pool.py).
+@pytest.mark.parametrize("model", ["smollm2", "tiny"])
+def test_full_cache_equals_stock_vllm(workdir, model):
+    """20 prompts of mixed lengths (12 on SmolLM2): stock vLLM, the patched engine with eviction off, and with a
+    budget no prompt reaches (the physical-length machinery active, nothing evicted) agree token for
+    token (up to fp32 rounding ties, see assert_same_outputs)."""
+    prompts = text_prompts(model, mixed_lengths(20 if model == "tiny" else 12, 16, 1500, seed=1), seed=1)
+    stock = run_engine(workdir, model, prompts, 32, stock=True)
+    patched = run_engine(workdir, model, prompts, 32, eviction={"policy": "paged", "budget": 2048})
+    assert patched["ledger"]["policy"] == "paged" and stock["ledger"] is None, "plugin on / off as asked"
+    assert patched["ledger"]["freed_blocks"] == 0
+    assert_same_outputs(stock, patched)
+    if model == "tiny":
+        off = run_engine(workdir, model, prompts, 32)
+        assert off["ledger"]["policy"] is None
+        assert_same_outputs(stock, off)

@@ -3,12 +3,13 @@ split over two workers (vLLM's multiprocess executor, a rank per core, gloo and 
 shared-memory collectives) generates what one worker generates, for every registered policy at
 every granularity (``tests/support/policy_matrix.py``) and for four compressing a context before its
 question (KVzip's reconstruction passes among them), with prefix caching off and on, and under
-preemption; every block returns to the pool and no block the prefix cache holds is written.
+preemption; every block returns to the pool and no block the prefix cache holds is written. One
+worker in vLLM's compiled mode generates the same for every policy that reads no attention.
 
 Five engines: one worker and two with the same requests, then two workers with prefix caching on
 over a warm cache, then one and two workers in a pool too small for the long requests; and two
 with the layers as two KV cache groups (two workers with prefix caching; one worker in a small pool,
-under preemption). The
+under preemption); and one worker in compiled mode. The
 matrix's requests (budget 256, 64 new tokens) and a preemption set (budget 512, 300 new tokens)
 share the first engine: a preempted request recomputes its prompt and replays its outputs one
 token per step, so it meets the same evictions and produces the same tokens as one never
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 
+from policies import REGISTRY
 from tests.support.engine_support import (DECODE_EVICTING_TOKENS, assert_same_outputs, kvzip_reconstruction, mixed_lengths,
                                           run_engine, text_prompts)
 from tests.support.policy_matrix import MATRIX, MATRIX_IDS
@@ -139,6 +141,29 @@ def test_under_preemption_one_or_two_workers_generate_what_one_generates_without
     assert preempted_run["free_blocks_after"] == preempted_run["ledger"]["kv_pool_blocks"]
 
 
+ATTENTION_FREE = [case for case, (name, _) in enumerate(MATRIX) if not REGISTRY[name].reads_attention]
+
+
+@pytest.fixture(scope="module")
+def compiled_one_worker(tmp_path_factory, requests):
+    """The attention-free matrix cases again, on one worker in vLLM's compiled mode (on CPU:
+    TorchDynamo traced once and compiled by Inductor, vllm/platforms/cpu.py:356-377)."""
+    matrix, _ = requests
+    return run(tmp_path_factory, "compiled", [request for case in ATTENTION_FREE for request in matrix[2 * case:2 * case + 2]],
+               enforce_eager=False)
+
+
+def test_compiled_mode_gives_the_eager_outputs_for_every_attention_free_policy(one_worker, compiled_one_worker):
+    rows = [row for case in ATTENTION_FREE for row in case_rows(case)]
+    assert len(ATTENTION_FREE) >= 10 and len(rows) == len(compiled_one_worker["outputs"])
+    assert_same_outputs(part(one_worker, rows), compiled_one_worker)
+    assert one_worker["perf"][0]["machine"]["compilation"] == "NONE"
+    assert compiled_one_worker["perf"][0]["machine"]["compilation"] == "DYNAMO_TRACE_ONCE"
+    ledger = compiled_one_worker["ledger"]
+    assert ledger["evictions"]["prefill"] == len(rows) and ledger["evictions"]["decode"] > 0
+    assert compiled_one_worker["free_blocks_after"] == compiled_one_worker["free_blocks_before"] == ledger["kv_pool_blocks"]
+
+
 # Layer groups (engine.layer_groups=2: the tiny Llama's 4 layers as two KV cache groups) on two
 # workers with prefix caching: every group evicts on its own (its own block list, count, lengths,
 # view, policy state and query window, each rank its own heads). At the uniform schedule a policy
@@ -150,8 +175,6 @@ PYRAMID = ["paged", "knorm", "value_norm"]
 
 
 def granularity_of(name: str, options: dict) -> str:
-    from policies import REGISTRY
-
     return options.get("granularity", REGISTRY[name].granularity)
 
 
@@ -173,8 +196,6 @@ def test_two_groups_choosing_per_layer_generate_what_one_group_generates(one_wor
 def plain_cases() -> list[tuple[str, dict, str]]:
     """(name, options, schedule): the attention-free block rules at the uniform schedule, and the
     pyramid's policies (the plain reference evicts per group for rules that read no queries)."""
-    from policies import REGISTRY
-
     block = [(name, options, "uniform") for name, options in MATRIX
              if granularity_of(name, options) == "block" and not REGISTRY[name].reads_attention]
     return block + [(name, {}, "pyramid") for name in PYRAMID]

@@ -103,18 +103,22 @@ def test_a_sweep_killed_in_each_cell_resumes_to_the_same_results(tmp_path, unint
     assert scores(tmp_path).equals(scores(uninterrupted))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
-def test_a_killed_group_sweep_resumes_to_the_same_outputs(tmp_path, uninterrupted, sig):
-    """The shared-prefill launcher killed while its engine runs: no cell of the group looks
-    complete; the rerun computes all of them, and every sample equals the one-engine-per-cell
-    sweep's (near-tie rule)."""
+def test_a_killed_group_sweep_resumes_to_the_same_outputs(tmp_path, uninterrupted):
+    """The shared-prefill launcher killed while its engine runs, by SIGKILL and then, rerun, by
+    SIGINT (CI time: one chain, where a test per signal ran the group to its end twice): after each
+    kill no cell of the group looks complete; the last rerun computes all of them, and every sample
+    equals the one-engine-per-cell sweep's (near-tie rule)."""
     from harness.analysis.regression import compare
 
-    def engine_started(complete, partial):
-        return any((p / ENGINE_LOG).exists() for p in partial)
+    for sig in (signal.SIGKILL, signal.SIGINT):
+        launched = time.time()
 
-    kill_when(sweep(tmp_path, launcher="shared_prefill"), tmp_path, engine_started, sig)
-    assert cells(tmp_path)[0] == [], "a cell of the killed group was published"
+        def engine_started(complete, partial):
+            # this run's engine (a killed run's log stays in its partial cell until a rerun starts)
+            return any((p / ENGINE_LOG).exists() and (p / ENGINE_LOG).stat().st_mtime > launched for p in partial)
+
+        kill_when(sweep(tmp_path, launcher="shared_prefill"), tmp_path, engine_started, sig)
+        assert cells(tmp_path)[0] == [], f"{sig.name}: a cell of the killed group was published"
 
     resumed = sweep(tmp_path, launcher="shared_prefill")
     output, _ = resumed.communicate(timeout=900)

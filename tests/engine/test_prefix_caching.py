@@ -3,7 +3,8 @@
 With prefix caching on, every policy's outputs must equal its outputs with prefix caching off
 (near-tie rule), with mixed policies and budgets in one batch, requests sharing a prompt, and
 preemption; no block the prefix cache holds is ever written; the pool's free count returns to
-its start. Each engine runs in its own process (harness.engine.batch_run).
+its start. Each engine runs in a process of its own (harness.engine.batch_run's batches, on the engine
+tests' kept engines: tests/support/engine_pool.py, each batch on an emptied prefix cache).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def without_cache(workdir, shared_prompts):
 def test_mixed_policies_in_one_batch_equal_each_policy_alone(workdir, shared_prompts, without_cache):
     """Per-request settings: a batch mixing five policies and full cache gives each request what
     an engine running only that request's settings gives it."""
-    for index in (0, 1, 3):
+    for index in (3, 0, 1):  # full cache first: it runs on the engine of the mixed batch (no default policy)
         settings = MIXED[index]
         alone = run_engine(workdir, "smollm2", [shared_prompts[index]], 80,
                            eviction=settings if settings["policy"] != "full" else None)
@@ -96,19 +97,6 @@ def roomy(workdir):
     return slices
 
 
-@pytest.mark.parametrize("policy", ["paged", "knorm"])
-def test_prefix_caching_under_preemption(workdir, roomy, policy):
-    """Eight requests on four short prompts (each asked twice) growing to 13 blocks in a 30-block
-    pool: the scheduler preempts requests that had evicted; they replay from the cached prompt
-    (hits stop at the prompt's end) and meet the same evictions again."""
-    prompts, settings = preempted_requests(policy)
-    tight = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings, prefix_caching=True,
-                       num_kv_blocks=30, max_model_len=900)
-    assert sum(tight["preemptions"]) > 0 and tight["ledger"]["preempted_after_eviction"] > 0
-    assert_same_outputs(roomy[policy], tight)
-    assert tight["free_blocks_after"] == tight["free_blocks_before"]
-
-
 def test_requests_whose_copies_cannot_fit_stay_out_of_the_prefix_cache(workdir, roomy):
     """A 600-token prompt at budget 512 needs 19 + 17 blocks to compact into copies, more than a
     30-block pool: such requests neither take nor leave cached blocks and compact in place."""
@@ -126,3 +114,16 @@ def test_a_bad_request_is_refused_with_the_reason(workdir):
     prompts = text_prompts("tiny", [300, 300], seed=1)
     with pytest.raises(RuntimeError, match="not a multiple of block_size=32"):
         run_engine(workdir, "tiny", prompts, 8, request_eviction=[{"policy": "paged", "budget": 100}, None])
+
+
+@pytest.mark.parametrize("policy", ["paged", "knorm"])
+def test_prefix_caching_under_preemption(workdir, roomy, policy):
+    """Eight requests on four short prompts (each asked twice) growing to 13 blocks in a 30-block
+    pool: the scheduler preempts requests that had evicted; they replay from the cached prompt
+    (hits stop at the prompt's end) and meet the same evictions again."""
+    prompts, settings = preempted_requests(policy)
+    tight = run_engine(workdir, "tiny", prompts, 300, request_eviction=settings, prefix_caching=True,
+                       num_kv_blocks=30, max_model_len=900)
+    assert sum(tight["preemptions"]) > 0 and tight["ledger"]["preempted_after_eviction"] > 0
+    assert_same_outputs(roomy[policy], tight)
+    assert tight["free_blocks_after"] == tight["free_blocks_before"]

@@ -1,5 +1,7 @@
-"""CI regression, sample by sample: rerun the fixed configuration and compare every sample's output
-tokens with results/ci_baseline under the near-tie rule (harness.analysis.regression).
+"""CI regression, sample by sample: rerun the fixed configuration on the first SAMPLES samples of
+each task (every cell: every policy at both budgets, every task) and compare each sample's output
+tokens with results/ci_baseline's under the near-tie rule (harness.analysis.regression); the
+baseline holds ten per task.
 
 Regenerate the baseline on purpose (and commit it) with:
     rm -rf results/ci_baseline && python run.py -m +experiment=ci_regression hydra/launcher=basic output_dir=results/ci_baseline
@@ -15,10 +17,10 @@ import sys
 
 import pytest
 
-from harness.analysis.regression import cells, compare, parting
 from harness.records.results import read_jsonl
 from tests.support import ROOT
-from tests.support.ci_baseline import CI_BASELINE, baseline_policies, coverage_problems, swept_policies
+from tests.support.ci_baseline import (CI_BASELINE, baseline_cells, baseline_policies, cell_stem,
+                                       compare_first_samples, coverage_problems, swept_policies)
 
 pytestmark = pytest.mark.engine
 
@@ -29,6 +31,12 @@ CELLS = 1 + 2 * (len(SWEPT) - 1)  # full cache once, every other policy at two b
 # newly registered one awaits its cells: the test below fails for that, and only it).
 COMPARED = [name for name in SWEPT if name in baseline_policies()]
 COMPARED_CELLS = 1 + 2 * (len(COMPARED) - 1)
+# The rerun's samples per task: the baseline's first four of ten (CI time: the shared-prefill sweep
+# runs prompt by prompt, every cell's request at once, so its time goes with the samples: about
+# 290 s for ten in the fresh-clone CI, 124 s for four alone). Four per task are both context
+# lengths twice (the samples alternate 600 and 900 words), 12 per cell and 300 in all, and they
+# are the samples test_a_broken_policy_fails_the_comparison shows catch a broken policy.
+SAMPLES = 4
 
 
 def test_the_baseline_covers_every_registered_policy_and_can_catch_a_regression():
@@ -49,9 +57,10 @@ def test_the_baseline_covers_every_registered_policy_and_can_catch_a_regression(
     assert max(r["output_tokens"] for r in full) > 32
 
 
-def test_every_sample_matches_the_committed_reference(tmp_path):
+def test_every_rerun_sample_matches_the_committed_reference(tmp_path):
     done = subprocess.run(
-        [sys.executable, "run.py", "-m", "+experiment=ci_regression", f"policy={','.join(COMPARED)}", f"output_dir={tmp_path}"],
+        [sys.executable, "run.py", "-m", "+experiment=ci_regression", f"policy={','.join(COMPARED)}",
+         f"data.limit={SAMPLES}", f"output_dir={tmp_path}"],
         capture_output=True, text=True, timeout=3600, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -59,7 +68,7 @@ def test_every_sample_matches_the_committed_reference(tmp_path):
     # with one engine per cell: every sample must still match.
     assert f"{COMPARED_CELLS} cell(s) (full cache, " in done.stdout and "group 1/1 finished" in done.stdout
     assert all(not json.loads(p.read_text())["isolated"] for p in tmp_path.glob("*/*/*/perf.json"))
-    problems = compare(CI_BASELINE, tmp_path)
+    problems = compare_first_samples(tmp_path, SAMPLES)
     assert not problems, "samples moved:\n" + "\n".join(problems[:20])
 
 
@@ -77,20 +86,22 @@ runpy.run_path("run.py", run_name="__main__")
 
 def test_a_broken_policy_fails_the_comparison(tmp_path):
     done = subprocess.run(
-        # four samples per task (the first four of the baseline's ten, the same samples): enough to catch it
-        [sys.executable, "-c", BROKEN, "+experiment=ci_regression", "policy=paged", "budget=256", "data.limit=4",
-         f"output_dir={tmp_path}"],
+        # the comparison's samples (the first SAMPLES of the baseline's ten per task)
+        [sys.executable, "-c", BROKEN, "+experiment=ci_regression", "policy=paged", "budget=256",
+         f"data.limit={SAMPLES}", f"output_dir={tmp_path}"],
         capture_output=True, text=True, timeout=1800, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    # Its cell is named by its config, data.limit included, so it is compared with the baseline's
-    # paged_b256 cell sample by sample under the rule compare() applies (parting).
-    (name, run), = cells(tmp_path).items()
-    assert name.startswith("smollm2-135m/synthetic/paged_b256_"), name
-    reference = next(path for cell, path in cells(CI_BASELINE).items() if cell.split("/")[-1].startswith("paged_b256_"))
-    expected = {row["id"]: row for row in read_jsonl(reference / "predictions.jsonl")}
-    measured = read_jsonl(run / "predictions.jsonl")
-    assert len(measured) == 12 and all(row["id"] in expected for row in measured), "the baseline's first four per task"
-    moved = [row["id"] for row in measured if parting(expected[row["id"]]["output_token_ids"], row["output_token_ids"],
-                                                       expected[row["id"]]["top_logprobs"], row["top_logprobs"])]
+    # Its one cell is compared with the baseline's paged_b256 cell sample by sample, by the comparison
+    # the test above applies (its cell is named by its config, data.limit included: compared by stem);
+    # every other baseline cell is missing here.
+    (run,) = [path for path in tmp_path.rglob("predictions.jsonl")]
+    stem = f"smollm2-135m/synthetic/{cell_stem(run.parent.name)}"
+    assert stem == "smollm2-135m/synthetic/paged_b256_bs32", stem
+    assert len(read_jsonl(run)) == 3 * SAMPLES
+    problems = compare_first_samples(tmp_path, SAMPLES)
+    missing = [problem for problem in problems if problem.endswith(f": missing from {tmp_path}")]
+    assert len(missing) == len(baseline_cells()) - 1 and not any(problem.startswith(stem + ":") for problem in missing)
+    moved = [problem for problem in problems if problem.startswith(stem + " ")]
+    assert len(moved) + len(missing) == len(problems)
     assert len(moved) >= 3, f"evicting the newest block changes many samples, not {len(moved)}"

@@ -57,3 +57,37 @@ def coverage_problems() -> list[str]:
         problems.append(f"results/ci_baseline has cells of policies no longer registered ({', '.join(extra)}): "
                         f"remove {' '.join(cells)}")
     return problems
+
+
+def cell_stem(name: str) -> str:
+    """A cell's name without its configuration's digest (``paged_b256_bs32``): what a rerun of the
+    baseline's cell on fewer samples (another ``data.limit``, so another digest) shares with it."""
+    return name.rsplit("_", 1)[0]
+
+
+def compare_first_samples(candidate: Path, per_task: int) -> list[str]:
+    """``harness.analysis.regression.compare`` for a rerun of the baseline's sweep on each task's
+    first ``per_task`` samples (``data.limit``): every baseline cell has its rerun, each with exactly
+    those samples of the baseline cell, and every one of them is the same greedy decoding under the
+    near-tie rule (``parting``). Empty when all hold; else one line per problem."""
+    from harness.analysis.regression import cells, parting
+    from harness.records.results import read_jsonl
+
+    want = {cell_stem(name): path for name, path in cells(CI_BASELINE).items()}
+    got = {cell_stem(name): path for name, path in cells(candidate).items()}
+    problems = [f"{name}: missing from {candidate}" for name in sorted(set(want) - set(got))]
+    problems += [f"{name}: not in the reference" for name in sorted(set(got) - set(want))]
+    for name in sorted(set(want) & set(got)):
+        reference = read_jsonl(want[name] / "predictions.jsonl")
+        first = [row for task in dict.fromkeys(row["task"] for row in reference)
+                 for row in [r for r in reference if r["task"] == task][:per_task]]
+        expected = {row["id"]: row for row in first}
+        measured = {row["id"]: row for row in read_jsonl(got[name] / "predictions.jsonl")}
+        if set(expected) != set(measured):
+            problems.append(f"{name}: samples differ ({sorted(set(expected) ^ set(measured))[:5]})")
+        for sample in sorted(set(expected) & set(measured)):
+            a, b = expected[sample], measured[sample]
+            why = parting(a["output_token_ids"], b["output_token_ids"], a["top_logprobs"], b["top_logprobs"])
+            if why:
+                problems.append(f"{name} {sample}: {why}")
+    return problems

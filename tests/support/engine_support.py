@@ -1,4 +1,5 @@
-"""Shared helpers for engine tests: real-text prompts, engines in their own processes, the oracle."""
+"""Shared helpers for engine tests: real-text prompts, engines in their own processes (kept for
+later batches of the same configuration: ``tests.support.engine_pool``), the oracle."""
 from __future__ import annotations
 
 import math
@@ -37,15 +38,22 @@ def text_prompts(model: str, lengths: list[int], seed: int = 0) -> list[list[int
 
 
 def run_engine(tmp_path: Path, model: str, prompts, max_new_tokens: int, **spec) -> dict:
-    """One engine configuration in a fresh process (python -m harness.engine.batch_run). Keywords
-    that name ``EngineSettings`` fields (num_kv_blocks, layer_groups, device, ...) change the
-    engine from its device's defaults (``conf/engine/<device>.yaml``, as Hydra runs use them); the
-    rest are batch_run's own spec keys."""
+    """One batch through one engine configuration, as ``python -m harness.engine.batch_run`` runs it:
+    on an engine of the test file's pool where its configuration is running one already and can be
+    shared (``tests.support.engine_pool``: each batch its own ledger and counts, the prefix cache
+    emptied between batches), else in a fresh process. Keywords that name ``EngineSettings``
+    fields (num_kv_blocks, layer_groups, device, ...) change the engine from its device's defaults
+    (``conf/engine/<device>.yaml``, as Hydra runs use them); the rest are batch_run's own spec keys."""
     engine = {name: spec.pop(name) for name in list(spec) if name in ENGINE_FIELDS}
     spec = {
         "model_path": model_path(model), "prompts": prompts, "max_new_tokens": max_new_tokens,
         "max_model_len": 4096, "top_logprobs": 3, **spec, "engine": asdict(engine_settings(**engine)),
     }
+    from tests.support.engine_pool import pool_for
+
+    pool = pool_for(spec)
+    if pool is not None:
+        return pool.run(spec, tmp_path, timeout_s=1800)
     return run_in_subprocess(spec, tmp_path, timeout_s=1800)
 
 
