@@ -158,8 +158,10 @@ def shared_engines(live: int = LIVE_ENGINES):
     try:
         yield _pool
     finally:
-        _pool.close()
-        _pool = outer
+        try:
+            _pool.close()
+        finally:
+            _pool = outer  # even when closing failed: no later file's batch goes to a closed pool
 
 
 def close_engines() -> None:

@@ -64,6 +64,7 @@ def test_the_engine_tests_pass_engine_fields_as_keywords(monkeypatch, tmp_path):
     sent = {}
     monkeypatch.setattr(engine_support, "model_path", lambda model: "/m")
     monkeypatch.setattr(engine_support, "run_in_subprocess", lambda spec, *_, **__: sent.update(spec) or {})
+    monkeypatch.setattr("tests.support.engine_pool._pool", None)  # whatever an engine file left: a process of its own
     engine_support.run_engine(tmp_path, "tiny", [[1, 2]], 4, num_kv_blocks=30, max_model_len=900, prefix_caching=True)
     assert sent["engine"] == asdict(engine_settings("cpu", num_kv_blocks=30))
     assert (sent["max_model_len"], sent["prefix_caching"], sent["top_logprobs"]) == (900, True, 3)
