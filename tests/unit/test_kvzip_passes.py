@@ -199,22 +199,7 @@ def test_a_context_scored_before_takes_its_scores_and_runs_no_pass():
     no pass; another chunk size runs its passes; the oldest context goes when the bytes run out."""
     from harness.engine.reconstruction import RecentScores
 
-    context = torch.randint(8, VOCAB, (29,), generator=torch.Generator().manual_seed(5)).tolist()
-    c, blocks = len(context), [3, 0, 2, 1]
-    model = TinyModel()
-    cache = [torch.zeros(8, KV_HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
-    view = FlashAttnView(cache)
-    table, positions = torch.tensor(blocks), torch.arange(c)
-    for layer, (_, k, v) in enumerate(model.whole(context)):
-        view.write_layer(layer, table[positions // BLOCK], positions % BLOCK, k.transpose(0, 1).contiguous(),
-                         v.transpose(0, 1).contiguous())
-    runner = SimpleNamespace(device=torch.device("cpu"), model=model, vllm_config=None,
-                             scheduler_config=SimpleNamespace(max_num_batched_tokens=64))
-    worker = Reconstruction(runner, list(model.attn), [SCALE] * LAYERS, [view], [list(range(LAYERS))], SINGLE,
-                            forward_context=lambda tokens: nullcontext())
-    settings = EvictionSettings("kvzip", 16, decode_eviction=False, compress="context", context_tokens=c,
-                                reconstruction={"prefix_tokens": 5, "first": [1, 2, 3], "later": [4, 5],
-                                                "suffix": [6, 7]})
+    worker, context, blocks, settings = written_context()
 
     def run(request_id: str, question: list[int], chunk: int):
         request = cached_request(context + question, (blocks,))
