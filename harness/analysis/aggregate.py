@@ -35,11 +35,14 @@ import yaml
 
 from harness.records.results import RUN_FILES, atomic_write_text, is_complete, read_json, read_jsonl
 from harness.analysis.silence import silence_section
-from harness.analysis.labels import (ROW, budget_label, in_reading_order, markdown_table, variant_label,
+from harness.analysis.studies import DEFAULT_MARGIN, margin_for
+from harness.analysis.labels import (ROW, budget_label, in_reading_order, markdown_table, signed, variant_label,
                                      with_budget_label, with_interval)
 from harness.analysis.stats import (EXACT_OUTCOMES, EXACT_UP_TO, FLIPS, MAX_FLIPS, MAX_RESAMPLES, RESAMPLES, SECTIONS,
-                                    WIDTH, benjamini_hochberg, cell_interval, detectable_difference, holm,
-                                    inverted_interval, mc_target, settled_p_values)
+                                    WIDTH, _units, benjamini_hochberg, can_decide, cell_interval,
+                                    detectable_difference, holm, inverted_interval, mc_target, settled_p_values,
+                                    smallest_p)
+from harness.analysis.verdicts import verdict
 
 RUN_KEYS = ["model.name", "data.name", "policy.name", "budget", "block_size"]
 
@@ -372,6 +375,7 @@ def compare(group: pd.DataFrame, values: dict[str, dict[str, pd.Series]], quanti
                                                                            benjamini_hochberg(plain)):
             interval = inverted_interval(differences, value, scale=quantity.scale, digits=quantity.digits,
                                          target=quantity.mc_target, clusters=labels)
+            units = len(_units(differences, labels)[0])  # samples, or clusters: what the smallest p depends on
             detectable = (None if task else
                           detectable_difference(differences, SIGNIFICANCE / len(pairs), POWER, quantity.scale))
             for this, that, shown in ((run, other, interval), (other, run, interval.negated())):
@@ -382,7 +386,7 @@ def compare(group: pd.DataFrame, values: dict[str, dict[str, pd.Series]], quanti
                     f"{stem}_diff": shown.estimate, f"{stem}_low": shown.low, f"{stem}_high": shown.high,
                     f"{stem}_mc": shown.mc_error, f"{stem}_p": value.p, f"{stem}_p_mc": value.se,
                     f"{stem}_p_flips": value.flips, f"{stem}_p_settled": value.settled,
-                    f"{stem}_p_holm": p_holm, f"{stem}_p_bh": p_bh})
+                    f"{stem}_p_holm": p_holm, f"{stem}_p_bh": p_bh, f"{stem}_units": units})
                 if detectable is not None:
                     cell(this, task)[f"{stem}_detectable"] = round(detectable, 4)
 
@@ -441,7 +445,8 @@ def interval_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFr
     return in_reading_order(table[sorted(c for c in table.columns if c != "average") + ["average"]])
 
 
-COMPARISON_PARTS = ("diff", "low", "high", "mc", "p", "p_mc", "p_flips", "p_settled", "p_holm", "p_bh", "detectable")
+COMPARISON_PARTS = ("diff", "low", "high", "mc", "p", "p_mc", "p_flips", "p_settled", "p_holm", "p_bh", "detectable",
+                    "units")
 
 
 def table_comparisons(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
@@ -499,25 +504,45 @@ def p_digits(family: pd.DataFrame) -> int:
     return 17
 
 
-def differences_table(frame: pd.DataFrame, quantity: Quantity = SCORE) -> pd.DataFrame:
+def family_decides(family: pd.DataFrame) -> bool:
+    """Whether Holm over the family can reject anything at all (``stats.can_decide``), from each
+    comparison's units (samples or clusters); a summary made before units were recorded counts
+    as able to decide."""
+    if "units" not in family or family["units"].isna().any():
+        return True
+    return can_decide([int(u) for u in family["units"]], SIGNIFICANCE)
+
+
+def comparison_verdict(run, stem: str, quantity: Quantity, margin: float | None, decidable: bool = True) -> str:
+    """``harness.analysis.verdicts.verdict`` of one comparison's columns; the margin applies to the
+    primary signal, the score (other quantities get no margin: better, worse or inconclusive)."""
+    return verdict(run[f"{stem}_diff"], run[f"{stem}_low"], run[f"{stem}_high"], run[f"{stem}_p_holm"],
+                   margin if quantity is SCORE else None, higher_is_better=quantity.higher_is_better,
+                   settled=settled(run, stem), decidable=decidable)
+
+
+def differences_table(frame: pd.DataFrame, quantity: Quantity = SCORE, margin: float | None = None) -> pd.DataFrame:
     """Paired differences of the average, row policy minus column policy (full cache, then the
     other policies at the same budget): ``diff (low, high) p`` with the 95% interval that inverts the test and the
-    unadjusted sign-flip p-value, marked after adjustment over the table (``significance_mark``)."""
+    unadjusted sign-flip p-value, marked after adjustment over the table (``significance_mark``), and
+    its verdict (``comparison_verdict``) at ``margin``."""
     runs = with_budget_label(frame.drop_duplicates("run_dir"))
     runs = runs[runs["policy.name"] != "full"]
     others = ["full"] + sorted(runs["variant"].unique())
     decimals = quantity.decimals
     family = table_comparisons(frame, quantity)
     digits = p_digits(family) if len(family) else 3
+    decidable = family_decides(family) if len(family) else True
     cells = {}
     for _, run in runs.iterrows():
         row = {}
         for other in others:
             stem = quantity.versus(other, average=True)
             if f"{stem}_diff" in run and run[f"{stem}_diff"] == run[f"{stem}_diff"]:
-                diff, low, high = (f"{run[f'{stem}_{part}']:+.{decimals}f}" for part in ("diff", "low", "high"))
+                diff, low, high = (signed(run[f"{stem}_{part}"], decimals) for part in ("diff", "low", "high"))
                 mark = significance_mark(run[f"{stem}_p_holm"], run[f"{stem}_p_bh"], settled(run, stem))
-                row[f"minus {other}"] = f"{diff} ({low}, {high}) {p_text(run[f'{stem}_p'], digits)}{mark}"
+                word = comparison_verdict(run, stem, quantity, margin, decidable)
+                row[f"minus {other}"] = f"{diff} ({low}, {high}) {p_text(run[f'{stem}_p'], digits)}{mark} {word}"
             else:
                 row[f"minus {other}"] = ""
         cells[(run["variant"], run["budget"])] = row
@@ -554,6 +579,15 @@ def family_note(frame: pd.DataFrame, quantity: Quantity = SCORE) -> str:
         f"{int(((family['p_bh'] < SIGNIFICANCE) & settled_rows).sum())} pass BH, "
         f"{int(((family['p_holm'] < SIGNIFICANCE) & settled_rows).sum())} pass Holm."
     )
+    units = family["units"].dropna().astype(int) if "units" in family else pd.Series(dtype=int)
+    if len(units):
+        smallest = min(smallest_p(int(u)) for u in units)
+        marks += (f" Smallest p this design can reach: {smallest:.3g} (the fewest units of a comparison here: "
+                  f"{int(units.min())} samples or clusters; every sign pattern counted up to {EXACT_UP_TO}, else "
+                  f"at most {MAX_FLIPS:,} random ones); Holm's first step needs p < {SIGNIFICANCE}/{n} = "
+                  f"{SIGNIFICANCE / n:.3g}: "
+                  + ("the family can decide." if family_decides(family) else
+                     "the family cannot decide anything, so it enters no verdict."))
     unsettled = int((~settled_rows).sum())
     if unsettled:
         marks += (f" `?`: {unsettled} comparison(s) whose mark 10,000,000 random sign patterns could not settle "
@@ -600,17 +634,19 @@ def differences_text(quantity: Quantity) -> str:
     better = "higher is better" if quantity.higher_is_better else "lower is better"
     return (f"Paired differences of the average {quantity.description} ({quantity.units}, {better}; row minus column, "
             f"same samples; columns other than full cache compare policies at the row's budget) with two-sided "
-            f"paired sign-flip p-values and the 95% interval that inverts the same test: the shifts s for which the "
-            f"test of the differences minus s does not reject at {SIGNIFICANCE} (shifted, every sample differs: every sign "
-            f"pattern counted where there are at most {EXACT_UP_TO} samples, or clusters; else random sign patterns seeded by the data, the same "
-            f"at every shift, {FLIPS:,} at first and more, up to {MAX_RESAMPLES:,}, until each bound's Monte Carlo "
-            f"error from {SECTIONS} sections of them is below {quantity.mc_target:g} {quantity.unit}), so an interval "
-            f"excludes zero exactly when its p < {SIGNIFICANCE}. p-values: exact (every sign pattern counted) "
-            f"when at most {EXACT_UP_TO} samples differ, else from {FLIPS:,} random sign patterns, ten times more (up "
-            f"to {MAX_FLIPS:,}) for every p-value a mark of the table depends on while that mark could change within "
-            f"{WIDTH} Monte Carlo standard errors; each comparison's patterns come from a generator seeded by a hash "
-            f"of its own differences, so no two comparisons share draws. p-values are printed to the significant "
-            f"digits (at least 3) from which the table's marks follow.")
+            f"p-values of the stratified sign-flip test (`harness.analysis.stats._Stratified`: the difference over its "
+            f"stratified standard error, against the same statistic with the signs of the samples' deviations from "
+            f"their task's mean flipped within each task, whole clusters together where samples share one; every "
+            f"sample takes part the same way at every shift, equal answers included) and the 95% interval that "
+            f"inverts the same test: the shifts s for which it does not reject at {SIGNIFICANCE}, the difference -+ "
+            f"the critical value x the standard error, so an interval excludes zero exactly when its p < "
+            f"{SIGNIFICANCE}. Every sign pattern counted where a comparison has at most {EXACT_UP_TO} samples (or "
+            f"clusters); else random patterns seeded by a hash of the comparison's own differences: p-values from "
+            f"{FLIPS:,}, ten times more (up to {MAX_FLIPS:,}) for every p-value a mark of the table depends on while "
+            f"that mark could change within {WIDTH} Monte Carlo standard errors; bounds from the same patterns and "
+            f"more, up to {MAX_RESAMPLES:,}, until each bound's Monte Carlo error from {SECTIONS} sections of them is "
+            f"below {quantity.mc_target:g} {quantity.unit}. p-values are printed to the significant digits (at least "
+            f"3) from which the table's marks follow.")
 
 
 def interval_note(group: pd.DataFrame, quantity: Quantity) -> str:
@@ -645,7 +681,7 @@ def monte_carlo_note(family: pd.DataFrame, quantity: Quantity) -> str:
                    f"standard errors of the random p-values.")
 
 
-def quantity_sections(group: pd.DataFrame, quantity: Quantity) -> list[str]:
+def quantity_sections(group: pd.DataFrame, quantity: Quantity, margin: float | None = None) -> list[str]:
     """Values with intervals, then the differences table and its note, for a per-sample quantity
     other than the score; only where every run of the group recorded it."""
     if quantity.average_column not in group or group[quantity.average_column].isna().any():
@@ -666,20 +702,34 @@ def quantity_sections(group: pd.DataFrame, quantity: Quantity) -> list[str]:
         "",
         interval_note(group, quantity),
         "",
-        *differences_section(group, quantity),
+        *differences_section(group, quantity, margin),
     ]
 
 
-def differences_section(group: pd.DataFrame, quantity: Quantity) -> list[str]:
+def verdict_text(quantity: Quantity, margin: float | None) -> str:
+    """What the verdict word after each difference means (``harness.analysis.verdicts``)."""
+    if quantity is not SCORE or margin is None:
+        return ("Verdicts: `better` / `worse` where Holm decides (row against column, "
+                f"{'higher' if quantity.higher_is_better else 'lower'} is better), else `inconclusive` (no margin is "
+                "stated for this signal, so nothing here says two are alike).")
+    return (f"Verdicts at the study's margin of {margin:g} {quantity.unit} (`harness.analysis.studies`): `better` / "
+            f"`worse` where Holm decides (row against column); else `equivalent` where the 95% interval lies inside "
+            f"(-{margin:g}, +{margin:g}) (two one-sided tests at 2.5% each), `non-inferior` where its lower bound "
+            f"lies above -{margin:g} (one-sided at 2.5%: the row is not worse by {margin:g} or more), else "
+            "`inconclusive`. Undecided is not level: only `equivalent` says two are alike.")
+
+
+def differences_section(group: pd.DataFrame, quantity: Quantity, margin: float | None = None) -> list[str]:
     """The differences table of one quantity with the text above and below it."""
     family = table_comparisons(group, quantity)
     if not len(family):
         return ["No paired differences: no two runs here compare (full cache alone, or one variant).", ""]
-    return [differences_text(quantity), "", markdown_table(differences_table(group, quantity)), "",
+    return [differences_text(quantity), "", verdict_text(quantity, margin), "",
+            markdown_table(differences_table(group, quantity, margin)), "",
             monte_carlo_note(family, quantity), "", family_note(group, quantity), ""]
 
 
-def to_markdown(frame: pd.DataFrame, command: str) -> str:
+def to_markdown(frame: pd.DataFrame, command: str, margin: float | None = DEFAULT_MARGIN) -> str:
     parts = []
     for (model, data), group in frame.groupby(["model.name", "data.name"]):
         per_task = group.drop_duplicates("task").set_index("task")["samples"]
@@ -694,9 +744,10 @@ def to_markdown(frame: pd.DataFrame, command: str) -> str:
             "",
             interval_note(group, SCORE),
             "",
-            *differences_section(group, SCORE),
+            *differences_section(group, SCORE, margin),
             *silence_section(group, group_scores(group)),
-            *[line for quantity in QUANTITIES if quantity is not SCORE for line in quantity_sections(group, quantity)],
+            *[line for quantity in QUANTITIES if quantity is not SCORE
+              for line in quantity_sections(group, quantity, margin)],
             "Retention of the average score against full cache (%), fidelity to full cache (%), throughput "
             "(output tokens/s and ratio to full cache), median time per output token (s), KV blocks in use "
             "(peak, mean), eviction work as a share of step time.",
@@ -711,7 +762,7 @@ def to_markdown(frame: pd.DataFrame, command: str) -> str:
 def write_summary(frame: pd.DataFrame, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "summary.csv", frame.to_csv(index=False))
-    atomic_write_text(out / "summary.md", to_markdown(frame, command))
+    atomic_write_text(out / "summary.md", to_markdown(frame, command, margin_for(out)))
 
 
 def main(argv: list[str]) -> int:
@@ -733,7 +784,7 @@ def main(argv: list[str]) -> int:
         from harness.analysis.plots import plot_all
 
         plot_all(frame, args.out)
-    print(to_markdown(frame, command))
+    print(to_markdown(frame, command, margin_for(args.out)))
     print(f"[aggregate] {len(frame)} rows from {frame['run_dir'].nunique()} runs -> {args.out}")
     return 0
 

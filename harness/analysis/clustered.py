@@ -19,8 +19,11 @@ from typing import Callable
 
 import numpy as np
 
-from harness.analysis.stats import (EXACT_UP_TO, LEVEL, SCALE, benjamini_hochberg, holm, inverted_interval,
-                                    settled_p_values)
+from harness.analysis.stats import (EXACT_UP_TO, LEVEL, SCALE, benjamini_hochberg, can_decide, holm,
+                                    inverted_interval, settled_p_values, smallest_p)
+from harness.analysis.labels import signed
+from harness.analysis.studies import DEFAULT_MARGIN
+from harness.analysis.verdicts import verdict
 
 SIGNIFICANCE = 1 - LEVEL
 Rows = list[dict]
@@ -72,26 +75,48 @@ def mark(entry: dict) -> str:
     return " *" if entry["p_holm"] < SIGNIFICANCE else " +" if entry["p_bh"] < SIGNIFICANCE else ""
 
 
-def section(families: dict[str, list[dict]], what_a_cluster_is: str) -> list[str]:
-    """Markdown: what a cluster is and how many, the method, one table per family."""
-    lines = ["## Paired differences, whole clusters flipped together", "",
+def decides(table: list[dict]) -> bool:
+    """Whether Holm over this family can reject anything (``stats.can_decide`` of its clusters)."""
+    return can_decide([int(entry["clusters"]) for entry in table], SIGNIFICANCE)
+
+
+def section(families: dict[str, list[dict]], what_a_cluster_is: str, margin: float = DEFAULT_MARGIN) -> list[str]:
+    """Markdown: whether the design can decide (first, where it cannot), what a cluster is and how
+    many, the method, one table per family with each comparison's verdict at ``margin``."""
+    undecidable = [name for name, table in families.items() if table and not decides(table)]
+    first = ([f"**This design cannot decide** {', '.join(undecidable)}: with its clusters the smallest attainable p "
+              "times the family size is not below 0.05, so Holm can reject nothing there whatever the data; those "
+              "tables enter no verdict, and \"undecided\" there is a property of the design, not a finding.", ""]
+             if undecidable else [])
+    lines = ["## Paired differences, whole clusters flipped together", "", *first,
              f"A cluster is {what_a_cluster_is}. Samples of one cluster are not independent, so the two-sided "
              "paired sign-flip test negates a whole cluster's differences together (a cluster's value: its "
-             "samples' differences, each weighted as in the mean over tasks of the task means), exact (every "
-             f"pattern counted) where at most {EXACT_UP_TO} clusters differ; the 95% interval is the set of shifts "
+             "samples' differences, each weighted as in the mean over tasks of the task means), stratified by task "
+             "(`harness.analysis.stats._Stratified`: the difference over its stratified standard error against the same "
+             "statistic with the clusters' deviations from their task's mean sign-flipped), every pattern counted "
+             f"where there are at most {EXACT_UP_TO} clusters; the 95% interval is the set of shifts "
              "that test does not reject (`harness.analysis.stats.inverted_interval`), so it excludes zero exactly "
              "when p < 0.05. Row minus column, points on the 0-100 scale; marks adjusted over each table's "
              "comparisons: `*` Holm p < 0.05, `+` Benjamini-Hochberg q < 0.05 but not Holm; unmarked: undecided, "
-             "which is not the same as level.", ""]
+             f"which is not the same as level. Verdicts at a margin of {margin:g} points (`harness.analysis.verdicts`): "
+             f"`better`/`worse` where Holm decides, `equivalent` where the interval lies inside -+{margin:g}, "
+             f"`non-inferior` where its lower bound lies above -{margin:g}, else `inconclusive`; `no verdict` where "
+             "the design cannot decide.", ""]
     for name, table in families.items():
         decided = sum(entry["p_holm"] < SIGNIFICANCE and entry["p_settled"] for entry in table)
         clusters = sorted({entry["clusters"] for entry in table})
         samples = sorted({entry["samples"] for entry in table})
+        able = decides(table) if table else True
+        smallest = min((smallest_p(int(entry["clusters"])) for entry in table), default=1.0)
         lines += [f"**{name}** ({'/'.join(map(str, samples))} samples in {'/'.join(map(str, clusters))} clusters; "
-                  f"Holm over {len(table)} comparisons, {decided} of {len(table)} decided):", "",
-                  "| row | minus | difference (95% interval) | p |", "|---|---|---|---|"]
+                  f"Holm over {len(table)} comparisons, {decided} of {len(table)} decided; smallest attainable p "
+                  f"{smallest:.3g}, Holm's first step needs p < {SIGNIFICANCE / max(1, len(table)):.3g}: "
+                  + ("can decide" if able else "cannot decide, no verdict") + "):", "",
+                  "| row | minus | difference (95% interval) | p | verdict |", "|---|---|---|---|---|"]
         for entry in table:
-            lines.append(f"| {entry['row']} | {entry['column']} | {entry['diff']:+.2f} ({entry['low']:+.2f}, "
-                         f"{entry['high']:+.2f}) | p={entry['p']:.4g}{mark(entry)} |")
+            word = verdict(entry["diff"], entry["low"], entry["high"], entry["p_holm"], margin,
+                           settled=bool(entry["p_settled"]), decidable=able)
+            lines.append(f"| {entry['row']} | {entry['column']} | {signed(entry['diff'], 2)} ({signed(entry['low'], 2)}, "
+                         f"{signed(entry['high'], 2)}) | p={entry['p']:.4g}{mark(entry)} | {word} |")
         lines.append("")
     return lines

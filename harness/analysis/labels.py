@@ -56,6 +56,16 @@ def in_reading_order(table: pd.DataFrame) -> pd.DataFrame:
     return table.loc[sorted(table.index, key=key)]
 
 
+def signed(value: float, decimals: int) -> str:
+    """A signed number at ``decimals`` places, with more places where a non-zero bound would print
+    as zero (issue 65: "+0.000" beside p < 0.05 hid which side of zero the bound lies on)."""
+    text = f"{value:+.{decimals}f}"
+    while value == value and value != 0 and float(text) == 0 and decimals < 8:
+        decimals += 1
+        text = f"{value:+.{decimals}f}"
+    return text
+
+
 def with_interval(value, low, high, decimals: int = 1) -> str:
     """A cell of an interval table: ``mean (low, high)``."""
     return f"{value:.{decimals}f} ({low:.{decimals}f}, {high:.{decimals}f})"

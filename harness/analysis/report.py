@@ -39,11 +39,12 @@ import pandas as pd
 import yaml
 
 from harness.analysis.aggregate import QUANTITIES, SIGNIFICANCE, Quantity, group_scores, settled
-from harness.analysis.labels import budget_label
+from harness.analysis.labels import budget_label, signed as signed_text
 from harness.analysis.silence import dead_samples
 from harness.records.results import atomic_write_text, read_json
 from harness.analysis.stats import MAX_FLIPS, ratio_interval
-from harness.analysis.studies import Study, accuracy_studies, throughput_settings
+from harness.analysis.studies import THROUGHPUT_MARGIN, Study, accuracy_studies, throughput_settings
+from harness.analysis.verdicts import ratio_verdict, verdict as verdict_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("results")
@@ -77,8 +78,11 @@ def commits_text(commits: list[str]) -> str:
 
 
 def interval_text(value: float, low: float, high: float, decimals: int, signed: bool = True) -> str:
-    sign = "+" if signed else ""
-    return f"{value:{sign}.{decimals}f} ({low:{sign}.{decimals}f}, {high:{sign}.{decimals}f})"
+    """``value (low, high)``; signed, a non-zero bound that would print as zero gets the places that
+    show its side (``harness.analysis.labels.signed``)."""
+    if signed:
+        return f"{signed_text(value, decimals)} ({signed_text(low, decimals)}, {signed_text(high, decimals)})"
+    return f"{value:.{decimals}f} ({low:.{decimals}f}, {high:.{decimals}f})"
 
 
 def mark(p_holm: float) -> str:
@@ -95,10 +99,11 @@ def budget_key(label: str) -> tuple:
     return (label.startswith("r"), float(label[1:]) if label.startswith("r") else int(label) if label.isdigit() else -1)
 
 
-def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], quantity: Quantity
-                 ) -> tuple[list[str], dict[str, int]]:
-    """Markdown rows of focus minus each other variant (columns: budgets), and the verdict counts."""
-    counts = {"higher": 0, "lower": 0, "undecided": 0, "unsettled": 0}
+def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], quantity: Quantity,
+                 margin: float | None = None) -> tuple[list[str], dict[str, int]]:
+    """Markdown rows of focus minus each other variant (columns: budgets), each with its verdict
+    (``harness.analysis.verdicts``; ``margin``: the study's, for its primary signal), and the counts."""
+    counts = {"higher": 0, "lower": 0, "undecided": 0, "unsettled": 0, "equivalent": 0, "non-inferior": 0}
     better = {"higher": "better", "lower": "worse"} if quantity.higher_is_better else {"higher": "worse", "lower": "better"}
     lines = ["| focus minus | " + " | ".join(budgets) + " |", "|---|" + "---|" * len(budgets)]
     for other in others:
@@ -110,14 +115,18 @@ def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], qua
                 cells.append("")
                 continue
             p_holm = row[f"{stem}_p_holm"]
+            word = verdict_of(row[f"{stem}_diff"], row[f"{stem}_low"], row[f"{stem}_high"], p_holm, margin,
+                           higher_is_better=quantity.higher_is_better, settled=settled(row, stem))
+            if word in ("equivalent", "non-inferior"):
+                counts[word] += 1
             if not settled(row, stem):  # at the threshold within Monte Carlo error: no mark either way
                 cells.append(interval_text(row[f"{stem}_diff"], row[f"{stem}_low"], row[f"{stem}_high"],
-                                           quantity.decimals) + " ?")
+                                           quantity.decimals) + f" ? {word}")
                 counts["undecided"] += 1
                 counts["unsettled"] += 1
                 continue
             cells.append(interval_text(row[f"{stem}_diff"], row[f"{stem}_low"], row[f"{stem}_high"],
-                                       quantity.decimals) + mark(p_holm))
+                                       quantity.decimals) + mark(p_holm) + f" {word}")
             if p_holm < SIGNIFICANCE:
                 counts["higher" if row[f"{stem}_diff"] > 0 else "lower"] += 1
             else:
@@ -125,7 +134,8 @@ def versus_table(focus: pd.DataFrame, others: list[str], budgets: list[str], qua
         if any(cells):
             lines.append(f"| {other} | " + " | ".join(cells) + " |")
     verdict = {better[k]: v for k, v in counts.items() if k in better}
-    return lines, {**verdict, "undecided": counts["undecided"], "unsettled": counts["unsettled"]}
+    return lines, {**verdict, "undecided": counts["undecided"], "unsettled": counts["unsettled"],
+                   "equivalent": counts["equivalent"], "non-inferior": counts["non-inferior"]}
 
 
 def accuracy_section(study: Study, root: Path) -> list[str]:
@@ -153,13 +163,18 @@ def accuracy_section(study: Study, root: Path) -> list[str]:
             if average not in runs or runs[average].isna().any():
                 continue
             direction = "higher is better" if quantity.higher_is_better else "lower is better"
-            table, verdict = versus_table(focus, others, budgets, quantity)
+            margin = study.margin if quantity.field == study.primary else None
+            table, verdict = versus_table(focus, others, budgets, quantity, margin)
             decided = verdict["better"] + verdict["worse"]
             total = decided + verdict["undecided"]
             family = family_size(runs, quantity)
             role = "primary signal" if quantity.field == study.primary else "secondary signal"
+            stated = (f"verdicts at the study's margin of {margin:g} {quantity.unit} (`equivalent`: the interval inside "
+                      f"-+{margin:g}; `non-inferior`: its lower bound above -{margin:g}; `inconclusive`: neither, nor "
+                      "decided)" if margin is not None else "no margin for a secondary signal: `better`, `worse` or "
+                      "`inconclusive`")
             parts += [f"*{quantity.description}* ({role}; {quantity.units}, average over tasks; {direction}): "
-                      f"`{study.focus}` minus each; marks adjusted over the table's {family} comparisons.", ""]
+                      f"`{study.focus}` minus each; marks adjusted over the table's {family} comparisons; {stated}.", ""]
             if len(full) and average in full:
                 reference = full.iloc[0]
                 parts += ["Full cache: " + interval_text(reference[average], reference[f"{average}_low"],
@@ -168,7 +183,11 @@ def accuracy_section(study: Study, root: Path) -> list[str]:
             parts += table + [""]
             parts += [f"Decided after Holm: {decided} of {total} (`{study.focus}` better in {verdict['better']}, "
                       f"worse in {verdict['worse']}); undecided: {verdict['undecided']}"
-                      + (f" ({verdict['unsettled']} of them `?`)" if verdict["unsettled"] else "") + ".", ""]
+                      + (f" ({verdict['unsettled']} of them `?`)" if verdict["unsettled"] else "")
+                      + (f", of which equivalent at the margin: {verdict['equivalent']}, non-inferior: "
+                         f"{verdict['non-inferior']}, inconclusive: "
+                         f"{verdict['undecided'] - verdict['equivalent'] - verdict['non-inferior']}"
+                         if margin is not None else "") + ".", ""]
             if "compress=context" in study.focus:  # the leaderboard's own question: against its own loop alone
                 scope = decided_counts(study, root, quantity, SCOPES[0][1])
                 parts += [f"Of these, against the other variants compressing the context alone: {scope[0]} of "
@@ -218,18 +237,24 @@ def throughput_section(setting: str, root: Path) -> list[str]:
     parts = [f"### `{setting}`", "",
              f"`results/throughput/{setting}/summary.md` (workload and command there); {len(frame)} cells, "
              f"up to {trials} trial{'s' if trials > 1 else ''}; ran at: {commits_text(commits)}.", "",
-             f"| cell | trials | {measure}x {baseline} (95% t-interval) | " + " | ".join(h for h, _ in shares) + " |",
-             "|---|---|---|" + "---|" * len(shares)]
+             f"| cell | trials | {measure}x {baseline} (95% t-interval) | verdict at {1 - THROUGHPUT_MARGIN:g}x | "
+             + " | ".join(h for h, _ in shares) + " |",
+             "|---|---|---|---|" + "---|" * len(shares)]
     for base, cells in frame.groupby("base", sort=False):
         ratios = cells[ratio_column].astype(float).tolist()
+        word = "-"
         if base == baseline:
             ratio = "1 (baseline)"
         elif len(ratios) >= 2:
             interval = ratio_interval(ratios)
             ratio = f"{interval.estimate:.2f} ({interval.low:.2f}, {interval.high:.2f})"
+            # prefill seconds: lower is better; output tok/s: higher
+            word = ratio_verdict(interval.estimate, interval.low, interval.high, THROUGHPUT_MARGIN, not prefill)
         else:
             ratio = f"{ratios[0]:.2f} (one trial: no interval)"
-        parts.append(f"| {base} | {len(ratios)} | {ratio} | " + " | ".join(percent(cells, c) for _, c in shares) + " |")
+            word = "no verdict"
+        parts.append(f"| {base} | {len(ratios)} | {ratio} | {word} | "
+                     + " | ".join(percent(cells, c) for _, c in shares) + " |")
     return parts + [""]
 
 
@@ -302,8 +327,8 @@ def render(root: Path = ROOT) -> str:
     parts = ["# Results", "",
              f"Written by `{COMMAND}` from the committed summaries: rerun their commands to change it, never edit "
              "it (`tests/experiments/test_claims.py` fails when it differs from what they give). "
-             "Intervals are 95%: for an accuracy difference the shifts its own paired sign-flip test does not reject "
-             "(so it excludes zero exactly when the unadjusted p < 0.05), for a cell's score BCa bootstrap over "
+             "Intervals are 95%: for an accuracy difference the shifts its own paired, stratified sign-flip test does "
+             "not reject (so it excludes zero exactly when the unadjusted p < 0.05), for a cell's score BCa bootstrap over "
              "samples, t over trials for throughput ratios. "
              f"`*`: Holm-adjusted p < {SIGNIFICANCE:g}, adjusted over each table's whole family of comparisons; an "
              "unmarked difference is undecided, not absent. Each study declares one primary signal (the task "
@@ -317,7 +342,11 @@ def render(root: Path = ROOT) -> str:
         parts += accuracy_section(study, root)
     parts += ["## Throughput", "",
               "Output tok/s of each cell over the setting's baseline cell of the same trial (trials: an "
-              "engine process per cell, the trial's cells back to back).", ""]
+              "engine process per cell, the trial's cells back to back). Verdict against the baseline at a margin of "
+              f"{THROUGHPUT_MARGIN:.0%} (`harness.analysis.studies.THROUGHPUT_MARGIN`): `better`/`worse` where the "
+              f"interval excludes 1, `equivalent` where it lies inside ({1 - THROUGHPUT_MARGIN:g}x, "
+              f"{1 / (1 - THROUGHPUT_MARGIN):.3g}x), `non-inferior` where its worse-side bound lies inside that, else "
+              "`inconclusive`; unadjusted over a setting's cells.", ""]
     for setting in present_settings(root):
         parts += throughput_section(setting, root)
     parts += code_versions(root)
@@ -331,6 +360,8 @@ def render(root: Path = ROOT) -> str:
 # may carry its "x" (1.65x, and the range 0.89x-0.95x): the number is read without it, and found
 # in a summary that writes it either way (``appears``).
 CHECKED_DOCUMENTS = {"docs/results.md": None, "results/FINDINGS.md": None}  # None: the whole file, a heading: its section
+# Whose words must not claim more than the verdicts (``unbacked_claims``).
+WORDED_DOCUMENTS = {"results/FINDINGS.md": None, "README.md": "## What it shows"}
 _CODE = re.compile(r"`[^`]*`")
 _LINK_TARGET = re.compile(r"\]\([^)]*\)")
 # Not after a letter and a hyphen (Llama-3.1), unless that letter is a ratio's x (0.89x-0.95x).
@@ -692,6 +723,100 @@ def describe(candidates: list[Quoted]) -> str:
     return f"{first.study} {first.quantity}: {what} at {first.budget}{more}"
 
 
+# ---------------------------------------------------------------- words the verdicts must back
+# Issue 65, item 1: prose that calls a comparison level, alike or "no more than" another, or says
+# one "does not beat" another, claims equivalence or non-inferiority; undecided is not that. Such a
+# sentence passes only where it names the verdict ("equivalent", "non-inferior") and quotes an
+# interval that gives it at the margin of a study its paragraph names (``Study.margin``):
+# equivalent inside -+margin, non-inferior with a bound inside it. Also caught: a causal "is what
+# lifts" with no direct test, a superlative over a table ("scores lowest"), a replay called equal
+# without saying how many cells of how many, dead samples said to be "all" of one kind, and a design
+# that cannot decide reported as finding no difference.
+_LEVEL_WORDS = re.compile(
+    r"\b(?:are|is|were|was|stays?|stayed|runs?|ran|scores?|scored|comes? out|came out)\s+(?:about |roughly |essentially )?level\b"
+    r"|\blevel with\b|\bon (?:a )?par\b|\balike\b|\bas good as\b|\bindistinguishable\b|\bkeeps? up with\b"
+    r"|\bno (?:more|less|better|worse)\b[^.;]*?\bthan\b|\b(?:does|do|did) not beat\b|\bdoesn't beat\b|\bnever beats?\b"
+    r"|\b(?:does|do|did) not (?:differ|part|separate)\b|\bas it did not\b|\bno difference (?:between|from|to)\b",
+    flags=re.IGNORECASE)
+_OTHER_CLAIMS = (
+    (re.compile(r"\bis what (?:lifts|makes|drives|causes|buys|costs|lowers|raises)\b", re.IGNORECASE),
+     "a causal claim with no direct test"),
+    (re.compile(r"\b(?:scores?|scored|ranks?|is|are)\s+(?:the\s+)?(?:lowest|highest|best|worst)\b", re.IGNORECASE),
+     "a superlative over a table: it needs every comparison decided"),
+    (re.compile(r"\breplayed (?:equal|identically|the same)\b", re.IGNORECASE),
+     "a replay called equal without how many cells of how many"),
+    (re.compile(r"\b(?:dead|score 0)\b[^.]*\ball of them\b", re.IGNORECASE),
+     "dead samples said to be all of one kind"),
+)
+_UNDECIDABLE = re.compile(r"\bno difference is decided\b|\bnothing (?:is|was) decided\b|\bnone (?:is|are) decided\b",
+                          re.IGNORECASE)
+
+
+def margin_of(paragraph_names: set[str]) -> float:
+    """The margin of the first study a paragraph names, else the default (points of score)."""
+    from harness.analysis.studies import DEFAULT_MARGIN, STUDIES
+
+    for study in STUDIES:
+        if any(n == f"results/{study.folder}" or n.startswith(f"results/{study.folder}/") for n in paragraph_names):
+            return study.margin
+    return DEFAULT_MARGIN
+
+
+def backed(sentence: str, margin: float) -> bool:
+    """Whether a sentence names an equivalence or non-inferiority verdict and quotes an interval
+    that gives it at ``margin``."""
+    triples = [tuple(float(v) for v in m.groups()) for m in _TRIPLE.finditer(sentence)]
+    if re.search(r"\bequivalent\b", sentence) and any(-margin < low and high < margin for _, low, high in triples):
+        return True
+    return bool(re.search(r"\bnon-inferior\b", sentence)) and any(
+        low > -margin or high < margin for _, low, high in triples)
+
+
+def undecidable_folders(root: Path) -> set[str]:
+    """Folders of results whose comparisons.csv families (``part``) cannot decide anything under
+    Holm (``harness.analysis.stats.can_decide``, from each comparison's clusters)."""
+    from harness.analysis.stats import can_decide
+
+    found = set()
+    for path in sorted((root / RESULTS).glob("*/comparisons.csv")):
+        frame = pd.read_csv(path)
+        if "clusters" not in frame or "part" not in frame:
+            continue
+        if any(not can_decide([int(c) for c in family["clusters"]], SIGNIFICANCE) for _, family in frame.groupby("part")):
+            found.add(path.parent.relative_to(root).as_posix())
+    return found
+
+
+def unbacked_claims(text: str, root: Path = ROOT) -> list[str]:
+    """Sentences of ``text`` whose words claim more than the verdicts give (see above)."""
+    found, heading = [], ""
+    cannot = undecidable_folders(root)
+    for paragraph in re.split(r"\n\s*\n", text):
+        if paragraph.lstrip().startswith("#"):
+            heading = paragraph
+        named = {name.rstrip(".,;:") for name in _NAMED.findall(heading + "\n" + paragraph)}
+        margin = margin_of(named)
+        flat = " ".join(_CODE.sub(lambda m: " " * len(m.group(0)), paragraph).split())
+        for sentence in _SENTENCE.split(flat):
+            original = sentence
+            level = _LEVEL_WORDS.search(sentence)
+            if level and re.search(r"\b(?:not|nor|neither|nothing|never)\b[^,;:]{0,40}$", sentence[:level.start()]) and not \
+                    re.match(r"(?i)no |does|do |did|doesn|never|as it", level.group(0)):
+                level = None  # "says nothing about the two being alike", "undecided is not level": the rule itself
+            if level and not backed(original, margin):
+                found.append(f"{level.group(0)!r} with no equivalence or non-inferiority verdict at the margin "
+                             f"({margin:g}) behind it: {original.strip()[:100]!r}")
+            for pattern, what in _OTHER_CLAIMS:
+                claim = pattern.search(sentence)
+                if claim and not (what.startswith("a replay") and re.search(r"\b\d+ of \d+\b", sentence)):
+                    found.append(f"{claim.group(0)!r}, {what}: {original.strip()[:100]!r}")
+            if _UNDECIDABLE.search(sentence) and any(n == f"results/{f.split('/', 1)[1]}" or
+                                                    n.startswith(f"results/{f.split('/', 1)[1]}/")
+                                                    for n in named for f in cannot):
+                found.append(f"a design that cannot decide reported as a finding: {original.strip()[:100]!r}")
+    return found
+
+
 def check_documents(root: Path = ROOT) -> list[str]:
     """What ``CHECKED_DOCUMENTS`` quote that no summary backs (``unsupported``) or that sits beside
     the wrong comparison (``misattributed``), the accuracy summaries read once for all of them."""
@@ -702,6 +827,9 @@ def check_documents(root: Path = ROOT) -> list[str]:
         problems += [f"{name}: quoted but in no summary: {line}" for line in unsupported(text, root)]
         problems += [f"{name}: on the wrong comparison: {line}" for line in misattributed(text, root, summaries)]
         problems += [f"{name}: miscounted: {line}" for line in miscounted(text, root)]
+    for name, heading in WORDED_DOCUMENTS.items():
+        text = section((root / name).read_text(), heading)
+        problems += [f"{name}: {line}" for line in unbacked_claims(text, root)]
     return problems
 
 

@@ -124,9 +124,11 @@ def equivalence_samples(margin: float, sd: float, alpha: float, power: float = P
 
 
 def fewest_differing(alpha: float) -> int:
-    """The fewest non-zero paired differences with which an exact two-sided sign-flip test can give
-    p < ``alpha``: its smallest p-value is 2 / 2^k."""
-    return math.ceil(math.log2(2 / alpha) + 1e-12)
+    """The fewest differing samples (or clusters) with which the stratified sign-flip test
+    (``harness.analysis.stats._Stratified``) can give p < ``alpha``: with k units its smallest
+    p-value is 1 / (1 + 2^k) (``stats.smallest_p``), reached only when the observed statistic
+    exceeds every flipped one, which samples that do not differ cannot help."""
+    return max(1, math.ceil(math.log2(1 / alpha - 1) + 1e-12))
 
 
 def exact_floor(differing: int, samples: int, alpha: float) -> float:
@@ -425,7 +427,7 @@ def group_report(group: pd.DataFrame, model: str, data: str, focus: str, effect:
         f"Decided now: {decided} of {m} by Holm over the headline family ({decided_table} by Holm over the whole "
         f"table), {equivalent_now} more shown equivalent within ±{effect:g} points; {identical} comparison(s) of "
         f"cells identical on every sample. An exact sign-flip test cannot reach {level:.5f} with fewer than "
-        f"{fewest_differing(level)} differing samples (smallest p = 2 / 2^k), whatever the sizes.",
+        f"{fewest_differing(level)} differing samples (smallest p = 1 / (1 + 2^k)), whatever the sizes.",
         "",
     ]
     # Grid: what n buys.

@@ -343,11 +343,11 @@ def trend_ratios(values: list[float], configurations: list[str], positions: list
 
 
 # ---------------------------------------------------------------- tests over a table's comparisons
-EXACT_UP_TO = 40  # non-zero differences up to which every sign pattern is enumerated (0.1 s at 40)
+EXACT_UP_TO = 20  # units (samples, or clusters) up to which every sign pattern is enumerated (2^20: about 0.1 s)
 FLIPS = 10_000  # random sign patterns a Monte Carlo p-value starts from
 MAX_FLIPS = 10_000_000  # ... and may be refined to (settled_p_values)
 WIDTH = 4  # Monte Carlo standard errors either side of a p-value within which its marks must hold
-_FLIP_ROWS = 1 << 16  # random sign patterns evaluated at once (bounds memory)
+_FLIP_ROWS = 1 << 14  # random sign patterns evaluated at once (bounds memory: rows x units floats)
 
 
 @dataclass(frozen=True)
@@ -360,6 +360,7 @@ class PValue:
     flips: int = 0
     se: float = 0.0
     settled: bool = True
+    critical: float | None = None  # exact tests: the critical |Z| at the 5% level, so the interval needs no recount
 
     @property
     def exact(self) -> bool:
@@ -382,125 +383,239 @@ def _units(per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | No
     and the null can only negate them together; a unit is then a cluster, its value and weight the
     sums over its samples. A label names one cluster across tasks (a context asked questions of two
     tasks is one cluster). Without ``clusters`` every sample is its own unit."""
+    values, weights, _ = _strata_units(per_task, clusters)
+    return values, weights
+
+
+def _strata_units(per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_units`` with each unit's stratum: the index of its task (in sorted order), or, for a
+    cluster whose samples come from several tasks, one further stratum shared by all such clusters."""
     tasks = sorted(per_task)
-    values, weights, labels = [], [], []
-    for task in tasks:
+    values, weights, labels, task_of = [], [], [], []
+    for index, task in enumerate(tasks):
         d = np.asarray(per_task[task], dtype=float)
         weights.append(np.full(len(d), 1.0 / (len(d) * len(tasks))))
-        values.append(d / (len(d) * len(tasks)))  # divided, not times the weight: the same bits (and seed) as before
+        values.append(d / (len(d) * len(tasks)))
+        task_of.append(np.full(len(d), index))
         if clusters is not None:
             label = np.asarray(clusters[task], dtype=object)
             if len(label) != len(d):
                 raise ValueError(f"{task}: {len(label)} cluster labels for {len(d)} samples")
             labels.extend(str(x) for x in label)
     if not values:
-        return np.zeros(0), np.zeros(0)
-    values, weights = np.concatenate(values), np.concatenate(weights)
+        return np.zeros(0), np.zeros(0), np.zeros(0, dtype=int)
+    values, weights, task_of = np.concatenate(values), np.concatenate(weights), np.concatenate(task_of)
     if clusters is None:
-        return values, weights
+        return values, weights, task_of
     names, index = np.unique(np.asarray(labels), return_inverse=True)
+    low = np.full(len(names), len(tasks))
+    high = np.full(len(names), -1)
+    np.minimum.at(low, index, task_of)
+    np.maximum.at(high, index, task_of)
+    strata = np.where(low == high, low, len(tasks))  # a cluster spanning tasks: the mixed stratum
     return (np.bincount(index, weights=values, minlength=len(names)),
-            np.bincount(index, weights=weights, minlength=len(names)))
+            np.bincount(index, weights=weights, minlength=len(names)), strata)
 
 
 def _weighted(per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | None = None) -> np.ndarray:
-    """The non-zero units' values (``_units``): the statistic is the sum of these with their signs,
-    and only a non-zero unit can change sign. Unclustered, each sample's difference weighted by
-    1 / (tasks x samples of its task)."""
+    """The non-zero units' values (``_units``): the units on which the two runs differ."""
     values = _units(per_task, clusters)[0]
     return values[values != 0]
 
 
-def _sorted_signed_sums(weights: np.ndarray) -> np.ndarray:
-    """The 2^len(weights) sums of +-w_i, one per sign pattern, sorted: each weight turns the sorted
-    sums s into the merge of s + w and s - w, two sorted runs that a stable sort (timsort) merges
-    in linear time, so the whole costs about 2 x 2^len(weights) steps, not a sort of 2^len(weights)
-    values (twice as fast at 2^20 sums, and the bisection of an exact interval asks thousands of
-    times). Each sum is added up in the weights' order whatever the pattern."""
-    sums = np.zeros(1)
-    for w in weights:
-        sums = np.sort(np.concatenate([sums + w, sums - w]), kind="stable")
-    return sums
+class _Stratified:
+    """The stratified, studentized sign-flip test of one comparison (issue 65, item 3).
 
+    Units (samples, or whole clusters) with values c_j (``_strata_units``: differences weighted so
+    that their sum is the estimate, the mean over tasks of the task means), weights b_j (summing to
+    1) and strata (tasks). Within each stratum the units are centred on the stratum's own mean:
+    r_j = c_j - b_j x (sum of the stratum's c / sum of its b), the part of each unit that the
+    stratum's mean does not explain. The estimate's standard error is the stratified one,
+    V = sum over strata of m/(m-1) x sum r_j^2 (m units in the stratum; for samples, the textbook
+    sum_t s_t^2 / (tasks^2 n_t)), and the test statistic of a shift s (the hypothesis: the mean
+    difference is s) is Z(s) = (estimate - s) / sqrt(V).
 
-def _enumerated_p(weighted: np.ndarray, threshold: float) -> float:
-    """Exact: the share of all 2^k sign patterns whose |sum| reaches ``threshold``, by meet in the
-    middle. A pattern is a pattern of the first half of the differences and one of the second,
-    its sum a + b; with the second half's 2^(k/2) sums b sorted, the b with a + b >= threshold or
-    a + b <= -threshold form two ranges, found for every a by binary search. 2 x 2^(k/2) sums
-    and searches instead of 2^k patterns: k = 40 takes about 0.1 s."""
-    half = len(weighted) // 2
-    first = _sorted_signed_sums(weighted[:half])  # sorted queries search faster
-    second = _sorted_signed_sums(weighted[half:])
-    high = len(second) - np.searchsorted(second, threshold - first, side="left")  # a + b >= threshold
-    low = np.searchsorted(second, -threshold - first, side="right")  # a + b <= -threshold
-    return float((int(high.sum()) + int(low.sum())) / 2.0 ** len(weighted))
+    Its reference distribution flips the signs of the centred units within their strata: for a
+    sign pattern e, Z* = sum e_j r_j / sqrt(V*(e)), V* the same stratified variance of the flipped
+    units e_j r_j. That distribution does not depend on s (a shift moves every unit of a stratum
+    by its weight, which centring removes), so:
 
+    * every unit takes part in the same way at every shift, zero differences included (a sample
+      on which the two runs agree is a unit like any other; before, it dropped out at s = 0 and
+      took part at every other shift, and the interval ended exactly at 0);
+    * the strata are respected: the spread of the task means around the overall mean does not
+      widen the reference distribution (it did, by 12% typically, up to 2x), and with many units
+      Z* tends to the standard normal, so the interval tends to the stratified t-interval;
+    * the test accepts s exactly when |Z(s)| <= the critical value of |Z*|, so the interval that
+      inverts it is estimate -+ critical x sqrt(V), in closed form, and it excludes zero exactly
+      when the p-value at zero is below the level (the same comparison of |Z(0)| with the same
+      draws of |Z*|).
 
-class _SignFlips:
-    """One comparison's sign-flip test: exact when its non-zero differences are few, else random
-    sign patterns that ``draw`` extends. The patterns come as raw 64-bit words from a generator
-    seeded by the differences (``data_seed``), one or more whole words per pattern, so the first N
-    patterns are the same however the drawing was split: a p-value from N flips depends on the
-    data and N alone. Each byte of a word gives the signs of 8 differences, and a 256-entry table
-    per group of 8 differences holds each byte's signed sum: the statistic of a pattern is k/8
-    table look-ups."""
+    p(s) = (1 + #{patterns with |Z*| >= |Z(s)|}) / (1 + patterns): every pattern of up to
+    ``EXACT_UP_TO`` units enumerated (no Monte Carlo error), else random patterns from a generator
+    seeded by the data (``data_seed``), valid at any number of them (Phipson and Smyth 2010). This
+    is the wild (Rademacher) bootstrap-t test of a mean, stratified and clustered (Cameron,
+    Gelbach and Miller 2008 for few clusters): not exact in finite samples as a permutation test
+    of a sharp null is, but right for the hypothesis the tables state (a mean difference), and
+    checked for coverage by simulation (tests/unit/test_stats.py)."""
 
-    def __init__(self, per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | None = None):
-        weighted = _weighted(per_task, clusters)
-        observed = abs(weighted.sum())
-        self.threshold = observed * (1 - 1e-9)  # the observed pattern itself counts despite float rounding
+    def __init__(self, per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | None = None,
+                 keep: bool = True, count: bool = True):
+        values, weights, strata = _strata_units(per_task, clusters)
+        self.keep = keep  # keep the draws of |Z*| (an interval's critical value needs them; a p-value does not)
+        self.units = len(values)
+        self.estimate = float(values.sum())
         self.flips = self.extreme = 0
-        self.exact_p = None
-        k = len(weighted)
-        if observed == 0:
-            self.exact_p = 1.0  # no difference (or exactly cancelling ones): nothing to test
-        elif k <= EXACT_UP_TO:
-            self.exact_p = _enumerated_p(weighted, self.threshold)
+        self.multiplicity = 1  # patterns each draw stands for (2 when enumerated: a pattern and its negation)
+        self.draws: list[np.ndarray] = []
+        # Strata of one unit cannot estimate a spread: they are pooled into one stratum.
+        names, index, counts = np.unique(strata, return_inverse=True, return_counts=True)
+        single = counts[index] == 1
+        if single.sum() >= 2:
+            index = np.where(single, len(names), index)
+            names, index = np.unique(index, return_inverse=True)
+        self.strata = index
+        counting, count = count, np.bincount(index).astype(float)
+        mean = np.bincount(index, weights=values) / np.bincount(index, weights=weights)
+        self.residuals = values - weights * mean[index]
+        self.factor = np.where(count > 1, count / np.maximum(count - 1, 1), 0.0)  # m / (m - 1) per stratum
+        self.count = count
+        self.q = np.bincount(index, weights=self.residuals ** 2, minlength=len(count))  # flip-invariant
+        self.variance = float(np.sum(self.factor * self.q))
+        self.exact_p = self.exact_critical = None
+        if not counting:
+            return  # the estimate and its standard error alone (an interval whose critical value is known)
+        if not np.any(values != 0):
+            self.exact_p, self.observed = 1.0, 0.0  # two runs equal on every unit: nothing to test
+            return
+        if self.variance <= 1e-30 * max(1.0, self.estimate ** 2):
+            # Every unit differs by its weight times one common value (every sample -1, say): no
+            # spread to test against. The estimate is then what every unit says; p as small as
+            # the design allows, the interval the estimate itself.
+            self.observed = math.inf
         else:
-            groups = -(-k // 8)
-            padded = np.zeros(8 * groups)  # padding with zeros: their signs change nothing
-            padded[:k] = weighted
-            signs = 2 * ((np.arange(256)[:, None] >> np.arange(8)) & 1) - 1  # byte value -> its 8 signs
-            self.tables = padded.reshape(groups, 8) @ signs.T  # (groups, 256)
-            self.words = -(-k // 64)
-            self.bits = np.random.PCG64(data_seed("sign flips", [weighted]))
+            self.observed = abs(self.estimate) / math.sqrt(self.variance)
+        self.threshold = self.observed * (1 - 1e-9)  # ties up to rounding count as extreme
+        self.matrix = np.zeros((self.units, len(count)))
+        self.matrix[np.arange(self.units), index] = self.residuals  # unit -> its stratum's column
+        # Random patterns as bytes: each stratum's units in groups of 8 (the last padded with zeros,
+        # whose signs change nothing), a 256-entry table per group holding each byte's signed sum
+        # of its 8 residuals, so a pattern's per-stratum sums are one table look-up per group.
+        signs = 2 * ((np.arange(256)[:, None] >> np.arange(8)) & 1) - 1  # byte value -> its 8 signs
+        tables, owners = [], []
+        for stratum in range(len(count)):
+            mine = self.residuals[index == stratum]
+            padded = np.zeros(8 * -(-len(mine) // 8))
+            padded[:len(mine)] = mine
+            tables.append(padded.reshape(-1, 8) @ signs.T)
+            owners += [stratum] * (len(padded) // 8)
+        self.tables, self.owners = np.concatenate(tables), np.asarray(owners)
+        if self.units <= EXACT_UP_TO:
+            self.multiplicity = 2
+            z = self._enumerated()
+            self.extreme = 2 * int(np.count_nonzero(z >= self.threshold))
+            self.exact_p = (1 + self.extreme) / (1 + 2 ** self.units)
+            self.draws = [z]
+            self.exact_critical = self.critical(1 - LEVEL)  # carried by the p-value to its interval
+            if not keep:
+                self.draws = []
+        else:
+            self.words = -(-len(self.owners) // 8)  # 64-bit words per pattern: a byte per group
+            # Seeded by the values (the data and its negation alike: B minus A draws A minus B's patterns)
+            # and, apart, by the weights (always positive).
+            self.bits = np.random.PCG64(data_seed("stratified sign flips", [values]) ^ data_seed("weights", [weights]))
+
+    def _statistics(self, patterns: np.ndarray) -> np.ndarray:
+        """|Z*| of each sign pattern (rows of +-1 over the units)."""
+        sums = patterns @ self.matrix  # per pattern and stratum: sum of e_j r_j
+        variance = np.sum(self.factor * (self.q - sums ** 2 / self.count), axis=1)
+        return self._z(sums.sum(axis=1), variance)
+
+    @staticmethod
+    def _z(total: np.ndarray, variance: np.ndarray) -> np.ndarray:
+        total = np.abs(total)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = total / np.sqrt(np.maximum(variance, 0.0))
+        z[total <= 1e-15] = 0.0  # 0/0: a pattern whose flipped units cancel says nothing
+        return z
+
+    def _enumerated(self) -> np.ndarray:
+        """|Z*| of the 2^(units - 1) sign patterns whose first unit keeps its sign, each standing for
+        itself and its negation (``multiplicity`` 2). The sum and the variance are sums over strata
+        of what each stratum's own signs give, so each stratum's signed sums are listed and the
+        strata combined by outer sums: about 2^units additions, no pattern matrix."""
+        total, variance = np.zeros(1), np.zeros(1)
+        first = True  # a pattern and its negation give the same |Z*|: the first unit's sign is fixed at +
+        for stratum in range(len(self.count)):
+            sums = np.zeros(1)
+            for r in self.residuals[self.strata == stratum]:
+                sums = sums + r if first else np.concatenate([sums + r, sums - r])
+                first = False
+            part = self.factor[stratum] * (self.q[stratum] - sums ** 2 / self.count[stratum])
+            total = (total[:, None] + sums[None, :]).ravel()
+            variance = (variance[:, None] + part[None, :]).ravel()
+        return self._z(total, variance)
+
+    def _add(self, z: np.ndarray) -> None:
+        if self.keep:
+            self.draws.append(z)
+        self.extreme += self.multiplicity * int(np.count_nonzero(z >= self.threshold))
+        self.flips += len(z)
 
     def draw(self, flips: int) -> None:
-        """Draw random sign patterns until ``flips`` have been drawn in all."""
+        """Draw random sign patterns until ``flips`` have been drawn in all: raw 64-bit words from
+        the data-seeded generator, a byte per group of 8 units (``tables``), so the first N
+        patterns are the same however the drawing was split."""
+        if self.exact_p is not None:
+            return
         while self.flips < flips:
             rows = min(_FLIP_ROWS, flips - self.flips)
             patterns = self.bits.random_raw(rows * self.words).reshape(rows, self.words).view(np.uint8)
-            statistic = self.tables[0][patterns[:, 0]]
-            for group in range(1, len(self.tables)):
-                statistic += self.tables[group][patterns[:, group]]
-            self.extreme += int(np.count_nonzero(np.abs(statistic) >= self.threshold))
-            self.flips += rows
+            # Per stratum, its groups' look-ups added in group order into one contiguous column
+            # (the same sums, in the same order, as adding into a strided column, at a third the cost).
+            columns = []
+            for stratum in range(len(self.count)):
+                column = np.zeros(rows)
+                for group in np.flatnonzero(self.owners == stratum):
+                    column += self.tables[group][patterns[:, group]]
+                columns.append(column)
+            sums = np.stack(columns, axis=1)
+            variance = np.sum(self.factor * (self.q - sums ** 2 / self.count), axis=1)
+            self._add(self._z(sums.sum(axis=1), variance))
 
     def result(self) -> PValue:
         if self.exact_p is not None:
-            return PValue(self.exact_p)
-        # (1 + extreme) / (1 + flips) counts the observed pattern among the flips: a valid p-value at
-        # any number of flips, never 0 (Phipson and Smyth 2010). Its error is binomial.
+            return PValue(self.exact_p, critical=self.exact_critical)
         p = (1 + self.extreme) / (1 + self.flips)
         return PValue(p, self.flips, float(np.sqrt(p * (1 - p) / self.flips)))
+
+    def critical(self, alpha: float, draws: np.ndarray | None = None) -> float:
+        """The largest |Z| the test accepts at ``alpha`` over ``draws`` (default: all): accepted
+        when (1 + #{|Z*| >= |Z|}) / (1 + N) >= alpha, i.e. when at least ceil(alpha (1 + N)) - 1
+        draws reach |Z|; the critical value is that order statistic of the draws (infinite when the
+        design has too few patterns for any |Z| to be rejected)."""
+        z = np.concatenate(self.draws) if draws is None else draws
+        # patterns at least as large, for acceptance, then the draws that stand for them
+        needed = math.ceil(alpha * (1 + self.multiplicity * len(z)) - 1e-12) - 1
+        needed = -(-needed // self.multiplicity) if needed > 0 else needed
+        if needed <= 0:
+            return math.inf
+        if needed > len(z):
+            return 0.0  # (cannot happen at alpha < 1) no |Z| is accepted
+        # The needed-th largest draw (a partial sort: linear, not a sort of every draw).
+        return float(np.partition(z, len(z) - needed)[len(z) - needed]) / (1 - 1e-9)  # ``threshold``'s tolerance
 
 
 def sign_flip_test(per_task: dict[str, np.ndarray], flips: int = FLIPS,
                    clusters: dict[str, np.ndarray] | None = None) -> PValue:
     """Two-sided p-value of a paired difference (the mean over tasks of the per-task mean
-    differences) under the null that each sample's difference is as likely negated.
-
-    Only non-zero differences can change sign, so the statistic is sum_i s_i w_i d_i over the k
-    non-zero differences d_i (weight w_i = 1 / (tasks x samples of d_i's task), s_i = +-1). When
-    k <= ``EXACT_UP_TO`` all 2^k sign patterns are counted (``_enumerated_p``): p = (patterns at
-    least as extreme) / 2^k, the exact permutation p-value. Otherwise ``flips`` random patterns
-    (``_SignFlips``): p = (1 + flips at least as extreme) / (1 + flips), valid at any ``flips``,
-    with its Monte Carlo standard error. All-zero differences give p = 1. With ``clusters``
-    (``_units``) whole clusters are negated together: k counts non-zero clusters."""
-    test = _SignFlips(per_task, clusters)
-    if test.exact_p is None:
-        test.draw(flips)
+    differences) being zero: the stratified, studentized sign-flip test (``_Stratified``). Exact
+    (every pattern) for at most ``EXACT_UP_TO`` units, else from ``flips`` random patterns with
+    the p-value's Monte Carlo standard error. All-zero differences give p = 1. With ``clusters``
+    whole clusters are flipped together (a unit is a cluster)."""
+    test = _Stratified(per_task, clusters)
+    test.draw(flips)
     return test.result()
 
 
@@ -508,6 +623,19 @@ def sign_flip_p(per_task: dict[str, np.ndarray], flips: int = FLIPS,
                 clusters: dict[str, np.ndarray] | None = None) -> float:
     """``sign_flip_test``'s p-value alone."""
     return sign_flip_test(per_task, flips, clusters).p
+
+
+def smallest_p(units: int) -> float:
+    """The smallest p-value a comparison of ``units`` units (samples, or clusters) can reach:
+    1 / (1 + 2^units) where every pattern is enumerated, 1 / (1 + ``MAX_FLIPS``) otherwise."""
+    return 1 / (1 + 2 ** units) if units <= EXACT_UP_TO else 1 / (1 + MAX_FLIPS)
+
+
+def can_decide(units: list[int], alpha: float = 1 - LEVEL) -> bool:
+    """Whether a family of comparisons with these unit counts can reject anything under Holm at
+    ``alpha``: its smallest attainable p times the family size must be below ``alpha``."""
+    return bool(units) and min(smallest_p(u) for u in units) * len(units) < alpha
+
 
 
 def _rejected(p_values: list[float], alpha: float) -> tuple[np.ndarray, np.ndarray]:
@@ -558,10 +686,9 @@ def settled_p_values(comparisons: list[dict[str, np.ndarray]], alpha: float = 1 
     if not comparisons:
         return []
     clusters = clusters or [None] * len(comparisons)
-    tests = [_SignFlips(per_task, labels) for per_task, labels in zip(comparisons, clusters)]
+    tests = [_Stratified(per_task, labels, keep=False) for per_task, labels in zip(comparisons, clusters)]
     for index, test in enumerate(tests):
-        if test.exact_p is None:
-            test.draw(max(FLIPS, start[index] if start else 0))
+        test.draw(max(FLIPS, start[index] if start else 0))
     while True:
         values = [test.result() for test in tests]
         unsettled, refine = _unsettled(values, alpha)
@@ -574,65 +701,6 @@ def settled_p_values(comparisons: list[dict[str, np.ndarray]], alpha: float = 1 
 
 
 # ---------------------------------------------------------------- intervals that agree with their test
-_RESOLUTION = 2.0 ** -26  # a bound is bisected to this share of the differences' span: far below any kept decimal
-
-
-def _pattern_sums(vectors: list[np.ndarray], bits: np.random.PCG64, count: int) -> list[np.ndarray]:
-    """``count`` random sign patterns over the units, as each vector's signed sums (one array per
-    vector, the same patterns for all): raw 64-bit words, a byte per 8 units, a table of each
-    byte's 256 signed sums per group of 8 (as ``_SignFlips``), so a pattern costs units/8 look-ups."""
-    k = len(vectors[0])
-    groups, words = -(-k // 8), -(-k // 64)
-    signs = 2 * ((np.arange(256)[:, None] >> np.arange(8)) & 1) - 1
-    tables = []
-    for vector in vectors:
-        padded = np.zeros(8 * groups)
-        padded[:k] = vector
-        tables.append(padded.reshape(groups, 8) @ signs.T)
-    sums = [np.zeros(count) for _ in vectors]
-    for start in range(0, count, _FLIP_ROWS):
-        rows = min(_FLIP_ROWS, count - start)
-        patterns = bits.random_raw(rows * words).reshape(rows, words).view(np.uint8)
-        for table, out in zip(tables, sums):
-            part = table[0][patterns[:, 0]]
-            for group in range(1, groups):
-                part += table[group][patterns[:, group]]
-            out[start:start + rows] = part
-    return sums
-
-
-def _bracketed(accepted, estimate: float, p_zero: float, side: int, span: float, alpha: float) -> float:
-    """One end of the set of shifts the test does not reject, on ``side`` (-1 low, +1 high) of the
-    estimate, by bisection between a shift the test accepts and one it rejects.
-
-    Zero is decided by the reported p-value ``p_zero`` itself, never by a recomputation: when zero
-    lies on this side and p_zero < alpha, zero is the rejected end of the bracket, so the bound
-    lies strictly between the estimate and zero; when p_zero >= alpha, zero is the accepted end
-    and the bound lies beyond it. So the interval excludes zero exactly when p_zero < alpha,
-    whatever the test does at other shifts (its acceptance set need not be one interval)."""
-    zero_here = (0.0 - estimate) * side > 0
-    if zero_here and p_zero < alpha:
-        inside, outside = estimate, 0.0
-    else:
-        inside = 0.0 if zero_here else estimate
-        step = span
-        outside = inside + side * step
-        for _ in range(60):  # a shift past every difference leaves one pattern in 2^units as extreme
-            if not accepted(outside):
-                break
-            step *= 2
-            outside = inside + side * step
-        else:
-            return side * math.inf  # too few units for any shift to be rejected at alpha
-    while abs(outside - inside) > _RESOLUTION * span:
-        middle = (inside + outside) / 2
-        if accepted(middle):
-            inside = middle
-        else:
-            outside = middle
-    return inside
-
-
 def _round_bound(bound: float, digits: int) -> float:
     """A bound rounded to ``digits`` decimals, except that a non-zero bound never rounds to zero or
     past it: a bound of +0.003 printed as 0.00 would read as an interval touching zero beside
@@ -646,64 +714,55 @@ def _round_bound(bound: float, digits: int) -> float:
 
 
 def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: float = SCALE, digits: int = 2,
-                  clusters: dict[str, np.ndarray] | None = None, alpha: float = 1 - LEVEL,
-                  target: float | None = None, flips: int = FLIPS, max_flips: int = MAX_RESAMPLES) -> Interval:
-    """The 95% interval of a paired difference that inverts its own sign-flip test: every shift s
-    for which the test of the differences minus s (``sign_flip_test``, same statistic, same units,
-    whole clusters with ``clusters``) does not reject at ``alpha``. ``p`` is that test's p-value
-    at s = 0 as reported (settled over its family): the bracket starts from it (``_bracketed``),
-    so the interval excludes zero if and only if p < alpha, by construction.
+                      clusters: dict[str, np.ndarray] | None = None, alpha: float = 1 - LEVEL,
+                      target: float | None = None, flips: int = FLIPS, max_flips: int = MAX_RESAMPLES) -> Interval:
+    """The 95% interval of a paired difference that inverts its own test (``_Stratified``): every
+    shift s the stratified sign-flip test of "the mean difference is s" does not reject at
+    ``alpha``, which is estimate -+ critical |Z*| x stratified standard error.
 
-    Why not BCa here: a BCa bound over few differing samples is unreliable, and its interval and
-    the test's p answered different questions, so 5% of committed comparisons printed an interval
-    excluding zero beside p >= 0.05 or the reverse (issue 51). Shifted, every sample differs, so
-    the shifted test enumerates every sign pattern where there are at most ``EXACT_UP_TO`` units
-    (bounds exact, ``resamples`` 0); otherwise it uses random patterns from a generator seeded by
-    the data (``data_seed``), the same patterns at every shift (a pattern's statistic is linear in
-    s: A - s B), ``flips`` at first and more, doubling up to ``max_flips``, until the bounds' Monte
-    Carlo error (sectioning: the bounds from ten disjoint tenths of the patterns) is below
-    ``target`` (default ``mc_target(scale)``). ``Interval.resamples`` is then the patterns used."""
-    values, weights = _units(per_task, clusters)
-    estimate = float(values.sum())
-    # Printed: the estimate as bca_interval computes it (scaled, then the mean over tasks of the task
-    # means), so a table's differences keep the last digit they had; ``estimate`` (the same up to
-    # rounding) centres the test.
+    The draws of |Z*| are the test's own: all patterns where there are at most ``EXACT_UP_TO``
+    units (bounds exact, ``resamples`` 0), else the same data-seeded patterns as the p-value
+    ``p`` (its ``flips``, at least ``flips``, at most ``max_flips``) and more, doubling up to
+    ``max_flips``, while the
+    bounds' Monte Carlo error (sectioning: the critical value from ten disjoint tenths of the
+    draws) is at or above ``target`` (default ``mc_target(scale)``). The interval excludes zero
+    exactly when ``p`` < ``alpha``: with the p-value's own draws that holds by construction; where
+    more draws moved the critical value across |Z(0)| (within Monte Carlo error of the level) the
+    bound on zero's side is set at zero's side that ``p`` says, and ``Interval.mc_error`` covers it."""
+    known = p.critical is not None and alpha == 1 - LEVEL  # an exact test's, computed with the p-value
+    test = _Stratified(per_task, clusters, count=not known)
     printed = float(np.mean([v.mean() for v in _arrays(per_task, scale)[1]]))
     samples = sum(len(np.asarray(v)) for v in per_task.values())
-    if not np.any(values != 0):  # two runs equal on every sample: p = 1, and the interval is the point 0
-        return Interval(0.0, 0.0, 0.0, samples)  # (as before: nothing to shift; it contains zero, as p says)
-    span = float(np.max(np.abs(values / weights)) + abs(estimate)) or 1.0
-    bounds: list[float]
-    if len(values) <= EXACT_UP_TO:
-        def accepted(shift: float) -> bool:
-            shifted = values - shift * weights
-            return _enumerated_p(shifted, abs(shifted.sum()) * (1 - 1e-9)) >= alpha
-        bounds = [_bracketed(accepted, estimate, p.p, side, span, alpha) for side in (-1, 1)]
-        error, used = 0.0, 0
-    else:
+    if not any(np.any(np.asarray(v) != 0) for v in per_task.values()):  # equal on every unit: the point 0
+        return Interval(0.0, 0.0, 0.0, samples)
+    se = math.sqrt(test.variance)
+    error, used = 0.0, 0
+    if known:
+        critical = p.critical
+    elif test.exact_p is None:
         target = mc_target(scale) / scale if target is None else target / scale
-        bits = np.random.PCG64(data_seed("test interval", [values, weights]))
-        a, b = _pattern_sums([values, weights], bits, flips)
-        total = float(weights.sum())
-
-        def bounds_of(a_part: np.ndarray, b_part: np.ndarray) -> list[float]:
-            def accepted(shift: float) -> bool:
-                threshold = abs(estimate - shift * total) * (1 - 1e-9)
-                extreme = np.count_nonzero(np.abs(a_part - shift * b_part) >= threshold)
-                return (1 + extreme) / (1 + len(a_part)) >= alpha
-            return [_bracketed(accepted, estimate, p.p, side, span, alpha) for side in (-1, 1)]
-
+        test.draw(max(flips, min(p.flips, max_flips)))
         while True:
-            bounds = bounds_of(a, b)
-            parts = np.array([bounds_of(x, y) for x, y in zip(np.array_split(a, SECTIONS), np.array_split(b, SECTIONS))])
-            finite = parts[:, np.isfinite(parts).all(axis=0)]
-            error = float(np.max(finite.std(axis=0, ddof=1)) / np.sqrt(SECTIONS)) if finite.size else 0.0
-            if error < target or len(a) >= max_flips:
+            draws = np.concatenate(test.draws)
+            critical = test.critical(alpha, draws)
+            parts = [test.critical(alpha, part) for part in np.array_split(draws, SECTIONS)]
+            finite = [c for c in parts if math.isfinite(c)]
+            error = float(np.std(finite, ddof=1) / np.sqrt(SECTIONS) * se) if len(finite) > 1 else 0.0
+            if error < target or test.flips >= max_flips:
                 break
-            more = _pattern_sums([values, weights], bits, min(len(a), max_flips - len(a)))
-            a, b = np.concatenate([a, more[0]]), np.concatenate([b, more[1]])
-        error, used = error * scale, len(a)
-    low, high = (_round_bound(scale * bound, digits) for bound in bounds)
+            test.draw(min(max_flips, 2 * test.flips))
+        error, used = error * scale, test.flips
+    else:
+        critical = test.critical(alpha)
+    half = critical * se
+    low, high = test.estimate - half, test.estimate + half
+    # The side of zero the reported p says (the same comparison, |Z(0)| against the critical value,
+    # unless more draws or the family's refinement moved one across the other).
+    if p.p < alpha and low <= 0 <= high:
+        low, high = (low, -abs(test.estimate) * 1e-9) if test.estimate < 0 else (abs(test.estimate) * 1e-9, high)
+    elif p.p >= alpha and not low <= 0 <= high:
+        low, high = (low, 0.0) if high < 0 else (0.0, high)
+    low, high = (_round_bound(scale * bound, digits) for bound in (low, high))
     return Interval(_rounded(printed, digits), low, high, samples, round(error, digits + 2), used)
 
 
@@ -714,11 +773,10 @@ def cell_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digi
     Independent samples: ``bca_interval``. Clustered samples (``clusters``, per task a label per
     sample): a bootstrap would have to resample the clusters, and with the few a workload has (four
     contexts per task in ``results/shared_context``) its distribution takes a handful of values and
-    its percentiles come out far too narrow. Instead the interval inverts the one-sample sign-flip
-    test over whole clusters (``inverted_interval`` of the values themselves: every m for which the
-    clusters' deviations from m are as likely negated), exact up to ``EXACT_UP_TO`` clusters; it
-    assumes the cluster means are spread symmetrically about their mean, which a mean over several
-    samples per cluster approaches."""
+    its percentiles come out far too narrow. Instead the interval inverts the stratified sign-flip
+    test over whole clusters (``inverted_interval`` of the values themselves: every m for which
+    the studentized mean minus m is not extreme among the clusters' centred deviations flipped
+    within their tasks)."""
     if clusters is None:
         return bca_interval(per_task, scale=scale, digits=digits, target=target)
     return inverted_interval(per_task, sign_flip_test(per_task, clusters=clusters), scale=scale, digits=digits,
@@ -763,3 +821,16 @@ def detectable_difference(per_task: dict[str, np.ndarray], alpha: float = 1 - LE
     ``alpha`` detects with probability ``power``, from the observed per-task variances of the
     differences (normal approximation: (z_{1-alpha/2} + z_power) x its standard error)."""
     return float((_NORMAL.inv_cdf(1 - alpha / 2) + _NORMAL.inv_cdf(power)) * standard_error(per_task, scale))
+
+
+def stratified_t_interval(per_task: dict[str, np.ndarray], scale: float = SCALE) -> Interval:
+    """The reference the sign-flip interval is checked against (tests/unit/test_stats.py): the
+    estimate -+ t x the stratified standard error, t with Welch-Satterthwaite degrees of freedom."""
+    tasks, values = _arrays(per_task, scale)
+    estimate = float(np.mean([v.mean() for v in values]))
+    parts = np.array([np.var(v, ddof=1) / len(v) / len(tasks) ** 2 if len(v) > 1 else 0.0 for v in values])
+    se = float(np.sqrt(parts.sum()))
+    df_parts = [part ** 2 / (len(v) - 1) for part, v in zip(parts, values) if len(v) > 1]
+    df = max(1, int(round(parts.sum() ** 2 / sum(df_parts)))) if se > 0 and sum(df_parts) > 0 else 1
+    half = t_975(df) * se
+    return Interval(estimate, estimate - half, estimate + half, sum(len(v) for v in values))

