@@ -4,7 +4,7 @@ shared-context, multi-request workloads; KVzip's setting), in the real engine wi
     flock /tmp/engine.lock .venv/bin/python experiments/shared_context.py [--contexts 8] [--questions 6] [--ratio 0.5]
         [--kv-cache-gib 4] [--out results/shared_context] [--configs "kvzip context"]
 
-The workload (generated here from the embedded suite's vocabulary, ``harness.tasks.embedded``):
+The workload (``harness.serving.workloads.shared_contexts``, the serving benchmark's one definition, from the embedded suite's vocabulary):
 half the contexts a long text hiding one access code per person (key_retrieval's needle, several
 of them), half passages about people, each born somewhere (multi_doc_qa's); every context is
 asked ``QUESTIONS`` questions, one per person, with the suite's own templates and scoring. All
@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -65,11 +64,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harness.tasks.embedded.dataset import CITIES, JOBS, filler, people  # noqa: E402
+from harness.serving.workloads import QUESTIONS, WORDS, Shared, prompts_of, shared_contexts  # noqa: E402,F401
 
 OUT = ROOT / "results" / "shared_context"
-QUESTIONS = 6
-WORDS = 1400          # about 2,000 of SmolLM2's tokens per context
 POLICIES = ("paged", "snapkv")          # every mode
 MODES = ("context", "prompt", "first question")
 CONTEXT_ONLY = ("streaming", "keydiff", "kvzip")  # the context mode alone
@@ -116,44 +113,10 @@ def reconstructs(policy: str | None) -> bool:
     return entry is not None and entry.reconstructs
 
 
-@dataclass(frozen=True)
-class Shared:
-    """A context and its questions (``input``, answers), in the suite's record format."""
-
-    task: str
-    id: str
-    context: str
-    questions: tuple[tuple[str, tuple[str, ...]], ...]
-
-
-def access_codes(rng: random.Random, index: int, questions: int = QUESTIONS) -> Shared:
-    """A long text with one access code per person, spread from 10% to 90% of its depth."""
-    names = people(rng, questions)
-    codes = [str(code) for code in rng.sample(range(10000, 100000), questions)]
-    sentences = filler(rng, WORDS)
-    for k, (name, code) in reversed(list(enumerate(zip(names, codes)))):
-        depth = 0.1 + 0.8 * k / (questions - 1)
-        sentences.insert(round(depth * len(sentences)), f"The access code of {name} is {code}. Remember it: {code}.")
-    questions = tuple((f"What is the access code of {name}? Answer with the number only.", (code,))
-                      for name, code in zip(names, codes))
-    return Shared("key_retrieval", f"codes-{index}", " ".join(sentences), questions)
-
-
-def birthplaces(rng: random.Random, index: int, questions: int = QUESTIONS) -> Shared:
-    """Passages about ``questions`` people, each born in a different city."""
-    names, cities = people(rng, questions), rng.sample(CITIES, questions)
-    passages = []
-    for k, (name, city) in enumerate(zip(names, cities), start=1):
-        body = filler(rng, WORDS // questions - 20)
-        body.insert(rng.randrange(len(body) + 1), f"{name} was born in {city} and worked as a {rng.choice(JOBS)}.")
-        passages.append(f"Passage {k}:\n{name}\n{' '.join(body)}")
-    questions = tuple((f"In which city was {name} born?", (city,)) for name, city in zip(names, cities))
-    return Shared("multi_doc_qa", f"births-{index}", "\n".join(passages), questions)
-
-
 def workload(contexts: int, seed: int = 0, questions: int = QUESTIONS) -> list[Shared]:
-    rng = random.Random(seed)
-    return [(access_codes if index % 2 == 0 else birthplaces)(rng, index, questions) for index in range(contexts)]
+    """The contexts and their questions: one definition, the serving benchmark's
+    (``harness.serving.workloads.shared_contexts``)."""
+    return shared_contexts(contexts, seed, questions)
 
 
 @dataclass(frozen=True)
@@ -162,21 +125,6 @@ class Request:
     question: int
     token_ids: list[int]
     settings: dict           # SamplingParams.extra_args["kv_eviction"]
-
-
-def prompts_of(shared: Shared, tokenizer, max_prompt_tokens: int) -> list:
-    """Each question's prompt (``harness.tasks.prompts.Prompt``: token ids and context boundary)."""
-    from harness.tasks import task_spec
-    from harness.tasks.prompts import build_prompt
-    from harness.tasks.sample import Sample
-
-    spec = task_spec(shared.task)
-    prompts = [build_prompt(Sample(shared.task, f"{shared.id}-q{q}", shared.context, text, list(answers)), spec,
-                            tokenizer, max_prompt_tokens) for q, (text, answers) in enumerate(shared.questions)]
-    if any(not p.context_tokens or p.token_ids[:p.context_tokens] != prompts[0].token_ids[:prompts[0].context_tokens]
-           for p in prompts):
-        raise RuntimeError(f"{shared.id}: the questions' prompts do not share one context")
-    return prompts
 
 
 def after_first_question(first, later, footer: int) -> tuple[list[int], int]:

@@ -43,8 +43,10 @@ ROOMS: dict[str, set[str]] = {
                       "harness.analysis"},
     "harness.run": {"harness.eviction", "harness.tasks", "harness.records", "harness.scoring", "harness.config",
                     "harness.engine", "harness.analysis"},
+    "harness.serving": {"policies", "harness.tasks", "harness.config", "harness.engine", "harness.analysis"},
     "entry points": {"policies", "harness.eviction", "harness.tasks", "harness.records", "harness.scoring",
-                     "harness.config", "harness.engine", "harness.analysis", "harness.bench", "harness.run"},
+                     "harness.config", "harness.engine", "harness.analysis", "harness.bench", "harness.run",
+                     "harness.serving"},
 }
 
 # The contracts the table exists for, checked on every chain of imports, not only direct ones.

@@ -1,0 +1,172 @@
+"""One serving benchmark run through vLLM's own ``benchmark()`` (vllm/benchmarks/serve.py:786), and a
+sweep of configurations x request rates x trials on one ``vllm serve``.
+
+A run: the prefix cache emptied (``Server.reset_prefix_cache``), the arrival process seeded (vLLM
+draws the gaps from ``np.random.gamma``, serve.py get_request; burstiness 1.0 is a Poisson process),
+then ``benchmark()`` (``harness.engine.bench_client``) on the workload's ``SampleRequest``s with greedy
+sampling (``temperature: 0`` in ``extra_body``), the goodput SLOs, and the KV usage gauge sampled
+beside it. vLLM's initial test request is skipped: it would send the workload's first request
+before the timed run and leave its context in the prefix cache; the server is already healthy
+(``Server.start``). Each run is saved in the JSON ``vllm bench serve --save-result
+--save-detailed`` writes (serve.py:2250-2283 and :2397-2410: the setup and traffic keys, then
+``benchmark()``'s result with ``generated_texts`` and ``errors``), the sweep's own keys added at
+the top level as ``--metadata KEY=VALUE`` adds them, and the gauge samples beside it.
+
+A sweep: every configuration at every rate in every trial, on one server (a configuration is a
+per-request setting). Counterbalanced: rates ascending and configurations in the listed order in odd
+trials, both reversed in even ones; within a trial and rate every configuration gets the same
+arrival times (one seed per trial and rate), so its ratio to full cache compares like with like.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from harness.serving.server import GaugeSampler, Server, gauge_summary
+from harness.serving.workloads import Workload, sample_requests, score
+
+# Stated before any run: a request is good when its first token comes within TTFT and its
+# later tokens at TPOT or faster (ms; vLLM's --goodput format)
+DEFAULT_GOODPUT = "ttft:5000 tpot:250"
+PERCENTILES = (50.0, 90.0, 99.0)
+CAPACITY_FRACTIONS = (0.5, 0.8, 1.2, 2.0)
+
+
+def parse_goodput(text: str) -> dict[str, float]:
+    """``"ttft:5000 tpot:250"`` -> {"ttft": 5000.0, "tpot": 250.0}, by vLLM's own parser and checks."""
+    from harness.engine import bench_client
+
+    return bench_client.parse_goodput(text)
+
+
+@dataclass
+class Bench:
+    """What every run of a sweep shares: the server, the model's id and tokenizer, the workload,
+    the compression ratio and the SLOs."""
+
+    server: Server
+    model: str
+    tokenizer: object
+    workload: Workload
+    ratio: float
+    goodput: dict[str, float] = field(default_factory=lambda: parse_goodput(DEFAULT_GOODPUT))
+
+    def run(self, configuration: str, rate: float, seed: int, metadata: dict | None = None) -> tuple[dict, list]:
+        """One run of vLLM's ``benchmark()``: its result in ``vllm bench serve``'s saved format (with
+        ``metadata`` on top) and the gauge samples taken beside it."""
+        import numpy as np
+
+        from harness.engine.bench_client import benchmark
+
+        requests = sample_requests(self.workload, configuration, self.ratio)
+        self.server.reset_prefix_cache()
+        random.seed(seed)
+        np.random.seed(seed)
+        with GaugeSampler(self.server) as sampler:
+            result = benchmark(self.server.base_url, self.model, self.tokenizer, requests, rate,
+                               ignore_eos=self.workload.ignore_eos, goodput=self.goodput, percentiles=PERCENTILES,
+                               extra_body={"temperature": 0.0})
+        saved = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "vllm", "backend": "vllm",
+                 "label": None, "model_id": self.model, "tokenizer_id": self.model, "num_prompts": len(requests),
+                 **{key: str(value) for key, value in (metadata or {}).items()},
+                 "request_rate": rate if rate < float("inf") else "inf", "burstiness": 1.0, "max_concurrency": None,
+                 **result}
+        return saved, sampler.samples
+
+
+def run_name(trial: int, rate: float, configuration: str) -> str:
+    return f"trial{trial}-rate{rate:g}-{configuration.replace(' ', '_')}"
+
+
+def plan(configurations: list[str], rates: list[float], trials: int) -> list[dict]:
+    """Every run in the order it runs: per trial the rates ascending and the configurations in the
+    listed order (odd trials), both reversed in even ones; ``position`` counts runs from 0."""
+    runs = []
+    for trial in range(1, trials + 1):
+        backwards = trial % 2 == 0
+        for rate in (sorted(rates, reverse=backwards)):
+            for configuration in (configurations[::-1] if backwards else configurations):
+                runs.append({"trial": trial, "rate": rate, "configuration": configuration, "position": len(runs)})
+    return runs
+
+
+def arrival_seed(seed: int, trial: int, rate: float, rates: list[float]) -> int:
+    """One seed per trial and rate: every configuration of it gets the same arrival times."""
+    return seed + 1000 * trial + sorted(rates).index(rate)
+
+
+def rates_from_capacity(bench: Bench, fractions: tuple[float, ...], out: Path, seed: int) -> list[float]:
+    """Full cache's capacity measured by vLLM's benchmark with every request sent at once (rate
+    inf): its request throughput; the sweep's rates are ``fractions`` of it (below and above)."""
+    saved, samples = bench.run("full", float("inf"), seed, {"configuration": "full", "purpose": "capacity"})
+    write_run(out, "capacity", saved, samples)
+    capacity = saved["request_throughput"]
+    print(f"[serving] full cache's capacity: {capacity:.3f} req/s ({saved['output_throughput']:.1f} output tok/s) "
+          f"with all {saved['num_prompts']} requests at once", flush=True)
+    return [float(f"{capacity * fraction:.3g}") for fraction in fractions]
+
+
+def write_run(out: Path, name: str, saved: dict, samples: list) -> None:
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / f"{name}.json").write_text(json.dumps(saved))
+    (runs / f"{name}.gauges.json").write_text(json.dumps(samples))
+
+
+def run_row(entry: dict, saved: dict, samples: list, bench: Bench) -> tuple[dict, list[dict]]:
+    """A run's figures (one row of ``runs.csv``) and its requests' rows, each scored."""
+    items = bench.workload.items
+    scores = [score(item, text) for item, text in zip(items, saved["generated_texts"])]
+    gauge = gauge_summary(samples)
+    row = {**entry, "completed": saved["completed"], "failed": saved["failed"], "duration_s": saved["duration"],
+           "output_tok_s": saved["output_throughput"], "request_goodput": saved["request_goodput"],
+           "request_throughput": saved["request_throughput"], "total_output_tokens": saved["total_output_tokens"],
+           **{key: saved.get(key) for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                                              "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "mean_e2el_ms")},
+           "max_concurrent_requests": saved.get("max_concurrent_requests"), "kv_usage_mean": gauge["mean"],
+           "kv_usage_peak": gauge["peak"], "gauge_samples": gauge["samples"]}
+    scored = [s for s in scores if s is not None]
+    row["accuracy"] = 100 * sum(scored) / len(scored) if scored else None
+    requests = [{"configuration": entry["configuration"], "rate": entry["rate"], "trial": entry["trial"],
+                 "context": item.context, "question": item.question, "task": item.task,
+                 "prompt_tokens": len(item.prompt), "context_tokens": item.context_tokens,
+                 "output_tokens": tokens, "ttft_s": ttft, "e2el_s": latency, "error": error or None,
+                 "score": value, "prediction": text}
+                for item, text, tokens, ttft, latency, error, value in zip(
+                    items, saved["generated_texts"], saved["output_lens"], saved["ttfts"], saved["latencies"],
+                    saved["errors"], scores)]
+    return row, requests
+
+
+def sweep(bench: Bench, configurations: list[str], rates: list[float], trials: int, out: Path, seed: int = 0
+          ) -> tuple[list[dict], list[dict]]:
+    """Every run of ``plan``: each run's saved JSON and gauges under ``out/runs/``; returns the runs'
+    rows and the requests' rows."""
+    rows, requests = [], []
+    runs = plan(configurations, rates, trials)
+    for entry in runs:
+        if not bench.server.alive():
+            raise RuntimeError(f"vllm serve died:\n{bench.server.log_tail()}")
+        metadata = {"configuration": entry["configuration"], "trial": entry["trial"], "position": entry["position"],
+                    "workload": bench.workload.name, "ratio": bench.ratio}
+        saved, samples = bench.run(entry["configuration"], entry["rate"],
+                                   arrival_seed(seed, entry["trial"], entry["rate"], rates), metadata)
+        write_run(out, run_name(entry["trial"], entry["rate"], entry["configuration"]), saved, samples)
+        row, scored = run_row(entry, saved, samples, bench)
+        rows.append(row)
+        requests += scored
+        accuracy = "" if row["accuracy"] is None else f", accuracy {row['accuracy']:.1f}"
+        print(f"[serving] {entry['position'] + 1}/{len(runs)} trial {entry['trial']} rate {entry['rate']:g} "
+              f"{entry['configuration']}: {row['completed']}/{saved['num_prompts']} completed, "
+              f"{row['output_tok_s']:.1f} output tok/s, goodput {row['request_goodput']:.3f} req/s, "
+              f"median TTFT {row['median_ttft_ms']:.0f} ms, median TPOT {row['median_tpot_ms']:.1f} ms, "
+              f"KV usage mean {fraction(row['kv_usage_mean'])} peak {fraction(row['kv_usage_peak'])}{accuracy}",
+              flush=True)
+    return rows, requests
+
+
+def fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -1,0 +1,134 @@
+"""The serving sweep end to end (``experiments/serving.py`` parses its options into ``Options``):
+the workload built, one ``vllm serve`` started, the rates set (given, or fractions of full cache's
+measured capacity), every run of the sweep, and what it writes under ``out``:
+
+* ``runs/<trial>-<rate>-<configuration>.json``: each run as ``vllm bench serve --save-result
+  --save-detailed`` saves it (``generated_texts`` included), and ``.gauges.json`` beside it;
+* ``runs.csv`` (one row per run), ``requests.jsonl`` (one row per served request, scored),
+  ``summary.csv`` and ``accuracy.csv`` (``harness.serving.summary``), ``summary.md``, ``pareto.png``,
+  ``settings.json`` and ``vllm.log``."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from harness.serving.bench import CAPACITY_FRACTIONS, DEFAULT_GOODPUT
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Options:
+    workload: str
+    configurations: list[str]
+    out: Path
+    command: str
+    model: str = "smollm2-135m"              # a conf/model name
+    ratio: float = 0.5
+    rates: list[float] | None = None           # None: fractions of full cache's capacity
+    fractions: tuple[float, ...] = CAPACITY_FRACTIONS
+    trials: int = 3
+    goodput: str = DEFAULT_GOODPUT
+    pool_blocks: int | None = None            # None: kv_cache_gib
+    kv_cache_gib: float = 4.0
+    seed: int = 0
+    workload_options: dict = field(default_factory=dict)
+
+
+def check(options: Options) -> None:
+    """One line for a bad setting, before any model or server loads."""
+    from harness.serving.bench import parse_goodput
+    from harness.serving.workloads import WORKLOADS, check_configurations
+
+    if options.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {options.workload!r}; the workloads are: {', '.join(WORKLOADS)}")
+    check_configurations(options.configurations)
+    if not 0 < options.ratio < 1:
+        raise ValueError(f"--ratio {options.ratio}: must be in (0, 1)")
+    if options.trials < 1 or options.trials == 2:
+        raise ValueError("--trials must be 1 or at least 3 (an interval over two trials says nothing)")
+    if options.rates is not None and (not options.rates or any(not r > 0 for r in options.rates)):
+        raise ValueError("--rates must be positive request rates (req/s)")
+    if any(not f > 0 for f in options.fractions):
+        raise ValueError("--fractions must be positive")
+    if options.pool_blocks is not None and options.pool_blocks < 1:
+        raise ValueError("--pool-blocks must be positive")
+    if not (ROOT / "conf" / "model" / f"{options.model}.yaml").exists():
+        raise ValueError(f"--model {options.model}: no conf/model/{options.model}.yaml")
+    parse_goodput(options.goodput)
+
+
+def model_settings(name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
+
+
+def run(options: Options, server=None) -> str:
+    """The sweep on a server of its own (or on ``server``, already serving the model: a test's);
+    returns ``summary.md``'s text."""
+    from contextlib import nullcontext
+
+    from transformers import AutoTokenizer
+
+    from harness.config import engine_defaults
+    from harness.config.models import resolve_model_path
+    from harness.serving.server import Server, block_bytes
+    from harness.serving.workloads import build
+
+    check(options)
+    model = model_settings(options.model)
+    path = resolve_model_path(model["path"])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    workload_options = dict(options.workload_options)
+    if options.workload != "prefix_repetition":
+        workload_options.setdefault("max_prompt_tokens", model["max_prompt_tokens"])
+    workload = build(options.workload, tokenizer, seed=options.seed, **workload_options)
+    block = engine_defaults("cpu")["block_size"]
+    dtype_bytes = 4 if model.get("dtype", "float32") == "float32" else 2
+    # vLLM keeps one null block out of the pool: one more than the blocks asked for
+    pool_bytes = ((options.pool_blocks + 1) * block_bytes(path, block, dtype_bytes) if options.pool_blocks
+                  else int(options.kv_cache_gib * 2**30))
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    serving = nullcontext(server) if server is not None else Server(
+        path, out / "vllm.log", pool_bytes=pool_bytes, block_size=block, dtype=model.get("dtype", "float32"),
+        max_model_len=model["max_model_len"])
+    with serving as server:
+        return measure(options, server, model, path, tokenizer, workload, block)
+
+
+def measure(options: Options, server, model: dict, path: str, tokenizer, workload, block: int) -> str:
+    """Every run of the sweep on ``server``, then the files; returns ``summary.md``'s text."""
+    import pandas as pd
+
+    from harness.serving import summary
+    from harness.serving.bench import Bench, parse_goodput, rates_from_capacity, sweep
+
+    out = Path(options.out)
+    pool = server.pool_blocks()
+    bench = Bench(server, path, tokenizer, workload, options.ratio, parse_goodput(options.goodput))
+    capacity = None
+    rates = options.rates
+    if rates is None:
+        rates = rates_from_capacity(bench, options.fractions, out, options.seed)
+        capacity = json.loads((out / "runs" / "capacity.json").read_text())["request_throughput"]
+    rows, requests = sweep(bench, options.configurations, rates, options.trials, out, options.seed)
+    table, accuracy = summary.rate_table(rows), summary.accuracy_table(requests)
+    settings = {**asdict(options), "out": str(out), "model": model["name"], "model_path": path, "pool_blocks": pool,
+                "block_size": block, "rates": rates, "capacity": capacity, "ignore_eos": workload.ignore_eos,
+                "goodput": parse_goodput(options.goodput), "description": workload.description,
+                "contexts": len({item.context for item in workload.items}) if workload.scored else None}
+    (out / "settings.json").write_text(json.dumps(settings, indent=1, default=str) + "\n")
+    pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
+    pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
+    if accuracy:
+        pd.DataFrame(accuracy).to_csv(out / "accuracy.csv", index=False)
+    with open(out / "requests.jsonl", "w") as handle:
+        for row in requests:
+            handle.write(json.dumps(row) + "\n")
+    text = summary.markdown(table, accuracy, settings)
+    (out / "summary.md").write_text(text)
+    summary.plot(table, out / "pareto.png", options.workload)
+    return text

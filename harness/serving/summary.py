@@ -1,0 +1,188 @@
+"""A serving sweep's summaries: per configuration and request rate, its figures over trials and its
+ratio to full cache in the same trial and rate (geometric mean with a 95% t-interval over trials,
+``harness.analysis.stats.ratio_interval``); its accuracy over the same served requests (95% intervals
+over whole contexts, ``harness.analysis.stats.cell_interval``: a context's requests are resampled
+together); and the latency-throughput plot."""
+from __future__ import annotations
+
+import math
+import statistics
+
+# ratio to full cache of these run figures (higher is better for the first two, lower for the others)
+RATIOS = (("output_tok_s", "output tok/s"), ("request_goodput", "goodput"), ("median_ttft_ms", "median TTFT"),
+          ("median_tpot_ms", "median TPOT"))
+
+
+def ratio_cell(values: list[float]) -> dict:
+    """Per-trial ratios -> estimate and 95% interval (None bounds with one trial; a zero or missing
+    ratio in any trial leaves it undecided: no log of 0)."""
+    from harness.analysis.stats import ratio_interval
+
+    if not values or any(v is None or not v > 0 or math.isinf(v) for v in values):
+        return {"estimate": None, "low": None, "high": None, "trials": len(values)}
+    if len(values) == 1:
+        return {"estimate": values[0], "low": None, "high": None, "trials": 1}
+    interval = ratio_interval(values)
+    return {"estimate": interval.estimate, "low": interval.low, "high": interval.high, "trials": len(values)}
+
+
+def divide(a, b) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def rate_table(rows: list[dict]) -> list[dict]:
+    """One line per configuration and rate: figures averaged over trials, and each of ``RATIOS``
+    against full cache of the same trial and rate."""
+    by = {(r["configuration"], r["rate"], r["trial"]): r for r in rows}
+    configurations = list(dict.fromkeys(r["configuration"] for r in rows))
+    table = []
+    for rate in sorted({r["rate"] for r in rows}):
+        for name in configurations:
+            mine = [r for r in rows if r["configuration"] == name and r["rate"] == rate]
+            line = {"configuration": name, "rate": rate, "trials": len(mine),
+                    "completed": sum(r["completed"] for r in mine), "failed": sum(r["failed"] for r in mine)}
+            for key in ("output_tok_s", "request_goodput", "median_ttft_ms", "median_tpot_ms", "median_e2el_ms",
+                        "kv_usage_mean", "kv_usage_peak", "accuracy"):
+                values = [r[key] for r in mine if r.get(key) is not None]
+                line[key] = statistics.fmean(values) if values else None
+            if name != "full":
+                for key, _ in RATIOS:
+                    cell = ratio_cell([divide(r[key], by.get(("full", rate, r["trial"]), {}).get(key)) for r in mine])
+                    line.update({f"{key}_ratio": cell["estimate"], f"{key}_low": cell["low"], f"{key}_high": cell["high"]})
+            table.append(line)
+    return table
+
+
+def accuracy_table(requests: list[dict]) -> list[dict]:
+    """Per configuration, over every rate and trial: each request's score averaged over its runs,
+    then the mean over context kinds of the kinds' means (``cell_interval``, whole contexts
+    resampled together), and its difference from full cache on the same requests."""
+    import numpy as np
+
+    from harness.analysis.stats import cell_interval
+
+    scored = [r for r in requests if r["score"] is not None]
+    if not scored:
+        return []
+    per_request: dict[tuple, list[float]] = {}
+    for r in scored:
+        per_request.setdefault((r["configuration"], r["context"], r["question"]), []).append(r["score"])
+    mean = {key: statistics.fmean(values) for key, values in per_request.items()}
+    configurations = list(dict.fromkeys(r["configuration"] for r in scored))
+    keys = sorted({(context, question) for _, context, question in mean})
+
+    def interval(values: dict[tuple, float]):
+        per_kind, clusters = {}, {}
+        for (context, _), value in values.items():
+            kind = context.split("-")[0]
+            per_kind.setdefault(kind, []).append(value)
+            clusters.setdefault(kind, []).append(context)
+        return cell_interval({k: np.array(v) for k, v in per_kind.items()},
+                             clusters={k: np.array(v) for k, v in clusters.items()})
+
+    table = []
+    for name in configurations:
+        mine = {key: mean[(name, *key)] for key in keys if (name, *key) in mean}
+        score = interval(mine)
+        line = {"configuration": name, "requests": len(mine), "score": score.estimate, "score_low": score.low,
+                "score_high": score.high}
+        if name != "full":
+            paired = {key: value - mean[("full", *key)] for key, value in mine.items() if ("full", *key) in mean}
+            difference = interval(paired)
+            line.update(vs_full=difference.estimate, vs_full_low=difference.low, vs_full_high=difference.high)
+        table.append(line)
+    return table
+
+
+def number(value, digits: int = 2, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def ratio_text(line: dict, key: str) -> str:
+    estimate, low, high = line.get(f"{key}_ratio"), line.get(f"{key}_low"), line.get(f"{key}_high")
+    if line["configuration"] == "full":
+        return "1.00x"
+    if estimate is None:
+        return "undecided (0 in a trial)"
+    return f"{estimate:.2f}x" + ("" if low is None else f" ({low:.2f}-{high:.2f})")
+
+
+def markdown(table: list[dict], accuracy: list[dict], settings: dict) -> str:
+    contexts = settings.get("contexts")
+    lines = [f"# Serving benchmark: {settings['workload']}", "",
+             f"Command: `{settings['command']}`", "",
+             f"{settings['description']}. One `vllm serve` ({settings['model']}, prefix caching on, the eviction "
+             f"scheduler, a pool of {settings['pool_blocks']} blocks of {settings['block_size']} tokens), every "
+             "configuration a per-request `vllm_xargs` setting; vLLM's own `benchmark()` "
+             "(`vllm/benchmarks/serve.py`) sends the requests as token ids with Poisson arrivals (burstiness 1.0) "
+             f"at each rate, temperature 0, {'ignore_eos' if settings['ignore_eos'] else 'stopping where the model ends'}; "
+             f"the prefix cache emptied before every run. Goodput SLOs (stated before the run): "
+             + ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in settings["goodput"].items()) + ". "
+             f"Compression ratio {settings['ratio']:g} of what each configuration compresses. "
+             f"{settings['trials']} trial(s), rates ascending and configurations in the listed order in odd trials, "
+             "both reversed in even ones; within a trial and rate every configuration gets the same arrival times. "
+             "Ratios: the configuration's figure over full cache's in the same trial and rate, geometric mean with a "
+             "95% t-interval over trials (`harness.analysis.stats.ratio_interval`; one trial: no interval). KV usage: "
+             "vLLM's `vllm:kv_cache_usage_perc` gauge sampled every 0.5 s beside the run (mean, peak).", ""]
+    if settings.get("capacity") is not None:
+        lines += [f"Rates: {', '.join(f'{r:g}' for r in settings['rates'])} req/s, fractions "
+                  f"{', '.join(f'{f:g}' for f in settings['fractions'])} of full cache's capacity "
+                  f"({settings['capacity']:.3f} req/s with every request sent at once).", ""]
+    lines += ["| rate (req/s) | configuration | completed/failed | output tok/s | vs full | goodput (req/s) | vs full | "
+              "median TTFT ms | vs full | median TPOT ms | vs full | KV usage mean/peak | accuracy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for line in table:
+        lines.append(
+            f"| {line['rate']:g} | {line['configuration']} | {line['completed']}/{line['failed']} | "
+            f"{number(line['output_tok_s'], 1)} | {ratio_text(line, 'output_tok_s')} | "
+            f"{number(line['request_goodput'], 3)} | {ratio_text(line, 'request_goodput')} | "
+            f"{number(line['median_ttft_ms'], 0)} | {ratio_text(line, 'median_ttft_ms')} | "
+            f"{number(line['median_tpot_ms'], 1)} | {ratio_text(line, 'median_tpot_ms')} | "
+            f"{number(line['kv_usage_mean'])}/{number(line['kv_usage_peak'])} | {number(line['accuracy'], 1)} |")
+    if accuracy:
+        smallest = 2 / 2 ** contexts if contexts else None
+        lines += ["", "## Accuracy of the served requests", "",
+                  "Each request's score (0-100) averaged over every rate and trial it was served in; the mean over "
+                  "context kinds of the kinds' means, 95% intervals over whole contexts (a context's requests "
+                  "are resampled together, `harness.analysis.stats.cell_interval`); *vs full*: the same requests' "
+                  "paired difference from full cache."
+                  + (f" With {contexts} contexts the smallest two-sided p a sign-flip test over contexts can "
+                     f"reach is 2/2^{contexts} = {smallest:.2g}." if smallest else ""), "",
+                  "| configuration | requests | score (95%) | vs full (95%) |", "|---|---|---|---|"]
+        for line in accuracy:
+            versus = ("-" if "vs_full" not in line else
+                      f"{line['vs_full']:+.1f} ({line['vs_full_low']:+.1f}, {line['vs_full_high']:+.1f})")
+            lines.append(f"| {line['configuration']} | {line['requests']} | {line['score']:.1f} "
+                         f"({line['score_low']:.1f}, {line['score_high']:.1f}) | {versus} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: list[dict], path, title: str) -> None:
+    """Latency against throughput, one curve per configuration through its rates (means over
+    trials): median end-to-end latency and median TTFT against output tok/s, and goodput against
+    the offered rate. The Pareto front of a configuration is its curve's lower right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    for name in dict.fromkeys(line["configuration"] for line in table):
+        mine = sorted((line for line in table if line["configuration"] == name), key=lambda line: line["rate"])
+        throughput = [line["output_tok_s"] for line in mine]
+        for axis, key, label in ((axes[0], "median_e2el_ms", "median end-to-end latency (s)"),
+                                 (axes[1], "median_ttft_ms", "median TTFT (s)")):
+            axis.plot(throughput, [line[key] / 1000 for line in mine], marker="o", label=name)
+            axis.set_xlabel("output tokens per second")
+            axis.set_ylabel(label)
+            for line in mine:
+                axis.annotate(f"{line['rate']:g}", (line["output_tok_s"], line[key] / 1000), fontsize=7,
+                              textcoords="offset points", xytext=(3, 3))
+        axes[2].plot([line["rate"] for line in mine], [line["request_goodput"] for line in mine], marker="o", label=name)
+    axes[2].set_xlabel("offered request rate (req/s)")
+    axes[2].set_ylabel("goodput (req/s within the SLOs)")
+    axes[0].legend(fontsize=8)
+    figure.suptitle(f"{title}: latency against throughput (points labelled by request rate)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

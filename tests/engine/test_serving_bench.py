@@ -1,0 +1,100 @@
+"""vLLM's own serving benchmark against ``vllm serve`` with the eviction scheduler (issue 64): the
+project's sweep (``harness.serving``: vLLM's ``benchmark()`` with per-request eviction settings)
+and ``vllm bench serve`` as users type it, each driving a handful of requests on the tiny model,
+their saved metrics files checked (every request completed, none failed, output tokens counted,
+the KV usage gauge sampled); a per-request setting the server must refuse comes back as an error,
+so the settings do reach the server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.engine_support import BLOCK, model_path
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from harness.serving.server import Server
+
+    with Server(model_path("tiny"), tmp_path_factory.mktemp("serve") / "vllm.log", pool_bytes=256 * 2**20,
+                block_size=BLOCK, max_model_len=4096, max_num_batched_tokens=4096) as running:
+        yield running
+        assert running.alive(), f"vllm serve died during the tests:\n{running.log_tail()}"
+
+
+def test_the_sweep_drives_vllms_benchmark_with_per_request_eviction(server, tmp_path):
+    """Two configurations (full cache, PagedEviction compressing the shared context) at one rate:
+    vLLM's saved result per run with every request completed and its text kept, the gauge sampled,
+    and the summary written."""
+    from harness.serving.experiment import Options, run
+
+    options = Options(workload="shared_context", configurations=["full", "paged context"], out=tmp_path,
+                      command="test", model="tiny", rates=[8.0], trials=1, goodput="ttft:5000 tpot:500",
+                      workload_options={"contexts": 2, "questions": 2, "max_prompt_tokens": 1500})
+    text = run(options, server=server)
+    for configuration in ("full", "paged_context"):
+        saved = json.loads((tmp_path / "runs" / f"trial1-rate8-{configuration}.json").read_text())
+        assert saved["completed"] == saved["num_prompts"] == 4 and saved["failed"] == 0
+        assert saved["errors"] == [""] * 4 and len(saved["generated_texts"]) == 4
+        assert saved["total_output_tokens"] == sum(saved["output_lens"]) > 0
+        assert saved["request_rate"] == 8.0 and saved["burstiness"] == 1.0 and saved["configuration"] == configuration.replace("_", " ")
+        assert saved["request_goodput"] is not None and "median_tpot_ms" in saved
+        gauges = json.loads((tmp_path / "runs" / f"trial1-rate8-{configuration}.gauges.json").read_text())
+        assert gauges and all("vllm:kv_cache_usage_perc" in sample for sample in gauges)
+        # 4 requests of about 1,500 tokens each in a pool of 256 MiB: some sample saw blocks in use
+        assert max(sample["vllm:kv_cache_usage_perc"] or 0 for sample in gauges) > 0
+    assert "| 8 | paged context | 4/0 |" in text and (tmp_path / "pareto.png").exists()
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(row["score"] is not None and row["error"] is None for row in rows)
+
+
+def test_a_setting_the_server_refuses_fails_the_request(server):
+    """A boundary past the prompt's end is refused (docs/serving.md; on a stream, as the benchmark sends,
+    as an error event): the per-request override reached the server, the benchmark counts the request
+    as failed, and the server goes on."""
+    import asyncio
+
+    from vllm.benchmarks.datasets.datasets import SampleRequest
+    from vllm.benchmarks.serve import TaskType, benchmark
+
+    setting = {"policy": "paged", "budget_ratio": 0.5, "decode_eviction": False, "compress": "context",
+               "context_tokens": 10_000}
+    requests = [SampleRequest(prompt=list(range(100, 300)), prompt_len=200, expected_output_len=8,
+                              request_overrides={"vllm_xargs": {"kv_eviction": json.dumps(setting)}})] * 2
+    result = asyncio.run(benchmark(
+        task_type=TaskType.GENERATION, endpoint_type="vllm", api_url=f"{server.base_url}/v1/completions",
+        base_url=server.base_url, model_id=model_path("tiny"), model_name=model_path("tiny"), tokenizer=None,
+        input_requests=requests, logprobs=None, request_rate=float("inf"), burstiness=1.0, disable_tqdm=True,
+        num_warmups=0, profile=False, selected_percentile_metrics=["e2el"], selected_percentiles=[50.0],
+        ignore_eos=True, goodput_config_dict={}, max_concurrency=None, lora_modules=None, extra_headers=None,
+        extra_body={"temperature": 0.0}, ready_check_timeout_sec=0))
+    assert result["completed"] == 0 and result["failed"] == 2
+    # The benchmark streams, and vLLM answers a refused stream with HTTP 200 and an error event
+    # instead of a first token, which vLLM's client records as a failure with no TTFT
+    # (endpoint_request_func.py); a non-streamed request gets the 400 (tests/engine/test_serve.py).
+    assert all(error for error in result["errors"]), result["errors"]
+    assert server.alive()
+
+
+def test_vllm_bench_serve_as_typed_with_eviction_in_extra_body(server, tmp_path):
+    """``vllm bench serve`` (the console script) on vLLM's prefix_repetition dataset with PagedEviction
+    for every request through ``--extra-body``: its saved metrics file counts every request."""
+    settings = json.dumps({"vllm_xargs": {"kv_eviction": json.dumps({"policy": "paged", "budget": 2 * BLOCK})}})
+    command = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--base-url", server.base_url,
+               "--model", model_path("tiny"), "--dataset-name", "prefix_repetition",
+               "--prefix-repetition-prefix-len", "256", "--prefix-repetition-suffix-len", "32",
+               "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "16", "--num-prompts", "4",
+               "--request-rate", "8", "--burstiness", "1.0", "--temperature", "0", "--ignore-eos",
+               "--extra-body", settings, "--goodput", "ttft:5000", "tpot:500", "--save-result", "--save-detailed",
+               "--result-dir", str(tmp_path), "--result-filename", "bench.json", "--disable-tqdm"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["completed"] == 4 and saved["failed"] == 0 and saved["errors"] == [""] * 4
+    assert saved["total_output_tokens"] == 4 * 16 and saved["request_goodput"] is not None

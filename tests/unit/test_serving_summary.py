@@ -1,0 +1,113 @@
+"""The serving sweep's plan and summaries (harness/serving/bench.py, summary.py, server.py) on
+hand-made runs: counterbalanced order, the same arrivals for every configuration of a trial and
+rate, ratios to full cache in the same trial, accuracy paired with full cache, the gauge parse."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.serving.bench import arrival_seed, parse_goodput, plan
+from harness.serving.server import block_bytes, gauge_summary, parse_metrics
+from harness.serving.summary import accuracy_table, markdown, rate_table, ratio_cell
+
+
+def test_the_plan_reverses_rates_and_configurations_in_even_trials():
+    runs = plan(["full", "paged context", "snapkv context"], [0.1, 0.4, 0.2], 4)
+    assert len(runs) == 4 * 3 * 3 and [r["position"] for r in runs] == list(range(36))
+    first, second = runs[:9], runs[9:18]
+    assert [r["rate"] for r in first[::3]] == [0.1, 0.2, 0.4] and [r["rate"] for r in second[::3]] == [0.4, 0.2, 0.1]
+    assert [r["configuration"] for r in first[:3]] == ["full", "paged context", "snapkv context"]
+    assert [r["configuration"] for r in second[:3]] == ["snapkv context", "paged context", "full"]
+    # over an even number of trials every configuration has the same mean position
+    means = {name: sum(r["position"] for r in runs if r["configuration"] == name) / 12 for name in
+             ("full", "paged context", "snapkv context")}
+    assert len(set(means.values())) == 1
+
+
+def test_every_configuration_of_a_trial_and_rate_gets_the_same_arrivals():
+    """The seed is per trial and rate (vLLM draws the Poisson gaps from np.random): the same for
+    every configuration there, different between trials and rates."""
+    import numpy as np
+
+    seeds = {(t, r): arrival_seed(0, t, r, [0.1, 0.2]) for t in (1, 2, 3) for r in (0.1, 0.2)}
+    assert len(set(seeds.values())) == 6
+
+    def gaps(seed):
+        np.random.seed(seed)
+        return np.random.gamma(shape=1.0, scale=1 / 0.2, size=5)
+
+    assert np.array_equal(gaps(seeds[1, 0.2]), gaps(seeds[1, 0.2]))
+    assert not np.array_equal(gaps(seeds[1, 0.2]), gaps(seeds[2, 0.2]))
+
+
+def row(configuration, rate, trial, tok_s, goodput=1.0, ttft=100.0, tpot=10.0, accuracy=None):
+    return {"configuration": configuration, "rate": rate, "trial": trial, "completed": 10, "failed": 0,
+            "output_tok_s": tok_s, "request_goodput": goodput, "median_ttft_ms": ttft, "median_tpot_ms": tpot,
+            "median_e2el_ms": 1000.0, "kv_usage_mean": 0.3, "kv_usage_peak": 0.6, "accuracy": accuracy}
+
+
+def test_ratios_are_against_full_cache_of_the_same_trial_and_rate():
+    rows = []
+    for trial, (full, paged) in enumerate([(100, 150), (50, 75), (200, 300)], start=1):
+        rows += [row("full", 0.5, trial, full), row("paged context", 0.5, trial, paged, goodput=0.5, ttft=50)]
+    rows += [row("full", 1.0, 1, 10, goodput=0.0), row("paged context", 1.0, 1, 20, goodput=1.0)]
+    table = {(line["configuration"], line["rate"]): line for line in rate_table(rows)}
+    paged = table["paged context", 0.5]
+    # a machine twice as slow in trial 2 changes no ratio: 1.5x in every trial, an interval of width 0
+    assert paged["output_tok_s_ratio"] == pytest.approx(1.5) and paged["output_tok_s_low"] == pytest.approx(1.5)
+    assert paged["request_goodput_ratio"] == pytest.approx(0.5) and paged["median_ttft_ms_ratio"] == pytest.approx(0.5)
+    one = table["paged context", 1.0]
+    assert one["output_tok_s_ratio"] == pytest.approx(2.0) and one["output_tok_s_low"] is None  # one trial
+    assert one["request_goodput_ratio"] is None  # full cache's goodput 0: no ratio to take
+    text = markdown(rate_table(rows), [], {"workload": "w", "command": "c", "description": "d", "model": "m",
+                                            "pool_blocks": 100, "block_size": 32, "ignore_eos": False,
+                                            "goodput": {"ttft": 5000.0, "tpot": 250.0}, "ratio": 0.5,
+                                            "trials": 3})
+    assert "1.50x (1.50-1.50)" in text and "undecided (0 in a trial)" in text and "TTFT <= 5000 ms" in text
+
+
+def test_ratio_intervals_widen_with_spread_and_refuse_zero():
+    cell = ratio_cell([1.2, 1.5, 1.8])
+    assert cell["low"] < cell["estimate"] < cell["high"]
+    assert cell["estimate"] == pytest.approx(math.exp(sum(map(math.log, [1.2, 1.5, 1.8])) / 3))
+    assert ratio_cell([1.0, 0.0, 2.0])["estimate"] is None
+
+
+def test_accuracy_is_paired_with_full_cache_over_whole_contexts():
+    requests = []
+    for configuration, right in (("full", 1.0), ("paged context", 0.0)):
+        for context in ("codes-0", "births-1", "codes-2", "births-3"):
+            for question in range(2):
+                for trial in (1, 2, 3):
+                    score = right if question == 0 else 1.0  # paged loses each context's first question
+                    requests.append({"configuration": configuration, "context": context, "question": question,
+                                     "score": score, "trial": trial})
+    table = {line["configuration"]: line for line in accuracy_table(requests)}
+    assert table["full"]["score"] == pytest.approx(100.0) and table["full"]["requests"] == 8
+    assert table["paged context"]["score"] == pytest.approx(50.0)
+    assert table["paged context"]["vs_full"] == pytest.approx(-50.0)
+    assert "vs_full" not in table["full"]
+
+
+def test_the_gauges_are_read_from_prometheus_text():
+    text = ('# HELP vllm:kv_cache_usage_perc KV-cache usage.\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n')
+    assert parse_metrics(text) == {"vllm:kv_cache_usage_perc": 0.25, "vllm:num_requests_running": 5.0}
+    summary = gauge_summary([{"vllm:kv_cache_usage_perc": 0.2}, {"vllm:kv_cache_usage_perc": 0.6},
+                             {"vllm:kv_cache_usage_perc": None}])
+    assert summary == {"samples": 2, "mean": pytest.approx(0.4), "peak": 0.6}
+
+
+def test_a_block_of_smollm2_holds_its_layers_keys_and_values():
+    from harness.config.models import EMBEDDED_PREFIX, SMOLLM2, resolve_model_path
+
+    # 30 layers x (K, V) x 3 KV heads x 64 dims x 32 tokens x 4 bytes (float32)
+    assert block_bytes(resolve_model_path(EMBEDDED_PREFIX + SMOLLM2), 32) == 30 * 2 * 3 * 64 * 32 * 4
+
+
+def test_a_bad_goodput_is_refused_by_vllms_own_check():
+    with pytest.raises(ValueError):
+        parse_goodput("latency:100")

@@ -1,0 +1,152 @@
+"""The serving benchmark's workloads (harness/serving/workloads.py): each request's context boundary
+is exactly where its context ends, the per-request eviction settings are what the server parses,
+the long answers are scored right on hand-made answers, and vLLM's prefix_repetition keeps its
+shared prefixes' boundaries."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.config.models import EMBEDDED_PREFIX, SMOLLM2, resolve_model_path
+from harness.serving import workloads
+from harness.serving.workloads import Item, pair_score, stated_pairs
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_PREFIX + SMOLLM2))
+
+
+@pytest.fixture(scope="module")
+def built(tokenizer):
+    return {"shared_context": workloads.build("shared_context", tokenizer, contexts=4, questions=3),
+            "shared_context_long": workloads.build("shared_context_long", tokenizer, contexts=4, requests=3)}
+
+
+@pytest.mark.parametrize("name", ["shared_context", "shared_context_long"])
+def test_each_context_ends_at_its_boundary_and_its_requests_share_it(built, tokenizer, name):
+    """A context's requests begin with the same ``context_tokens`` ids, which decode to the chat
+    header and the whole context (its last sentence included) and none of the question; the
+    requests differ after it (each asks its own question)."""
+    workload = built[name]
+    by_context: dict[str, list[Item]] = {}
+    for item in workload.items:
+        by_context.setdefault(item.context, []).append(item)
+    assert len(by_context) == 4 and all(len(items) == 3 for items in by_context.values())
+    contexts = {shared.id: shared.context
+                for shared in workloads.shared_contexts(4, 0, workloads.LISTED if name.endswith("long") else 3)}
+    for context, items in by_context.items():
+        boundary = items[0].context_tokens
+        assert all(item.context_tokens == boundary for item in items)
+        assert len({tuple(item.prompt[:boundary]) for item in items}) == 1
+        assert len({tuple(item.prompt[boundary:]) for item in items}) == len(items)
+        head = tokenizer.decode(items[0].prompt[:boundary])
+        tail = tokenizer.decode(items[0].prompt[boundary:])
+        last_sentence = contexts[context].rstrip().split("\n")[-1][-60:]
+        assert last_sentence in head and last_sentence not in tail
+        assert tail.lstrip().startswith(("Now, write", "Answer the question", "Now, answer", "Question:")), tail[:80]
+
+
+def test_the_long_requests_ask_for_every_person_in_their_own_order(built):
+    items = [item for item in built["shared_context_long"].items if item.context == "births-1"]
+    assert all(len(item.answers) == workloads.LISTED and item.max_tokens >= 128 for item in items)
+    orders = workloads.listing_orders(workloads.LISTED, 3)
+    assert [order[0] for order in orders] == [0, 5, 10] and all(sorted(o) == list(range(workloads.LISTED)) for o in orders)
+
+
+def test_the_shared_context_generator_is_the_one_experiments_used():
+    """The contexts are the draws ``experiments/shared_context.py`` made (first context's first
+    question and answer, pinned: a change to the generator changes every committed result)."""
+    first, second = workloads.shared_contexts(2)
+    assert (first.id, first.task, second.id, second.task) == ("codes-0", "key_retrieval", "births-1", "multi_doc_qa")
+    assert [q for q, _ in first.questions][0].startswith("What is the access code of ")
+    assert dict(first.people)[first.questions[0][0].split(" of ")[1].split("?")[0]] == first.questions[0][1][0]
+    assert all(value in second.context for _, value in second.people)
+
+
+@pytest.mark.parametrize("configuration", ["full", "paged context", "snapkv context unshared", "streaming prompt",
+                                           "kvzip context"])
+def test_each_request_carries_settings_the_server_accepts(built, configuration):
+    """The override is vllm_xargs' JSON string (vllm_xargs values may only be strings and numbers),
+    read by the same parse the server's requests go through (``request_settings``), with the
+    request's own boundary."""
+    from harness.eviction.settings import request_settings
+
+    workload = built["shared_context"]
+    requests = workloads.sample_requests(workload, configuration, 0.5)
+    assert len(requests) == len(workload.items)
+    for request, item in zip(requests, workload.items):
+        assert request.prompt == item.prompt and request.prompt_len == len(item.prompt)
+        assert request.expected_output_len == item.max_tokens
+        wire = request.request_overrides["vllm_xargs"]["kv_eviction"]
+        assert isinstance(wire, str)
+        settings = request_settings({"kv_eviction": json.loads(wire)}, None, 32)
+        if configuration == "full":
+            assert settings is None
+            continue
+        policy, mode = workloads.parse_configuration(configuration)
+        assert settings.policy == policy and settings.budget_ratio == 0.5
+        assert (settings.context_tokens == item.context_tokens) == mode.startswith("context")
+        # unset: shared wherever the prefix cache reaches the request (the server's default)
+        assert settings.share_context == (False if mode == "context unshared" else None)
+
+
+def test_a_bad_configuration_gets_one_line():
+    with pytest.raises(ValueError, match="no policy 'nope'"):
+        workloads.check_configurations(["full", "nope context"])
+    with pytest.raises(ValueError, match="must include 'full'"):
+        workloads.check_configurations(["paged context"])
+    with pytest.raises(ValueError, match="mode one of"):
+        workloads.parse_configuration("paged everything")
+
+
+ANSWERS = ("Ada Brandt\t23205", "Hugo Pike\t51234", "Mira Lund\t77001", "Wim Dorn\t10020")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Ada Brandt: 23205\nHugo Pike: 51234\nMira Lund: 77001\nWim Dorn: 10020", 1.0),
+    # every person once, in prose, in another order
+    ("The access code of Wim Dorn is 10020. Mira Lund has 77001; Ada Brandt: 23205 and Hugo Pike 51234.", 1.0),
+    # half of them: precision 1, recall 0.5
+    ("Ada Brandt: 23205\nHugo Pike: 51234", 2 * 1 * 0.5 / 1.5),
+    # a wrong code and an invented person: 2 right of 4 stated, 2 of 4 recalled
+    ("Ada Brandt: 23205\nHugo Pike: 99999\nMira Lund: 77001\nZeno Quill: 12345", 0.5),
+    # repeating a right line gains nothing; the first value stated for a person counts
+    ("Ada Brandt: 23205\nAda Brandt: 23205\nAda Brandt: 23205\nHugo Pike: 11111\nHugo Pike: 51234", 2 * 0.5 * 0.25 / 0.75),
+    ("I cannot find any access codes.", 0.0),
+])
+def test_long_answers_are_scored_by_the_pairs_they_state(text, expected):
+    assert pair_score(text, ANSWERS) == pytest.approx(expected)
+
+
+def test_cities_are_read_as_values_and_a_name_without_one_states_nothing():
+    assert stated_pairs("Ada Brandt: Calder\nHugo Pike\nMira Lund was born in Selby.") == {
+        "Ada Brandt": "Calder", "Mira Lund": "Selby"}
+    assert pair_score("Ada Brandt: Calder", ("Ada Brandt\tCalder", "Hugo Pike\tSelby")) == pytest.approx(2 / 3)
+
+
+def test_items_are_scored_by_their_own_rule():
+    listing = Item("codes-0", 0, workloads.LISTING_TASK, [1], 1, 256, ANSWERS)
+    assert workloads.score(listing, "Ada Brandt: 23205") == pytest.approx(2 * 0.25 / 1.25)
+    code = Item("codes-0", 0, "key_retrieval", [1], 1, 16, ("23205",))
+    assert workloads.score(code, "The code is 23205.") == 1.0 and workloads.score(code, "12345") == 0.0
+    assert workloads.score(Item("prefix-0", 0, "", [1], 1, 16), "anything") is None
+
+
+def test_prefix_repetition_is_vllms_dataset_with_each_prefix_boundary_measured(tokenizer):
+    workload = workloads.build("prefix_repetition", tokenizer, num_requests=8, prefix_len=256, suffix_len=64,
+                               num_prefixes=2, output_len=32)
+    assert workload.ignore_eos and not workload.scored and len(workload.items) == 8
+    groups: dict[str, list[Item]] = {}
+    for item in workload.items:
+        groups.setdefault(item.context, []).append(item)
+    assert sorted(len(g) for g in groups.values()) == [4, 4]
+    for items in groups.values():
+        boundary = items[0].context_tokens
+        assert abs(boundary - 256) <= 2  # vLLM's prefix, up to a merge at its junction with the suffix
+        assert len({tuple(item.prompt[:boundary]) for item in items}) == 1
+        assert len({item.prompt[boundary] for item in items}) > 1  # the shared part ends there
+        assert all(item.max_tokens == 32 for item in items)
