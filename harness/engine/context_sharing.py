@@ -11,7 +11,11 @@ KV connector: ``EvictionScheduler._shares_contexts``). Through a request's life:
   compresses the context itself, so that others asking about it wait for it (``ready``, at most
   ``CONTEXT_WAIT_STEPS`` steps);
 * after each schedule: the requests that took an entry and were scheduled hold it, the others
-  give their claim back (``settle``);
+  give their claim back (``settle``); a chained turn whose boundary eviction the plan scheduled
+  lets go of the chain entry it took, holding only its own compressed copy from there
+  (``release_continued``);
+* preempted: a chained turn past its boundary eviction leaves its own kept cache for its replay
+  (``keep_preempted``);
 * once a compressing request's every group reported its eviction: its kept blocks are published
   under the key (``publish_compressed``);
 * finished: a ``chain=true`` turn leaves its whole kept cache to the next turn
@@ -41,6 +45,10 @@ class ContextSharing:
         self.compressing: dict[str, tuple] = {}   # compressing a context others wait for
         self.waits: dict[str, int] = {}           # steps a request has waited for its context
         self.chain_missed: set[str] = set()       # chained, found no chain entry in this schedule()
+        # chained requests holding the chain entry they took until their boundary eviction has run
+        # (``release_continued``), and preempted ones holding their own kept cache (``keep_preempted``)
+        self.continuing: dict[str, tuple] = {}
+        self.resuming: dict[str, tuple] = {}
 
     def admit(self, request_id: str, key: tuple) -> None:
         self.keys[request_id] = key
@@ -60,7 +68,13 @@ class ContextSharing:
         if key is None and not chained:
             return None
         length = settings.context_tokens
-        entry = self.cache.take(key) if key is not None and length <= request.num_tokens - 1 else None
+        own = self.resuming.get(request_id) if chained else None
+        if own is not None and own in self.cache.entries and self.cache.entries[own].length <= request.num_tokens - 1:
+            # A turn preempted after its boundary eviction: its own kept cache, as it left it (its
+            # eviction is done; what it took is released). Before any other entry: it is this request's.
+            entry = self.cache.take(own)
+        else:
+            entry = self.cache.take(key) if key is not None and length <= request.num_tokens - 1 else None
         if entry is None and chained:
             # The previous turn's kept cache (the longest chain entry shorter than this context: a
             # turn's boundary comes after that cache's last token, so what is left is computed here
@@ -71,7 +85,7 @@ class ContextSharing:
             entry = self.cache.take(found) if found is not None else None
             if entry is None:
                 self.chain_missed.add(request_id)  # counted if it is scheduled so (settle)
-        if entry is None or entry.chain:
+        if entry is None or (entry.chain and entry.length < length):
             policies = scheduler.group_policies(settings)
             if key is not None and any(policy.needs_prefill_eviction(length) for policy in policies):
                 # the first compresses for everyone (the others wait: ready)
@@ -116,8 +130,10 @@ class ContextSharing:
             if request is not None and request.status == RequestStatus.RUNNING:
                 counters: RequestCounters | None = scheduler.kv_request_counters.get(request_id)
                 if entry.chain:
-                    # held until the request finishes: a preempted turn finds the same cache again
+                    # held until the request's boundary eviction has run (``release_continued``): a
+                    # turn preempted before then finds the same cache again
                     self.cache.hold(entry.key, request_id)
+                    self.continuing[request_id] = entry.key
                     stats.chain_hits += 1
                     stats.chain_reused_tokens += entry.length
                     if counters is not None:
@@ -178,7 +194,47 @@ class ContextSharing:
                 if counters is not None:
                     counters.context = "compressed"
 
-    def publish_chain(self, request) -> None:
+    def release_continued(self) -> None:
+        """Called at the end of each plan. A chained turn whose boundary eviction this plan (or an
+        earlier one) scheduled no longer needs the chain entry it took: its compaction writes blocks
+        of its own (its copy targets, ``EvictionScheduler.copy_targets``) and the plan has already
+        given the entry's blocks back from its block list (``_reshape``). It lets go of the entry,
+        which is released at once (free, found again until reclaimed: ``release_idle``), so the turn
+        holds the history once, its own compressed copy, and not the entry's beside it until it
+        finishes. The blocks may be handed out from the next plan on: its step runs after this one,
+        which reads them (one worker, steps in order: as ``_reshape``'s victims). An entry some
+        request's blocks still include stays pinned (``release_idle``). A preemption from here on
+        keeps the turn's own kept cache instead (``keep_preempted``)."""
+        scheduler, released = self.scheduler, False
+        for request_id, key in list(self.continuing.items()):
+            request = scheduler.requests.get(request_id)
+            if request is None or request.is_finished() or \
+                    request.num_computed_tokens < scheduler.eviction_point(request):
+                continue  # (finished: forget() drops it; before its boundary: it still reads the entry)
+            self.cache.let_go(request_id, key)
+            del self.continuing[request_id]
+            released = True
+        if released:
+            self.cache.release_idle()
+
+    def keep_preempted(self, request) -> None:
+        """A chained request preempted once its boundary eviction is planned (it no longer holds the
+        entry it took: ``release_continued``) leaves its own kept cache as a chain entry, held for
+        it until it finishes, and its replay takes it (``take``): the replay has the K/V it had,
+        however the pool reclaimed the entry it once took. Its block list is already the eviction's
+        (the plan reshapes it; the worker writes it in that step, before any later step reads it), so
+        an eviction whose report is still to come (asynchronous scheduling) is no reason to wait.
+        Not counted as published (only finished turns are). One preempted before its boundary still
+        holds the entry it took, and takes it again."""
+        request_id = request.request_id
+        if request_id in self.continuing or request_id in self.scheduler.kv_uncached:
+            return
+        key = self.publish_chain(request, counted=False, planned=True)
+        if key is not None:
+            self.cache.hold(key, request_id)
+            self.resuming[request_id] = key
+
+    def publish_chain(self, request, counted: bool = True, planned: bool = False) -> tuple | None:
         """A finished ``chain=true`` request that compressed (or continued a compressed cache)
         leaves its whole kept cache for the next turn: per group its first ``cdiv(kept, block)``
         blocks, standing for the logical tokens it computed (``prompt + output - 1``: the last
@@ -196,24 +252,29 @@ class ContextSharing:
         scheduler, request_id = self.scheduler, request.request_id
         settings = scheduler.kv_request_settings.get(request_id)
         if settings is None or not settings.chain or request.status == RequestStatus.FINISHED_ERROR:
-            return
+            return None
         evicted = scheduler.kv_ledger.evicted.get(request_id)
+        pending = [scheduler.kv_expected.get((request_id, g)) for g in range(scheduler.kv_groups)]
+        # (``planned``: a compaction the plan reshaped the blocks for already counts; a block policy's
+        # victim not yet named, or budgets not yet measured, do not)
         if not evicted or not any(evicted) or any(
-                (request_id, g) in scheduler.kv_expected for g in range(scheduler.kv_groups)):
-            return
+                expected is not None and not (planned and getattr(expected, "kept", None) is not None)
+                for expected in pending):
+            return None
         length = min(request.num_computed_tokens, request.num_tokens - 1)
         if length < scheduler.eviction_point(request):
-            return  # ended before its boundary (an abort): the previous turn's entry still stands
+            return None  # ended before its boundary (an abort): the previous turn's entry still stands
         key = chain_entry_key(request, settings, length, scheduler.kv_cache_manager.block_pool.hash_block_size)
         if key is None:
-            return
+            return None
         kept = tuple(length - count for count in evicted)
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
         held = [manager.req_to_blocks.get(request_id, []) for manager in managers]
         if any(len(blocks) < cdiv(count, scheduler.kv_block_size) for blocks, count in zip(held, kept)):
-            return
+            return None
         blocks = tuple(blocks[: cdiv(count, scheduler.kv_block_size)] for blocks, count in zip(held, kept))
-        self.cache.publish(key, request_id, length, kept, blocks)
+        self.cache.publish(key, request_id, length, kept, blocks, counted)
+        return key if key in self.cache.entries else None
 
     def forget(self, request, finished: bool) -> None:
         """A request lets go of its blocks (finished, aborted or preempted): what it was taking or
@@ -222,5 +283,10 @@ class ContextSharing:
         if finished:
             self.keys.pop(request_id, None)
             self.waits.pop(request_id, None)
+            self.continuing.pop(request_id, None)
+            own = self.resuming.pop(request_id, None)
+            if own is not None and request.status == RequestStatus.FINISHED_ERROR:
+                # its eviction, planned when it was preempted, failed in the worker: what it kept is not a cache
+                self.cache.drop(own)
         self.taking.pop(request_id, None)
         self.stop_compressing(request_id)

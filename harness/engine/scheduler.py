@@ -40,7 +40,8 @@ ledger of each request's *evicted token count* (logical length minus physical le
   plans count it the same way), and the question's tokens are then scheduled like any prefill;
 * a request with ``chain=true`` (a turn of a conversation) takes the previous turn's whole kept
   cache as a hit (``harness.engine.shared_contexts``: published when that turn finished) and runs its
-  prefill eviction at its own context boundary on that cache plus its new tokens.
+  prefill eviction at its own context boundary on that cache plus its new tokens; the plan that
+  schedules that eviction lets the entry go, so the turn holds the history once.
 
 With prefix caching on, eviction never writes a block the prefix cache may hand to someone else:
 * a step that compacts a request allocates, inside vLLM's own ``allocate_slots`` (so admission
@@ -671,6 +672,8 @@ class EvictionScheduler(Scheduler):
             self._check_writes(scheduled)
         # after the step's blocks were counted: the step uses the blocks its evictions leave
         self._expect_evictions(settings, scheduled, planned)
+        if self.kv_sharing is not None and self.kv_sharing.continuing:
+            self.kv_sharing.release_continued()  # a turn past its boundary eviction holds the history once
         return output
 
     def _check_writes(self, scheduled: dict[str, int]) -> None:
@@ -818,6 +821,10 @@ class EvictionScheduler(Scheduler):
         if self.kv_contexts is not None and request.is_finished():
             self.kv_sharing.publish_chain(request)
             self.kv_contexts.let_go(request_id)
+        elif self.kv_contexts is not None:
+            # preempted (vllm/v1/core/sched/scheduler.py:1589, before it resets the computed tokens at :1593):
+            # a turn past its boundary eviction keeps its own kept cache for its replay
+            self.kv_sharing.keep_preempted(request)
         if any(ledger.evicted.pop(request_id, ())) and not request.is_finished():
             ledger.totals.preempted_after_eviction += 1
             if request_id in self.kv_request_counters:

@@ -41,10 +41,17 @@ holds); the entry's partial last block is copied by vLLM's partial-hit copy-on-w
 writes its first token (as for a context entry, above; the worker runs the copy before the forward
 pass: ``gpu_model_runner.py:1203-1208``, ``scheduler.py:1474-1483``). Its budget is the one
 recompression would have (a ratio of the turn's whole logical history), so chain and recompression
-hold as many tokens each turn. A request that took a chain entry holds it (``hold``) until it
-finishes, so that after a preemption it finds the same entry again (if nothing can run while such
-holds fill the pool, the scheduler lets them go). An entry no request holds is reclaimed like
-any idle entry: the turn that needed it then compresses the pristine history again (a chain miss).
+hold as many tokens each turn. A request that took a chain entry holds it (``hold``) only until the
+plan that schedules its boundary eviction: from there its compaction writes blocks of its own and
+the entry's blocks are no longer in its block list, so it lets go (``ContextSharing.release_continued``)
+and the entry is released at once, like any idle entry. A turn holds the conversation's history
+once: the entry's blocks before its eviction, its own compressed copy after (its recompressing twin
+holds the pristine history, then its copy, the same way). A turn preempted before its eviction still
+holds the entry and takes it again; one preempted after it leaves its own kept cache as a chain
+entry held for it (``ContextSharing.keep_preempted``), which its replay takes back, eviction done
+(if nothing can run while such holds fill the pool, the scheduler lets them go). An entry no
+request holds is reclaimed like any idle entry: the turn that needed it then compresses the
+pristine history again (a chain miss).
 The key names the tokens, not where earlier turns put their boundaries: in a conversation the
 template's turn headers, which the tokens hold, fix them.
 
@@ -184,9 +191,11 @@ class ContextCache:
             self._pin(entry)
         return entry
 
-    def publish(self, key: tuple, owner: str, length: int, kept: tuple[int, ...], blocks: tuple[tuple, ...]) -> bool:
+    def publish(self, key: tuple, owner: str, length: int, kept: tuple[int, ...], blocks: tuple[tuple, ...],
+                counted: bool = True) -> bool:
         """Keep a context compressed by ``owner``, which holds ``blocks``; False if one is kept already.
-        A chain key (``chain_entry_key``) keeps a finished turn's cache for the next turn."""
+        A chain key (``chain_entry_key``) keeps a finished turn's cache for the next turn (``counted``:
+        in ``chain_published``; a preempted turn's own cache, kept for its replay, is not)."""
         if key in self.entries:
             return False
         chain = key[0] == "chain"
@@ -196,7 +205,7 @@ class ContextCache:
             self.of_block.setdefault(block.block_id, set()).add(key)
         if chain:
             self.chains.setdefault((key[1], key[3]), set()).add(key)
-            self.stats.chain_published += 1
+            self.stats.chain_published += counted
         else:
             self.stats.published += 1
         self._pin(entry)
@@ -219,15 +228,19 @@ class ContextCache:
         return None
 
     def hold(self, key: tuple, request_id: str) -> None:
-        """``request_id`` took this entry: it stays pinned until the request finishes (a preempted
-        request takes it again when it is scheduled again)."""
+        """``request_id`` needs this entry again if it is preempted: it stays pinned until the request
+        lets go of it (``let_go``)."""
         self.holders.setdefault(key, set()).add(request_id)
 
-    def let_go(self, request_id: str) -> None:
-        for key, holders in list(self.holders.items()):
-            holders.discard(request_id)
-            if not holders:
-                del self.holders[key]
+    def let_go(self, request_id: str, key: tuple | None = None) -> None:
+        """``request_id`` no longer needs ``key`` (None: any entry); an entry nobody holds is
+        released by the next ``release_idle`` once no request's blocks include its own."""
+        for held in [key] if key is not None else list(self.holders):
+            holders = self.holders.get(held)
+            if holders is not None:
+                holders.discard(request_id)
+                if not holders:
+                    del self.holders[held]
 
     def release_idle(self) -> None:
         """Let go of the entries no request holds: their blocks become free, found again until the
@@ -277,13 +290,26 @@ class ContextCache:
         # One watcher for every block (vLLM keeps one per block id): it finds the entries itself.
         self.pool.unpin_blocks(blocks, self._reused)
 
+    def drop(self, key: tuple) -> None:
+        """Forget an entry now (its blocks released, as an idle entry's, if it is pinned)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return
+        self.holders.pop(key, None)
+        if key in self.pinned:
+            self._unpin(entry)
+        self._forget(key)
+
     def _reused(self, block) -> None:
         """vLLM handed out (or reset) a block an unpinned entry held: that entry is gone."""
         for key in self.of_block.pop(block.block_id, ()):
-            entry = self.entries.pop(key, None)
-            if entry is None:
-                continue
-            self.stats.reclaimed += 1
+            if key in self.entries:
+                self.stats.reclaimed += 1
+                self._forget(key)
+
+    def _forget(self, key: tuple) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
             if entry.chain:
                 siblings = self.chains.get((key[1], key[3]))
                 if siblings is not None:

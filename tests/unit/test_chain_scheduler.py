@@ -9,7 +9,7 @@ are never written after they are published: checked after every step), computes 
 and compresses at its boundary; what each turn's request holds when it ends equals one contiguous
 cache through which the same evictions ran turn by turn (the semantic oracle, the plain reference's,
 is ``test_chain_references``); every block comes back. Under synchronous and asynchronous
-scheduling, with preemption in a small pool, and with two layer groups."""
+scheduling, with an entry reclaimed in a small pool, and with two layer groups."""
 from __future__ import annotations
 
 import pytest
@@ -195,34 +195,23 @@ def test_a_request_counts_its_chain_hit_and_the_tokens_it_did_not_compute():
     assert scheduler.kv_ledger.snapshot()["shared_contexts"]["chain_hits"] == CONVERSATIONS * (TURNS - 1)
 
 
-# (the pools are tuned: paged's 50 since it keeps whole blocks at each boundary, where 48 no longer
-# preempted a later turn; a pool of 44 or less reclaims later turns' entries, which then recompress)
-@pytest.mark.parametrize("name, conversations, pool", [("paged", 3, 50), ("knorm", 2, 32)])
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_preempted_turns_take_their_chain_again_and_keep_the_same_tokens(name, conversations, pool, asynchronous):
-    """A pool too small for every turn at once, vLLM's whole-sequence admission gate off: requests
-    are preempted after their eviction and replayed; a turn holds the entry it took until it finishes,
-    so its replay takes it again, and every turn ends holding what the oracle holds."""
-    worker, scheduler, turns = converse(name, asynchronous, pool=pool, admit_whole=False, conversations=conversations)
-    assert worker.resumed > 0 and scheduler.kv_ledger.totals.preempted_after_eviction > 0, "nothing was preempted"
-    counters = {rid: scheduler.kv_request_counters[rid] for rid, *_ in turns}
-    assert all(counters[rid].chain_hits >= 1 for rid, *_ in turns[conversations:]), "every later turn took its entry"
-    if name == "paged":  # here a later turn was the one preempted: its replay took its entry again
-        assert scheduler.kv_contexts.stats.chain_hits > conversations * (TURNS - 1)
-    check_against_the_oracle(worker, turns)
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == pool - 1
+# (Preemption of a chained turn, before and after its boundary eviction, and with its eviction in flight:
+# tests/unit/test_shared_contexts.py, where vLLM's own _preempt_request is called at the moment wanted. In
+# this shape no pool preempts a turn after its eviction while every entry a later turn needs survives:
+# a turn lets go of its entry once its eviction is planned, and free entries are reclaimed before vLLM
+# preempts anything.)
 
 
 def test_a_turn_whose_entry_the_pool_reclaimed_recompresses_and_counts_a_miss():
     """Entries no request holds are reclaimed least recently used when the pool needs blocks (as
     vLLM's prefix cache is): a later turn whose entry is gone compresses its pristine history again,
     and is counted as a chain miss (the first turns are the others)."""
-    _, scheduler, turns = converse("knorm", pool=44, admit_whole=False, conversations=3)
+    _, scheduler, turns = converse("knorm", pool=40, admit_whole=False, conversations=3)
     later_misses = [rid for rid, *_ in turns[3:] if scheduler.kv_request_counters[rid].chain_hits == 0]
     assert later_misses, "the pool reclaimed no entry a later turn needed: make it smaller"
     assert all(scheduler.kv_request_counters[rid].chain_misses == 1 for rid in later_misses)
     assert scheduler.kv_contexts.stats.chain_misses == 3 + len(later_misses)
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 44 - 1
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 40 - 1
 
 
 def test_two_layer_groups_chain_each_group_by_its_own_counts():

@@ -1,7 +1,10 @@
 """The compressed-context cache's references on vLLM's own block pool (``harness.engine.shared_contexts``):
 an entry pins its blocks while requests hold them, lets them go like the prefix cache once none does
 (free, at the queue's tail, found again until the pool hands one out), and refuses a write into a
-kept block. The share setting is checked with the other settings. The engine tests
+kept block. The share setting is checked with the other settings. Chained turns (``chain=true``)
+on the real scheduler: a turn holds its conversation's history once (blocks in use equal to its
+recompressing twin's), and preemption, aborts and a second taker keep the oracle's K/V and give
+every block back. The engine tests
 (``tests/engine/test_context_compression.py`` and the tensor-parallel and layer-group ones) show
 that requests taking an entry generate what they generate computing their own."""
 from __future__ import annotations
@@ -18,6 +21,7 @@ from vllm.v1.request import Request
 
 from harness.engine.shared_contexts import ContextCache, chain_entry_key, context_key
 from harness.eviction.settings import CONFIG_KEY, EvictionSettings, parse_settings
+from tests.unit.test_chain_scheduler import CopyingWorker
 
 BLOCK = 4
 # vLLM's block hashes as an engine computes them: its default hash (CacheConfig's
@@ -384,3 +388,321 @@ def test_the_scheduler_never_shares_a_context_between_embeddings_that_differ_in_
     assert {entry.owner for entry in scheduler.kv_contexts.entries.values()} == {"r1", "r2"}
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == pool - 1
     assert not scheduler.kv_contexts.pinned
+
+
+# --- a chained turn holds its conversation's history once -----------------------------------------
+# (issue 64, item 3.) The real scheduler with prefix caching and a real block pool, vLLM's block
+# hasher and the fake worker of ``test_chain_scheduler`` (K/V written at the plan's physical slots,
+# the harness's own step driver evicting, vLLM's copy-on-write copies carried out, every chain
+# entry's kept slots checked unchanged after every step). A turn compacts its history into blocks of
+# its own (its copy targets) and so no longer needs the entry it took once its boundary eviction has
+# run: it lets go of it then (``ContextSharing.release_continued``), not when it finishes, and from
+# there holds only its own blocks, as its recompressing twin does.
+
+
+class TalkWorker(CopyingWorker):
+    """``test_chain_scheduler``'s worker, which also lets a request end that it never ran (aborted
+    while waiting), as vLLM's model runner does (``self.requests.pop(req_id, None)``:
+    vllm/v1/worker/gpu_model_runner.py:1183-1185)."""
+
+    def step(self, output):
+        output.finished_req_ids = {rid for rid in output.finished_req_ids if rid in self.requests}
+        return super().step(output)
+
+
+class Talk:
+    """Conversations of ``test_chain_scheduler``'s shape (a 37-token prompt, its context 24
+    tokens, 6 outputs a turn, a 5-token message after each answer), turn by turn, with hooks into
+    the drive; and the oracle of one contiguous cache per conversation (``test_chain_scheduler.Oracle``)."""
+
+    def __init__(self, name: str, chain: bool = True, asynchronous: bool = False, pool: int = 160,
+                 conversations: int = 2):
+        from tests.unit import test_chain_scheduler as talk
+        from tests.unit.test_async_scheduling import make_scheduler
+
+        self.talk, self.name, self.chain, self.asynchronous, self.pool = talk, name, chain, asynchronous, pool
+        self.scheduler = make_scheduler(asynchronous, pool, prefix_caching=True)
+        self.hasher = get_request_block_hasher(BLOCK, get_hash_fn_by_name(
+            self.scheduler.cache_config.prefix_caching_hash_algo))
+        self.worker = TalkWorker(pool, self.scheduler)
+        self.prompts = [[100 + c] * talk.PROMPT for c in range(conversations)]
+        self.boundaries = [talk.CONTEXT] * conversations
+        self.asked: dict[str, tuple] = {}  # request -> (settings, prompt, boundary)
+
+    def ask(self, c: int, rid: str, prompt: list[int] | None = None, boundary: int | None = None) -> None:
+        prompt = self.prompts[c] if prompt is None else prompt
+        boundary = self.boundaries[c] if boundary is None else boundary
+        raw = self.talk.settings_of(self.name, boundary, chain=self.chain)
+        params = SamplingParams(max_tokens=self.talk.OUTPUTS, ignore_eos=True, extra_args={CONFIG_KEY: raw})
+        self.scheduler.add_request(Request(rid, list(prompt), params, None, block_hasher=self.hasher))
+        self.asked[rid] = (parse_settings(raw, "test").for_prompt(len(prompt), BLOCK), len(prompt), boundary)
+
+    def answer(self, c: int, turn: int) -> None:
+        """The next turn's prompt: this one's, its answer (the worker's token) and a message."""
+        talk = self.talk
+        self.boundaries[c] = len(self.prompts[c]) + talk.OUTPUTS
+        self.prompts[c] = self.prompts[c] + [5] * talk.OUTPUTS + [200 + 10 * c + turn] * talk.MESSAGE
+
+    def drive(self, before_schedule=lambda: None, after_update=lambda queue: None) -> None:
+        def checked(queue):
+            self.worker.check_entries()
+            after_update(queue)
+
+        self.talk.drive(self.scheduler, self.worker, self.asynchronous, before_schedule, checked)
+        self.worker.step(self.scheduler.schedule())  # the last finished requests' blocks reach the worker
+
+    def used(self) -> int:
+        return self.scheduler.kv_ledger.pool_blocks - self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def held(self) -> int:
+        """The distinct blocks the running requests hold, every group."""
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        return len({block.block_id for manager in managers for request in self.scheduler.running
+                    for block in manager.req_to_blocks.get(request.request_id, ())})
+
+    def expect(self, turns: list[str], groups: int = 1) -> list[torch.Tensor]:
+        """What the oracle holds after these requests of one conversation, in order."""
+        oracle = self.talk.Oracle(groups)
+        for rid in turns:
+            settings, prompt, boundary = self.asked[rid]
+            held = oracle.turn(rid, settings, prompt, boundary, self.talk.OUTPUTS)
+        return held
+
+    def all_back(self) -> None:
+        contexts = self.scheduler.kv_contexts
+        assert self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == self.pool - 1
+        assert not contexts.holders and not contexts.pinned
+        assert not self.scheduler.kv_sharing.continuing and not self.scheduler.kv_sharing.resuming
+
+
+def talk_three_turns(name: str, chain: bool, asynchronous: bool = False, after_update=None):
+    """Two conversations, three turns each, every conversation's turn at once; per later turn, after
+    every step (once every report is in), the blocks in use and the blocks the running requests hold,
+    under the running requests' logical lengths; and the ledger's mean blocks in use over later turns."""
+    talk = Talk(name, chain, asynchronous)
+    steps: dict[tuple, tuple[int, int]] = {}
+
+    def record(queue):
+        scheduler = talk.scheduler
+        if scheduler.kv_expected or not scheduler.running:
+            return
+        # every running request past its boundary eviction (its question and answer), a later turn
+        if all(request.num_computed_tokens > scheduler.eviction_point(request) and request.request_id[-1] != "0"
+               for request in scheduler.running):
+            state = tuple(sorted((r.request_id, r.num_computed_tokens) for r in scheduler.running))
+            steps[state] = (talk.used(), talk.held())
+
+    for turn in range(talk.talk.TURNS):
+        if turn == 1:
+            talk.scheduler.kv_ledger.reset_measurements()  # later turns only
+        for c in range(2):
+            talk.ask(c, talk.talk.request_id(c, turn))
+        talk.drive(after_update=record)
+        for c in range(2):
+            talk.answer(c, turn)
+    ledger = talk.scheduler.kv_ledger.snapshot()
+    return talk, steps, ledger["kv_blocks_used_mean"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("name", ["paged", "knorm", "streaming"])
+def test_a_chained_turn_holds_the_history_once_as_many_blocks_as_its_recompressing_twin(name, asynchronous):
+    """After its boundary eviction a chained turn's blocks in use are the blocks it holds itself
+    (the entry it took is released, not pinned beside its own compressed copy), step for step the
+    same count as the same conversation recompressing its pristine history each turn; over the
+    later turns its mean blocks in use are at most the twin's (it also computes fewer tokens)."""
+    chained, steps, mean = talk_three_turns(name, chain=True, asynchronous=asynchronous)
+    twin, twin_steps, twin_mean = talk_three_turns(name, chain=False, asynchronous=asynchronous)
+    assert chained.scheduler.kv_contexts.stats.chain_hits == 4 and twin.scheduler.kv_contexts.stats.chain_hits == 0
+    assert steps and set(steps) == set(twin_steps), "both ran the same later-turn decode steps"
+    for state, (used, held) in steps.items():
+        assert used == held, f"{state}: {used} blocks in use, the running turns hold {held}: an entry held beside them"
+        twin_used = twin_steps[state][0]
+        assert used == twin_used, f"{state}: {used} blocks in use, the recompressing twin {twin_used}"
+    assert mean <= twin_mean, (mean, twin_mean)
+    # the K/V each turn ended with is the oracle's (the same evictions through one contiguous cache)
+    for c in range(2):
+        turns = [chained.talk.request_id(c, turn) for turn in range(chained.talk.TURNS)]
+        for index in range(len(turns)):
+            assert torch.equal(chained.worker.kept[turns[index]][0], chained.expect(turns[: index + 1])[0])
+    chained.all_back()
+    twin.all_back()
+
+
+def first_two_turns(talk: Talk) -> list[str]:
+    """Turns 0 and 1 of both conversations, run to the end; the turn-2 request ids."""
+    for turn in range(2):
+        for c in range(2):
+            talk.ask(c, talk.talk.request_id(c, turn))
+        talk.drive()
+        for c in range(2):
+            talk.answer(c, turn)
+    return [talk.talk.request_id(c, 2) for c in range(2)]
+
+
+def past_its_eviction(talk: Talk, rid: str) -> bool:
+    scheduler = talk.scheduler
+    request = scheduler.requests.get(rid)
+    return (request is not None and request in scheduler.running and rid not in scheduler.kv_sharing.continuing
+            and request.num_computed_tokens > scheduler.eviction_point(request) and not any(
+                (rid, g) in scheduler.kv_expected for g in range(scheduler.kv_groups)))
+
+
+@pytest.mark.parametrize("asynchronous, when", [(False, "answer"), (True, "answer"), (True, "report")],
+                         ids=["sync-mid-answer", "async-mid-answer", "async-eviction-in-flight"])
+@pytest.mark.parametrize("name", ["paged", "knorm"])
+def test_a_turn_preempted_after_its_eviction_resumes_its_own_kept_cache_though_its_entry_is_reclaimed(
+        name, asynchronous, when):
+    """vLLM preempts a chained turn (its own ``_preempt_request``, as ``schedule`` does when the pool
+    runs out: vllm/v1/core/sched/scheduler.py:1571-1614) after its boundary eviction: mid-answer, or,
+    under asynchronous scheduling, while the step that evicts is still in flight (its report not in);
+    then the pool hands out every free block, so the entry the turn took is reclaimed. The turn left
+    its own kept cache as an entry held for it (``ContextSharing.keep_preempted``): its replay takes
+    that back and ends with the oracle's K/V (recompressing the pristine history instead would keep
+    other tokens); while it waits, the pool holds its kept cache once; every block comes back."""
+    import time
+
+    talk = Talk(name, asynchronous=asynchronous)
+    later = first_two_turns(talk)
+    victim = later[0]
+    for c in range(2):
+        talk.ask(c, later[c])
+    scheduler, pool = talk.scheduler, talk.scheduler.kv_cache_manager.block_pool
+    seen = {}
+
+    def due() -> bool:
+        request = scheduler.requests.get(victim)
+        if when == "answer":
+            return past_its_eviction(talk, victim) and request.num_output_tokens >= 2
+        return request is not None and request in scheduler.running and (victim, 0) in scheduler.kv_expected
+
+    def preempt():
+        if seen or not due():
+            return
+        request = scheduler.requests[victim]
+        taken = {key for key, holders in scheduler.kv_contexts.holders.items() if victim in holders}
+        assert not taken, "a turn past its eviction holds no entry it took"
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, time.monotonic())
+        own = scheduler.kv_sharing.resuming[victim]
+        entry = scheduler.kv_contexts.entries[own]
+        assert entry.owner == victim and own in scheduler.kv_contexts.pinned
+        assert victim in scheduler.kv_contexts.holders[own]
+        assert entry.length >= scheduler.eviction_point(request)
+        # the pool hands out every free block: the entries nobody holds (the one the turn took) go
+        before = scheduler.kv_contexts.stats.reclaimed
+        pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+        seen["reclaimed"] = scheduler.kv_contexts.stats.reclaimed - before
+        assert own in scheduler.kv_contexts.entries
+        # in use now: the other turn's blocks and the preempted turn's kept cache, once
+        seen["used"], seen["expected"] = talk.used(), talk.held() + entry.block_count
+
+    talk.drive(before_schedule=preempt)
+    assert seen, "the turn was never preempted past its eviction"
+    assert seen["reclaimed"] >= 1, "the entry the turn took was not reclaimed"
+    assert seen["used"] == seen["expected"]
+    assert talk.worker.resumed >= 1
+    counters = scheduler.kv_request_counters[victim]
+    assert counters.chain_hits == 2 and counters.chain_misses == 0, "the replay took its own kept cache"
+    assert scheduler.kv_contexts.stats.chain_misses == 2  # the first turns only
+    for c, rid in enumerate(later):
+        turns = [talk.talk.request_id(c, 0), talk.talk.request_id(c, 1), rid]
+        assert torch.equal(talk.worker.kept[rid][0], talk.expect(turns)[0]), rid
+    talk.all_back()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_turn_preempted_before_its_eviction_still_holds_the_entry_it_took(asynchronous):
+    """Preempted after taking the previous turn's entry but before reaching its boundary (its new
+    tokens prefilled one per step; its boundary three tokens into its message, so that there are
+    tokens to prefill after the entry's end), a turn keeps holding that entry, so the pool cannot
+    reclaim it, and the replay takes it again and ends with the oracle's K/V."""
+    import time
+
+    talk = Talk("paged", asynchronous=asynchronous)
+    later = first_two_turns(talk)
+    victim = later[0]
+    talk.ask(0, victim, boundary=talk.boundaries[0] + 3)  # (alone: the other conversation's entry is let go)
+    scheduler, pool = talk.scheduler, talk.scheduler.kv_cache_manager.block_pool
+    seen = {}
+
+    def preempt():
+        request = scheduler.requests.get(victim)
+        if seen or request is None or request not in scheduler.running or victim not in scheduler.kv_sharing.continuing:
+            return
+        key = scheduler.kv_sharing.continuing[victim]
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, time.monotonic())
+        assert victim not in scheduler.kv_sharing.resuming
+        pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+        seen["kept"] = key in scheduler.kv_contexts.entries
+
+    # one token a step (vLLM's step budget, vllm/v1/core/sched/scheduler.py:137, 611), so that the turn
+    # is preempted before it reaches its boundary
+    talk.scheduler.max_num_scheduled_tokens = 1
+    talk.drive(before_schedule=preempt)
+    assert seen == {"kept": True}
+    assert scheduler.kv_request_counters[victim].chain_hits == 2
+    turns = [talk.talk.request_id(0, 0), talk.talk.request_id(0, 1), victim]
+    assert torch.equal(talk.worker.kept[victim][0], talk.expect(turns)[0])
+    talk.all_back()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_aborted_turns_give_every_block_back(asynchronous):
+    """One later turn aborted mid-answer after its eviction, the other before it has been scheduled:
+    every block comes back, no entry is held or pinned, and the entries stand for the next turns."""
+    from vllm.v1.request import RequestStatus
+
+    talk = Talk("paged", asynchronous=asynchronous)
+    later = first_two_turns(talk)
+    for c in range(2):
+        talk.ask(c, later[c])
+    scheduler = talk.scheduler
+    scheduler.finish_requests(later[1], RequestStatus.FINISHED_ABORTED)  # waiting: never scheduled
+    done = {}
+
+    def abort():
+        if not done and past_its_eviction(talk, later[0]):
+            scheduler.finish_requests(later[0], RequestStatus.FINISHED_ABORTED)
+            done["aborted"] = True
+
+    talk.drive(before_schedule=abort)
+    assert done
+    talk.all_back()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("name", ["paged", "knorm"])
+def test_a_second_turn_taking_the_same_entry_meanwhile_reads_it_unchanged(name, asynchronous):
+    """Two requests continue one conversation's second turn with different messages (a branch):
+    the first runs past its eviction and lets go of the entry (it is free then, found again); the
+    second arrives and takes the same entry, copying its partial last block (vLLM's copy-on-write)
+    and compacting into blocks of its own. No entry slot is ever written (checked after every step),
+    and each branch ends with its own oracle's K/V."""
+    talk = Talk(name, asynchronous=asynchronous)
+    first_two_turns(talk)
+    history, boundary = list(talk.prompts[0]), talk.boundaries[0]
+    # the same history as far as the entry goes (the previous prompt and all but its last answer token),
+    # then another last answer token and message: not the same context, so it cannot take the first
+    # branch's compressed context (``context_key``), only the chain entry both continue
+    branch = history[: boundary - 1] + [6] + [77] * talk.talk.MESSAGE
+    talk.ask(0, "r13")
+    scheduler = talk.scheduler
+    seen = {}
+
+    def second():
+        if not seen and past_its_eviction(talk, "r13"):
+            entry = scheduler.kv_contexts.entries[scheduler.kv_contexts.find_chain(
+                scheduler.requests["r13"], scheduler.kv_request_settings["r13"], boundary, BLOCK)]
+            seen["released"] = entry.key not in scheduler.kv_contexts.pinned
+            talk.ask(0, "r19", prompt=branch, boundary=boundary)
+
+    talk.drive(before_schedule=second)
+    assert seen == {"released": True}, "the first branch let go of the entry before the second came"
+    counters = scheduler.kv_request_counters
+    assert counters["r13"].chain_hits == counters["r19"].chain_hits == 1
+    assert talk.worker.copies >= 2 + 2, "each branch copied the entry's partial last block"
+    for rid in ("r13", "r19"):
+        assert torch.equal(talk.worker.kept[rid][0], talk.expect(["r10", "r11", rid])[0]), rid
+    talk.all_back()
