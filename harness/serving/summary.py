@@ -140,14 +140,16 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict) -> str:
             f"{number(line['median_tpot_ms'], 1)} | {ratio_text(line, 'median_tpot_ms')} | "
             f"{number(line['kv_usage_mean'])}/{number(line['kv_usage_peak'])} | {number(line['accuracy'], 1)} |")
     if accuracy:
-        smallest = 2 / 2 ** contexts if contexts else None
+        from harness.analysis.stats import smallest_p
+
+        smallest = smallest_p(contexts) if contexts else None
         lines += ["", "## Accuracy of the served requests", "",
                   "Each request's score (0-100) averaged over every rate and trial it was served in; the mean over "
                   "context kinds of the kinds' means, 95% intervals over whole contexts (a context's requests "
                   "are resampled together, `harness.analysis.stats.cell_interval`); *vs full*: the same requests' "
                   "paired difference from full cache."
-                  + (f" With {contexts} contexts the smallest two-sided p a sign-flip test over contexts can "
-                     f"reach is 2/2^{contexts} = {smallest:.2g}." if smallest else ""), "",
+                  + (f" With {contexts} contexts the smallest two-sided p the test over whole contexts can "
+                     f"reach is {smallest:.2g} (`harness.analysis.stats.smallest_p`)." if smallest else ""), "",
                   "| configuration | requests | score (95%) | vs full (95%) |", "|---|---|---|---|"]
         for line in accuracy:
             versus = ("-" if "vs_full" not in line else

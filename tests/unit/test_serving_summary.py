@@ -88,6 +88,12 @@ def test_accuracy_is_paired_with_full_cache_over_whole_contexts():
     assert table["paged context"]["score"] == pytest.approx(50.0)
     assert table["paged context"]["vs_full"] == pytest.approx(-50.0)
     assert "vs_full" not in table["full"]
+    # the accuracy section states the smallest p its 4 contexts can reach, by the test it uses: 1/17
+    text = markdown([], list(table.values()), {"workload": "w", "command": "c", "description": "d", "model": "m",
+                                               "pool_blocks": 100, "block_size": 32, "ignore_eos": False,
+                                               "goodput": {"ttft": 5000.0, "tpot": 250.0}, "ratio": 0.5,
+                                               "trials": 3, "contexts": 4})
+    assert "With 4 contexts the smallest two-sided p the test over whole contexts can reach is 0.059" in text
 
 
 def test_the_gauges_are_read_from_prometheus_text():
