@@ -14,15 +14,18 @@ def git(root: Path, *args: str) -> None:
                    capture_output=True)
 
 
+def committed_tree(root: Path, files: dict[str, str]) -> None:
+    """A git repository at ``root`` holding ``files`` (path: text), committed."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    git(root, "init", "-q")
+    git(root, "add", ".")
+    git(root, "commit", "-qm", "a")
+
+
 def test_documents_and_results_leave_the_code_version_as_it_was(tmp_path):
-    (tmp_path / "harness").mkdir()
-    (tmp_path / "results").mkdir()
-    (tmp_path / "harness" / "engine.py").write_text("x = 1\n")
-    (tmp_path / "README.md").write_text("one\n")
-    (tmp_path / "results" / "summary.md").write_text("1.0\n")
-    git(tmp_path, "init", "-q")
-    git(tmp_path, "add", ".")
-    git(tmp_path, "commit", "-qm", "a")
+    committed_tree(tmp_path, {"harness/engine.py": "x = 1\n", "README.md": "one\n", "results/summary.md": "1.0\n"})
     first = code_version(tmp_path)
     assert first and len(first) == 12
 
@@ -73,13 +76,7 @@ def test_the_commit_is_dirty_only_for_uncommitted_code(tmp_path):
     commit clean; a code path makes it dirty."""
     from harness.records.provenance import git_commit
 
-    (tmp_path / "harness").mkdir()
-    (tmp_path / "results").mkdir()
-    (tmp_path / "harness" / "engine.py").write_text("x = 1\n")
-    (tmp_path / "results" / "summary.md").write_text("1.0\n")
-    git(tmp_path, "init", "-q")
-    git(tmp_path, "add", ".")
-    git(tmp_path, "commit", "-qm", "a")
+    committed_tree(tmp_path, {"harness/engine.py": "x = 1\n", "results/summary.md": "1.0\n"})
     clean = git_commit(tmp_path)
     assert clean and len(clean) == 40
     (tmp_path / "results" / "summary.md").write_text("2.0\n")
