@@ -4,7 +4,7 @@ scheduler, every configuration a per-request ``vllm_xargs`` setting (``harness.s
 workloads in ``harness.serving.workloads``; docs/serving_bench.md).
 
     flock /tmp/engine.lock .venv/bin/python experiments/serving.py --workload shared_context_long
-        [--configs "full,paged context"] [--rates 0.05,0.1,0.2,0.4 | --fractions 0.5,0.8,1.2,2]
+        [--configs "full,paged context"] [--rates 0.05,0.1,0.2,0.4 | --fractions 0.7,1.2,2,4]
         [--trials 3] [--pool-blocks 400] [--goodput "ttft:5000 tpot:250"] [--out results/serving/<workload>]
 
 This script only parses its options: the sweep and its files are ``harness.serving.experiment``'s.
@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 from harness.serving.bench import CAPACITY_FRACTIONS, DEFAULT_GOODPUT  # noqa: E402
 from harness.serving.workloads import WORKLOADS  # noqa: E402
 
-DEFAULT_CONFIGS = "full,paged context,streaming context,snapkv context"
+DEFAULT_CONFIGS = "full,paged context"
 # the options each workload takes (the rest are refused for it, not silently ignored)
 WORKLOAD_OPTIONS = {"shared_context": ("contexts", "questions"), "shared_context_long": ("contexts", "requests"),
                     "prefix_repetition": ("num_requests", "prefix_len", "suffix_len", "num_prefixes", "output_len")}
@@ -48,14 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--goodput", default=DEFAULT_GOODPUT, help="SLOs in ms, vLLM's --goodput format, "
                         "stated before the run")
-    parser.add_argument("--pool-blocks", type=int, default=None, help="the KV pool in blocks (default: --kv-cache-gib)")
-    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--pool-blocks", type=int, default=None, help="the KV pool in blocks (default: half of what "
+                        "full cache needs to run every request at once, a pool where full cache queues)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="the KV pool in GiB (instead of --pool-blocks)")
     parser.add_argument("--model", default="smollm2-135m", help="a conf/model name")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="default: results/serving/<workload>")
-    parser.add_argument("--contexts", type=int, default=None, help="shared contexts (default 8)")
+    parser.add_argument("--contexts", type=int, default=None, help="shared contexts (default 8; shared_context_long 6)")
     parser.add_argument("--questions", type=int, default=None, help="shared_context: questions per context (default 6)")
-    parser.add_argument("--requests", type=int, default=None, help="shared_context_long: requests per context (default 4)")
+    parser.add_argument("--requests", type=int, default=None, help="shared_context_long: requests per context (default 2)")
     parser.add_argument("--num-requests", type=int, default=None, help="prefix_repetition (default 40)")
     parser.add_argument("--prefix-len", type=int, default=None, help="prefix_repetition (default 1024)")
     parser.add_argument("--suffix-len", type=int, default=None, help="prefix_repetition (default 128)")

@@ -43,9 +43,11 @@ def parse_goodput(text: str) -> dict[str, float]:
 
 
 def benchmark(base_url: str, model: str, tokenizer, requests: list, rate: float, *, ignore_eos: bool,
-              goodput: dict[str, float], percentiles: tuple[float, ...], extra_body: dict) -> dict:
+              goodput: dict[str, float], percentiles: tuple[float, ...], extra_body: dict,
+              max_concurrency: int | None = None) -> dict:
     """vLLM's ``benchmark()`` (serve.py:786) on the completions endpoint with Poisson arrivals
-    (burstiness 1.0) at ``rate``; its result dict. The initial test request is skipped
+    (burstiness 1.0) at ``rate``, at most ``max_concurrency`` requests in flight (its
+    ``--max-concurrency``; 1 sends them one at a time); its result dict. The initial test request is skipped
     (``ready_check_timeout_sec=0``, serve.py:876-891): it would send the first request before the
     timed run and leave its context in the prefix cache."""
     from vllm.benchmarks.serve import TaskType, benchmark as vllm_benchmark
@@ -55,5 +57,5 @@ def benchmark(base_url: str, model: str, tokenizer, requests: list, rate: float,
         model_id=model, model_name=model, tokenizer=tokenizer, input_requests=requests, logprobs=None,
         request_rate=rate, burstiness=1.0, disable_tqdm=True, num_warmups=0, profile=False,
         selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"], selected_percentiles=list(percentiles),
-        ignore_eos=ignore_eos, goodput_config_dict=goodput, max_concurrency=None, lora_modules=None,
+        ignore_eos=ignore_eos, goodput_config_dict=goodput, max_concurrency=max_concurrency, lora_modules=None,
         extra_headers=None, extra_body=extra_body, ready_check_timeout_sec=0))

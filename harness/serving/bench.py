@@ -32,7 +32,7 @@ from harness.serving.workloads import Workload, sample_requests, score
 # later tokens at TPOT or faster (ms; vLLM's --goodput format)
 DEFAULT_GOODPUT = "ttft:5000 tpot:250"
 PERCENTILES = (50.0, 90.0, 99.0)
-CAPACITY_FRACTIONS = (0.5, 0.8, 1.2, 2.0)
+CAPACITY_FRACTIONS = (0.7, 1.2, 2.0, 4.0)
 
 
 def parse_goodput(text: str) -> dict[str, float]:
@@ -54,7 +54,8 @@ class Bench:
     ratio: float
     goodput: dict[str, float] = field(default_factory=lambda: parse_goodput(DEFAULT_GOODPUT))
 
-    def run(self, configuration: str, rate: float, seed: int, metadata: dict | None = None) -> tuple[dict, list]:
+    def run(self, configuration: str, rate: float, seed: int, metadata: dict | None = None,
+            max_concurrency: int | None = None) -> tuple[dict, list]:
         """One run of vLLM's ``benchmark()``: its result in ``vllm bench serve``'s saved format (with
         ``metadata`` on top) and the gauge samples taken beside it."""
         import numpy as np
@@ -68,11 +69,12 @@ class Bench:
         with GaugeSampler(self.server) as sampler:
             result = benchmark(self.server.base_url, self.model, self.tokenizer, requests, rate,
                                ignore_eos=self.workload.ignore_eos, goodput=self.goodput, percentiles=PERCENTILES,
-                               extra_body={"temperature": 0.0})
+                               extra_body={"temperature": 0.0}, max_concurrency=max_concurrency)
         saved = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "vllm", "backend": "vllm",
                  "label": None, "model_id": self.model, "tokenizer_id": self.model, "num_prompts": len(requests),
                  **{key: str(value) for key, value in (metadata or {}).items()},
-                 "request_rate": rate if rate < float("inf") else "inf", "burstiness": 1.0, "max_concurrency": None,
+                 "request_rate": rate if rate < float("inf") else "inf", "burstiness": 1.0,
+                 "max_concurrency": max_concurrency,
                  **result}
         return saved, sampler.samples
 
@@ -166,6 +168,37 @@ def sweep(bench: Bench, configurations: list[str], rates: list[float], trials: i
               f"KV usage mean {fraction(row['kv_usage_mean'])} peak {fraction(row['kv_usage_peak'])}{accuracy}",
               flush=True)
     return rows, requests
+
+
+ALONE = 4  # requests per configuration sent again one at a time after the sweep
+
+
+def served_alone(bench: Bench, configurations: list[str], requests: list[dict], out: Path) -> list[dict]:
+    """Do requests served under load generate what they generate alone? The first ``ALONE`` requests
+    of the workload, per configuration, sent one at a time (vLLM's ``max_concurrency`` 1, the prefix
+    cache emptied first) and their texts compared with the same requests' in the sweep's first trial
+    at its highest rate (greedy: equal texts, or the first character where they part). Texts only: a
+    difference is reported, not checked for a near tie."""
+    from dataclasses import replace
+
+    top = max(r["rate"] for r in requests)
+    sample = bench.workload.items[:ALONE]
+    alone = replace(bench, workload=replace(bench.workload, items=sample))
+    checked = []
+    for configuration in configurations:
+        saved, samples = alone.run(configuration, float("inf"), 0, {"configuration": configuration,
+                                                                    "purpose": "alone"}, max_concurrency=1)
+        write_run(out, f"alone-{configuration.replace(' ', '_')}", saved, samples)
+        served = {(r["context"], r["question"]): r["prediction"] for r in requests
+                  if r["configuration"] == configuration and r["trial"] == 1 and r["rate"] == top}
+        for item, text in zip(sample, saved["generated_texts"]):
+            under_load = served[(item.context, item.question)]
+            parted = next((i for i, (a, b) in enumerate(zip(text, under_load)) if a != b),
+                          None if len(text) == len(under_load) else min(len(text), len(under_load)))
+            checked.append({"configuration": configuration, "context": item.context, "question": item.question,
+                            "rate": top, "equal": parted is None, "parted_at_char": parted})
+    (out / "alone.json").write_text(json.dumps(checked, indent=1) + "\n")
+    return checked
 
 
 def fraction(value: float | None) -> str:

@@ -30,8 +30,8 @@ class Options:
     fractions: tuple[float, ...] = CAPACITY_FRACTIONS
     trials: int = 3
     goodput: str = DEFAULT_GOODPUT
-    pool_blocks: int | None = None            # None: kv_cache_gib
-    kv_cache_gib: float = 4.0
+    pool_blocks: int | None = None            # None: kv_cache_gib, or half of what full cache needs at once
+    kv_cache_gib: float | None = None
     seed: int = 0
     workload_options: dict = field(default_factory=dict)
 
@@ -54,6 +54,10 @@ def check(options: Options) -> None:
         raise ValueError("--fractions must be positive")
     if options.pool_blocks is not None and options.pool_blocks < 1:
         raise ValueError("--pool-blocks must be positive")
+    if options.pool_blocks is not None and options.kv_cache_gib is not None:
+        raise ValueError("--pool-blocks and --kv-cache-gib both size the pool: give one")
+    if options.kv_cache_gib is not None and not options.kv_cache_gib > 0:
+        raise ValueError("--kv-cache-gib must be positive")
     if not (ROOT / "conf" / "model" / f"{options.model}.yaml").exists():
         raise ValueError(f"--model {options.model}: no conf/model/{options.model}.yaml")
     parse_goodput(options.goodput)
@@ -75,7 +79,7 @@ def run(options: Options, server=None) -> str:
     from harness.config import engine_defaults
     from harness.config.models import resolve_model_path
     from harness.serving.server import Server, block_bytes
-    from harness.serving.workloads import build
+    from harness.serving.workloads import blocks_at_once, build
 
     check(options)
     model = model_settings(options.model)
@@ -87,14 +91,24 @@ def run(options: Options, server=None) -> str:
     workload = build(options.workload, tokenizer, seed=options.seed, **workload_options)
     block = engine_defaults("cpu")["block_size"]
     dtype_bytes = 4 if model.get("dtype", "float32") == "float32" else 2
+    pool_blocks = options.pool_blocks
+    if pool_blocks is None and options.kv_cache_gib is None:
+        # The default: a pool where full cache queues, half of what it needs to run every request at once.
+        pool_blocks = blocks_at_once(workload, block) // 2
+    # vLLM refuses a pool that cannot hold one request of max_model_len (vllm/v1/core/kv_cache_utils.py:1104,
+    # check_enough_kv_cache_memory): serve the workload's longest request, not the model's longest.
+    longest = -(-max(len(item.prompt) + item.max_tokens for item in workload.items) // block) * block
+    max_model_len = min(model["max_model_len"], longest)
+    if pool_blocks is not None and pool_blocks * block < longest:
+        raise ValueError(f"--pool-blocks {pool_blocks}: the workload's longest request needs {longest // block} blocks")
     # vLLM keeps one null block out of the pool: one more than the blocks asked for
-    pool_bytes = ((options.pool_blocks + 1) * block_bytes(path, block, dtype_bytes) if options.pool_blocks
+    pool_bytes = ((pool_blocks + 1) * block_bytes(path, block, dtype_bytes) if pool_blocks
                   else int(options.kv_cache_gib * 2**30))
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     serving = nullcontext(server) if server is not None else Server(
         path, out / "vllm.log", pool_bytes=pool_bytes, block_size=block, dtype=model.get("dtype", "float32"),
-        max_model_len=model["max_model_len"])
+        max_model_len=max_model_len)
     with serving as server:
         return measure(options, server, model, path, tokenizer, workload, block)
 
@@ -104,7 +118,7 @@ def measure(options: Options, server, model: dict, path: str, tokenizer, workloa
     import pandas as pd
 
     from harness.serving import summary
-    from harness.serving.bench import Bench, parse_goodput, rates_from_capacity, sweep
+    from harness.serving.bench import Bench, parse_goodput, rates_from_capacity, served_alone, sweep
 
     out = Path(options.out)
     pool = server.pool_blocks()
@@ -115,8 +129,11 @@ def measure(options: Options, server, model: dict, path: str, tokenizer, workloa
         rates = rates_from_capacity(bench, options.fractions, out, options.seed)
         capacity = json.loads((out / "runs" / "capacity.json").read_text())["request_throughput"]
     rows, requests = sweep(bench, options.configurations, rates, options.trials, out, options.seed)
+    alone = served_alone(bench, options.configurations, requests, out)
     table, accuracy = summary.rate_table(rows), summary.accuracy_table(requests)
-    settings = {**asdict(options), "out": str(out), "model": model["name"], "model_path": path, "pool_blocks": pool,
+    from harness.records.provenance import provenance
+
+    settings = {**asdict(options), "out": str(out), "provenance": provenance(), "model": model["name"], "model_path": path, "pool_blocks": pool,
                 "block_size": block, "rates": rates, "capacity": capacity, "ignore_eos": workload.ignore_eos,
                 "goodput": parse_goodput(options.goodput), "description": workload.description,
                 "contexts": len({item.context for item in workload.items}) if workload.scored else None}
@@ -128,7 +145,7 @@ def measure(options: Options, server, model: dict, path: str, tokenizer, workloa
     with open(out / "requests.jsonl", "w") as handle:
         for row in requests:
             handle.write(json.dumps(row) + "\n")
-    text = summary.markdown(table, accuracy, settings)
+    text = summary.markdown(table, accuracy, settings, alone)
     (out / "summary.md").write_text(text)
     summary.plot(table, out / "pareto.png", options.workload)
     return text

@@ -8,6 +8,12 @@ from __future__ import annotations
 import math
 import statistics
 
+# Stated before any run (issue 64): a compressing configuration's accuracy counts as acceptable when
+# it is non-inferior to full cache's within this many points (0-100), and its gain counts when its
+# goodput at the highest rate reaches TARGET x full cache's.
+ACCURACY_MARGIN = 5.0
+TARGET = 1.3
+
 # ratio to full cache of these run figures (higher is better for the first two, lower for the others)
 RATIOS = (("output_tok_s", "output tok/s"), ("request_goodput", "goodput"), ("median_ttft_ms", "median TTFT"),
           ("median_tpot_ms", "median TPOT"))
@@ -59,7 +65,8 @@ def accuracy_table(requests: list[dict]) -> list[dict]:
     resampled together), and its difference from full cache on the same requests."""
     import numpy as np
 
-    from harness.analysis.stats import cell_interval
+    from harness.analysis.stats import cell_interval, holm, sign_flip_test
+    from harness.analysis.verdicts import verdict
 
     scored = [r for r in requests if r["score"] is not None]
     if not scored:
@@ -71,14 +78,17 @@ def accuracy_table(requests: list[dict]) -> list[dict]:
     configurations = list(dict.fromkeys(r["configuration"] for r in scored))
     keys = sorted({(context, question) for _, context, question in mean})
 
-    def interval(values: dict[tuple, float]):
+    def strata(values: dict[tuple, float]):
         per_kind, clusters = {}, {}
         for (context, _), value in values.items():
             kind = context.split("-")[0]
             per_kind.setdefault(kind, []).append(value)
             clusters.setdefault(kind, []).append(context)
-        return cell_interval({k: np.array(v) for k, v in per_kind.items()},
-                             clusters={k: np.array(v) for k, v in clusters.items()})
+        return {k: np.array(v) for k, v in per_kind.items()}, {k: np.array(v) for k, v in clusters.items()}
+
+    def interval(values: dict[tuple, float]):
+        per_kind, clusters = strata(values)
+        return cell_interval(per_kind, clusters=clusters)
 
     table = []
     for name in configurations:
@@ -89,9 +99,59 @@ def accuracy_table(requests: list[dict]) -> list[dict]:
         if name != "full":
             paired = {key: value - mean[("full", *key)] for key, value in mine.items() if ("full", *key) in mean}
             difference = interval(paired)
-            line.update(vs_full=difference.estimate, vs_full_low=difference.low, vs_full_high=difference.high)
+            per_kind, clusters = strata(paired)
+            line.update(vs_full=difference.estimate, vs_full_low=difference.low, vs_full_high=difference.high,
+                        p=sign_flip_test(per_kind, clusters=clusters).p,
+                        contexts=len({context for context, _ in paired}))
         table.append(line)
+    # Holm over the table's family (every compressing configuration against full cache), then one word
+    # each: better / worse, or non-inferior within ACCURACY_MARGIN points, or inconclusive
+    # (harness.analysis.verdicts); a family whose smallest attainable p cannot reach 0.05 enters none.
+    from harness.analysis.stats import can_decide
+
+    compared = [line for line in table if "p" in line]
+    decidable = can_decide([line["contexts"] for line in compared])
+    for line, adjusted in zip(compared, holm([line["p"] for line in compared])):
+        line["p_holm"] = adjusted
+        line["verdict"] = verdict(line["vs_full"], line["vs_full_low"], line["vs_full_high"], adjusted,
+                                  ACCURACY_MARGIN, decidable=decidable)
+        # acceptable: the one-sided test at 2.5% rejects "worse by the margin or more" (a decided loss
+        # smaller than the margin is "worse" and still acceptable)
+        line["non_inferior"] = decidable and line["vs_full_low"] > -ACCURACY_MARGIN
     return table
+
+
+def headline(table: list[dict], accuracy: list[dict]) -> list[str]:
+    """The verdict in a few lines: at the highest rate, each compressing configuration's goodput and
+    output tok/s against full cache's, beside its accuracy verdict; whether the best configuration
+    whose accuracy is non-inferior reaches TARGET x full cache's goodput."""
+    if not table:
+        return []
+    top = max(line["rate"] for line in table)
+    words = {line["configuration"]: line.get("verdict") for line in accuracy}
+    acceptable = {line["configuration"]: line.get("non_inferior", False) for line in accuracy}
+    lines = ["## Verdict", "",
+             f"At the highest rate ({top:g} req/s), against full cache with prefix caching in the same trial; "
+             f"accuracy non-inferior means within {ACCURACY_MARGIN:g} points (0-100) of full cache's, stated before "
+             f"the run; the target is {TARGET:g}x full cache's goodput at acceptable accuracy.", ""]
+    reached = []
+    for line in table:
+        if line["rate"] != top or line["configuration"] == "full":
+            continue
+        word = words.get(line["configuration"])
+        ok = acceptable.get(line["configuration"], False)
+        if word is not None and word != "no verdict":
+            word += f" ({'within' if ok else 'not shown within'} the {ACCURACY_MARGIN:g}-point margin)"
+        lines.append(f"* {line['configuration']}: goodput {ratio_text(line, 'request_goodput')}, output tok/s "
+                     f"{ratio_text(line, 'output_tok_s')}; accuracy {word or 'not scored'}.")
+        low = line.get("request_goodput_low")
+        if ok and low is not None and low >= TARGET:
+            reached.append(line["configuration"])
+    if any(words.values()):
+        lines += ["", (f"Reached by: {', '.join(reached)} (its interval's lower bound at or above {TARGET:g}x)." if reached
+                       else f"No configuration reaches {TARGET:g}x full cache's goodput (interval's lower bound) at "
+                            "an accuracy non-inferior to full cache's.")]
+    return lines + [""]
 
 
 def number(value, digits: int = 2, suffix: str = "") -> str:
@@ -107,10 +167,12 @@ def ratio_text(line: dict, key: str) -> str:
     return f"{estimate:.2f}x" + ("" if low is None else f" ({low:.2f}-{high:.2f})")
 
 
-def markdown(table: list[dict], accuracy: list[dict], settings: dict) -> str:
+def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: list[dict] | None = None) -> str:
     contexts = settings.get("contexts")
     lines = [f"# Serving benchmark: {settings['workload']}", "",
-             f"Command: `{settings['command']}`", "",
+             f"Command: `{settings['command']}`"
+             + (f" (commit {settings['provenance']['git_commit']}, code version "
+                f"{settings['provenance']['code_version']})" if settings.get("provenance") else ""), "",
              f"{settings['description']}. One `vllm serve` ({settings['model']}, prefix caching on, the eviction "
              f"scheduler, a pool of {settings['pool_blocks']} blocks of {settings['block_size']} tokens), every "
              "configuration a per-request `vllm_xargs` setting; vLLM's own `benchmark()` "
@@ -128,7 +190,8 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict) -> str:
         lines += [f"Rates: {', '.join(f'{r:g}' for r in settings['rates'])} req/s, fractions "
                   f"{', '.join(f'{f:g}' for f in settings['fractions'])} of full cache's capacity "
                   f"({settings['capacity']:.3f} req/s with every request sent at once).", ""]
-    lines += ["| rate (req/s) | configuration | completed/failed | output tok/s | vs full | goodput (req/s) | vs full | "
+    lines += headline(table, accuracy)
+    lines += ["## Every rate", "", "| rate (req/s) | configuration | completed/failed | output tok/s | vs full | goodput (req/s) | vs full | "
               "median TTFT ms | vs full | median TPOT ms | vs full | KV usage mean/peak | accuracy |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for line in table:
@@ -150,12 +213,29 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict) -> str:
                   "paired difference from full cache."
                   + (f" With {contexts} contexts the smallest two-sided p the test over whole contexts can "
                      f"reach is {smallest:.2g} (`harness.analysis.stats.smallest_p`)." if smallest else ""), "",
-                  "| configuration | requests | score (95%) | vs full (95%) |", "|---|---|---|---|"]
+                  f" p: the stratified sign-flip test over whole contexts, Holm-adjusted over the table's comparisons; "
+                  f"verdict at a margin of {ACCURACY_MARGIN:g} points stated before the run "
+                  "(`harness.analysis.verdicts`).", "",
+                  "| configuration | requests | score (95%) | vs full (95%) | p (Holm) | verdict |",
+                  "|---|---|---|---|---|---|"]
         for line in accuracy:
             versus = ("-" if "vs_full" not in line else
-                      f"{line['vs_full']:+.1f} ({line['vs_full_low']:+.1f}, {line['vs_full_high']:+.1f})")
+                      f"{line['vs_full']:+.2f} ({line['vs_full_low']:+.2f}, {line['vs_full_high']:+.2f})")
+            p = "-" if "p" not in line else f"{line['p']:.4f} ({line['p_holm']:.4f})"
             lines.append(f"| {line['configuration']} | {line['requests']} | {line['score']:.1f} "
-                         f"({line['score_low']:.1f}, {line['score_high']:.1f}) | {versus} |")
+                         f"({line['score_low']:.1f}, {line['score_high']:.1f}) | {versus} | {p} | "
+                         f"{line.get('verdict', '-')} |")
+    if alone:
+        lines += ["", "## Served under load against sent alone", "",
+                  f"The first {len({(a['context'], a['question']) for a in alone})} requests of the workload, per "
+                  "configuration, sent again one at a time after the sweep (vLLM's `max_concurrency` 1, prefix cache "
+                  f"emptied), their texts against the same requests' in trial 1 at {alone[0]['rate']:g} req/s "
+                  "(`alone.json`; texts only: a difference is not checked for a near tie).", ""]
+        for name in dict.fromkeys(a["configuration"] for a in alone):
+            mine = [a for a in alone if a["configuration"] == name]
+            parted = [f"{a['context']}/{a['question']} at character {a['parted_at_char']}" for a in mine if not a["equal"]]
+            lines.append(f"* {name}: {sum(a['equal'] for a in mine)} of {len(mine)} equal"
+                         + (f"; parted: {', '.join(parted)}" if parted else "") + ".")
     return "\n".join(lines) + "\n"
 
 

@@ -52,6 +52,13 @@ def test_the_sweep_drives_vllms_benchmark_with_per_request_eviction(server, tmp_
     assert "| 8 | paged context | 4/0 |" in text and (tmp_path / "pareto.png").exists()
     rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all(row["score"] is not None and row["error"] is None for row in rows)
+    # the sample sent again one at a time: vLLM's max_concurrency 1, compared with the sweep's texts
+    alone = json.loads((tmp_path / "alone.json").read_text())
+    assert [(a["configuration"], a["rate"]) for a in alone] == [("full", 8.0)] * 4 + [("paged context", 8.0)] * 4
+    assert all(isinstance(a["equal"], bool) for a in alone)
+    saved = json.loads((tmp_path / "runs" / "alone-paged_context.json").read_text())
+    assert saved["max_concurrency"] == 1 and saved["completed"] == 4
+    assert "## Served under load against sent alone" in text and "* paged context: " in text
 
 
 def test_a_setting_the_server_refuses_fails_the_request(server):

@@ -9,7 +9,7 @@ import pytest
 
 from harness.serving.bench import arrival_seed, parse_goodput, plan
 from harness.serving.server import block_bytes, gauge_summary, parse_metrics
-from harness.serving.summary import accuracy_table, markdown, rate_table, ratio_cell
+from harness.serving.summary import ACCURACY_MARGIN, TARGET, accuracy_table, headline, markdown, rate_table, ratio_cell
 
 
 def test_the_plan_reverses_rates_and_configurations_in_even_trials():
@@ -94,6 +94,47 @@ def test_accuracy_is_paired_with_full_cache_over_whole_contexts():
                                                "goodput": {"ttft": 5000.0, "tpot": 250.0}, "ratio": 0.5,
                                                "trials": 3, "contexts": 4})
     assert "With 4 contexts the smallest two-sided p the test over whole contexts can reach is 0.059" in text
+    # 4 contexts cannot reach p < 0.05: the comparison enters no verdict
+    assert table["paged context"]["verdict"] == "no verdict"
+
+
+def served(losses: dict[str, list[float]], contexts: int = 8) -> list[dict]:
+    """Each configuration's requests (2 per context): full cache scores 0.6 on every one; a
+    configuration scores 0.6 minus its loss on context k (losses cycled over the contexts)."""
+    requests = []
+    for configuration, loss in {"full": [0.0], **losses}.items():
+        for k in range(contexts):
+            for question in range(2):
+                requests.append({"configuration": configuration, "context": f"registers-{k}", "question": question,
+                                 "score": 0.6 - loss[k % len(loss)], "trial": 1})
+    return requests
+
+
+def test_accuracy_verdicts_at_the_margin_stated_before_the_run():
+    """Over 8 contexts (smallest p 1/257), Holm over the family: a loss of 1-3 points is non-inferior
+    at the 5-point margin, a loss of 20 is worse, a loss that straddles the margin is inconclusive."""
+    table = {line["configuration"]: line for line in accuracy_table(served({
+        "paged context": [0.01, 0.03, 0.02, 0.01], "streaming context": [0.2, 0.22, 0.18, 0.2],
+        "snapkv context": [0.0, 0.12, -0.04, 0.08]}))}
+    assert table["streaming context"]["verdict"] == "worse" and table["streaming context"]["p_holm"] < 0.05
+    # decidedly worse, by less than the margin: acceptable
+    assert table["paged context"]["vs_full_low"] > -ACCURACY_MARGIN and table["paged context"]["non_inferior"]
+    assert not table["streaming context"]["non_inferior"]
+    assert table["snapkv context"]["verdict"] == "inconclusive" and not table["snapkv context"]["non_inferior"]
+
+
+def test_the_headline_names_what_reaches_the_target_at_acceptable_accuracy():
+    accuracy = [{"configuration": "full"},
+                {"configuration": "paged context", "verdict": "non-inferior", "non_inferior": True},
+                {"configuration": "streaming context", "verdict": "worse", "non_inferior": False}]
+    line = {"rate": 2.0, "request_goodput_ratio": 1.5, "request_goodput_low": 1.35, "request_goodput_high": 1.7,
+            "output_tok_s_ratio": 1.4, "output_tok_s_low": 1.3, "output_tok_s_high": 1.5}
+    table = [{"configuration": "full", "rate": 2.0}, {**line, "configuration": "paged context"},
+             {**line, "configuration": "streaming context"}, {**line, "configuration": "paged context", "rate": 1.0}]
+    text = "\n".join(headline(table, accuracy))
+    assert "Reached by: paged context (" in text and "streaming context: goodput 1.50x (1.35-1.70)" in text
+    accuracy[1].update(verdict="inconclusive", non_inferior=False)
+    assert f"No configuration reaches {TARGET:g}x" in "\n".join(headline(table, accuracy))
 
 
 def test_the_gauges_are_read_from_prometheus_text():

@@ -5,12 +5,13 @@ shared prefixes' boundaries."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from harness.config.models import EMBEDDED_PREFIX, SMOLLM2, resolve_model_path
 from harness.serving import workloads
-from harness.serving.workloads import Item, pair_score, stated_pairs
+from harness.serving.workloads import Item
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,14 @@ def built(tokenizer):
             "shared_context_long": workloads.build("shared_context_long", tokenizer, contexts=4, requests=3)}
 
 
+def contexts_of(name: str) -> dict[str, str]:
+    """Each context's text, drawn as the workload draws it."""
+    if name == "shared_context":
+        return {shared.id: shared.context for shared in workloads.shared_contexts(4, 0, 3)}
+    rng = random.Random(0)
+    return {f"registers-{index}": workloads.register_context(rng, 3)[0] for index in range(4)}
+
+
 @pytest.mark.parametrize("name", ["shared_context", "shared_context_long"])
 def test_each_context_ends_at_its_boundary_and_its_requests_share_it(built, tokenizer, name):
     """A context's requests begin with the same ``context_tokens`` ids, which decode to the chat
@@ -36,8 +45,7 @@ def test_each_context_ends_at_its_boundary_and_its_requests_share_it(built, toke
     for item in workload.items:
         by_context.setdefault(item.context, []).append(item)
     assert len(by_context) == 4 and all(len(items) == 3 for items in by_context.values())
-    contexts = {shared.id: shared.context
-                for shared in workloads.shared_contexts(4, 0, workloads.LISTED if name.endswith("long") else 3)}
+    contexts = contexts_of(name)
     for context, items in by_context.items():
         boundary = items[0].context_tokens
         assert all(item.context_tokens == boundary for item in items)
@@ -47,14 +55,33 @@ def test_each_context_ends_at_its_boundary_and_its_requests_share_it(built, toke
         tail = tokenizer.decode(items[0].prompt[boundary:])
         last_sentence = contexts[context].rstrip().split("\n")[-1][-60:]
         assert last_sentence in head and last_sentence not in tail
-        assert tail.lstrip().startswith(("Now, write", "Answer the question", "Now, answer", "Question:")), tail[:80]
+        assert tail.lstrip().startswith(("Now, copy", "Answer the question", "Now, answer", "Question:")), tail[:80]
 
 
-def test_the_long_requests_ask_for_every_person_in_their_own_order(built):
-    items = [item for item in built["shared_context_long"].items if item.context == "births-1"]
-    assert all(len(item.answers) == workloads.LISTED and item.max_tokens >= 128 for item in items)
-    orders = workloads.listing_orders(workloads.LISTED, 3)
-    assert [order[0] for order in orders] == [0, 5, 10] and all(sorted(o) == list(range(workloads.LISTED)) for o in orders)
+def test_each_long_request_copies_its_own_register_of_the_shared_context(built, tokenizer):
+    """Request r asks for register r by its heading, its answer started with that heading; the
+    reference is the register's lines as the context holds them (at least 128 tokens), and the
+    answer stops at the register's end line."""
+    items = sorted((item for item in built["shared_context_long"].items if item.context == "registers-1"),
+                   key=lambda item: item.question)
+    context = contexts_of("shared_context_long")["registers-1"]
+    for item, label in zip(items, "ABC"):
+        text = tokenizer.decode(item.prompt)
+        assert f"copy register {label}:" in text and text.endswith(f"Register {label}:\n")
+        (reference,) = item.answers
+        assert f"Register {label}:\n{reference}\nEnd of register {label}." in context
+        assert len(reference.splitlines()) == workloads.ENTRIES and len(tokenizer.encode(reference)) >= 128
+        assert item.max_tokens >= len(tokenizer.encode(reference)) and item.stop == (f"End of register {label}",)
+    assert len({item.answers for item in items}) == 3
+
+
+def test_full_cache_needs_each_context_once_and_each_request_its_own_blocks(built):
+    """The default pool is half of this: one where full cache queues."""
+    workload = built["shared_context_long"]
+    shared = {item.context: item.context_tokens // 32 for item in workload.items}
+    own = sum(-(-(len(item.prompt) + item.max_tokens) // 32) - item.context_tokens // 32 for item in workload.items)
+    assert workloads.blocks_at_once(workload, 32) == sum(shared.values()) + own
+    assert workloads.blocks_at_once(workload, 32) < sum(-(-(len(i.prompt) + i.max_tokens) // 32) for i in workload.items)
 
 
 def test_the_shared_context_generator_is_the_one_experiments_used():
@@ -103,34 +130,13 @@ def test_a_bad_configuration_gets_one_line():
         workloads.parse_configuration("paged everything")
 
 
-ANSWERS = ("Ada Brandt\t23205", "Hugo Pike\t51234", "Mira Lund\t77001", "Wim Dorn\t10020")
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("Ada Brandt: 23205\nHugo Pike: 51234\nMira Lund: 77001\nWim Dorn: 10020", 1.0),
-    # every person once, in prose, in another order
-    ("The access code of Wim Dorn is 10020. Mira Lund has 77001; Ada Brandt: 23205 and Hugo Pike 51234.", 1.0),
-    # half of them: precision 1, recall 0.5
-    ("Ada Brandt: 23205\nHugo Pike: 51234", 2 * 1 * 0.5 / 1.5),
-    # a wrong code and an invented person: 2 right of 4 stated, 2 of 4 recalled
-    ("Ada Brandt: 23205\nHugo Pike: 99999\nMira Lund: 77001\nZeno Quill: 12345", 0.5),
-    # repeating a right line gains nothing; the first value stated for a person counts
-    ("Ada Brandt: 23205\nAda Brandt: 23205\nAda Brandt: 23205\nHugo Pike: 11111\nHugo Pike: 51234", 2 * 0.5 * 0.25 / 0.75),
-    ("I cannot find any access codes.", 0.0),
-])
-def test_long_answers_are_scored_by_the_pairs_they_state(text, expected):
-    assert pair_score(text, ANSWERS) == pytest.approx(expected)
-
-
-def test_cities_are_read_as_values_and_a_name_without_one_states_nothing():
-    assert stated_pairs("Ada Brandt: Calder\nHugo Pike\nMira Lund was born in Selby.") == {
-        "Ada Brandt": "Calder", "Mira Lund": "Selby"}
-    assert pair_score("Ada Brandt: Calder", ("Ada Brandt\tCalder", "Hugo Pike\tSelby")) == pytest.approx(2 / 3)
-
-
 def test_items_are_scored_by_their_own_rule():
-    listing = Item("codes-0", 0, workloads.LISTING_TASK, [1], 1, 256, ANSWERS)
-    assert workloads.score(listing, "Ada Brandt: 23205") == pytest.approx(2 * 0.25 / 1.25)
+    register = "Ada Brandt, baker, Ely, code 23205.\nHugo Pike, mason, Selby, code 51234."
+    copy = Item("registers-0", 0, workloads.REGISTER_TASK, [1], 1, 256, (register,))
+    # ROUGE-L as the suite scores record_listing: a whole copy 1, half of it less, a wrong line less again
+    half = workloads.score(copy, register.splitlines()[0])
+    assert workloads.score(copy, register) == pytest.approx(1.0) and 0.4 < half < 0.8
+    assert workloads.score(copy, register.replace("51234", "99999").replace("Hugo Pike", "Wim Dorn")) < 1.0
     code = Item("codes-0", 0, "key_retrieval", [1], 1, 16, ("23205",))
     assert workloads.score(code, "The code is 23205.") == 1.0 and workloads.score(code, "12345") == 0.0
     assert workloads.score(Item("prefix-0", 0, "", [1], 1, 16), "anything") is None
