@@ -131,7 +131,7 @@ def retired(steps: list[Step]) -> list[str]:
              for path in sorted((ROOT / "results").glob("**/summary.csv"))]
     return [f"results/{folder}" for folder in found
             if folder not in planned and not any(folder.startswith(f"{p}/") for p in planned)  # a view of a study
-            and not folder.startswith(("proxy_quality", "eviction_cost", "shared_context"))]
+            and not folder.startswith(("proxy_quality", "eviction_cost", "shared_context", "serving"))]
 
 
 VERIFIED = "verified.json"  # in a study's folder: its last replay at a later code version

@@ -323,6 +323,25 @@ def verified_lines(folders: list[str], root: Path) -> list[str]:
     return lines + [""]
 
 
+def serving_sections(root: Path) -> list[str]:
+    """Each serving sweep's verdict (``results/serving/<workload>/summary.md``'s "## Verdict",
+    ``harness.serving.summary.headline``) under its workload's name, with the command that made it."""
+    found = sorted((root / "results" / "serving").glob("*/summary.md"))
+    if not found:
+        return []
+    parts = ["## Serving", "",
+             "`vllm serve` with the eviction scheduler loaded by vLLM's own `benchmark()` (docs/serving_bench.md); "
+             "ratios against full cache with prefix caching in the same trial and rate, 95% t-intervals over trials.", ""]
+    for path in found:
+        text = path.read_text()
+        command = next((line for line in text.splitlines() if line.startswith("Command: ")), "")
+        verdict = section(text, "## Verdict").split("\n", 1)[1]
+        parts += [f"### `{path.parent.name}`", "",
+                  f"From [{path.relative_to(root).as_posix()}]({path.relative_to(root / 'results').as_posix()}). "
+                  + command, "", verdict.strip(), ""]
+    return parts
+
+
 def render(root: Path = ROOT) -> str:
     parts = ["# Results", "",
              f"Written by `{COMMAND}` from the committed summaries: rerun their commands to change it, never edit "
@@ -349,6 +368,7 @@ def render(root: Path = ROOT) -> str:
               "`inconclusive`; unadjusted over a setting's cells.", ""]
     for setting in present_settings(root):
         parts += throughput_section(setting, root)
+    parts += serving_sections(root)
     parts += code_versions(root)
     return "\n".join(parts).rstrip() + "\n"
 

@@ -65,7 +65,9 @@ class CellWork:
 
     @property
     def stops(self) -> list[tuple[str, ...]]:
-        return [tuple(self.specs[s.task].stop) for s in self.samples]
+        """Each prompt's stop strings (``Prompt.stop``, ``harness.tasks.prompts.answer_stops``): its
+        task's, and the end of the line where a base model answers a one-line task."""
+        return [tuple(prompt.stop) for prompt in self.prompts]
 
 
 def prepare_cell(run: RunSettings, tokenizer=None) -> CellWork | None:

@@ -218,3 +218,17 @@ def test_a_count_of_decided_comparisons_over_the_wrong_scope_fails_the_check(tmp
     # documents check, 9 s)
     wrong_better = (scope[0], scope[1], scope[2] - 1)
     assert planted(tmp_path, monkeypatch, sentence.format(*wrong_better))
+
+
+def test_each_serving_sweep_gives_its_verdict_under_its_workloads_name(tmp_path):
+    """RESULTS.md's Serving section is each ``results/serving/<workload>/summary.md``'s verdict, read
+    to the summary's next section, with the command that made it and a link from results/."""
+    folder = tmp_path / "results" / "serving" / "copy"
+    folder.mkdir(parents=True)
+    (folder / "summary.md").write_text("# Serving benchmark: copy\n\nCommand: `python experiments/serving.py`\n\n"
+                                       "intro\n\n## Verdict\n\n* paged context: goodput 1.50x (1.35-1.70)\n\n"
+                                       "## Every rate\n\n| rate |\n")
+    text = "\n".join(report.serving_sections(tmp_path))
+    assert "### `copy`" in text and "[results/serving/copy/summary.md](serving/copy/summary.md)" in text
+    assert "Command: `python experiments/serving.py`" in text and "goodput 1.50x (1.35-1.70)" in text
+    assert "## Every rate" not in text and report.serving_sections(tmp_path / "nothing") == []

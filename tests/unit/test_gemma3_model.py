@@ -117,6 +117,21 @@ def test_stops_follow_the_task_and_the_model(base_tokenizer, chat_tokenizer):
         assert answer_stops(spec, chat_tokenizer) == tuple(spec.stop)
 
 
+def test_a_cell_sends_each_prompts_own_stops(tmp_path, base_tokenizer, chat_tokenizer):
+    """The engine gets ``Prompt.stop`` (``CellWork.stops``), not the task spec's: a base model's
+    one-line answers end at the line's end, a chat model's stops are its tasks' as before."""
+    from harness.run.cell import prepare_cell
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["policy=full", "data.limit=1", f"output_dir={tmp_path}"])
+    run = run_settings(cfg)
+    for tokenizer in (base_tokenizer, chat_tokenizer):
+        work = prepare_cell(run, tokenizer)
+        assert work.stops == [prompt.stop for prompt in work.prompts]
+        assert work.stops == [answer_stops(work.specs[s.task], tokenizer) for s in work.samples]
+    assert ("\n",) in prepare_cell(run, base_tokenizer).stops and ("\n",) not in prepare_cell(run, chat_tokenizer).stops
+
+
 def test_base_model_prompts_are_plain_with_the_context_boundary(base_tokenizer, chat_tokenizer):
     for sample in generate(seed=0, samples_per_task=1):
         spec = task_spec(sample.task)
