@@ -709,6 +709,20 @@ def write_prefill_report(setting: PrefillSetting, table, out: Path, command: str
     return report
 
 
+def with_model(setting: Setting | PrefillSetting, name: str) -> Setting | PrefillSetting:
+    """The setting's workload on the model ``conf/model/<name>.yaml`` names (its path and dtype)."""
+    from omegaconf import OmegaConf
+
+    path = ROOT / "conf" / "model" / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))
+        raise ValueError(f"--model {name}: no conf/model/{name}.yaml (the models: {known})")
+    model = OmegaConf.load(path)
+    if isinstance(setting, PrefillSetting):
+        return replace(setting, contexts=replace(setting.contexts, model=model.path, dtype=model.dtype))
+    return replace(setting, workload=replace(setting.workload, model=model.path, dtype=model.dtype))
+
+
 def with_trials(setting: Setting | PrefillSetting, trials: int) -> Setting | PrefillSetting:
     """The setting with each of its configurations run in ``trials`` trials, interleaved: trial k
     runs every configuration once, in the setting's order in odd trials and reversed in even ones
@@ -733,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-only", action="store_true",
                         help="start no engine: rewrite summary.md, summary.csv and the plot from the cells this "
                              "command measured (every one must be on disk)")
+    parser.add_argument("--model", metavar="NAME", help="a conf/model name to run the setting's workload on instead "
+                        "of its own model (SmolLM2 for the CPU settings); default --out results/throughput/<setting>-<NAME>")
     parser.add_argument("--trials", type=int, metavar="N",
                         help="run every configuration in N interleaved trials (a process each; at least 2 "
                              "for an interval on each ratio), instead of the setting's own trials")
@@ -743,6 +759,11 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.trials <= 10:
             parser.error(f"--trials is the number of trials per configuration, 1 to 10; got {args.trials}")
         setting = with_trials(setting, args.trials)
+    if args.model is not None:
+        try:
+            setting = with_model(setting, args.model)
+        except ValueError as error:
+            parser.error(str(error))
     if (setting.contexts if prefill else setting.workload).device == "cuda" and not args.summary_only:
         import torch
 
@@ -750,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, cpu_tight, attention, overhead, latency, shared_prefix")
     if args.summary_only and args.force:
         parser.error("--summary-only reads the cells on disk; --force would rerun them")
-    out = args.out or ROOT / "results" / "throughput" / setting.name
+    out = args.out or ROOT / "results" / "throughput" / (setting.name if args.model is None else f"{setting.name}-{args.model}")
     if not args.summary_only:
         try:  # a committed setting's cells only from committed code
             refuse_uncommitted(out, code_version())

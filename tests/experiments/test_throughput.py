@@ -274,3 +274,17 @@ def test_drift_is_fitted_apart_from_the_configurations():
     naive = np.mean([values[i + 2] / values[i] for i in (0, 3, 6)])  # same-trial ratio: drift included
     assert naive < 0.945
     assert trend_ratios(values[:4], order[:4], list(range(4)), "one") is None  # no residual degree of freedom
+
+
+def test_a_setting_runs_on_another_model_by_its_conf_name(capsys):
+    """--model swaps the workload's model and dtype for conf/model/<name>.yaml's (Gemma for the
+    cross-model throughput), keeps every cell, and refuses an unknown name in one line."""
+    cpu = experiment.SETTINGS["cpu"]
+    gemma = experiment.with_model(cpu, "gemma3-270m")
+    assert (gemma.workload.model, gemma.workload.dtype) == ("embedded:gemma3-270m", "float32")
+    assert gemma.cells == cpu.cells and replace(gemma.workload, model=cpu.workload.model) == cpu.workload
+    prefill = experiment.with_model(experiment.PREFILL_SETTINGS["reconstruction"], "tiny")
+    assert prefill.contexts.model == "embedded:tiny-llama"
+    with pytest.raises(SystemExit):
+        experiment.main(["cpu", "--model", "nope", "--summary-only"])
+    assert "--model nope: no conf/model/nope.yaml (the models: " in capsys.readouterr().err
