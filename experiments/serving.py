@@ -6,6 +6,7 @@ workloads in ``harness.serving.workloads``; docs/serving_bench.md).
     flock /tmp/engine.lock .venv/bin/python experiments/serving.py --workload shared_context_long
         [--configs "full,paged context"] [--rates 0.05,0.1,0.2,0.4 | --fractions 0.7,1.2,2,4]
         [--trials 3] [--pool-blocks 400] [--goodput "ttft:5000 tpot:250"] [--out results/serving/<workload>]
+    .venv/bin/python experiments/serving.py --summary-only [--out DIR]   # the summaries again from the saved runs
 
 This script only parses its options: the sweep and its files are ``harness.serving.experiment``'s.
 """
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="a conf/model name")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="default: results/serving/<workload>")
+    parser.add_argument("--summary-only", action="store_true", help="start no server: rewrite the summaries and "
+                        "the plot from the sweep's saved runs in --out (default results/serving/<workload>)")
     parser.add_argument("--contexts", type=int, default=None, help="shared contexts (default 8; shared_context_long 6)")
     parser.add_argument("--questions", type=int, default=None, help="shared_context: questions per context (default 6)")
     parser.add_argument("--requests", type=int, default=None, help="shared_context_long: requests per context (default 2)")
@@ -75,7 +78,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be positive")
         workload_options[name] = value
 
-    from harness.serving.experiment import Options, check, run
+    from harness.serving.experiment import Options, check, run, summarize
+
+    if args.summary_only:
+        try:
+            print(summarize(args.out or ROOT / "results" / "serving" / args.workload))
+        except (ValueError, FileNotFoundError) as error:
+            parser.error(str(error))
+        return 0
 
     options = Options(workload=args.workload, configurations=[c.strip() for c in args.configs.split(",") if c.strip()],
                       out=args.out or ROOT / "results" / "serving" / args.workload,

@@ -118,9 +118,9 @@ def write_run(out: Path, name: str, saved: dict, samples: list) -> None:
     (runs / f"{name}.gauges.json").write_text(json.dumps(samples))
 
 
-def run_row(entry: dict, saved: dict, samples: list, bench: Bench) -> tuple[dict, list[dict]]:
-    """A run's figures (one row of ``runs.csv``) and its requests' rows, each scored."""
-    items = bench.workload.items
+def run_row(entry: dict, saved: dict, samples: list, items: list) -> tuple[dict, list[dict]]:
+    """A run's figures (one row of ``runs.csv``) and its requests' rows (``items``, in the order sent),
+    each scored."""
     scores = [score(item, text) for item, text in zip(items, saved["generated_texts"])]
     gauge = gauge_summary(samples)
     row = {**entry, "completed": saved["completed"], "failed": saved["failed"], "duration_s": saved["duration"],
@@ -157,7 +157,7 @@ def sweep(bench: Bench, configurations: list[str], rates: list[float], trials: i
         saved, samples = bench.run(entry["configuration"], entry["rate"],
                                    arrival_seed(seed, entry["trial"], entry["rate"], rates), metadata)
         write_run(out, run_name(entry["trial"], entry["rate"], entry["configuration"]), saved, samples)
-        row, scored = run_row(entry, saved, samples, bench)
+        row, scored = run_row(entry, saved, samples, bench.workload.items)
         rows.append(row)
         requests += scored
         accuracy = "" if row["accuracy"] is None else f", accuracy {row['accuracy']:.1f}"

@@ -115,9 +115,6 @@ def run(options: Options, server=None) -> str:
 
 def measure(options: Options, server, model: dict, path: str, tokenizer, workload, block: int) -> str:
     """Every run of the sweep on ``server``, then the files; returns ``summary.md``'s text."""
-    import pandas as pd
-
-    from harness.serving import summary
     from harness.serving.bench import Bench, parse_goodput, rates_from_capacity, served_alone, sweep
 
     out = Path(options.out)
@@ -130,14 +127,25 @@ def measure(options: Options, server, model: dict, path: str, tokenizer, workloa
         capacity = json.loads((out / "runs" / "capacity.json").read_text())["request_throughput"]
     rows, requests = sweep(bench, options.configurations, rates, options.trials, out, options.seed)
     alone = served_alone(bench, options.configurations, requests, out)
-    table, accuracy = summary.rate_table(rows), summary.accuracy_table(requests)
     from harness.records.provenance import provenance
 
-    settings = {**asdict(options), "out": str(out), "provenance": provenance(), "model": model["name"], "model_path": path, "pool_blocks": pool,
-                "block_size": block, "rates": rates, "capacity": capacity, "ignore_eos": workload.ignore_eos,
-                "goodput": parse_goodput(options.goodput), "description": workload.description,
+    settings = {**asdict(options), "out": str(out), "provenance": provenance(), "model": model["name"],
+                "model_path": path, "pool_blocks": pool, "block_size": block, "rates": rates, "capacity": capacity,
+                "ignore_eos": workload.ignore_eos, "goodput": parse_goodput(options.goodput),
+                "description": workload.description, "workload_options": workload.options,
                 "contexts": len({item.context for item in workload.items}) if workload.scored else None}
     (out / "settings.json").write_text(json.dumps(settings, indent=1, default=str) + "\n")
+    return write_summaries(out, settings, rows, requests, alone)
+
+
+def write_summaries(out: Path, settings: dict, rows: list[dict], requests: list[dict], alone: list[dict]) -> str:
+    """``runs.csv``, ``requests.jsonl``, ``summary.csv``, ``accuracy.csv``, ``summary.md`` and
+    ``pareto.png`` from the runs' rows; returns ``summary.md``'s text."""
+    import pandas as pd
+
+    from harness.serving import summary
+
+    table, accuracy = summary.rate_table(rows), summary.accuracy_table(requests)
     pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     if accuracy:
@@ -147,5 +155,38 @@ def measure(options: Options, server, model: dict, path: str, tokenizer, workloa
             handle.write(json.dumps(row) + "\n")
     text = summary.markdown(table, accuracy, settings, alone)
     (out / "summary.md").write_text(text)
-    summary.plot(table, out / "pareto.png", options.workload)
+    summary.plot(table, out / "pareto.png", settings["workload"])
     return text
+
+
+def summarize(out: Path) -> str:
+    """The summaries again from a sweep's saved runs (``runs/*.json`` as vLLM's benchmark saved them,
+    their gauges, ``alone.json``, ``settings.json``), with no server: the workload rebuilt from the
+    settings to score each request's saved text. Returns ``summary.md``'s text."""
+    from transformers import AutoTokenizer
+
+    from harness.serving.bench import plan, run_name, run_row
+    from harness.serving.workloads import build
+
+    out = Path(out)
+    if not (out / "settings.json").is_file():
+        raise ValueError(f"{out}: no settings.json (not a serving sweep's folder)")
+    from harness.config.models import resolve_model_path
+
+    settings = json.loads((out / "settings.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_settings(settings["model"])["path"]))
+    options = dict(settings["workload_options"])
+    if settings["workload"] != "prefix_repetition":
+        options.setdefault("max_prompt_tokens", model_settings(settings["model"])["max_prompt_tokens"])
+    items = build(settings["workload"], tokenizer, **{"seed": settings["seed"], **options}).items
+    rows, requests = [], []
+    for entry in plan(settings["configurations"], settings["rates"], settings["trials"]):
+        name = out / "runs" / run_name(entry["trial"], entry["rate"], entry["configuration"])
+        saved = json.loads(Path(f"{name}.json").read_text())
+        if saved["input_lens"] != [len(item.prompt) for item in items]:
+            raise ValueError(f"{name}.json: its prompts are not the workload rebuilt from settings.json")
+        row, scored = run_row(entry, saved, json.loads(Path(f"{name}.gauges.json").read_text()), items)
+        rows.append(row)
+        requests += scored
+    alone = json.loads((out / "alone.json").read_text()) if (out / "alone.json").is_file() else []
+    return write_summaries(out, settings, rows, requests, alone)

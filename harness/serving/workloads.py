@@ -179,6 +179,7 @@ class Workload:
     items: list[Item]
     ignore_eos: bool    # every request generates max_tokens (the synthetic), or stops where the model ends
     description: str
+    options: dict = field(default_factory=dict, compare=False)  # every argument it was built with (``build``)
 
     @property
     def scored(self) -> bool:
@@ -279,7 +280,14 @@ def build(name: str, tokenizer, **options) -> Workload:
               "prefix_repetition": prefix_repetition_workload}
     if name not in makers:
         raise ValueError(f"unknown workload {name!r}; the workloads are: {', '.join(WORKLOADS)}")
-    return makers[name](tokenizer, **options)
+    import inspect
+    from dataclasses import replace
+
+    # Its defaults too, recorded (settings.json): a later change of a default must not change what
+    # the summaries rebuild from a committed sweep.
+    parameters = inspect.signature(makers[name]).parameters
+    effective = {key: p.default for key, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    return replace(makers[name](tokenizer, **options), options={**effective, **options})
 
 
 # --------------------------------------------------------------------------------------- configurations

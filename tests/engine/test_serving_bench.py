@@ -59,6 +59,10 @@ def test_the_sweep_drives_vllms_benchmark_with_per_request_eviction(server, tmp_
     saved = json.loads((tmp_path / "runs" / "alone-paged_context.json").read_text())
     assert saved["max_concurrency"] == 1 and saved["completed"] == 4
     assert "## Served under load against sent alone" in text and "* paged context: " in text
+    # the summaries again from the saved runs alone, with no server: the same text
+    from harness.serving.experiment import summarize
+
+    assert summarize(tmp_path) == text
 
 
 def test_a_setting_the_server_refuses_fails_the_request(server):
