@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
 import numpy as np
@@ -348,6 +348,11 @@ FLIPS = 10_000  # random sign patterns a Monte Carlo p-value starts from
 MAX_FLIPS = 10_000_000  # ... and may be refined to (settled_p_values)
 WIDTH = 4  # Monte Carlo standard errors either side of a p-value within which its marks must hold
 _FLIP_ROWS = 1 << 14  # random sign patterns evaluated at once (bounds memory: rows x units floats)
+# |Z*| from which a test keeps its first MAX_RESAMPLES draws for its interval (``_Stratified.tail_critical``):
+# P(|Z*| >= 1.5) is about 13% for a standard normal Z*, while a critical value at the 5% level
+# needs the top 5% of the draws, so the tail holds every draw a critical value is read from (and
+# a fifth of the memory of all the draws); where it does not, the interval draws them all again.
+TAIL_FROM = 1.5
 
 
 @dataclass(frozen=True)
@@ -361,6 +366,9 @@ class PValue:
     se: float = 0.0
     settled: bool = True
     critical: float | None = None  # exact tests: the critical |Z| at the 5% level, so the interval needs no recount
+    # Random tests: the test itself, whose kept tail of draws (``_Stratified.tail_critical``) gives the
+    # interval its critical values without drawing the same patterns again (not part of the value).
+    test: "_Stratified | None" = field(default=None, compare=False, repr=False)
 
     @property
     def exact(self) -> bool:
@@ -461,9 +469,14 @@ class _Stratified:
     checked for coverage by simulation (tests/unit/test_stats.py)."""
 
     def __init__(self, per_task: dict[str, np.ndarray], clusters: dict[str, np.ndarray] | None = None,
-                 keep: bool = True, count: bool = True):
+                 keep: bool = True, count: bool = True, tail: bool = False):
         values, weights, strata = _strata_units(per_task, clusters)
         self.keep = keep  # keep the draws of |Z*| (an interval's critical value needs them; a p-value does not)
+        # ``tail``: keep, of the first MAX_RESAMPLES draws, those of at least TAIL_FROM and their
+        # positions (what ``inverted_interval`` reads its critical values from: ``tail_critical``).
+        self.tail_until = MAX_RESAMPLES if tail else 0
+        self.tail_values: list[np.ndarray] = []
+        self.tail_positions: list[np.ndarray] = []
         self.units = len(values)
         self.estimate = float(values.sum())
         self.flips = self.extreme = 0
@@ -499,18 +512,6 @@ class _Stratified:
         self.threshold = self.observed * (1 - 1e-9)  # ties up to rounding count as extreme
         self.matrix = np.zeros((self.units, len(count)))
         self.matrix[np.arange(self.units), index] = self.residuals  # unit -> its stratum's column
-        # Random patterns as bytes: each stratum's units in groups of 8 (the last padded with zeros,
-        # whose signs change nothing), a 256-entry table per group holding each byte's signed sum
-        # of its 8 residuals, so a pattern's per-stratum sums are one table look-up per group.
-        signs = 2 * ((np.arange(256)[:, None] >> np.arange(8)) & 1) - 1  # byte value -> its 8 signs
-        tables, owners = [], []
-        for stratum in range(len(count)):
-            mine = self.residuals[index == stratum]
-            padded = np.zeros(8 * -(-len(mine) // 8))
-            padded[:len(mine)] = mine
-            tables.append(padded.reshape(-1, 8) @ signs.T)
-            owners += [stratum] * (len(padded) // 8)
-        self.tables, self.owners = np.concatenate(tables), np.asarray(owners)
         if self.units <= EXACT_UP_TO:
             self.multiplicity = 2
             z = self._enumerated()
@@ -520,11 +521,40 @@ class _Stratified:
             self.exact_critical = self.critical(1 - LEVEL)  # carried by the p-value to its interval
             if not keep:
                 self.draws = []
-        else:
-            self.words = -(-len(self.owners) // 8)  # 64-bit words per pattern: a byte per group
-            # Seeded by the values (the data and its negation alike: B minus A draws A minus B's patterns)
-            # and, apart, by the weights (always positive).
-            self.bits = np.random.PCG64(data_seed("stratified sign flips", [values]) ^ data_seed("weights", [weights]))
+            return
+        # Random patterns as bytes: each stratum's units in groups of 8 (the last padded with zeros,
+        # whose signs change nothing), a 256-entry table per group holding each byte's signed sum
+        # of its 8 residuals, so a pattern's per-stratum sums are one table look-up per group.
+        signs = 2 * ((np.arange(256)[:, None] >> np.arange(8)) & 1) - 1  # byte value -> its 8 signs
+        tables, self.first_group, self.groups = [], [], []  # per stratum: its first group, its groups
+        for stratum in range(len(count)):
+            mine = self.residuals[index == stratum]
+            padded = np.zeros(8 * -(-len(mine) // 8))
+            padded[:len(mine)] = mine
+            self.first_group.append(len(tables))
+            self.groups.append(len(padded) // 8)
+            tables.extend(padded.reshape(-1, 8) @ signs.T)
+        self.tables = np.asarray(tables)
+        self.words = -(-len(self.tables) // 8)  # 64-bit words per pattern: a byte per group
+        # Seeded by the values (the data and its negation alike: B minus A draws A minus B's patterns)
+        # and, apart, by the weights (always positive).
+        self.seed = data_seed("stratified sign flips", [values]) ^ data_seed("weights", [weights])
+        self.bits = np.random.PCG64(self.seed)
+
+    def _pair_tables(self) -> list[np.ndarray | None]:
+        """Per stratum of at least two groups, its first two groups looked up at once: a 65,536-entry
+        table (512 KB) indexed by their two bytes read as one little-endian 16-bit number, holding
+        (0 + first) + second, the very additions (in their order) the per-group look-ups make, so
+        the sums are unchanged. Built by each ``draw`` that draws enough patterns to repay it, and
+        not kept (a family of hundreds of tests would hold hundreds of them)."""
+        return [((0.0 + self.tables[g])[None, :] + self.tables[g + 1][:, None]).ravel() if size >= 2 else None
+                for g, size in zip(self.first_group, self.groups)]
+
+    def same_patterns(self, other: "_Stratified") -> bool:
+        """Whether ``other`` flips the same units with the same generator (the same test)."""
+        seed = getattr(self, "seed", None)  # random tests only
+        return (seed is not None and getattr(other, "seed", None) == seed
+                and np.array_equal(other.residuals, self.residuals) and np.array_equal(other.strata, self.strata))
 
     def _statistics(self, patterns: np.ndarray) -> np.ndarray:
         """|Z*| of each sign pattern (rows of +-1 over the units)."""
@@ -534,9 +564,11 @@ class _Stratified:
 
     @staticmethod
     def _z(total: np.ndarray, variance: np.ndarray) -> np.ndarray:
-        total = np.abs(total)
+        """|total| / sqrt(variance), 0 where |total| is 0 up to rounding. Overwrites both arguments
+        (the callers' temporaries: no new arrays of a million patterns each)."""
+        total = np.abs(total, out=total)
         with np.errstate(divide="ignore", invalid="ignore"):
-            z = total / np.sqrt(np.maximum(variance, 0.0))
+            z = np.divide(total, np.sqrt(np.maximum(variance, 0.0, out=variance), out=variance), out=variance)
         z[total <= 1e-15] = 0.0  # 0/0: a pattern whose flipped units cancel says nothing
         return z
 
@@ -548,18 +580,36 @@ class _Stratified:
         total, variance = np.zeros(1), np.zeros(1)
         first = True  # a pattern and its negation give the same |Z*|: the first unit's sign is fixed at +
         for stratum in range(len(self.count)):
-            sums = np.zeros(1)
-            for r in self.residuals[self.strata == stratum]:
-                sums = sums + r if first else np.concatenate([sums + r, sums - r])
-                first = False
-            part = self.factor[stratum] * (self.q[stratum] - sums ** 2 / self.count[stratum])
-            total = (total[:, None] + sums[None, :]).ravel()
-            variance = (variance[:, None] + part[None, :]).ravel()
+            mine = self.residuals[self.strata == stratum]
+            # The signed sums, doubled in place: [s + r, s - r] of the sums s so far, per residual r.
+            sums = np.zeros(2 ** (len(mine) - 1 if first else len(mine)))
+            size = 1
+            for r in mine:
+                if first:
+                    sums[0] += r
+                    first = False
+                    continue
+                np.subtract(sums[:size], r, out=sums[size:2 * size])
+                np.add(sums[:size], r, out=sums[:size])
+                size *= 2
+            part = np.square(sums)
+            np.divide(part, self.count[stratum], out=part)
+            np.subtract(self.q[stratum], part, out=part)
+            np.multiply(self.factor[stratum], part, out=part)
+            if len(total) == 1:  # the outer sum with the single 0 so far: 0 + each value, the same additions
+                total, variance = np.add(total[0], sums, out=sums), np.add(variance[0], part, out=part)
+            else:
+                total = (total[:, None] + sums[None, :]).ravel()
+                variance = (variance[:, None] + part[None, :]).ravel()
         return self._z(total, variance)
 
     def _add(self, z: np.ndarray) -> None:
         if self.keep:
             self.draws.append(z)
+        if self.flips < self.tail_until:
+            kept = np.flatnonzero(z[:self.tail_until - self.flips] >= TAIL_FROM)
+            self.tail_values.append(z[kept])
+            self.tail_positions.append((kept + self.flips).astype(np.int32))  # < MAX_RESAMPLES
         self.extreme += self.multiplicity * int(np.count_nonzero(z >= self.threshold))
         self.flips += len(z)
 
@@ -569,42 +619,100 @@ class _Stratified:
         patterns are the same however the drawing was split."""
         if self.exact_p is not None:
             return
+        strata = len(self.count)
+        # Pair tables (``_pair_tables``) save a look-up per stratum and block: worth building from
+        # about six blocks on.
+        pairs = self._pair_tables() if flips - self.flips >= 8 * _FLIP_ROWS else [None] * strata
         while self.flips < flips:
             rows = min(_FLIP_ROWS, flips - self.flips)
             patterns = self.bits.random_raw(rows * self.words).reshape(rows, self.words).view(np.uint8)
             # Per stratum, its groups' look-ups added in group order into one contiguous column
-            # (the same sums, in the same order, as adding into a strided column, at a third the cost).
+            # (np.take: twice as fast as indexing with the strided byte column).
             columns = []
-            for stratum in range(len(self.count)):
-                column = np.zeros(rows)
-                for group in np.flatnonzero(self.owners == stratum):
-                    column += self.tables[group][patterns[:, group]]
+            for stratum in range(strata):
+                first, size = self.first_group[stratum], self.groups[stratum]
+                if pairs[stratum] is not None:  # the first two bytes as one 16-bit index into their pair table
+                    pair = np.ndarray((rows,), dtype="<u2", buffer=patterns, offset=first,
+                                      strides=(patterns.strides[0],))
+                    column = np.take(pairs[stratum], pair)
+                    start = first + 2
+                else:
+                    column = np.zeros(rows)
+                    start = first
+                for group in range(start, first + size):
+                    column += np.take(self.tables[group], patterns[:, group])
                 columns.append(column)
-            sums = np.stack(columns, axis=1)
-            variance = np.sum(self.factor * (self.q - sums ** 2 / self.count), axis=1)
-            self._add(self._z(sums.sum(axis=1), variance))
+            # Each stratum's term of the variance, factor x (q - sums^2 / m), then both sums over the
+            # strata. np.sum over the short last axis of a (rows x strata) array adds left to right
+            # when there are fewer than 8 strata (numpy's pairwise sum unrolls from 8 on, in another
+            # order; tests/unit/test_stats.py checks the order): added column by column here in that
+            # order, the same numbers at a fraction of the cost.
+            if strata < 8:
+                variance = None
+                for s, column in enumerate(columns):  # in place: the same operations, no temporaries
+                    term = np.square(column)
+                    term /= self.count[s]
+                    np.subtract(self.q[s], term, out=term)
+                    term *= self.factor[s]
+                    if variance is None:
+                        variance = term
+                    else:
+                        variance += term
+                total = columns[0]
+                for column in columns[1:]:
+                    total += column
+            else:
+                sums = np.stack(columns, axis=1)
+                variance = np.sum(self.factor * (self.q - sums ** 2 / self.count), axis=1)
+                total = sums.sum(axis=1)
+            self._add(self._z(total, variance))
 
     def result(self) -> PValue:
         if self.exact_p is not None:
             return PValue(self.exact_p, critical=self.exact_critical)
         p = (1 + self.extreme) / (1 + self.flips)
-        return PValue(p, self.flips, float(np.sqrt(p * (1 - p) / self.flips)))
+        return PValue(p, self.flips, float(np.sqrt(p * (1 - p) / self.flips)), test=self if self.tail_until else None)
+
+    def _needed(self, alpha: float, draws: int) -> int:
+        """How many of ``draws`` draws must reach |Z| for it to be accepted at ``alpha`` (``critical``)."""
+        # patterns at least as large, for acceptance, then the draws that stand for them
+        needed = math.ceil(alpha * (1 + self.multiplicity * draws) - 1e-12) - 1
+        return -(-needed // self.multiplicity) if needed > 0 else needed
 
     def critical(self, alpha: float, draws: np.ndarray | None = None) -> float:
         """The largest |Z| the test accepts at ``alpha`` over ``draws`` (default: all): accepted
         when (1 + #{|Z*| >= |Z|}) / (1 + N) >= alpha, i.e. when at least ceil(alpha (1 + N)) - 1
         draws reach |Z|; the critical value is that order statistic of the draws (infinite when the
         design has too few patterns for any |Z| to be rejected)."""
-        z = np.concatenate(self.draws) if draws is None else draws
-        # patterns at least as large, for acceptance, then the draws that stand for them
-        needed = math.ceil(alpha * (1 + self.multiplicity * len(z)) - 1e-12) - 1
-        needed = -(-needed // self.multiplicity) if needed > 0 else needed
+        z = (self.draws[0] if len(self.draws) == 1 else np.concatenate(self.draws)) if draws is None else draws
+        needed = self._needed(alpha, len(z))
         if needed <= 0:
             return math.inf
         if needed > len(z):
             return 0.0  # (cannot happen at alpha < 1) no |Z| is accepted
         # The needed-th largest draw (a partial sort: linear, not a sort of every draw).
         return float(np.partition(z, len(z) - needed)[len(z) - needed]) / (1 - 1e-9)  # ``threshold``'s tolerance
+
+    def tail_critical(self, alpha: float, start: int, stop: int) -> float | None:
+        """``critical(alpha, draws[start:stop])`` of the draws so far, read from the tail alone (it
+        holds every draw of at least TAIL_FROM among the first MAX_RESAMPLES): the same order
+        statistic, so the same number, whenever at least the needed count of those draws is in the
+        tail; None when it is not (or the range reaches past the tail)."""
+        if stop > min(self.flips, self.tail_until):
+            return None
+        needed = self._needed(alpha, stop - start)
+        if needed <= 0:
+            return math.inf
+        if needed > stop - start:
+            return 0.0
+        if len(self.tail_values) > 1:  # once, then kept as one array
+            self.tail_values = [np.concatenate(self.tail_values)]
+            self.tail_positions = [np.concatenate(self.tail_positions)]
+        values, positions = self.tail_values[0], self.tail_positions[0]
+        z = values[np.searchsorted(positions, start):np.searchsorted(positions, stop)]
+        if len(z) < needed:
+            return None
+        return float(np.partition(z, len(z) - needed)[len(z) - needed]) / (1 - 1e-9)  # ``critical``'s
 
 
 def sign_flip_test(per_task: dict[str, np.ndarray], flips: int = FLIPS,
@@ -614,7 +722,7 @@ def sign_flip_test(per_task: dict[str, np.ndarray], flips: int = FLIPS,
     (every pattern) for at most ``EXACT_UP_TO`` units, else from ``flips`` random patterns with
     the p-value's Monte Carlo standard error. All-zero differences give p = 1. With ``clusters``
     whole clusters are flipped together (a unit is a cluster)."""
-    test = _Stratified(per_task, clusters)
+    test = _Stratified(per_task, clusters, keep=False, tail=True)
     test.draw(flips)
     return test.result()
 
@@ -686,7 +794,7 @@ def settled_p_values(comparisons: list[dict[str, np.ndarray]], alpha: float = 1 
     if not comparisons:
         return []
     clusters = clusters or [None] * len(comparisons)
-    tests = [_Stratified(per_task, labels, keep=False) for per_task, labels in zip(comparisons, clusters)]
+    tests = [_Stratified(per_task, labels, keep=False, tail=True) for per_task, labels in zip(comparisons, clusters)]
     for index, test in enumerate(tests):
         test.draw(max(FLIPS, start[index] if start else 0))
     while True:
@@ -711,6 +819,25 @@ def _round_bound(bound: float, digits: int) -> float:
     if bound != 0 and (rounded == 0 or (rounded > 0) != (bound > 0)):
         return math.copysign(10.0 ** -digits, bound)
     return rounded
+
+
+def _critical_values(test: _Stratified, source: _Stratified | None, alpha: float, flips: int
+                     ) -> tuple[float, list[float]]:
+    """The critical value at ``alpha`` of the first ``flips`` draws and of the ``SECTIONS`` parts
+    np.array_split cuts them into (the first flips % SECTIONS parts one draw longer): from
+    ``source``'s tail (``_Stratified.tail_critical``, drawing it on to ``flips``) where it holds
+    them all, else from ``test``'s own draws (kept, drawn to ``flips``)."""
+    if source is not None:
+        source.draw(flips)
+        size, extra = divmod(flips, SECTIONS)
+        edges = np.cumsum([0] + [size + 1] * extra + [size] * (SECTIONS - extra)).tolist()
+        values = [source.tail_critical(alpha, 0, flips)] + [source.tail_critical(alpha, start, stop)
+                                                             for start, stop in zip(edges[:-1], edges[1:])]
+        if all(value is not None for value in values):
+            return values[0], values[1:]
+    test.draw(flips)
+    draws = np.concatenate(test.draws)
+    return test.critical(alpha, draws), [test.critical(alpha, part) for part in np.array_split(draws, SECTIONS)]
 
 
 def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: float = SCALE, digits: int = 2,
@@ -741,17 +868,18 @@ def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: floa
         critical = p.critical
     elif test.exact_p is None:
         target = mc_target(scale) / scale if target is None else target / scale
-        test.draw(max(flips, min(p.flips, max_flips)))
+        # The p-value's own test, where it came with one (``settled_p_values``, ``sign_flip_test``):
+        # its tail holds the draws the critical values are read from, so they are not drawn again.
+        source = p.test if p.test is not None and max_flips <= p.test.tail_until and p.test.same_patterns(test) else None
+        used = max(flips, min(p.flips, max_flips))
         while True:
-            draws = np.concatenate(test.draws)
-            critical = test.critical(alpha, draws)
-            parts = [test.critical(alpha, part) for part in np.array_split(draws, SECTIONS)]
+            critical, parts = _critical_values(test, source, alpha, used)
             finite = [c for c in parts if math.isfinite(c)]
             error = float(np.std(finite, ddof=1) / np.sqrt(SECTIONS) * se) if len(finite) > 1 else 0.0
-            if error < target or test.flips >= max_flips:
+            if error < target or used >= max_flips:
                 break
-            test.draw(min(max_flips, 2 * test.flips))
-        error, used = error * scale, test.flips
+            used = min(max_flips, 2 * used)
+        error = error * scale
     else:
         critical = test.critical(alpha)
     half = critical * se

@@ -167,3 +167,63 @@ def test_a_clustered_cell_interval_counts_clusters_not_samples():
     assert clustered.samples == 40 and clustered.resamples == 0  # 8 clusters: exact
     independent = cell_interval({"t": values})
     assert clustered.high - clustered.low > independent.high - independent.low
+
+
+# ---------------------------------------------------------------- the sign-flip test's fast paths give the same numbers
+def test_numpy_sums_fewer_than_8_strata_left_to_right():
+    """``_Stratified.draw`` adds its strata's columns one after another, left to right, instead of
+    np.sum over the last axis of a (patterns x strata) array: the same numbers, bit for bit, at a
+    fraction of the cost, because that is numpy's order for fewer than 8 (its pairwise sum unrolls
+    from 8 on, and draw keeps np.sum there). A numpy that sums otherwise fails here."""
+    rng = np.random.default_rng(3)
+    for strata in range(1, 8):
+        for rows in (1, 3, 1000, 1 << 14):
+            a = rng.standard_normal((rows, strata)) * 10.0 ** rng.integers(-8, 8, (rows, strata))
+            by_columns = a[:, 0]
+            for s in range(1, strata):
+                by_columns = by_columns + a[:, s]
+            assert np.sum(a, axis=1).tobytes() == by_columns.tobytes(), (strata, rows)
+
+
+@pytest.mark.parametrize("tasks", [1, 4, 9])
+def test_pair_tables_draw_the_very_numbers_the_single_look_ups_do(tasks):
+    """A draw of at least eight blocks looks a stratum's first two byte groups up in one 65,536-entry
+    table; shorter draws look each group up alone. Both give every |Z*| bit for bit (9 tasks: the
+    np.sum path)."""
+    from harness.analysis.stats import _FLIP_ROWS, _Stratified
+
+    rng = np.random.default_rng(tasks)
+    per_task = {f"t{t}": rng.normal(0.2, 1, 21 + t) for t in range(tasks)}
+    at_once, in_steps = _Stratified(per_task), _Stratified(per_task)
+    at_once.draw(9 * _FLIP_ROWS)
+    while in_steps.flips < 9 * _FLIP_ROWS:
+        in_steps.draw(in_steps.flips + _FLIP_ROWS)  # one block a call: no pair tables
+    assert np.concatenate(at_once.draws).tobytes() == np.concatenate(in_steps.draws).tobytes()
+    assert at_once.result() == in_steps.result()
+
+
+def test_the_interval_read_from_its_p_values_tail_is_the_interval_drawn_again(monkeypatch):
+    """``inverted_interval`` reads its critical values from the tail of the p-value's own draws
+    (``PValue.test``) instead of drawing the same patterns again: the same interval as drawing
+    them again, also where the tail holds too few draws (it then draws them again) and where the
+    p-value belongs to other data (its test is not used)."""
+    from dataclasses import replace
+
+    from harness.analysis import stats
+    from harness.analysis.stats import inverted_interval, settled_p_values
+
+    rng = np.random.default_rng(5)
+    per_task = {"a": rng.normal(0.3, 1, 30), "b": rng.normal(0.1, 1, 26)}
+    other = {"a": rng.normal(0.0, 1, 30), "b": rng.normal(0.2, 1, 26)}
+    p = sign_flip_test(per_task)
+    assert p.test is not None and p.test.tail_critical(0.05, 0, p.flips) is not None, "the tail holds the critical value"
+    again = inverted_interval(per_task, replace(p, test=None))
+    assert again.resamples >= FLIPS
+    assert inverted_interval(per_task, p) == again
+    family = settled_p_values([per_task, other])
+    assert inverted_interval(per_task, family[0]) == again
+    assert inverted_interval(other, p) == inverted_interval(other, replace(p, test=None))  # p of other data
+    monkeypatch.setattr(stats, "TAIL_FROM", 50.0)  # a tail holding no draw
+    short = sign_flip_test(per_task)
+    assert short.test.tail_critical(0.05, 0, short.flips) is None
+    assert inverted_interval(per_task, short) == again
