@@ -43,7 +43,7 @@ ROOMS: dict[str, set[str]] = {
                       "harness.analysis"},
     "harness.run": {"harness.eviction", "harness.tasks", "harness.records", "harness.scoring", "harness.config",
                     "harness.engine", "harness.analysis"},
-    "harness.serving": {"policies", "harness.tasks", "harness.config", "harness.engine", "harness.analysis"},
+    "harness.serving": {"policies", "harness.tasks", "harness.records", "harness.config", "harness.engine", "harness.analysis"},
     "entry points": {"policies", "harness.eviction", "harness.tasks", "harness.records", "harness.scoring",
                      "harness.config", "harness.engine", "harness.analysis", "harness.bench", "harness.run",
                      "harness.serving"},
