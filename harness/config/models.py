@@ -11,7 +11,10 @@
   by ``./setup.sh`` unless asked (``./setup.sh gemma3-270m``);
 * ``tiny-llama``: a 4-layer Llama with SmolLM2's tokenizer (read from its GGUF, so it needs no
   converted SmolLM2), randomly initialised from a fixed seed, for tests that need a real engine but
-  not a real language model.
+  not a real language model;
+* ``tiny-gemma3``: the same for hybrid attention, a 6-layer Gemma 3 whose layers 2 and 5 attend to
+  everything and the other four to a 32-token sliding window (vLLM gives it two sliding-window KV
+  cache groups and one full-attention group), so short prompts already leave the window.
 
 Anything else is a hub id or a local directory, passed to vLLM untouched (a missing local path
 is an error here, before any engine starts). ``python -m harness.config.models [name ...]``
@@ -31,10 +34,11 @@ EMBEDDED_PREFIX = "embedded:"
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-llama"
 GEMMA3 = "gemma3-270m"
-EMBEDDED = (SMOLLM2, TINY, GEMMA3)
-# What ./setup.sh prepares: the default model and the test model. Gemma 3 waits for its first use,
+TINY_HYBRID = "tiny-gemma3"
+EMBEDDED = (SMOLLM2, TINY, GEMMA3, TINY_HYBRID)
+# What ./setup.sh prepares: the default model and the test models. Gemma 3 waits for its first use,
 # so a machine (or CI) that never runs it does not pay its conversion (docs/models.md).
-SETUP = (SMOLLM2, TINY)
+SETUP = (SMOLLM2, TINY, TINY_HYBRID)
 TINY_SEED = 1234
 # A complete checkpoint has all of these; their absence means "not prepared (or interrupted)".
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -254,7 +258,54 @@ def prepare_tiny() -> Path:
     return target
 
 
-PREPARE = {SMOLLM2: prepare_smollm2, TINY: prepare_tiny, GEMMA3: prepare_gemma3}
+TINY_HYBRID_WINDOW = 32
+TINY_HYBRID_LAYERS = ("sliding_attention", "sliding_attention", "full_attention") * 2
+
+
+def prepare_tiny_hybrid() -> Path:
+    """A tiny Gemma 3 (``Gemma3ForCausalLM``, registered in vLLM): random weights from a fixed seed,
+    SmolLM2's tokenizer, sliding windows of ``TINY_HYBRID_WINDOW`` tokens on four of its six layers."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    target = cache_dir() / "models" / TINY_HYBRID
+    if is_complete(target):
+        return target
+    gguf = _gguf_file()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=len(TINY_HYBRID_LAYERS),
+        layer_types=list(TINY_HYBRID_LAYERS),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=TINY_HYBRID_WINDOW,
+        max_position_embeddings=8192,
+        # Untied: Gemma scales its embeddings by sqrt(hidden), so a tied output layer would mostly
+        # predict the input token again, whatever the context (and eviction) held.
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # decisive logits, as the tiny Llama's
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        dtype="float32",
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(TINY_SEED)
+    model = Gemma3ForCausalLM(config).eval()
+    build = target.with_name(target.name + ".partial")
+    shutil.rmtree(build, ignore_errors=True)
+    model.save_pretrained(build, safe_serialization=True)
+    tokenizer.save_pretrained(build)
+    _publish(build, target)
+    return target
+
+
+PREPARE = {SMOLLM2: prepare_smollm2, TINY: prepare_tiny, GEMMA3: prepare_gemma3, TINY_HYBRID: prepare_tiny_hybrid}
 
 
 def main(argv: list[str]) -> int:

@@ -31,6 +31,7 @@ from dataclasses import replace
 from harness.engine import patches
 from harness.engine.compatibility import REFUSED, check_compatible, layer_groups_of, prefix_cache_refusal
 from harness.eviction.settings import CONFIG_KEY, admit, request_settings, settings_from
+from harness.engine.layer_groups import hybrid_refusal, sliding_window_layers
 
 
 def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = None) -> dict | None:
@@ -70,6 +71,11 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None, reconst
             layers = vllm_config.model_config.hf_text_config.num_hidden_layers if groups > 1 else 1
             admit(settings, block_size, layers, groups, enforce_eager=vllm_config.model_config.enforce_eager,
                   async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
+            # what a model with sliding-window layers cannot run yet (harness.engine.layer_groups)
+            if sliding_window_layers(vllm_config.model_config):
+                refusal = hybrid_refusal(settings, block_size)
+                if refusal is not None:
+                    raise ValueError(refusal)
             refusal = prefix_cache_refusal(settings, prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                                            connector=vllm_config.kv_transfer_config is not None,
                                            skips_prefix_cache=bool(getattr(params, "skip_reading_prefix_cache", False)))

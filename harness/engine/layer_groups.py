@@ -23,10 +23,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-from harness.eviction.settings import check_layer_groups
+from harness.eviction.admission import admit
+from harness.eviction.settings import EvictionSettings, check_layer_groups
 from harness.engine.compatibility import layer_groups_of
+from policies import Policy
+from policies.full import FullCache
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,3 +103,91 @@ def wrap_get_kv_cache_spec(original):
         return tag_specs(specs, groups)
 
     return get_kv_cache_spec
+
+
+# --- hybrid models: sliding-window layers beside full-attention ones (Gemma 3, issue 66) -------------
+#
+# vLLM's hybrid KV cache manager gives such a model several KV cache groups of equal layer counts
+# (``get_kv_cache_groups``, vllm/v1/core/kv_cache_utils.py:2159), some of ``SlidingWindowSpec`` layers,
+# some of ``FullAttentionSpec`` ones, each with its own manager (``HybridKVCacheCoordinator``,
+# vllm/v1/core/kv_cache_coordinator.py:1024-1038). A sliding-window group's ``SlidingWindowManager``
+# frees the blocks that left the window by logical position (``remove_skipped_blocks``,
+# vllm/v1/core/single_type_kv_cache_manager.py:672-711, 1135-1150: a query at position p reads p-W+1..p)
+# and puts the null block in their place. Eviction leaves those groups to it: their block lists,
+# slots and lengths stay logical (evicted count 0, never reshaped), and a policy acts on the
+# full-attention groups' layers only, with the budget counted there.
+
+def evicting(spec) -> bool:
+    """Whether a KV cache group of this spec is one eviction acts on: full attention, no window."""
+    return isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None
+
+
+def hybrid_reason(vllm_config, specs) -> str | None:
+    """Why eviction cannot run on an engine whose KV cache groups have ``specs`` (None: it can): every
+    group full attention, or sliding-window groups (left to vLLM) beside at least one full one."""
+    if sliding_window_layers(vllm_config.model_config) and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        # vLLM then promotes the sliding-window layers to full attention, in the global layers' groups
+        # (unify_hybrid_kv_cache_specs, vllm/v1/core/kv_cache_utils.py:1799-1822): eviction would evict them too
+        return ("KV eviction needs a model's sliding-window layers in KV cache groups of their own; vLLM's hybrid "
+                "KV cache manager is off (disable_hybrid_kv_cache_manager, or a KV connector without hybrid support)")
+    kinds = [type(spec).__name__ for spec in specs]
+    if not any(evicting(spec) for spec in specs):
+        return f"KV eviction needs full-attention layers to act on; this model's KV cache groups are {kinds}"
+    if any(not evicting(spec) and type(spec) is not SlidingWindowSpec for spec in specs):
+        return ("KV eviction supports full-attention layers, beside sliding-window layers it leaves to vLLM; "
+                f"this model's KV cache groups are {kinds}")
+    return None
+
+
+def sliding_window_layers(model_config) -> list[int]:
+    """A model's sliding-window layers, as its config declares them (``layer_types``: transformers'
+    Gemma 3, gpt-oss and others); what a process without the KV cache groups (the frontend, a run's
+    config check) can ask before any model loads."""
+    kinds = getattr(model_config.hf_text_config, "layer_types", None) or ()
+    return [index for index, kind in enumerate(kinds) if kind == "sliding_attention"]
+
+
+def hybrid_refusal(settings: EvictionSettings, block_size: int) -> str | None:
+    """What eviction does not do yet on a hybrid model, in one line (None: these settings run)."""
+    from harness.eviction.admission import build_policy
+
+    if settings.budget_schedule != "uniform":
+        return (f"budget_schedule={settings.budget_schedule} on a model with sliding-window layers is not built: "
+                "its global layers evict as one group (budget_schedule=uniform)")
+    if build_policy(settings, block_size).reconstructs:
+        return (f"policy={settings.policy}'s reconstruction passes on a model with sliding-window layers are not "
+                "built (they would run the local layers over the whole context)")
+    if settings.chain or (settings.compress == "context" and settings.share_context):
+        return ("sharing a compressed context (share_context=true, chain=true) on a model with sliding-window "
+                "layers is not built: the entry would have to hold each sliding-window group's window too")
+    return None
+
+
+def policies_by_group(settings: EvictionSettings, block_size: int, groups: list[tuple[object, int]], *,
+                      enforce_eager: bool, async_scheduling: bool) -> tuple[Policy, ...]:
+    """The policy each KV cache group runs for ``settings``; ``groups``: each group's (spec, layer count)
+    in the engine's group order. Without sliding-window groups: ``admit``'s answer over all of them
+    (unchanged). With them: the full-attention groups share ``admit``'s answer for their own layers
+    (the budget is theirs) and each sliding-window group gets ``FullCache`` (never evicts: its
+    evicted count stays 0, so its blocks, slots and lengths stay vLLM's)."""
+    full = [index for index, (spec, _) in enumerate(groups) if evicting(spec)]
+    layers = sum(count for spec, count in groups if evicting(spec))
+    if len(full) == len(groups):
+        return admit(settings, block_size, layers, len(full), enforce_eager=enforce_eager,
+                     async_scheduling=async_scheduling)
+    refusal = hybrid_refusal(settings, block_size)
+    if refusal is not None:
+        raise ValueError(refusal)
+    acting = admit(settings, block_size, layers, len(full), enforce_eager=enforce_eager,
+                   async_scheduling=async_scheduling)
+    keep = FullCache(budget=acting[0].budget, block_size=block_size)
+    policies = [keep] * len(groups)
+    for index, policy in zip(full, acting):
+        policies[index] = policy
+    return tuple(policies)
+
+
+def acting_policy(policies: tuple[Policy, ...]) -> Policy:
+    """The first policy of a group tuple that evicts (what every group's has in common: window,
+    phases); the first where none does."""
+    return next((policy for policy in policies if policy.evicts), policies[0])

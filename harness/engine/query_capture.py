@@ -13,8 +13,11 @@ needs it.
 
 Compiled graphs (``torch.compile``, CUDA graphs) do not run Python hooks per step, so capture
 needs eager mode; attention variants whose weights are not ``softmax(q.k * scale)`` (logit soft
-cap, ALiBi, sliding window, attention sinks) are refused too: the recomputed attention would not
-be what the kernel computed.
+cap, ALiBi, attention sinks) are refused too: the recomputed attention would not be what the kernel
+computed. A sliding-window layer is not: on a hybrid model (Gemma 3) eviction acts on the
+full-attention layers only and leaves the sliding-window layers to vLLM
+(``harness.engine.layer_groups.policies_by_group``), so their queries are copied with the others
+but never score anything (their groups' policy, ``FullCache``, reads none).
 """
 from __future__ import annotations
 
@@ -35,11 +38,12 @@ def unsupported_reason(runner, modules) -> str | None:
         return ("attention-aware policies read queries from a hook on each attention layer, which compiled "
                 "graphs skip: run with enforce_eager (engine.enforce_eager=true, --enforce-eager)")
     for module in modules:
+        if module.sliding_window is not None:
+            continue  # never evicted, so never scored (above)
         impl = module.impl
-        if getattr(impl, "logits_soft_cap", None) or getattr(impl, "alibi_slopes", None) is not None \
-                or module.sliding_window is not None or module.has_sink:
+        if getattr(impl, "logits_soft_cap", None) or getattr(impl, "alibi_slopes", None) is not None or module.has_sink:
             return (f"attention-aware policies recompute softmax(q.k * scale); layer {module.layer_name} adds a "
-                    "logit soft cap, ALiBi, a sliding window or sinks")
+                    "logit soft cap, ALiBi or sinks")
     return None
 
 

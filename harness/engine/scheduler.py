@@ -38,6 +38,12 @@ ledger of each request's *evicted token count* (logical length minus physical le
   its context boundary instead of its prompt's end (``eviction_point``): its chunk ends there, the
   eviction's count is fixed by the policy and the context's length as above (so asynchronous
   plans count it the same way), and the question's tokens are then scheduled like any prefill;
+* a hybrid model (sliding-window layers beside full-attention ones, Gemma 3) gets several KV cache
+  groups from vLLM: eviction acts on the full-attention groups only (their managers become
+  ``PhysicalLengthManager``s, the budget counts their layers); each sliding-window group keeps
+  vLLM's ``SlidingWindowManager``, its evicted count stays 0 and vLLM frees what leaves its window
+  (``harness.engine.layer_groups.policies_by_group``). What is not built for it yet (layer groups,
+  measured schedules, KVzip, shared compressed contexts and chains) is refused in one line;
 * a request with ``chain=true`` (a turn of a conversation) takes the previous turn's whole kept
   cache as a hit (``harness.engine.shared_contexts``: published when that turn finished) and runs its
   prefill eviction at its own context boundary on that cache plus its new tokens; the plan that
@@ -66,7 +72,7 @@ from dataclasses import dataclass, field, replace
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
@@ -79,8 +85,9 @@ from harness.eviction.messages import (
 from harness.engine.compatibility import (REFUSED, check_compatible, layer_groups_of, prefix_cache_refusal,
                                          prefix_cache_unreachable)
 from harness.engine.context_sharing import ContextSharing
+from harness.engine.layer_groups import evicting, hybrid_reason, policies_by_group
 from harness.engine.shared_contexts import ContextCache, ContextStats, context_key
-from harness.eviction.settings import (EvictionSettings, admit, build_policy, request_settings, settings_from,
+from harness.eviction.settings import (EvictionSettings, build_policy, request_settings, settings_from,
                                        unshareable)
 from policies import BlockPolicy, Policy
 
@@ -324,8 +331,14 @@ class EvictionScheduler(Scheduler):
         # block list, evicted count and budget (harness.engine.layer_groups).
         managers = self.kv_cache_manager.coordinator.single_type_managers
         self.kv_groups = len(managers)
-        # vLLM's Scheduler keeps the engine's KV cache config (vllm/v1/core/sched/scheduler.py:101)
-        self.kv_layers = sum(len(group.layer_names) for group in self.kv_cache_config.kv_cache_groups)
+        # vLLM's Scheduler keeps the engine's KV cache config (vllm/v1/core/sched/scheduler.py:101):
+        # each group's spec and layers, in the managers' order (kv_cache_coordinator.py:1024-1038).
+        self.kv_group_specs = [(group.kv_cache_spec, len(group.layer_names))
+                               for group in self.kv_cache_config.kv_cache_groups]
+        # The groups eviction acts on: all of them, or a hybrid model's full-attention ones; its
+        # sliding-window groups stay vLLM's (harness.engine.layer_groups: evicted count 0, never reshaped).
+        self.kv_evicting = tuple(g for g, (spec, _) in enumerate(self.kv_group_specs) if evicting(spec))
+        self.kv_hybrid = len(self.kv_evicting) != self.kv_groups
         # Copy targets allocated by this schedule() (positions, blocks), then held for its step.
         self.kv_planned_targets: dict[tuple[str, int], tuple[tuple[int, ...], list]] = {}
         self.kv_expected: dict[tuple[str, int], Expected | Undecided] = {}  # scheduled evictions not reported yet
@@ -346,6 +359,8 @@ class EvictionScheduler(Scheduler):
         self.kv_prefix_cache_resets = 0  # told to the workers in every plan (their kept reconstruction scores)
         if self.kv_unsupported is None:
             for group, manager in enumerate(managers):
+                if group not in self.kv_evicting:
+                    continue  # a sliding-window group: vLLM's SlidingWindowManager as it is
                 patches.swap_class(manager, PhysicalLengthManager)  # this engine's managers only, same state
                 patches.set_on(manager, "kv_scheduler", self)
                 patches.set_on(manager, "kv_group", group)
@@ -361,19 +376,32 @@ class EvictionScheduler(Scheduler):
         except ValueError as error:
             return str(error)
         managers = self.kv_cache_manager.coordinator.single_type_managers
-        # Full-attention groups only: one, or the engine's layer groups (harness.engine.layer_groups).
-        if len(managers) != layer_groups_of(self.vllm_config) or any(type(m) is not FullAttentionManager for m in managers):
-            return ("KV eviction supports models whose every layer is full attention (one KV cache group, or "
-                    f"engine.layer_groups of them); this model has {[type(m).__name__ for m in managers]}")
+        specs = [spec for spec, _ in self.kv_group_specs]
+        reason = hybrid_reason(self.vllm_config, specs)
+        if reason is not None:
+            return reason
+        # Full-attention groups: one, or the engine's layer groups (harness.engine.layer_groups); beside
+        # them, a hybrid model's sliding-window groups, each vLLM's own manager (the exact classes: a
+        # subclass could free or keep blocks otherwise).
+        wanted = [FullAttentionManager if evicting(spec) else SlidingWindowManager for spec in specs]
+        if len(self.kv_evicting) != layer_groups_of(self.vllm_config) or \
+                any(type(m) is not kind for m, kind in zip(managers, wanted)):
+            return ("KV eviction supports full-attention KV cache groups (one, or engine.layer_groups of them), "
+                    f"beside sliding-window ones; this engine has {[type(m).__name__ for m in managers]}")
         return None
 
     def _shares_contexts(self) -> bool:
-        return self.kv_unsupported is None and bool(self.cache_config.enable_prefix_caching) and self.connector is None
+        # (not on a hybrid model: an entry would have to hold each sliding-window group's window,
+        # harness.engine.layer_groups.hybrid_refusal)
+        return self.kv_unsupported is None and bool(self.cache_config.enable_prefix_caching) and \
+            self.connector is None and not self.kv_hybrid
 
     def unshared_reason(self, request, settings: EvictionSettings) -> str | None:
         """Why this request's compressed context is not shared (None: it is)."""
         if settings.share_context is False:
             return "share_context=false"
+        if self.kv_hybrid:
+            return "the model has sliding-window layers"
         return unshareable(settings.compress, settings.budget_schedule) or self._prefix_cache_unreachable(request)
 
     def _prefix_cache_unreachable(self, request) -> str | None:
@@ -390,14 +418,16 @@ class EvictionScheduler(Scheduler):
         window, phases); each group's own budget is ``group_policy``'s."""
         policy = self.kv_whole_policies.get(settings.key)
         if policy is None:
-            policy = self.group_policy(settings, 0) if self.kv_groups == 1 else build_policy(settings, self.kv_block_size)
+            policy = self.group_policy(settings, self.kv_evicting[0]) if len(self.kv_evicting) == 1 \
+                else build_policy(settings, self.kv_block_size)
             self.kv_whole_policies[settings.key] = policy
         return policy
 
     def group_policies(self, settings: EvictionSettings) -> tuple[Policy, ...]:
-        return admit(settings, self.kv_block_size, self.kv_layers, self.kv_groups,
-                     enforce_eager=self.vllm_config.model_config.enforce_eager,
-                     async_scheduling=isinstance(self, AsyncScheduler))
+        """Each KV cache group's policy (a hybrid model's sliding-window groups: ``FullCache``)."""
+        return policies_by_group(settings, self.kv_block_size, self.kv_group_specs,
+                                 enforce_eager=self.vllm_config.model_config.enforce_eager,
+                                 async_scheduling=isinstance(self, AsyncScheduler))
 
     def group_policy(self, settings: EvictionSettings, group: int) -> Policy:
         return self.group_policies(settings)[group]
@@ -463,11 +493,16 @@ class EvictionScheduler(Scheduler):
         need (after prefill: the prompt and its kept tokens; in decode: budget + block and the
         budget again). A request for which it cannot never takes or leaves anything in the
         prefix cache, so it compacts in place, like an engine without prefix caching; otherwise
-        it would wait, or preempt itself, forever. Every group's blocks count (each its own budget)."""
+        it would wait, or preempt itself, forever. Every group's blocks count (each its own budget;
+        a sliding-window group what vLLM admits it with, kv_cache_interface.py:859-885)."""
         blocks = self.kv_block_size
         prompt = settings.eviction_point(request.num_prompt_tokens)
         need = 0
-        for policy in self.group_policies(settings):
+        for group, policy in enumerate(self.group_policies(settings)):
+            if group not in self.kv_evicting:
+                need += self.kv_group_specs[group][0].max_admission_blocks_per_request(
+                    self.vllm_config.max_in_flight_tokens, self.vllm_config.model_config.max_model_len)
+                continue
             need += max(cdiv(prompt, blocks) + cdiv(policy.prefill_keep_count(prompt), blocks),
                         cdiv(policy.budget + blocks, blocks) + cdiv(policy.budget, blocks))
         capacity = self.kv_ledger.pool_blocks - self.kv_cache_manager.watermark_blocks
@@ -504,6 +539,11 @@ class EvictionScheduler(Scheduler):
             limit = self.eviction_point(request) - max(1, self.policy_for(settings).query_window)
             if hit <= limit:
                 return blocks, hit, boundary
+            if self.kv_hybrid:
+                # A sliding-window group's hit holds real blocks only for the window before the hit's
+                # end, null blocks before it (find_longest_cache_hit, single_type_kv_cache_manager.py:956-1010);
+                # cut shorter, its window would be null blocks. The request computes its prompt instead.
+                return manager.empty_kv_cache_blocks, 0, 0
             keep = max(limit, 0) // self.kv_block_size
             capped = manager.create_kv_cache_blocks(tuple(list(group[:keep]) for group in blocks.blocks))
             return capped, keep * self.kv_block_size, 0
@@ -663,7 +703,9 @@ class EvictionScheduler(Scheduler):
             groups = [manager.req_to_blocks for manager in self.kv_cache_manager.coordinator.single_type_managers]
             for request in self.running:
                 if request.num_computed_tokens > request.num_prompt_tokens:  # generating, not prefilling
-                    blocks = [len(held.get(request.request_id, ())) for held in groups]
+                    # (a sliding-window group's list holds the null block where vLLM freed the blocks
+                    # that left the window: single_type_kv_cache_manager.py:651-670; not counted)
+                    blocks = [sum(not block.is_null for block in held.get(request.request_id, ())) for held in groups]
                     ledger.decode_blocks_peak = max(ledger.decode_blocks_peak, sum(blocks))
                     if ledger.groups > 1 and request.request_id in self.kv_request_settings:
                         peaks = ledger.evicting_group_blocks_peak or [0] * ledger.groups

@@ -53,12 +53,13 @@ from harness.eviction.kv_view import KVView
 from harness.engine import patches
 from harness.engine.backend_views import UnsupportedLayoutError, make_view
 from harness.engine.query_capture import QueryCapture
+from harness.engine.layer_groups import acting_policy, policies_by_group
 from harness.engine.reconstruction import Done, Reconstruction
 from harness.eviction.messages import (
     PLAN_ATTRIBUTE, REPORT_ATTRIBUTE, EvictionNotActiveError, EvictionReport,
 )
 from harness.eviction.layer_budgets import kvzip_measured_settings, measured_settings, spread_and_shift
-from harness.eviction.settings import CONFIG_KEY, EvictionSettings, admit, settings_from
+from harness.eviction.settings import CONFIG_KEY, EvictionSettings, settings_from
 from harness.engine.compatibility import SCHEDULER_CLS, check_compatible
 from policies import Policy
 from policies.budget_schedules import ATTENTION_WINDOW
@@ -80,6 +81,8 @@ class WorkerEviction:
         self.group_layers: list[list[int]] = []
         self.unsupported = None  # why this runner cannot evict, if it cannot
         self.groups = max(1, len(runner.attn_groups))
+        # each KV cache group's spec and layer count (a hybrid model's sliding-window groups never evict)
+        self.group_specs = [(groups[0].kv_cache_spec, len(groups[0].layer_names)) for groups in runner.attn_groups]
         # Per group: each request's policy state (cached scores, totals, query windows), and the
         # prompt windows of requests whose attention schedule is still to be measured.
         self.policy_states = [PolicyState() for _ in range(self.groups)]
@@ -116,15 +119,20 @@ class WorkerEviction:
         """The settings' policy in each KV cache group (each its own share of the budget)."""
         policies = self.policies.get(settings.key)
         if policies is None:
-            layers = sum(view.num_layers for view in self.views) or self.groups
-            policies = admit(settings, self.block_size, layers, self.groups, enforce_eager=self.enforce_eager,
-                             async_scheduling=self.async_scheduling)
+            policies = policies_by_group(settings, self.block_size, self.group_specs, enforce_eager=self.enforce_eager,
+                                         async_scheduling=self.async_scheduling)
             if len({policy.budget for policy in policies}) > 1 and self.compiled_cuda:
                 # Full CUDA graphs replay the seq_lens buffer they captured (layer_groups_verification.md
                 # B5.6); a group's own lengths would not reach them.
                 raise EvictionNotActiveError(f"budget_schedule={settings.budget_schedule} gives the layer groups "
                                              "different lengths, which CUDA graphs do not follow: run with enforce_eager")
-            if (policies[0].query_window or policies[0].reconstructs or settings.budget_schedule == "attention") \
+            if len({policy.evicts for policy in policies}) > 1 and self.compiled_cuda:
+                # the same on a hybrid model: its global group's lengths are not its sliding-window groups'
+                raise EvictionNotActiveError(f"{settings.describe()} on a model with sliding-window layers gives its "
+                                             "global layers their own lengths, which CUDA graphs do not follow: run "
+                                             "with enforce_eager")
+            if (acting_policy(policies).query_window or acting_policy(policies).reconstructs
+                    or settings.budget_schedule == "attention") \
                     and self.capture is not None and self.capture.unsupported:
                 raise EvictionNotActiveError(f"{settings.describe()} cannot run on this engine: {self.capture.unsupported}")
             self.policies[settings.key] = policies
@@ -343,7 +351,7 @@ def plan_capture(runner, state: WorkerEviction, scheduler_output) -> None:
         starts = runner.query_start_loc.np
         for request_id, settings in plan.settings.items():
             settings = state.settings_of(request_id, settings)
-            size = state.policy_for(settings)[0].query_window
+            size = acting_policy(state.policy_for(settings)).query_window
             row = batch.req_id_to_index.get(request_id)
             if row is None:
                 continue

@@ -26,6 +26,12 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
   query projection is recomputed from the attention module's input and rotated (RoPE) by hand,
   and attention is recomputed at eviction time over the cache as it is then (causal within the
   window), the harness's documented semantics;
+* a hybrid model (Gemma 3: ``layer_types`` with sliding-window layers): the rule evicts the
+  full-attention ("global") layers only, one group, masked by their own cache length as layer groups
+  are; a sliding-window ("local") layer is never evicted and attends over the last W logical
+  positions of what it holds (W = ``sliding_window``, the query's own included: Hugging Face's own
+  sliding-window cache and mask; vLLM's window is the same, single_type_kv_cache_manager.py:1135-1150,
+  and tests/engine/test_hybrid_engine.py checks the full cache against stock vLLM);
 * layer groups: given one rule per group of contiguous layers (group 0 the first), each group evicts
   on its own layers, at its own length and budget, so layers hold different numbers of tokens: each
   layer's attention then gets its own causal mask, built from that layer's own cache length;
@@ -395,6 +401,11 @@ class PlainReference:
                                                           attn_implementation="eager").eval()
         config = self.model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # the attention's own softmax scale (Gemma 3: query_pre_attn_scalar ** -0.5; Llama: head_dim ** -0.5)
+        self.scale = float(self.model.model.layers[0].self_attn.scaling)
+        # a hybrid model's sliding-window layers: never evicted (see the module's "hybrid model")
+        self.local_layers = frozenset(i for i, kind in enumerate(getattr(config, "layer_types", None) or ())
+                                      if kind == "sliding_attention")
         self.queries: list[torch.Tensor] = []  # per layer, the newest queries [n, query heads, dim]
         # Set while groups evict apart: Hugging Face builds one mask, from layer 0's length.
         self.per_layer_masks = False
@@ -411,8 +422,8 @@ class PlainReference:
         """Replaces the model-wide mask by this layer's own: its cache length is read from the cache
         itself before the layer appends the chunk, so it cannot drift from what the layer attends over."""
         def mask(module, args, kwargs):
-            if not self.per_layer_masks:
-                return None
+            if not self.per_layer_masks or index in self.local_layers:
+                return None  # (a local layer: Hugging Face's sliding-window mask over what it holds)
             if "attention_mask" not in kwargs or "past_key_values" not in kwargs:
                 raise RuntimeError("this transformers calls attention differently: the layer masks need updating")
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -425,6 +436,8 @@ class PlainReference:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             cos, sin = kwargs["position_embeddings"]
             q = module.q_proj(hidden)[0].view(hidden.shape[1], -1, self.head_dim)  # [new, heads, dim]
+            if getattr(module, "q_norm", None) is not None:  # Gemma 3 normalizes queries before RoPE
+                q = module.q_norm(q)
             q = rotate(q, cos[0][:, None, :], sin[0][:, None, :])
             old = self.queries[index] if index < len(self.queries) else q[:0]
             joined = q if self.whole_pass else torch.cat([old, q])[-WINDOW:]
@@ -463,6 +476,11 @@ class PlainReference:
                              "its own rule object")
         span = layers // len(policies)
         groups = [range(g * span, (g + 1) * span) for g in range(len(policies))]
+        if self.local_layers:
+            if len(policies) != 1 or resume or context_tokens is not None or policies[0].score == "kvzip":
+                raise ValueError("a hybrid model: one rule on its global layers, over whole prompts (layer groups, "
+                                 "chained turns, context compression and kvzip are not built for it)")
+            groups = [[l for l in range(layers) if l not in self.local_layers]]
         evict_at = len(prompt) if context_tokens is None else context_tokens
         if not 0 < evict_at <= len(prompt):
             raise ValueError(f"context_tokens={context_tokens} for a prompt of {len(prompt)} tokens")
@@ -490,7 +508,7 @@ class PlainReference:
                                  "previous turn's)")
             cache = self.cache
             # physical: each group's cached tokens, as the previous turn left them
-            logical, physical = len(held), [cache.get_seq_length(members.start) for members in groups]
+            logical, physical = len(held), [cache.get_seq_length(members[0]) for members in groups]
         else:
             cache = DynamicCache(config=self.model.config)
             self.positions = [torch.zeros(heads, 0, dtype=torch.long) for _ in range(layers)]
@@ -498,7 +516,7 @@ class PlainReference:
         self.chain_tokens = None
         # One group: Hugging Face's own mask, as ever. Several: each layer's own (see _own_mask), even
         # while the lengths still agree, so a wrong layer mask shows against one group's output.
-        self.per_layer_masks = len(policies) > 1
+        self.per_layer_masks = len(policies) > 1 or bool(self.local_layers)
         out = []
         counts = {"prefill": 0, "decode": 0, "groups": [{"prefill": 0, "decode": 0, "decode_at": []} for _ in policies]}
         step = torch.tensor([prompt[logical:evict_at]])
@@ -527,7 +545,7 @@ class PlainReference:
                         counted = min(width, WINDOW)
                         rule.count([cache.layers[l].keys[0] for l in members],
                                    [self.queries[l][self.queries[l].shape[0] - counted:] for l in members],
-                                   self.head_dim ** -0.5)
+                                   self.scale)
                     if prefill and physical[g] > rule.budget:
                         phase = "prefill"
                     elif (rule.decode_eviction and not prefill and physical[g] >= rule.budget + rule.block
@@ -586,7 +604,7 @@ class PlainReference:
                 for l in range(layers):
                     layer = cache.layers[l]
                     scores[l, :, start:end] = kvzip_chunk_scores(self.queries[l], layer.keys[0], start, end,
-                                                                 self.head_dim ** -0.5)
+                                                                 self.scale)
                     layer.keys, layer.values = layer.keys[:, :, :c].contiguous(), layer.values[:, :, :c].contiguous()
         finally:
             self.whole_pass = False
@@ -594,11 +612,11 @@ class PlainReference:
         scores[..., :KVZIP_SINKS] = scores.max() + 1  # the sinks outrank everything
         return scores
 
-    def _apply(self, cache, policy: PlainPolicy, phase: str, members: range, whole_blocks: bool = False) -> int:
+    def _apply(self, cache, policy: PlainPolicy, phase: str, members: Sequence[int], whole_blocks: bool = False) -> int:
         """Evicts on the group's layers ``members`` only: the rule sees their K/V (and queries) alone."""
         keys = [cache.layers[l].keys[0] for l in members]
         values = [cache.layers[l].values[0] for l in members]
-        kept = policy.keep(keys, values, phase, self.queries[members.start:members.stop], self.head_dim ** -0.5,
+        kept = policy.keep(keys, values, phase, [self.queries[l] for l in members], self.scale,
                            whole_blocks, [self.positions[l] for l in members])
         if isinstance(kept, int):  # a whole block leaves
             length = keys[0].shape[1]

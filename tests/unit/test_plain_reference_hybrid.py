@@ -1,0 +1,67 @@
+"""The plain reference (tests/support/plain_reference.py) on a hybrid-attention model, the tiny Gemma 3
+(``tiny-gemma3``: layers 2 and 5 global, the others a 32-token sliding window): the rule evicts the
+global layers only; a local layer keeps Hugging Face's sliding-window cache and mask. The engine
+against this reference is tests/engine/test_hybrid_engine.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.config.models import EMBEDDED_PREFIX, TINY_HYBRID, TINY_HYBRID_WINDOW, resolve_model_path
+from tests.support.plain_reference import PlainPolicy, PlainReference
+
+BLOCK = 8
+PROMPT = 100  # past the window and the budgets below
+NEW = 24
+GLOBAL = [2, 5]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return PlainReference(resolve_model_path(EMBEDDED_PREFIX + TINY_HYBRID))
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    from harness.tasks.embedded.token_prompts import token_prompts
+
+    return token_prompts(resolve_model_path(EMBEDDED_PREFIX + TINY_HYBRID), [PROMPT], 5)[0]
+
+
+def test_the_model_is_hybrid_as_the_reference_reads_it(plain):
+    assert sorted(plain.local_layers) == [0, 1, 3, 4]
+
+
+def test_a_budget_no_prompt_reaches_generates_what_hugging_face_generates(plain, prompt):
+    """Nothing evicted: the per-layer masks of the global layers and the local layers' own masks give
+    Hugging Face's greedy output (its own cache, its own masks)."""
+    new = 8  # (Hugging Face's generate is slow here: a few tokens past the window show the masks)
+    ids, counts = plain.generate(prompt, new, PlainPolicy("knorm", "token", 512, BLOCK, per_head=True))
+    assert counts["prefill"] == counts["decode"] == 0
+    expected = plain.model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, PROMPT:]
+    assert ids == expected.tolist()
+
+
+@pytest.mark.parametrize("score, granularity", [("knorm", "token"), ("paged", "block")])
+def test_the_rule_evicts_the_global_layers_and_the_local_layers_hold_their_window(plain, prompt, score, granularity):
+    budget = 48
+    ids, counts = plain.generate(prompt, NEW, PlainPolicy(score, granularity, budget, BLOCK))
+    assert counts["prefill"] == 1 and counts["decode"] >= 1
+    lengths = counts["lengths"]
+    for layer, length in enumerate(lengths):
+        if layer in GLOBAL:
+            assert budget <= length < budget + BLOCK + (PROMPT % BLOCK), (layer, lengths)
+        else:  # never evicted: it has seen every token, and Hugging Face's sliding-window layer stores the
+            # window but the newest query's own (DynamicSlidingWindowLayer.update)
+            assert length == PROMPT + NEW - 1, (layer, lengths)
+            assert plain.cache.layers[layer].keys.shape[-2] == TINY_HYBRID_WINDOW - 1
+    if granularity == "block":  # one choice for the whole group: both global layers keep the same positions
+        assert torch.equal(plain.positions[GLOBAL[0]], plain.positions[GLOBAL[1]])
+
+
+def test_what_is_not_built_for_a_hybrid_model_is_refused(plain, prompt):
+    rule = PlainPolicy("knorm", "token", 48, BLOCK, decode_eviction=False)
+    with pytest.raises(ValueError, match="a hybrid model: one rule on its global layers"):
+        plain.generate(prompt, NEW, [rule, PlainPolicy("knorm", "token", 48, BLOCK, decode_eviction=False)])
+    with pytest.raises(ValueError, match="a hybrid model"):
+        plain.generate(prompt, NEW, rule, context_tokens=60)
