@@ -215,7 +215,8 @@ def test_the_frontend_refuses_a_boundary_its_prompt_cannot_have():
 
     config = vllm_config(additional_config={"kv_eviction": {"policy": "snapkv", "budget_ratio": 0.5,
                                                             "decode_eviction": False, "compress": "context"}})
-    config.model_config = SimpleNamespace(enforce_eager=True)
+    # (a model whose config declares no layer types: every layer full attention)
+    config.model_config = SimpleNamespace(enforce_eager=True, hf_text_config=SimpleNamespace())
     config.cache_config.block_size = 32
     with pytest.raises(VLLMValidationError, match="must give its context_tokens"):
         check_request(config, SimpleNamespace(extra_args=None), 800)
