@@ -221,15 +221,12 @@ def prepare_gemma3() -> Path:
 
 
 def prepare_tiny() -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     target = cache_dir() / "models" / TINY
     if is_complete(target):
         return target
-    # SmolLM2's tokenizer, read from its GGUF: the tiny model needs no converted SmolLM2.
-    gguf = _gguf_file()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _smollm2_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=256,
@@ -248,8 +245,24 @@ def prepare_tiny() -> Path:
         eos_token_id=tokenizer.eos_token_id,
         dtype="float32",
     )
+    return _publish_seeded(LlamaForCausalLM, config, tokenizer, target)
+
+
+def _smollm2_tokenizer():
+    """SmolLM2's tokenizer, read from its GGUF: a tiny model needs no converted SmolLM2."""
+    from transformers import AutoTokenizer
+
+    gguf = _gguf_file()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def _publish_seeded(model_class, config, tokenizer, target: Path) -> Path:
+    """A model of ``config`` with random weights from ``TINY_SEED``, saved with ``tokenizer`` and
+    published at ``target`` (built beside it, renamed when whole)."""
+    import torch
+
     torch.manual_seed(TINY_SEED)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     build = target.with_name(target.name + ".partial")
     shutil.rmtree(build, ignore_errors=True)
     model.save_pretrained(build, safe_serialization=True)
@@ -265,14 +278,12 @@ TINY_HYBRID_LAYERS = ("sliding_attention", "sliding_attention", "full_attention"
 def prepare_tiny_hybrid() -> Path:
     """A tiny Gemma 3 (``Gemma3ForCausalLM``, registered in vLLM): random weights from a fixed seed,
     SmolLM2's tokenizer, sliding windows of ``TINY_HYBRID_WINDOW`` tokens on four of its six layers."""
-    import torch
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     target = cache_dir() / "models" / TINY_HYBRID
     if is_complete(target):
         return target
-    gguf = _gguf_file()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _smollm2_tokenizer()
     config = Gemma3TextConfig(
         vocab_size=len(tokenizer),
         hidden_size=256,
@@ -295,14 +306,7 @@ def prepare_tiny_hybrid() -> Path:
         dtype="float32",
     )
     config.architectures = ["Gemma3ForCausalLM"]
-    torch.manual_seed(TINY_SEED)
-    model = Gemma3ForCausalLM(config).eval()
-    build = target.with_name(target.name + ".partial")
-    shutil.rmtree(build, ignore_errors=True)
-    model.save_pretrained(build, safe_serialization=True)
-    tokenizer.save_pretrained(build)
-    _publish(build, target)
-    return target
+    return _publish_seeded(Gemma3ForCausalLM, config, tokenizer, target)
 
 
 PREPARE = {SMOLLM2: prepare_smollm2, TINY: prepare_tiny, GEMMA3: prepare_gemma3, TINY_HYBRID: prepare_tiny_hybrid}
