@@ -19,6 +19,19 @@ RATIOS = (("output_tok_s", "output tok/s"), ("request_goodput", "goodput"), ("me
           ("median_tpot_ms", "median TPOT"))
 
 
+# the figures the plot draws, each with its 95% t-interval over trials (error bars)
+PLOTTED = ("output_tok_s", "request_goodput", "median_ttft_ms", "median_e2el_ms")
+
+
+def half_width(values: list[float]) -> float | None:
+    """Half the 95% t-interval of the mean of ``values`` (one per trial; None with fewer than two)."""
+    from harness.analysis.stats import t_975
+
+    if len(values) < 2:
+        return None
+    return t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+
+
 def ratio_cell(values: list[float]) -> dict:
     """Per-trial ratios -> estimate and 95% interval (None bounds with one trial; a zero or missing
     ratio in any trial leaves it undecided: no log of 0)."""
@@ -51,6 +64,8 @@ def rate_table(rows: list[dict]) -> list[dict]:
                         "kv_usage_mean", "kv_usage_peak", "accuracy"):
                 values = [r[key] for r in mine if r.get(key) is not None]
                 line[key] = statistics.fmean(values) if values else None
+                if key in PLOTTED:
+                    line[f"{key}_half"] = half_width(values)
             if name != "full":
                 for key, _ in RATIOS:
                     cell = ratio_cell([divide(r[key], by.get(("full", rate, r["trial"]), {}).get(key)) for r in mine])
@@ -242,8 +257,9 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
 
 def plot(table: list[dict], path, title: str) -> None:
     """Latency against throughput, one curve per configuration through its rates (means over
-    trials): median end-to-end latency and median TTFT against output tok/s, and goodput against
-    the offered rate. The Pareto front of a configuration is its curve's lower right."""
+    trials, bars their 95% t-intervals over trials): median end-to-end latency and median TTFT
+    against output tok/s, and goodput against the offered rate. The Pareto front of a
+    configuration is its curve's lower right."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,19 +269,25 @@ def plot(table: list[dict], path, title: str) -> None:
     for name in dict.fromkeys(line["configuration"] for line in table):
         mine = sorted((line for line in table if line["configuration"] == name), key=lambda line: line["rate"])
         throughput = [line["output_tok_s"] for line in mine]
+        across = [line.get("output_tok_s_half") for line in mine]
         for axis, key, label in ((axes[0], "median_e2el_ms", "median end-to-end latency (s)"),
                                  (axes[1], "median_ttft_ms", "median TTFT (s)")):
-            axis.plot(throughput, [line[key] / 1000 for line in mine], marker="o", label=name)
+            half = [line.get(f"{key}_half") for line in mine]
+            axis.errorbar(throughput, [line[key] / 1000 for line in mine], marker="o", label=name, capsize=3,
+                          xerr=None if None in across else across,
+                          yerr=None if None in half else [h / 1000 for h in half])
             axis.set_xlabel("output tokens per second")
             axis.set_ylabel(label)
             for line in mine:
                 axis.annotate(f"{line['rate']:g}", (line["output_tok_s"], line[key] / 1000), fontsize=7,
                               textcoords="offset points", xytext=(3, 3))
-        axes[2].plot([line["rate"] for line in mine], [line["request_goodput"] for line in mine], marker="o", label=name)
+        half = [line.get("request_goodput_half") for line in mine]
+        axes[2].errorbar([line["rate"] for line in mine], [line["request_goodput"] for line in mine], marker="o",
+                         label=name, capsize=3, yerr=None if None in half else half)
     axes[2].set_xlabel("offered request rate (req/s)")
     axes[2].set_ylabel("goodput (req/s within the SLOs)")
     axes[0].legend(fontsize=8)
-    figure.suptitle(f"{title}: latency against throughput (points labelled by request rate)")
+    figure.suptitle(f"{title}: latency against throughput (points labelled by request rate; bars: 95% over trials)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

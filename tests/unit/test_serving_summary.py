@@ -160,3 +160,22 @@ def test_a_block_of_smollm2_holds_its_layers_keys_and_values():
 def test_a_bad_goodput_is_refused_by_vllms_own_check():
     with pytest.raises(ValueError):
         parse_goodput("latency:100")
+
+
+def test_the_plot_draws_each_figure_with_its_interval_over_trials(tmp_path):
+    """Each plotted figure carries half its 95% t-interval over trials (t with n-1 df), None for
+    one trial; the plot is written from them."""
+    from harness.serving.summary import PLOTTED, half_width, plot
+
+    assert half_width([10.0, 12.0, 14.0]) == pytest.approx(4.303 * 2.0 / 3 ** 0.5, rel=1e-3)
+    assert half_width([10.0]) is None
+    rows = [{"configuration": c, "rate": r, "trial": t, "completed": 4, "failed": 0, "output_tok_s": 10.0 + t,
+             "request_goodput": 0.1 * t, "median_ttft_ms": 1000.0 * t, "median_tpot_ms": 100.0,
+             "median_e2el_ms": 2000.0 * t, "kv_usage_mean": 0.5, "kv_usage_peak": 0.9, "accuracy": 50.0}
+            for c in ("full", "paged context") for r in (0.1, 0.2) for t in (1, 2, 3)]
+    table = rate_table(rows)
+    assert all(line[f"{key}_half"] is not None for line in table for key in PLOTTED)
+    assert table[0]["output_tok_s_half"] == pytest.approx(4.303 / 3 ** 0.5, rel=1e-3)      # 11, 12, 13
+    assert table[0]["median_ttft_ms_half"] == pytest.approx(4.303 * 1000 / 3 ** 0.5, rel=1e-3)  # 1, 2, 3 s
+    plot(table, tmp_path / "pareto.png", "w")
+    assert (tmp_path / "pareto.png").stat().st_size > 10_000
