@@ -69,6 +69,16 @@ def model_settings(name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
 
 
+def model_workload(name: str, model: dict, tokenizer, options: dict):
+    """The workload ``name`` built with ``options`` (``harness.serving.workloads.build``), its prompts
+    cut at the model's ``max_prompt_tokens`` unless the options say otherwise (the synthetic has none)."""
+    from harness.serving.workloads import build
+
+    if name != "prefix_repetition":
+        options = {"max_prompt_tokens": model["max_prompt_tokens"], **options}
+    return build(name, tokenizer, **options)
+
+
 def run(options: Options, server=None) -> str:
     """The sweep on a server of its own (or on ``server``, already serving the model: a test's);
     returns ``summary.md``'s text."""
@@ -79,16 +89,13 @@ def run(options: Options, server=None) -> str:
     from harness.config import engine_defaults
     from harness.config.models import resolve_model_path
     from harness.serving.server import Server, block_bytes
-    from harness.serving.workloads import blocks_at_once, build
+    from harness.serving.workloads import blocks_at_once
 
     check(options)
     model = model_settings(options.model)
     path = resolve_model_path(model["path"])
     tokenizer = AutoTokenizer.from_pretrained(path)
-    workload_options = dict(options.workload_options)
-    if options.workload != "prefix_repetition":
-        workload_options.setdefault("max_prompt_tokens", model["max_prompt_tokens"])
-    workload = build(options.workload, tokenizer, seed=options.seed, **workload_options)
+    workload = model_workload(options.workload, model, tokenizer, {"seed": options.seed, **options.workload_options})
     block = engine_defaults("cpu")["block_size"]
     dtype_bytes = 4 if model.get("dtype", "float32") == "float32" else 2
     pool_blocks = options.pool_blocks
@@ -166,19 +173,16 @@ def summarize(out: Path) -> str:
     from transformers import AutoTokenizer
 
     from harness.serving.bench import plan, run_name, run_row
-    from harness.serving.workloads import build
-
     out = Path(out)
     if not (out / "settings.json").is_file():
         raise ValueError(f"{out}: no settings.json (not a serving sweep's folder)")
     from harness.config.models import resolve_model_path
 
     settings = json.loads((out / "settings.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_settings(settings["model"])["path"]))
-    options = dict(settings["workload_options"])
-    if settings["workload"] != "prefix_repetition":
-        options.setdefault("max_prompt_tokens", model_settings(settings["model"])["max_prompt_tokens"])
-    items = build(settings["workload"], tokenizer, **{"seed": settings["seed"], **options}).items
+    model = model_settings(settings["model"])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model["path"]))
+    items = model_workload(settings["workload"], model, tokenizer,
+                           {"seed": settings["seed"], **settings["workload_options"]}).items
     rows, requests = [], []
     for entry in plan(settings["configurations"], settings["rates"], settings["trials"]):
         name = out / "runs" / run_name(entry["trial"], entry["rate"], entry["configuration"])

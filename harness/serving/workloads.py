@@ -268,7 +268,7 @@ def blocks_at_once(workload: Workload, block_size: int) -> int:
     shared: dict[str, int] = {}
     own = 0
     for item in workload.items:
-        common = (item.context_tokens or 0) // block_size if item.context_tokens else 0
+        common = item.context_tokens // block_size if item.context_tokens else 0
         shared[item.context] = max(shared.get(item.context, 0), common)
         own += -(-(len(item.prompt) + item.max_tokens) // block_size) - common
     return sum(shared.values()) + own
