@@ -173,14 +173,17 @@ def run_configuration(engine, configuration, conversations, turns: int, ratio: f
 
 
 def markdown(turn_rows: list[dict], command: str, conversations: int, turns: int, ratio: float, model: str,
-             pool: int) -> str:
+             pool: int, code: dict | None = None) -> str:
+    """``code``: the run's ``git_commit`` and ``code_version`` (``harness.records.provenance``), named
+    under the command so a reader knows which code the figures come from."""
     import pandas as pd
 
     frame = pd.DataFrame(turn_rows)
     names = list(dict.fromkeys(frame["configuration"]))
     full = frame[frame["configuration"] == "full"].set_index("turn")
     lines = [
-        "# Multi-turn conversations", "", f"Command: `{command}`", "",
+        "# Multi-turn conversations", "", f"Command: `{command}`"
+        + (f" (commit {code['git_commit']}, code version {code['code_version']})" if code else ""), "",
         f"{conversations} conversations x {turns} turns (half access codes in a long text, half passages about "
         "people, about 2,000 tokens of context; each turn a new question after the model's own answer), every "
         f"conversation of a configuration at once, turn by turn, on one engine ({model}, prefix caching on, a pool "
@@ -325,8 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out / "requests.jsonl", "w") as handle:
         for row in rows:
             handle.write(json.dumps(row) + "\n")
+    from harness.records.provenance import LOADED, provenance
+
+    (args.out / "settings.json").write_text(json.dumps({**vars(args), "out": str(args.out), "command": command,
+                                                        "provenance": provenance()}, indent=2) + "\n")
     (args.out / "summary.md").write_text(markdown(turn_rows, command, args.conversations, args.turns, args.ratio,
-                                                  run.model.name, pool))
+                                                  run.model.name, pool, LOADED))
     plot(turn_rows, args.out / "multi_turn.png")
     print((args.out / "summary.md").read_text())
     return 0

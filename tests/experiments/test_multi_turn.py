@@ -80,3 +80,5 @@ def test_the_chain_runs_beside_its_recompressing_twin_for_attention_free_policie
         in chain_table
     assert "## The chain beside recompression" not in experiment.markdown(
         [r for r in rows if not experiment.chained(r["configuration"])], "c", 2, 3, 0.5, "m", 100)
+    named = experiment.markdown(rows, "c", 2, 3, 0.5, "m", 100, {"git_commit": "abc123", "code_version": "0123456789ab"})
+    assert "Command: `c` (commit abc123, code version 0123456789ab)" in named
