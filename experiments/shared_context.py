@@ -39,7 +39,8 @@ whole contexts, ``harness.analysis.stats.cell_interval``; paired differences wit
 flipped together, ``harness.analysis.clustered``), the KV blocks in use (peak and mean over steps, from the scheduler's
 ledger), the prefill evictions run and the requests that took a shared context, the requests' wall
 time and output tokens per second. Writes ``results/shared_context/``:
-``summary.md``, ``summary.csv``, ``comparisons.csv``, ``requests.jsonl``, ``shared_context.png``;
+``summary.md``, ``summary.csv``, ``comparisons.csv``, ``requests.jsonl``, ``shared_context.png``,
+``provenance.json`` (the code of each engine run and of the statistics);
 ``--reanalyse`` rewrites the statistics from a committed ``requests.jsonl`` with no engine.
 
 ``--configs`` runs only the named configurations (comma-separated, as the summary names them:
@@ -302,7 +303,8 @@ def summarize(rows: list[dict], runs: dict) -> list[dict]:
                 if keep(row):
                     labels.setdefault(row["task"], []).append(row["context"])
             interval = cell_interval({task: np.array(scores) for task, scores in per_task.items()},
-                                     clusters={task: np.array(names) for task, names in labels.items()})
+                                     clusters={task: np.array(names) for task, names in labels.items()},
+                                     bounds=(0.0, 1.0))  # the suite's scores lie in [0, 1]
             line.update({f"{part}": interval.estimate, f"{part}_low": interval.low, f"{part}_high": interval.high,
                          f"{part}_samples": interval.samples})
         table.append(line)
@@ -347,11 +349,12 @@ def dead_questions(rows: list[dict]) -> tuple[int, int]:
 def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int,
              families: dict[str, list[dict]] | None = None, questions: int = QUESTIONS,
              arrivals: str = "together", dead: tuple[int, int] | None = None,
-             trials: list[dict] | None = None, added: list[dict] | None = None) -> str:
+             trials: list[dict] | None = None, added: list[dict] | None = None, code: str | None = None) -> str:
+    """``code``: ``code_line``'s sentence naming the code the figures come from."""
     full = next(line for line in table if line["configuration"] == "full")
     lines = [
         "# One context, many questions", "",
-        f"Command: `{command}`", "",
+        f"Command: `{command}`", "", *([code, ""] if code else []),
         f"{contexts} contexts (half access codes in a long text, half passages about people; about 2,000 tokens "
         f"each) x {questions} questions, each question its own request, all {contexts * questions} requests of a "
         + ("configuration sent at once" if arrivals == "together" else
@@ -554,6 +557,27 @@ def previous_run(out: Path) -> Earlier | None:
                    json.loads((out / ADDED).read_text()) if (out / ADDED).exists() else [])
 
 
+PROVENANCE = "provenance.json"  # which code ran the engine (each run joined into the study) and the statistics
+
+
+def record_code(out: Path, engine_run: str | None) -> str:
+    """Record in ``out/provenance.json`` the code this process loaded as the statistics' (and, with
+    ``engine_run``, the command just run on the engine, as one more engine run); the sentence the
+    summary prints from it."""
+    from harness.records.provenance import LOADED
+
+    path = out / PROVENANCE
+    recorded = json.loads(path.read_text()) if path.exists() else {"engine_runs": []}
+    if engine_run is not None:
+        recorded["engine_runs"].append({"command": engine_run, **LOADED})
+    recorded["statistics"] = dict(LOADED)
+    path.write_text(json.dumps(recorded, indent=1) + "\n")
+    runs = "; ".join(f"`{run['command']}` at commit {run['git_commit']} (code version {run['code_version']})"
+                     + (f", {run['recorded']}" if run.get("recorded") else "") for run in recorded["engine_runs"])
+    return ("Code: " + (f"the engine ran {runs}" if runs else "the engine run's code version was not recorded")
+            + f"; the statistics were computed at commit {LOADED['git_commit']} (code version {LOADED['code_version']}).")
+
+
 def reanalyse(out: Path) -> int:
     """The statistics again from what the engine run left (``requests.jsonl``; the timings, KV counts,
     model and pool in ``summary.csv`` and ``summary.md``), no engine and no model: summary.md,
@@ -573,7 +597,7 @@ def reanalyse(out: Path) -> int:
         table, earlier.command, len({row["context"] for row in rows}), earlier.ratio, earlier.model, earlier.pool,
         families, 1 + max(row["question"] for row in rows),
         "rounds" if "--arrivals rounds" in earlier.command else "together", dead_questions(rows), trials,
-        earlier.added or None))
+        earlier.added or None, record_code(out, None)))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     write_comparisons(families, out)
     plot(table, out / "shared_context.png")
@@ -708,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         added = [entry for entry in joining.added if not set(entry["configurations"]) <= set(check["configurations"])]
         added.append({"command": command + f" --configs {shell_quote(args.configs)}", **check})
         (args.out / ADDED).write_text(json.dumps(added, indent=1) + "\n")
+        record_code(args.out, added[-1]["command"])
         pd.DataFrame(merged).to_csv(args.out / "summary.csv", index=False)
         with open(args.out / "requests.jsonl", "w") as handle:
             for row in rows:
@@ -720,8 +745,11 @@ def main(argv: list[str] | None = None) -> int:
     trials = trials if args.trials > 1 else None
     if trials:
         pd.DataFrame(trials).to_csv(args.out / "trials.csv", index=False)
+    (args.out / PROVENANCE).unlink(missing_ok=True)  # a new study: no earlier run's code
+    code = record_code(args.out, command)
     (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
-                                                  families, args.questions, args.arrivals, dead_questions(rows), trials))
+                                                  families, args.questions, args.arrivals, dead_questions(rows), trials,
+                                                  code=code))
 
     pd.DataFrame(table).to_csv(args.out / "summary.csv", index=False)
     write_comparisons(families, args.out)

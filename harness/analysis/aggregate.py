@@ -25,6 +25,7 @@ own prefix (``answer_logprob_avg_vs_<policy>_p``) and in its own tables.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,13 @@ class Quantity:
     higher_is_better: bool = True
     decimals: int = 2  # printed
     digits: int = 4  # decimals kept in summary.csv (more than printed)
+    bounds: tuple[float, float] = (-math.inf, math.inf)  # every per-sample value's range, before scale
+
+    @property
+    def difference_bounds(self) -> tuple[float, float]:
+        """Where a paired difference of two values lies: within the values' width either way."""
+        width = self.bounds[1] - self.bounds[0]
+        return (-width, width)
 
     @property
     def mc_target(self) -> float:
@@ -164,7 +172,7 @@ class Quantity:
         return f"{self._prefix}{'avg_' if average else ''}vs_{variant}"
 
 
-SCORE = Quantity("score", 100, "score", "points on the 0-100 scale", "points", digits=2)
+SCORE = Quantity("score", 100, "score", "points on the 0-100 scale", "points", digits=2, bounds=(0.0, 1.0))
 # Per-sample fields being added to prediction rows (issue 25, item 1), with the definitions
 # announced for them: the reference answer's mean log-probability per token (natural log), the
 # share in [0, 1] of full cache's output steps whose top-1 token this cell's cache also ranks
@@ -173,11 +181,12 @@ SCORE = Quantity("score", 100, "score", "points on the 0-100 scale", "points", d
 QUANTITIES = (
     SCORE,
     Quantity("answer_logprob", 1, "reference-answer log-likelihood per token",
-             "mean natural-log probability per answer token", "nats/token", decimals=3),
+             "mean natural-log probability per answer token", "nats/token", decimals=3, bounds=(-math.inf, 0.0)),
     Quantity("top1_agreement", 100, "top-1 agreement with full cache",
-             "% of full cache's output steps", "percentage points"),
+             "% of full cache's output steps", "percentage points", bounds=(0.0, 1.0)),
     Quantity("kl_to_full", 1, "KL divergence to full cache",
-             "mean nats per step of full cache's output", "nats", higher_is_better=False, decimals=3),
+             "mean nats per step of full cache's output", "nats", higher_is_better=False, decimals=3,
+             bounds=(0.0, math.inf)),
 )
 SIGNIFICANCE = 0.05  # the level adjusted p-values are held to
 POWER = 0.8  # of the detectable difference printed under each differences table
@@ -327,7 +336,7 @@ not reject, ``harness.analysis.stats.inverted_interval``: excludes zero exactly 
                 labels = labels_of(clusters[run], by_task)
                 for task, series in by_task.items():
                     interval = cell_interval({task: series.to_numpy()}, scale=quantity.scale, digits=quantity.digits,
-                                             target=quantity.mc_target,
+                                             target=quantity.mc_target, bounds=quantity.bounds,
                                              clusters=None if labels is None else {task: labels[task]})
                     if quantity is not SCORE:  # the score's own per-task column comes from scores.json
                         cell(run, task)[quantity.task_column] = interval.estimate
@@ -335,7 +344,8 @@ not reject, ``harness.analysis.stats.inverted_interval``: excludes zero exactly 
                                             f"{quantity.task_column}_high": interval.high,
                                             f"{quantity.task_column}_mc": interval.mc_error})
                 average = cell_interval({t: s.to_numpy() for t, s in by_task.items()}, scale=quantity.scale,
-                                        digits=quantity.digits, target=quantity.mc_target, clusters=labels)
+                                        digits=quantity.digits, target=quantity.mc_target, clusters=labels,
+                                        bounds=quantity.bounds)
                 if quantity is not SCORE:  # the score's average comes from scores.json
                     cell(run, "")[quantity.average_column] = average.estimate
                 cell(run, "").update({f"{quantity.average_column}_low": average.low,
@@ -374,7 +384,8 @@ def compare(group: pd.DataFrame, values: dict[str, dict[str, pd.Series]], quanti
         for (run, other, differences, labels), value, p_holm, p_bh in zip(family, p_values, holm(plain),
                                                                            benjamini_hochberg(plain)):
             interval = inverted_interval(differences, value, scale=quantity.scale, digits=quantity.digits,
-                                         target=quantity.mc_target, clusters=labels)
+                                         target=quantity.mc_target, clusters=labels,
+                                         bounds=quantity.difference_bounds)
             units = len(_units(differences, labels)[0])  # samples, or clusters: what the smallest p depends on
             detectable = (None if task else
                           detectable_difference(differences, SIGNIFICANCE / len(pairs), POWER, quantity.scale))

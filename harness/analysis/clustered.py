@@ -52,15 +52,17 @@ def differences(rows: Rows, a: str, b: str, keep: Callable[[dict], bool], cluste
 
 
 def compare(rows: Rows, pairs: list[tuple[str, str]], keep: Callable[[dict], bool], cluster: str = "context",
-            scale: float = SCALE) -> list[dict]:
+            scale: float = SCALE, score_range: tuple[float, float] = (0.0, 1.0)) -> list[dict]:
     """One family: each pair's difference (x ``scale``), its interval and p-value with whole
-    clusters flipped, and Holm and Benjamini-Hochberg over the family."""
+    clusters flipped, and Holm and Benjamini-Hochberg over the family. ``score_range``: where a
+    score lies; a difference lies within its width either way, and so does its interval."""
+    width = score_range[1] - score_range[0]
     found = [(a, b, *differences(rows, a, b, keep, cluster)) for a, b in pairs]
     p_values = settled_p_values([d for *_, d, _ in found], SIGNIFICANCE, clusters=[c for *_, c in found])
     plain = [value.p for value in p_values]
     table = []
     for (a, b, d, labels), value, p_holm, p_bh in zip(found, p_values, holm(plain), benjamini_hochberg(plain)):
-        interval = inverted_interval(d, value, scale=scale, clusters=labels)
+        interval = inverted_interval(d, value, scale=scale, clusters=labels, bounds=(-width, width))
         clusters = len({label for task in labels.values() for label in task})
         table.append({"row": a, "column": b, "diff": interval.estimate, "low": interval.low, "high": interval.high,
                       "mc": interval.mc_error, "p": value.p, "p_flips": value.flips, "p_settled": value.settled,

