@@ -117,7 +117,8 @@ def accuracy_table(requests: list[dict]) -> list[dict]:
             per_kind, clusters = strata(paired)
             line.update(vs_full=difference.estimate, vs_full_low=difference.low, vs_full_high=difference.high,
                         p=sign_flip_test(per_kind, clusters=clusters).p,
-                        contexts=len({context for context, _ in paired}))
+                        contexts=len({context for context, _ in paired}),
+                        contexts_to_show_non_inferior=contexts_for_non_inferiority(paired))
         table.append(line)
     # Holm over the table's family (every compressing configuration against full cache), then one word
     # each: better / worse, or non-inferior within ACCURACY_MARGIN points, or inconclusive
@@ -134,6 +135,31 @@ def accuracy_table(requests: list[dict]) -> list[dict]:
         # smaller than the margin is "worse" and still acceptable)
         line["non_inferior"] = decidable and line["vs_full_low"] > -ACCURACY_MARGIN
     return table
+
+
+def contexts_for_non_inferiority(paired: dict[tuple, float]) -> int | None:
+    """The plan for a design that can show non-inferiority (``harness.analysis.sample_size``): the
+    contexts per context kind for the one-sided test at 2.5% to find the difference above
+    -ACCURACY_MARGIN with 80% power were the true difference zero, from the spread of the observed
+    per-context mean differences (normal approximation), and never fewer than the exact test over
+    whole contexts needs to reach 2.5% at all. None where fewer than two contexts of a kind differ
+    (no spread to plan from)."""
+    import numpy as np
+
+    from harness.analysis.sample_size import POWER, fewest_differing, samples_needed, unit_sd
+
+    per_context: dict[str, dict[str, list[float]]] = {}
+    for (context, _), value in paired.items():
+        per_context.setdefault(context.split("-")[0], {}).setdefault(context, []).append(value)
+    means = {kind: np.array([statistics.fmean(v) for v in contexts.values()]) for kind, contexts in per_context.items()}
+    if any(len(values) < 2 for values in means.values()):
+        return None
+    spread = unit_sd(means)  # points per context, as SCALE puts scores
+    if spread == 0:
+        return None
+    # one-sided at 2.5% is the two-sided test at 5%: ((z_0.975 + z_0.8) S / margin)^2 contexts per kind
+    needed = samples_needed(ACCURACY_MARGIN, spread, 0.05, POWER)
+    return int(max(needed, fewest_differing(0.025)))
 
 
 def headline(table: list[dict], accuracy: list[dict]) -> list[str]:
@@ -241,6 +267,15 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
             lines.append(f"| {line['configuration']} | {line['requests']} | {line['score']:.1f} "
                          f"({line['score_low']:.1f}, {line['score_high']:.1f}) | {versus} | {p} | "
                          f"{line.get('verdict', '-')} |")
+        planned = [line for line in accuracy if line.get("contexts_to_show_non_inferior")]
+        if planned:
+            lines += ["", f"Planning the next design (`contexts_for_non_inferiority`, `harness.analysis.sample_size`'s "
+                      "normal approximation on the spread of these per-context differences): to show a configuration "
+                      f"non-inferior within {ACCURACY_MARGIN:g} points with 80% power, were its true difference from "
+                      "full cache zero, takes "
+                      + "; ".join(f"{line['contexts_to_show_non_inferior']} contexts per kind for {line['configuration']}"
+                                  f" (this run: {line['contexts']} in all)" for line in planned)
+                      + ". A configuration whose true difference is below zero needs more."]
     if alone:
         lines += ["", "## Served under load against sent alone", "",
                   f"The first {len({(a['context'], a['question']) for a in alone})} requests of the workload, per "

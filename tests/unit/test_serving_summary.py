@@ -98,6 +98,22 @@ def test_accuracy_is_paired_with_full_cache_over_whole_contexts():
     assert table["paged context"]["verdict"] == "no verdict"
 
 
+def test_the_plan_sizes_a_design_that_can_show_non_inferiority_from_the_per_context_spread():
+    """Per-context mean differences of +-10 points over four contexts of one kind: S = 11.547 points
+    (ddof 1), so ((z_0.975 + z_0.8) x 11.547 / 5)^2 = 41.9 -> 42 contexts per kind; where no context
+    differs, or a kind has one context, there is no spread to plan from."""
+    from harness.serving.summary import contexts_for_non_inferiority
+
+    paired = {(f"registers-{k}", q): (0.1 if k % 2 else -0.1) for k in range(4) for q in range(2)}
+    assert contexts_for_non_inferiority(paired) == 42
+    assert contexts_for_non_inferiority({key: 0.0 for key in paired}) is None
+    assert contexts_for_non_inferiority({**paired, ("codes-0", 0): 0.2}) is None  # one context of that kind
+    # a tiny spread is floored at the exact test's minimum: 6 contexts reach p < 0.025 at best
+    assert contexts_for_non_inferiority({(f"registers-{k}", 0): 0.001 * (k % 2) for k in range(4)}) == 6
+    table = {line["configuration"]: line for line in accuracy_table(served({"paged context": [0.1, -0.1]}))}
+    assert table["paged context"]["contexts_to_show_non_inferior"] == 36  # eight contexts: S = 10.69, 35.9
+
+
 def served(losses: dict[str, list[float]], contexts: int = 8) -> list[dict]:
     """Each configuration's requests (2 per context): full cache scores 0.6 on every one; a
     configuration scores 0.6 minus its loss on context k (losses cycled over the contexts)."""
