@@ -4,6 +4,9 @@
   scheduler's settings, ledger and per-request stats whether the core runs in-process or in its
   own process (``EngineCore._handle_client_request`` looks utilities up by name,
   ``vllm/v1/engine/core.py:1694``);
+* the same state on the served app, ``GET /kv_eviction/state[?reset=1]`` (``STATE_ROUTE``): the
+  scheduler's settings and ledger as JSON (404 under vLLM's own scheduler), read through that
+  utility from the server's process; ``reset=1`` starts the ledger's measurements afresh first;
 * the check of each request's eviction settings in ``InputProcessor.process_inputs``, so a bad one
   is refused at admission (HTTP 400 from ``vllm serve``) and the engine keeps serving the others.
   vLLM's per-request hook for custom arguments, a logits processor's ``validate_params``
@@ -22,8 +25,8 @@
   request's id, and ``_raise_if_error`` raises it (still HTTP 500: the request was valid, its
   policy failed).
 """
-from __future__ import annotations
-
+# (no ``from __future__ import annotations``: FastAPI reads the state route's parameter annotations, which a
+# string would leave unresolved, the route's Request a query parameter)
 import functools
 from collections import OrderedDict
 from dataclasses import replace
@@ -38,6 +41,46 @@ def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = No
     """Engine-core utility: the eviction scheduler's state, or None under vLLM's own scheduler."""
     state = getattr(core.scheduler, "kv_eviction_state", None)
     return state(reset, requests) if state is not None else None
+
+
+STATE_ROUTE = "/kv_eviction/state"
+
+
+def wrap_register_api_routers(original):
+    """``vllm serve`` builds its app in ``build_app`` (vllm/entrypoints/launchers/app.py:19-56), which
+    calls ``register_api_routers`` (:45, looked up in that module when it runs) to add vLLM's own
+    routers; the state's route is added after them. (vLLM's endpoint plugins, :51, would need an entry
+    point that loads only where ``VLLM_PLUGINS`` names it: vllm/plugins/__init__.py:93-131.)"""
+
+    @functools.wraps(original)
+    def register_api_routers(args, app, *rest, **kwargs):
+        original(args, app, *rest, **kwargs)
+        app.include_router(state_router())
+
+    return register_api_routers
+
+
+def state_router():
+    """The route reading the scheduler's state: the served app's engine client (``app.state.engine_client``,
+    set by ``init_app_state``, vllm/entrypoints/launchers/api_server/app_state.py:63) calls the engine
+    core's ``kv_eviction_state`` utility (``AsyncMPClient.call_utility_async``,
+    vllm/v1/engine/core_client.py:1259; with data parallelism, the first engine's:
+    :1699-1701). Per-request counters are not read here (``requests`` is None)."""
+    from fastapi import APIRouter, Query, Request
+    from fastapi.responses import JSONResponse
+
+    router = APIRouter()
+
+    @router.get(STATE_ROUTE)
+    async def kv_eviction_state_route(raw_request: Request, reset: bool = Query(default=False)):
+        client = getattr(getattr(raw_request.app.state, "engine_client", None), "engine_core", None)
+        state = None if client is None else await client.call_utility_async("kv_eviction_state", reset, None)
+        if state is None:
+            return JSONResponse(status_code=404, content={"error": "this server runs no eviction scheduler "
+                                                                   "(--scheduler-cls harness.engine.scheduler.EvictionScheduler)"})
+        return JSONResponse(content=state)
+
+    return router
 
 
 def check_request(vllm_config, params, prompt_tokens: int | None = None, reconstruct=None) -> None:

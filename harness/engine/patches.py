@@ -9,7 +9,8 @@ installed vLLM, so an upgrade that moves one fails there, by name, before any en
 
 How a name is touched:
 
-* ``wrapped``: the method is replaced, on vLLM's class, by one that calls vLLM's own (installed here);
+* ``wrapped``: the method is replaced, on vLLM's class, by one that calls vLLM's own (installed here;
+  a module's function likewise, in the module that calls it);
 * ``added``: a new attribute on vLLM's class (installed here; the name must not exist in vLLM);
 * ``overridden``: a subclass of the harness redefines it (vLLM's hook installs the subclass: the
   scheduler through ``scheduler_cls``; the KV managers by swapping an instance's class);
@@ -49,7 +50,7 @@ LOGITS_PROCESSOR = "vllm.v1.sample.logits_processor:LogitsProcessor"
 
 @dataclass(frozen=True)
 class Patch:
-    owner: str                      # "module:Class" in vLLM
+    owner: str                      # "module:Class" in vLLM ("module:" for a module's own function)
     name: str                       # the attribute touched
     how: str                        # one of HOW
     parameters: tuple[str, ...]     # vLLM 0.32.0's own (empty for an added name)
@@ -66,8 +67,10 @@ class Patch:
         return f"{self.owner}.{self.name}"
 
     def owner_class(self):
+        """The class, or the module where ``owner`` names no class."""
         module, qualname = self.owner.split(":")
-        return getattr(importlib.import_module(module), qualname)
+        module = importlib.import_module(module)
+        return getattr(module, qualname) if qualname else module
 
 
 CLASS_KINDS = ("wrapped", "added", "overridden", "implemented", "called")
@@ -124,6 +127,12 @@ PATCHES: tuple[Patch, ...] = (
           ("self", "finish_reason", "request_id"),
           "answer a request whose policy failed with the policy's message instead of a fixed text (HTTP 500)",
           "harness.engine.frontend.wrap_raise_if_error", _lazy("harness.engine.frontend", "wrap_raise_if_error")),
+    # The served app: vLLM's build_app has no hook for a router that loads without VLLM_PLUGINS naming it.
+    Patch("vllm.entrypoints.launchers.app:", "register_api_routers", "wrapped",
+          ("args", "app", "supported_tasks", "model_config"),
+          "add GET /kv_eviction/state (the scheduler's settings and ledger) after vLLM's own routes",
+          "harness.engine.frontend.wrap_register_api_routers",
+          _lazy("harness.engine.frontend", "wrap_register_api_routers")),
     # The engine core: utilities are looked up by name (vllm/v1/engine/core.py, call_utility).
     Patch("vllm.v1.engine.core:EngineCore", "kv_eviction_state", "added", (),
           "let a client read the scheduler's eviction ledger and per-request counters in any process layout",

@@ -10,7 +10,10 @@ before the timed run and leave its context in the prefix cache; the server is al
 (``Server.start``). Each run is saved in the JSON ``vllm bench serve --save-result
 --save-detailed`` writes (serve.py:2250-2283 and :2397-2410: the setup and traffic keys, then
 ``benchmark()``'s result with ``generated_texts`` and ``errors``), the sweep's own keys added at
-the top level as ``--metadata KEY=VALUE`` adds them, and the gauge samples beside it.
+the top level as ``--metadata KEY=VALUE`` adds them, and the gauge samples beside it. The eviction
+scheduler's ledger (``GET /kv_eviction/state``, ``harness.engine.frontend``: the worker's model,
+query-capture, eviction and reconstruction seconds, the steps) is reset before the run and read
+after it, and kept beside it too (``.ledger.json``).
 
 A sweep: every configuration at every rate in every trial, on one server (a configuration is a
 per-request setting). Counterbalanced: rates ascending and configurations in the listed order in odd
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import json
 import random
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -55,15 +60,17 @@ class Bench:
     goodput: dict[str, float] = field(default_factory=lambda: parse_goodput(DEFAULT_GOODPUT))
 
     def run(self, configuration: str, rate: float, seed: int, metadata: dict | None = None,
-            max_concurrency: int | None = None) -> tuple[dict, list]:
+            max_concurrency: int | None = None) -> tuple[dict, list, dict | None]:
         """One run of vLLM's ``benchmark()``: its result in ``vllm bench serve``'s saved format (with
-        ``metadata`` on top) and the gauge samples taken beside it."""
+        ``metadata`` on top), the gauge samples taken beside it, and the scheduler's state over the
+        run (its ledger reset first; None from a server without the eviction scheduler)."""
         import numpy as np
 
         from harness.engine.bench_client import benchmark
 
         requests = sample_requests(self.workload, configuration, self.ratio)
         self.server.reset_prefix_cache()
+        eviction_state(self.server.base_url, reset=True)
         random.seed(seed)
         np.random.seed(seed)
         with GaugeSampler(self.server) as sampler:
@@ -76,7 +83,22 @@ class Bench:
                  "request_rate": rate if rate < float("inf") else "inf", "burstiness": 1.0,
                  "max_concurrency": max_concurrency,
                  **result}
-        return saved, sampler.samples
+        return saved, sampler.samples, eviction_state(self.server.base_url)
+
+
+def eviction_state(base_url: str, reset: bool = False) -> dict | None:
+    """The served eviction scheduler's settings and ledger (``GET /kv_eviction/state``,
+    ``harness.engine.frontend.STATE_ROUTE``), its measurements reset first with ``reset``; None
+    where the server answers 404 (vLLM's own scheduler)."""
+    from harness.engine.frontend import STATE_ROUTE
+
+    try:
+        answer = urllib.request.urlopen(f"{base_url}{STATE_ROUTE}{'?reset=true' if reset else ''}", timeout=60)
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return None
+        raise
+    return json.loads(answer.read().decode())
 
 
 def run_name(trial: int, rate: float, configuration: str) -> str:
@@ -103,24 +125,41 @@ def arrival_seed(seed: int, trial: int, rate: float, rates: list[float]) -> int:
 def rates_from_capacity(bench: Bench, fractions: tuple[float, ...], out: Path, seed: int) -> list[float]:
     """Full cache's capacity measured by vLLM's benchmark with every request sent at once (rate
     inf): its request throughput; the sweep's rates are ``fractions`` of it (below and above)."""
-    saved, samples = bench.run("full", float("inf"), seed, {"configuration": "full", "purpose": "capacity"})
-    write_run(out, "capacity", saved, samples)
+    saved, samples, state = bench.run("full", float("inf"), seed, {"configuration": "full", "purpose": "capacity"})
+    write_run(out, "capacity", saved, samples, state)
     capacity = saved["request_throughput"]
     print(f"[serving] full cache's capacity: {capacity:.3f} req/s ({saved['output_throughput']:.1f} output tok/s) "
           f"with all {saved['num_prompts']} requests at once", flush=True)
     return [float(f"{capacity * fraction:.3g}") for fraction in fractions]
 
 
-def write_run(out: Path, name: str, saved: dict, samples: list) -> None:
+def write_run(out: Path, name: str, saved: dict, samples: list, state: dict | None = None) -> None:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     (runs / f"{name}.json").write_text(json.dumps(saved))
     (runs / f"{name}.gauges.json").write_text(json.dumps(samples))
+    if state is not None:
+        (runs / f"{name}.ledger.json").write_text(json.dumps(state))
 
 
-def run_row(entry: dict, saved: dict, samples: list, items: list) -> tuple[dict, list[dict]]:
-    """A run's figures (one row of ``runs.csv``) and its requests' rows (``items``, in the order sent),
-    each scored."""
+# the ledger's figures a run's row keeps (``harness.engine.scheduler.Ledger.snapshot``): the steps that
+# scheduled tokens, and the worker's seconds over the steps that ran an evicting request (model_s
+# includes capture_s, evict_s includes reconstruct_s; reconstruct_s only where a policy reconstructs)
+LEDGER_FIGURES = ("steps", "model_s", "capture_s", "evict_s", "reconstruct_s")
+
+
+def ledger_figures(state: dict | None) -> dict:
+    """A run's ledger figures for its row (none for a run saved without its ledger)."""
+    if state is None:
+        return {}
+    ledger = state["ledger"]
+    return {f"ledger_{key}": ledger.get(key) for key in LEDGER_FIGURES}
+
+
+def run_row(entry: dict, saved: dict, samples: list, items: list, state: dict | None = None
+            ) -> tuple[dict, list[dict]]:
+    """A run's figures (one row of ``runs.csv``, with its ledger's where ``state`` is given) and its
+    requests' rows (``items``, in the order sent), each scored."""
     scores = [score(item, text) for item, text in zip(items, saved["generated_texts"])]
     gauge = gauge_summary(samples)
     row = {**entry, "completed": saved["completed"], "failed": saved["failed"], "duration_s": saved["duration"],
@@ -129,7 +168,7 @@ def run_row(entry: dict, saved: dict, samples: list, items: list) -> tuple[dict,
            **{key: saved.get(key) for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                                               "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "mean_e2el_ms")},
            "max_concurrent_requests": saved.get("max_concurrent_requests"), "kv_usage_mean": gauge["mean"],
-           "kv_usage_peak": gauge["peak"], "gauge_samples": gauge["samples"]}
+           "kv_usage_peak": gauge["peak"], "gauge_samples": gauge["samples"], **ledger_figures(state)}
     scored = [s for s in scores if s is not None]
     row["accuracy"] = 100 * sum(scored) / len(scored) if scored else None
     requests = [{"configuration": entry["configuration"], "rate": entry["rate"], "trial": entry["trial"],
@@ -154,10 +193,10 @@ def sweep(bench: Bench, configurations: list[str], rates: list[float], trials: i
             raise RuntimeError(f"vllm serve died:\n{bench.server.log_tail()}")
         metadata = {"configuration": entry["configuration"], "trial": entry["trial"], "position": entry["position"],
                     "workload": bench.workload.name, "ratio": bench.ratio}
-        saved, samples = bench.run(entry["configuration"], entry["rate"],
-                                   arrival_seed(seed, entry["trial"], entry["rate"], rates), metadata)
-        write_run(out, run_name(entry["trial"], entry["rate"], entry["configuration"]), saved, samples)
-        row, scored = run_row(entry, saved, samples, bench.workload.items)
+        saved, samples, state = bench.run(entry["configuration"], entry["rate"],
+                                          arrival_seed(seed, entry["trial"], entry["rate"], rates), metadata)
+        write_run(out, run_name(entry["trial"], entry["rate"], entry["configuration"]), saved, samples, state)
+        row, scored = run_row(entry, saved, samples, bench.workload.items, state)
         rows.append(row)
         requests += scored
         accuracy = "" if row["accuracy"] is None else f", accuracy {row['accuracy']:.1f}"
@@ -186,9 +225,9 @@ def served_alone(bench: Bench, configurations: list[str], requests: list[dict], 
     alone = replace(bench, workload=replace(bench.workload, items=sample))
     checked = []
     for configuration in configurations:
-        saved, samples = alone.run(configuration, float("inf"), 0, {"configuration": configuration,
-                                                                    "purpose": "alone"}, max_concurrency=1)
-        write_run(out, f"alone-{configuration.replace(' ', '_')}", saved, samples)
+        saved, samples, state = alone.run(configuration, float("inf"), 0, {"configuration": configuration,
+                                                                           "purpose": "alone"}, max_concurrency=1)
+        write_run(out, f"alone-{configuration.replace(' ', '_')}", saved, samples, state)
         served = {(r["context"], r["question"]): r["prediction"] for r in requests
                   if r["configuration"] == configuration and r["trial"] == 1 and r["rate"] == top}
         for item, text in zip(sample, saved["generated_texts"]):

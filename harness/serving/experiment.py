@@ -3,7 +3,8 @@ the workload built, one ``vllm serve`` started, the rates set (given, or fractio
 measured capacity), every run of the sweep, and what it writes under ``out``:
 
 * ``runs/<trial>-<rate>-<configuration>.json``: each run as ``vllm bench serve --save-result
-  --save-detailed`` saves it (``generated_texts`` included), and ``.gauges.json`` beside it;
+  --save-detailed`` saves it (``generated_texts`` included), ``.gauges.json`` beside it, and
+  ``.ledger.json``: the eviction scheduler's state over the run (``GET /kv_eviction/state``);
 * ``runs.csv`` (one row per run), ``requests.jsonl`` (one row per served request, scored),
   ``summary.csv`` and ``accuracy.csv`` (``harness.serving.summary``), ``summary.md``, ``pareto.png``,
   ``settings.json`` and ``vllm.log``."""
@@ -160,7 +161,7 @@ def write_summaries(out: Path, settings: dict, rows: list[dict], requests: list[
     with open(out / "requests.jsonl", "w") as handle:
         for row in requests:
             handle.write(json.dumps(row) + "\n")
-    text = summary.markdown(table, accuracy, settings, alone)
+    text = summary.markdown(table, accuracy, settings, alone, summary.time_split(rows))
     (out / "summary.md").write_text(text)
     summary.plot(table, out / "pareto.png", settings["workload"])
     return text
@@ -168,7 +169,7 @@ def write_summaries(out: Path, settings: dict, rows: list[dict], requests: list[
 
 def summarize(out: Path) -> str:
     """The summaries again from a sweep's saved runs (``runs/*.json`` as vLLM's benchmark saved them,
-    their gauges, ``alone.json``, ``settings.json``), with no server: the workload rebuilt from the
+    their gauges and ledgers, ``alone.json``, ``settings.json``), with no server: the workload rebuilt from the
     settings to score each request's saved text. Returns ``summary.md``'s text."""
     from transformers import AutoTokenizer
 
@@ -189,7 +190,10 @@ def summarize(out: Path) -> str:
         saved = json.loads(Path(f"{name}.json").read_text())
         if saved["input_lens"] != [len(item.prompt) for item in items]:
             raise ValueError(f"{name}.json: its prompts are not the workload rebuilt from settings.json")
-        row, scored = run_row(entry, saved, json.loads(Path(f"{name}.gauges.json").read_text()), items)
+        # a sweep saved before the ledger was read (no .ledger.json) keeps its summaries as they were
+        ledger = Path(f"{name}.ledger.json")
+        state = json.loads(ledger.read_text()) if ledger.is_file() else None
+        row, scored = run_row(entry, saved, json.loads(Path(f"{name}.gauges.json").read_text()), items, state)
         rows.append(row)
         requests += scored
     alone = json.loads((out / "alone.json").read_text()) if (out / "alone.json").is_file() else []

@@ -2,7 +2,8 @@
 ratio to full cache in the same trial and rate (geometric mean with a 95% t-interval over trials,
 ``harness.analysis.stats.ratio_interval``); its accuracy over the same served requests (95% intervals
 over whole contexts, ``harness.analysis.stats.cell_interval``: a context's requests are resampled
-together); and the latency-throughput plot."""
+together); where the runs kept the eviction scheduler's ledger, where a step's time goes at the
+highest rate (``time_split``); and the latency-throughput plot."""
 from __future__ import annotations
 
 import math
@@ -196,6 +197,125 @@ def headline(table: list[dict], accuracy: list[dict]) -> list[str]:
     return lines + [""]
 
 
+# The parts of a run's wall time, from its ledger (harness.engine.scheduler.Ledger: model_s holds
+# capture_s, evict_s holds reconstruct_s), each without what it holds, and the rest of the wall time.
+PARTS = (("model", "model"), ("capture", "attention (query capture)"), ("eviction", "eviction"),
+         ("reconstruction", "reconstruction"), ("other", "scheduling and other"))
+EVICTION_PARTS = ("capture", "eviction", "reconstruction")  # the eviction's own work
+
+
+def run_parts(row: dict) -> dict | None:
+    """One run's seconds per part (``PARTS``), or None where its worker timed no step (no request of
+    the run evicts: the worker times only steps that run an evicting request)."""
+    model, capture, evict = row["ledger_model_s"], row["ledger_capture_s"], row["ledger_evict_s"]
+    if not model:
+        return None
+    reconstruct = row.get("ledger_reconstruct_s") or 0.0
+    return {"model": model - capture, "capture": capture, "eviction": evict - reconstruct,
+            "reconstruction": reconstruct, "other": row["duration_s"] - model - evict}
+
+
+def time_split(rows: list[dict]) -> list[dict]:
+    """Where a step's time goes at the highest rate, one line per configuration whose runs kept
+    their ledger: steps and wall ms per step, and per part (``PARTS``) its ms per step and share of
+    the wall time, means over trials with the 95% t-interval's half-width over trials; a
+    configuration whose worker timed no step (full cache) has steps and wall time only."""
+    kept = [r for r in rows if r.get("ledger_steps")]
+    if not kept:
+        return []
+    top = max(r["rate"] for r in kept)
+    split = []
+    for name in dict.fromkeys(r["configuration"] for r in kept):
+        mine = [r for r in kept if r["configuration"] == name and r["rate"] == top]
+        if not mine:
+            continue
+        walls = [r["duration_s"] * 1000 / r["ledger_steps"] for r in mine]
+        line = {"configuration": name, "rate": top, "trials": len(mine),
+                "steps": statistics.fmean(r["ledger_steps"] for r in mine), "wall_ms_per_step": statistics.fmean(walls),
+                "wall_ms_per_step_half": half_width(walls),
+                "reconstructs": any(r.get("ledger_reconstruct_s") is not None for r in mine)}
+        parts = [run_parts(r) for r in mine]
+        line["timed"] = None not in parts
+        if line["timed"]:
+            for key, _ in PARTS:
+                shares = [p[key] / r["duration_s"] for p, r in zip(parts, mine)]
+                line[f"{key}_ms_per_step"] = statistics.fmean(p[key] * 1000 / r["ledger_steps"] for p, r in zip(parts, mine))
+                line[f"{key}_share"], line[f"{key}_share_half"] = statistics.fmean(shares), half_width(shares)
+            own = [sum(p[key] for key in EVICTION_PARTS) / r["duration_s"] for p, r in zip(parts, mine)]
+            line["eviction_work_share"], line["eviction_work_share_half"] = statistics.fmean(own), half_width(own)
+        split.append(line)
+    return split
+
+
+def split_reading(line: dict, rate_line: dict | None, accuracy_line: dict | None) -> str:
+    """What a compressing configuration's split says about the target, from its numbers only:
+    the wall time its output tok/s needs to lose to reach TARGET x full cache's at the same output
+    tokens, against its eviction's own share; its goodput ratio; its accuracy."""
+    e, m, other = line["eviction_work_share"], line["model_share"], line["other_share"]
+    text = (f"* {line['configuration']}: the eviction's own work (query capture, eviction"
+            f"{', reconstruction' if line['reconstructs'] else ''}) takes {e:.0%} of the wall time, the model "
+            f"{m:.0%}, scheduling and other {other:.0%}.")
+    ratio = rate_line.get("output_tok_s_ratio") if rate_line else None
+    if ratio is None:
+        text += " Its output tok/s against full cache's is undecided."
+    elif ratio < TARGET:
+        need = 1 - ratio / TARGET
+        text += (f" Its output tok/s is {ratio_text(rate_line, 'output_tok_s')} full cache's: {TARGET:g}x at the "
+                 f"same output tokens needs the run {need:.0%} shorter, "
+                 + (f"which its eviction's own {e:.0%} would cover were it free." if e >= need else
+                    f"more than its eviction's own {e:.0%}: the rest would have to come off the model's {m:.0%} "
+                    f"or the other {other:.0%}."))
+    else:
+        text += (f" Its output tok/s is already {ratio_text(rate_line, 'output_tok_s')} full cache's; goodput "
+                 "counts only the requests within the SLOs, which this split of the steps does not apportion.")
+    goodput = rate_line.get("request_goodput_ratio") if rate_line else None
+    text += (" Its goodput against full cache's is " + (ratio_text(rate_line, "request_goodput") if goodput is not None
+                                                        else "undecided (0 in a trial)") + ".") if rate_line else ""
+    if accuracy_line is not None and "non_inferior" in accuracy_line and not accuracy_line["non_inferior"]:
+        text += (f" Its accuracy is not shown within the {ACCURACY_MARGIN:g}-point margin "
+                 f"({accuracy_line.get('verdict')}), which no time saved changes.")
+    return text
+
+
+def split_section(split: list[dict], table: list[dict], accuracy: list[dict]) -> list[str]:
+    """``summary.md``'s "Where a step's time goes" (empty where no run kept its ledger)."""
+    if not split:
+        return []
+    top = split[0]["rate"]
+    parts = [(key, label) for key, label in PARTS if key != "reconstruction" or any(l["reconstructs"] for l in split)]
+    lines = ["## Where a step's time goes", "",
+             f"At the highest rate ({top:g} req/s), from the eviction scheduler's ledger (`GET /kv_eviction/state`, "
+             "reset before each run and read after it: `runs/*.ledger.json`): the worker's seconds over the steps "
+             "that ran an evicting request, split into the model (its forward and sampling, less the query capture "
+             "inside it), the query capture attention-aware policies read, the eviction (less the reconstruction "
+             "inside it), KVzip's reconstruction passes, and the rest of the run's wall time (vLLM's benchmark's "
+             "duration): the scheduler, the server and the client, and waiting for arrivals. Each part in ms per "
+             "step (steps that scheduled tokens) and as a share of the wall time, means over trials "
+             "(± the 95% t-interval's half-width over trials). The worker times no step of a run where no request "
+             "evicts (full cache): its steps and wall time per step only.", "",
+             "| configuration | trials | steps | wall ms/step | " + " | ".join(label for _, label in parts) + " |",
+             "|---|---|---|---|" + "---|" * len(parts)]
+    for line in split:
+        cells = [f"{line[f'{key}_ms_per_step']:.1f} ({share_text(line[f'{key}_share'], line[f'{key}_share_half'])})"
+                 if line["timed"] else "not timed" for key, _ in parts]
+        wall = number(line["wall_ms_per_step"], 1) + ("" if line["wall_ms_per_step_half"] is None
+                                                       else f" ± {line['wall_ms_per_step_half']:.1f}")
+        lines.append(f"| {line['configuration']} | {line['trials']} | {line['steps']:.0f} | {wall} | "
+                     + " | ".join(cells) + " |")
+    rates = {line["configuration"]: line for line in table if line["rate"] == top}
+    scores = {line["configuration"]: line for line in accuracy}
+    readings = [split_reading(line, rates.get(line["configuration"]), scores.get(line["configuration"]))
+                for line in split if line["timed"] and line["configuration"] != "full"]
+    if readings:
+        lines += ["", f"What the split says of the target ({TARGET:g}x full cache's goodput at an accuracy within "
+                  f"{ACCURACY_MARGIN:g} points):", ""] + readings
+    return lines + [""]
+
+
+def share_text(share: float, half: float | None) -> str:
+    return f"{100 * share:.0f}%" + ("" if half is None else f" ± {100 * half:.0f}")
+
+
 def number(value, digits: int = 2, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
@@ -209,7 +329,8 @@ def ratio_text(line: dict, key: str) -> str:
     return f"{estimate:.2f}x" + ("" if low is None else f" ({low:.2f}-{high:.2f})")
 
 
-def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: list[dict] | None = None) -> str:
+def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: list[dict] | None = None,
+             split: list[dict] | None = None) -> str:
     contexts = settings.get("contexts")
     lines = [f"# Serving benchmark: {settings['workload']}", "",
              f"Command: `{settings['command']}`"
@@ -233,6 +354,7 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
                   f"{', '.join(f'{f:g}' for f in settings['fractions'])} of full cache's capacity "
                   f"({settings['capacity']:.3f} req/s with every request sent at once).", ""]
     lines += headline(table, accuracy)
+    lines += split_section(split or [], table, accuracy)
     lines += ["## Every rate", "", "| rate (req/s) | configuration | completed/failed | output tok/s | vs full | goodput (req/s) | vs full | "
               "median TTFT ms | vs full | median TPOT ms | vs full | KV usage mean/peak | accuracy |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

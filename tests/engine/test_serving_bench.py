@@ -3,12 +3,15 @@ project's sweep (``harness.serving``: vLLM's ``benchmark()`` with per-request ev
 and ``vllm bench serve`` as users type it, each driving a handful of requests on the tiny model,
 their saved metrics files checked (every request completed, none failed, output tokens counted,
 the KV usage gauge sampled); a per-request setting the server must refuse comes back as an error,
-so the settings do reach the server."""
+so the settings do reach the server; the scheduler's ledger is read through the served app
+(``GET /kv_eviction/state``) and starts afresh on reset. One server for all of them (CI time)."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,45 @@ def test_vllm_bench_serve_as_typed_with_eviction_in_extra_body(server, tmp_path)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["completed"] == 4 and saved["failed"] == 0 and saved["errors"] == [""] * 4
     assert saved["total_output_tokens"] == 4 * 16 and saved["request_goodput"] is not None
+
+
+def complete(server, prompt: list[int], setting: dict | None = None) -> None:
+    body = {"model": model_path("tiny"), "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    if setting is not None:
+        body["vllm_xargs"] = {"kv_eviction": json.dumps(setting)}
+    request = urllib.request.Request(f"{server.base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    answer = json.loads(urllib.request.urlopen(request, timeout=120).read().decode())
+    assert answer["usage"]["completion_tokens"] == 8
+
+
+def test_the_served_ledger_counts_what_was_served_and_resets(server):
+    """``GET /kv_eviction/state`` (what the sweep reads, ``harness.serving.bench.eviction_state``)
+    answers the engine core's ledger across the process boundary, counts the steps of what was
+    served, times the worker only on steps that run an evicting request, and starts afresh on reset."""
+    from harness.serving.bench import eviction_state
+
+    server.reset_prefix_cache()
+    prompt = list(range(400, 600))  # 200 tokens: PagedEviction at 2 blocks evicts in its prefill
+    fresh = eviction_state(server.base_url, reset=True)
+    ledger = fresh["ledger"]
+    assert fresh["settings"] is None and fresh["prefix_caching"]  # no server default: settings per request
+    assert (ledger["steps"], ledger["model_s"], ledger["evict_s"]) == (0, 0.0, 0.0)
+
+    complete(server, prompt)  # full cache: its steps count, but no step of it is timed
+    full = eviction_state(server.base_url)["ledger"]
+    assert full["steps"] >= 8 and full["model_s"] == 0.0 and full["evicted_tokens"] == 0
+
+    eviction_state(server.base_url, reset=True)
+    started = time.perf_counter()
+    for _ in range(2):
+        complete(server, prompt, {"policy": "paged", "budget": 2 * BLOCK})
+    elapsed = time.perf_counter() - started
+    paged = eviction_state(server.base_url)["ledger"]
+    # the reset dropped full cache's steps; both requests' prefill evictions and steps counted
+    assert 2 * 8 <= paged["steps"] < full["steps"] + 2 * 8
+    # each keeps at most budget + a block and a half of its 200 tokens (policies/paged.py), once in its prefill
+    assert paged["evictions"]["prefill"] == 2 and paged["evicted_tokens"] >= 2 * (len(prompt) - 2 * BLOCK - 48)
+    # the worker's seconds lie within the wall time the client saw (the split's "other" is not negative)
+    assert 0 < paged["model_s"] and 0 < paged["evict_s"] and paged["model_s"] + paged["evict_s"] < elapsed
+    assert server.alive()

@@ -195,3 +195,150 @@ def test_the_plot_draws_each_figure_with_its_interval_over_trials(tmp_path):
     assert table[0]["median_ttft_ms_half"] == pytest.approx(4.303 * 1000 / 3 ** 0.5, rel=1e-3)  # 1, 2, 3 s
     plot(table, tmp_path / "pareto.png", "w")
     assert (tmp_path / "pareto.png").stat().st_size > 10_000
+
+
+# --- where a step's time goes: the runs' saved ledgers (GET /kv_eviction/state) ----------------------
+
+def saved_state(steps: int, model_s: float, capture_s: float, evict_s: float, reconstruct_s: float = 0.0,
+                reconstruct_tokens: int = 0) -> dict:
+    """What the route answers and the sweep saves as ``.ledger.json``: the scheduler's own ledger
+    (``Ledger.snapshot``, the class the engine runs) with these figures, through JSON."""
+    import json
+
+    from harness.engine.scheduler import Ledger
+
+    ledger = Ledger("paged", steps=steps, model_s=model_s, capture_s=capture_s, evict_s=evict_s,
+                    reconstruct_s=reconstruct_s, reconstruct_tokens=reconstruct_tokens)
+    return json.loads(json.dumps({"settings": None, "ledger": ledger.snapshot(), "free_blocks": 100,
+                                  "prefix_caching": True, "requests": {}}))
+
+
+def ledger_rows(paged: dict, full: dict | None = None, tok_s: float = 11.0, duration: float = 10.0) -> list[dict]:
+    """Three trials at two rates of full cache (10 tok/s, its ledger ``full``) and paged context
+    (``tok_s``, its ledger ``paged``), each run ``duration`` s, the rows as ``run_row`` makes them."""
+    from harness.serving.bench import ledger_figures
+
+    full = full or saved_state(400, 0.0, 0.0, 0.0)  # no evicting request: the worker timed no step
+    return [{**row(name, rate, trial, 10.0 if name == "full" else tok_s), "duration_s": duration,
+             **ledger_figures(full if name == "full" else paged)}
+            for trial in (1, 2, 3) for rate in (0.5, 1.0) for name in ("full", "paged context")]
+
+
+def test_the_split_divides_each_runs_wall_time_by_the_ledgers_parts():
+    """model_s holds capture_s and evict_s holds reconstruct_s (Ledger): each part is shown without
+    what it holds, and the rest of the benchmark's duration is scheduling and other."""
+    from harness.serving.summary import time_split
+
+    rows = ledger_rows(saved_state(100, model_s=6.0, capture_s=1.0, evict_s=2.0))
+    split = {line["configuration"]: line for line in time_split(rows)}
+    paged, full = split["paged context"], split["full"]
+    assert paged["rate"] == 1.0 and paged["trials"] == 3 and paged["steps"] == 100 and paged["timed"]
+    assert paged["wall_ms_per_step"] == pytest.approx(100.0)  # 10 s over 100 steps
+    for key, ms in (("model", 50.0), ("capture", 10.0), ("eviction", 20.0), ("reconstruction", 0.0), ("other", 20.0)):
+        assert paged[f"{key}_ms_per_step"] == pytest.approx(ms), key
+        assert paged[f"{key}_share"] == pytest.approx(ms / 100.0), key
+    assert sum(paged[f"{key}_share"] for key in ("model", "capture", "eviction", "reconstruction", "other")) \
+        == pytest.approx(1.0)
+    assert paged["eviction_work_share"] == pytest.approx(0.3) and paged["eviction_work_share_half"] == pytest.approx(0)
+    assert not paged["reconstructs"]
+    # full cache: no step timed, its steps and wall time per step only
+    assert not full["timed"] and full["steps"] == 400 and full["wall_ms_per_step"] == pytest.approx(25.0)
+    assert "model_share" not in full
+    # reconstruction split out of the eviction where a policy reconstructed
+    kvzip = {line["configuration"]: line for line in time_split(
+        ledger_rows(saved_state(100, 6.0, 1.0, 2.0, reconstruct_s=1.5, reconstruct_tokens=300)))}["paged context"]
+    assert kvzip["reconstructs"] and kvzip["eviction_ms_per_step"] == pytest.approx(5.0)
+    assert kvzip["reconstruction_ms_per_step"] == pytest.approx(15.0) and kvzip["eviction_work_share"] == pytest.approx(0.3)
+
+
+def test_the_split_section_says_what_would_reach_the_target_from_its_numbers():
+    """At 1.1x full cache's output tok/s, 1.3x needs the run 1 - 1.1/1.3 = 15% shorter: the eviction's
+    own 30% would cover it; at 0.8x it needs 38%, more than 30%. An accuracy not shown within the
+    margin is named. The section is rebuilt from the rows alone, and only where ledgers were kept."""
+    from harness.serving.summary import split_section, time_split
+
+    accuracy = [{"configuration": "full"},
+                {"configuration": "paged context", "verdict": "worse", "non_inferior": False}]
+    state = saved_state(100, model_s=6.0, capture_s=1.0, evict_s=2.0)
+    rows = ledger_rows(state, tok_s=11.0)
+    text = "\n".join(split_section(time_split(rows), rate_table(rows), accuracy))
+    assert text.startswith("## Where a step's time goes") and "At the highest rate (1 req/s)" in text
+    assert "| configuration | trials | steps | wall ms/step | model | attention (query capture) | eviction | " \
+           "scheduling and other |" in text  # no reconstruction column where nothing reconstructed
+    assert "| paged context | 3 | 100 | 100.0 ± 0.0 | 50.0 (50% ± 0) | 10.0 (10% ± 0) | 20.0 (20% ± 0) | " \
+           "20.0 (20% ± 0) |" in text
+    assert "| full | 3 | 400 | 25.0 ± 0.0 | not timed | not timed | not timed | not timed |" in text
+    assert ("* paged context: the eviction's own work (query capture, eviction) takes 30% of the wall time, the "
+            "model 50%, scheduling and other 20%. Its output tok/s is 1.10x (1.10-1.10) full cache's: 1.3x at the "
+            "same output tokens needs the run 15% shorter, which its eviction's own 30% would cover were it free. "
+            "Its goodput against full cache's is 1.00x (1.00-1.00). Its accuracy is not shown within the 5-point "
+            "margin (worse), which no time saved changes.") in text
+    slower = "\n".join(split_section(time_split(ledger_rows(state, tok_s=8.0)), rate_table(ledger_rows(state, tok_s=8.0)),
+                                     accuracy[:1]))
+    assert ("needs the run 38% shorter, more than its eviction's own 30%: the rest would have to come off the "
+            "model's 50% or the other 20%.") in slower and "Its accuracy" not in slower
+    faster = "\n".join(split_section(time_split(ledger_rows(state, tok_s=15.0)), rate_table(ledger_rows(state, tok_s=15.0)),
+                                     accuracy))
+    assert "Its output tok/s is already 1.50x (1.50-1.50) full cache's" in faster
+    # in summary.md after the verdict; a sweep saved without ledgers has no section and the same text
+    settings = {"workload": "w", "command": "c", "description": "d", "model": "m", "pool_blocks": 10, "block_size": 32,
+                "ignore_eos": False, "goodput": {"ttft": 5000.0}, "ratio": 0.5, "trials": 3}
+    table = rate_table(rows)
+    with_split = markdown(table, [], settings, None, time_split(rows))
+    assert with_split.index("## Verdict") < with_split.index("## Where a step's time goes") < with_split.index("## Every rate")
+    bare = [{key: value for key, value in r.items() if not key.startswith("ledger_")} for r in rows]
+    assert time_split(bare) == [] and markdown(rate_table(bare), [], settings, None, time_split(bare)) \
+        == markdown(table, [], settings, None)
+
+
+def test_a_runs_ledger_is_saved_beside_it_and_read_into_its_row(tmp_path):
+    """``write_run`` keeps the route's answer as ``.ledger.json``; a run without one (a server
+    without the eviction scheduler, or a sweep saved before) writes none and its row has no ledger figures."""
+    import json
+
+    from harness.serving.bench import LEDGER_FIGURES, ledger_figures, write_run
+
+    state = saved_state(7, 1.0, 0.25, 0.5)
+    write_run(tmp_path, "a", {"x": 1}, [], state)
+    write_run(tmp_path, "b", {"x": 1}, [])
+    assert json.loads((tmp_path / "runs" / "a.ledger.json").read_text()) == state
+    assert not (tmp_path / "runs" / "b.ledger.json").exists()
+    figures = ledger_figures(state)
+    assert figures == {"ledger_steps": 7, "ledger_model_s": 1.0, "ledger_capture_s": 0.25, "ledger_evict_s": 0.5,
+                       "ledger_reconstruct_s": None} and len(figures) == len(LEDGER_FIGURES)
+    assert ledger_figures(None) == {}
+
+
+def test_the_state_route_answers_404_without_the_eviction_scheduler():
+    """The route added after vLLM's own (``harness.engine.frontend``) asks the engine core's
+    ``kv_eviction_state`` utility, with ``reset``, and answers its state, or 404 where the utility
+    answers None (vLLM's own scheduler). The engine client here is a stand-in that records the call:
+    tests/engine/test_served_state.py asks a real ``vllm serve``."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from harness.engine.frontend import STATE_ROUTE, wrap_register_api_routers
+
+    calls = []
+
+    class Core:
+        def __init__(self, answer):
+            self.answer = answer
+
+        async def call_utility_async(self, method, *args):
+            calls.append((method, *args))
+            return self.answer
+
+    class Client:
+        def __init__(self, answer):
+            self.engine_core = Core(answer)
+
+    app = FastAPI()
+    wrap_register_api_routers(lambda args, app, supported_tasks, model_config: None)(None, app, ("generate",), None)
+    app.state.engine_client = Client(None)
+    with TestClient(app) as http:
+        assert http.get(STATE_ROUTE).status_code == 404
+        app.state.engine_client = Client({"ledger": {"steps": 3}})
+        answer = http.get(f"{STATE_ROUTE}?reset=1")
+        assert answer.status_code == 200 and answer.json() == {"ledger": {"steps": 3}}
+    assert calls == [("kv_eviction_state", False, None), ("kv_eviction_state", True, None)]
