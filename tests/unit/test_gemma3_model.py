@@ -166,15 +166,34 @@ def test_converted_gemma3_is_a_float32_hybrid_checkpoint_with_bos():
     assert tokenizer("Paris")["input_ids"][0] == tokenizer.bos_token_id and not tokenizer.chat_template
 
 
+# A Wikipedia sentence (not from the suite): what a language model should find ordinary text.
+PARAGRAPH = ("The French Revolution was a period of political and societal change in France that began with the "
+             "Estates General of 1789 and ended with the coup of 18 Brumaire in November 1799 and the formation of "
+             "the French Consulate. Many of its ideas are considered fundamental principles of liberal democracy, "
+             "while its values and institutions remain central to modern French political discourse.")
+
+
 @pytest.mark.slow  # loads Gemma 3 270M and generates with it
-def test_converted_gemma3_completes_a_fact():
+def test_converted_gemma3_reads_text_and_completes_a_fact():
+    """The conversion kept a language model: ordinary text costs 2.3 nats a token with its ``<bos>``
+    (measured here; a uniform guess over the vocabulary costs ln 262,144 = 12.5), 4.4 without it
+    (why the tokenizer must add it), and a fact completes. (Its greedy continuation of "The capital of France is" is " the capital of the
+    country of France." on this base model, " Paris" third at -2.5 nats: a phrasing, not a failure.)"""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gemma_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+
+    def loss(add_bos: bool) -> float:
+        ids = tokenizer(PARAGRAPH, return_tensors="pt", add_special_tokens=add_bos).input_ids
+        with torch.no_grad():
+            return float(model(ids, labels=ids).loss)
+
+    with_bos, without_bos = loss(True), loss(False)
+    assert with_bos < 3.0 and without_bos > with_bos + 1.0, (with_bos, without_bos)
+    ids = tokenizer("The Eiffel Tower is in the city of", return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
