@@ -6,7 +6,9 @@ consecutive files, ask for starts once.
 
 The files that run such batches go first, in ``SHARING_ORDER``, where most files' first
 configuration is one the file before left running (when it was set: their 44 batches on 24
-engines, against 29 in alphabetical order, which this order replaced). The kept engines close before
+engines, against 29 in alphabetical order, which this order replaced; 23 since
+test_context_compression.py ends, and test_prefix_caching.py starts, on SmolLM2 with prefix
+caching). The kept engines close before
 any other file runs (those start engines of their own: ``run.py``, ``vllm serve``) and when the
 engine tests end, so that none holds memory beside them. A file not listed runs after the listed
 ones, in pytest's order, sharing engines among its own tests."""
@@ -23,10 +25,11 @@ SHARING_ORDER = (
     "test_h2o_within_budget",      # SmolLM2, H2O the engine's default, without and with prefix caching
     "test_kvzip_schedule",         # prefix caching, two layer groups, 256-token steps
     "test_kvzip",                  # no default policy (the next three files' engine), then the one above
-    "test_context_compression",    # no default policy, prefix caching
+    "test_context_compression",    # no default policy (and a small pool), then with prefix caching
     "test_engine_budget_ratio",
     "test_policy_matrix",
-    "test_prefix_caching",         # ... then tiny: no default policy, small pools
+    "test_prefix_caching",         # prefix caching (the engine test_context_compression left), then
+                                   # SmolLM2 defaults and tiny: no default policy, small pools
     "test_layer_groups",           # SmolLM2 with prefix caching, one and three groups
     "test_forced_decoding",        # tiny, PagedEviction at 128 the default
     "test_load",

@@ -111,6 +111,27 @@ def first_asked(requests) -> list[int]:
     return first
 
 
+# First (CI time): its engines, SmolLM2 without prefix caching and a small pool, run before the
+# file's prefix-caching engine, which is then the last this file uses, kept for the first batch of
+# tests/engine/test_prefix_caching.py with prefix caching (tests/engine/conftest.py).
+def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tmp_path, requests):
+    """A pool too small for every request at once: vLLM preempts requests that had already
+    compressed their context or taken a shared one; each takes the shared context again (or, where
+    the pool reclaimed it, compresses the context again at the same boundary) and generates what it
+    generated, computing its own, without preemption."""
+    context = [(p, s) for p, s in requests if s.get("compress") == "context"]
+    chosen = [(p, s) for p, s in context if s["policy"] == "paged"] + context[-3:]  # two, and three SnapKV questions
+    prompts, settings = [p for p, _ in chosen], [s for _, s in chosen]
+    roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings)
+    tight = run_engine(tmp_path / "tight", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings,
+                       num_kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN, prefix_caching=True)
+    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
+    assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding a compressed context"
+    assert tight["ledger"]["shared_contexts"]["hits"] > 0
+    assert_same_outputs(roomy, tight)
+    assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]
+
+
 def test_each_request_evicts_at_its_context_boundary_before_any_question_token(engine_runs, requests):
     """The first eviction of a request runs at its physical length, which before it equals the
     tokens computed: evicting exactly (context - kept) tokens means the eviction ran when the
@@ -258,21 +279,3 @@ def test_a_chained_conversation_equals_the_plain_reference_and_never_writes_a_ke
     blocks = run["chain_blocks"]
     assert blocks["checked"] > 0 and blocks["changed"] == 0
     assert run["free_blocks_after"] == ledger["kv_pool_blocks"]
-
-
-def test_preempted_requests_evict_at_the_boundary_again_and_generate_the_same(tmp_path, requests):
-    """A pool too small for every request at once: vLLM preempts requests that had already
-    compressed their context or taken a shared one; each takes the shared context again (or, where
-    the pool reclaimed it, compresses the context again at the same boundary) and generates what it
-    generated, computing its own, without preemption."""
-    context = [(p, s) for p, s in requests if s.get("compress") == "context"]
-    chosen = [(p, s) for p, s in context if s["policy"] == "paged"] + context[-3:]  # two, and three SnapKV questions
-    prompts, settings = [p for p, _ in chosen], [s for _, s in chosen]
-    roomy = run_engine(tmp_path / "roomy", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings)
-    tight = run_engine(tmp_path / "tight", "smollm2", prompts, PREEMPT_TOKENS, request_eviction=settings,
-                       num_kv_blocks=PREEMPT_POOL, max_model_len=PREEMPT_LEN, prefix_caching=True)
-    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
-    assert tight["ledger"]["preempted_after_eviction"] > 0, "preemption hit requests holding a compressed context"
-    assert tight["ledger"]["shared_contexts"]["hits"] > 0
-    assert_same_outputs(roomy, tight)
-    assert tight["free_blocks_after"] == tight["ledger"]["kv_pool_blocks"]

@@ -4,7 +4,8 @@ taught the window (``tests.support.plain_reference``: local layers attend over t
 positions of what they hold, global layers over what eviction kept).
 
 Policies act on the global layers' KV cache group; vLLM's sliding-window manager frees the local
-groups' blocks as before (``harness.engine.layer_groups``). Three engines, each in its own process."""
+groups' blocks as before (``harness.engine.layer_groups``). Three engines, each in a process of its own
+(the engine tests' pool: ``tests.support.engine_support.run_spec``)."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -13,9 +14,8 @@ import pytest
 
 from harness.config import engine_settings
 from harness.config.models import EMBEDDED_PREFIX, TINY_HYBRID, TINY_HYBRID_WINDOW, resolve_model_path
-from harness.engine.batch_run import run_in_subprocess
 from tests.support.engine_support import (BLOCK, DECODE_EVICTING_TOKENS, assert_mostly_equal, assert_same_outputs,
-                                          mixed_lengths, plain_policy)
+                                          mixed_lengths, plain_policy, run_spec)
 
 pytestmark = pytest.mark.engine
 
@@ -59,7 +59,7 @@ def run(model, prompts, tmp_path_factory):
         if name not in done:
             spec = {"model_path": model, "prompts": prompts, "max_new_tokens": NEW_TOKENS, "max_model_len": 4096,
                     "top_logprobs": 3, **specs[name], "engine": asdict(engine_settings())}
-            done[name] = run_in_subprocess(spec, tmp_path_factory.mktemp(name), timeout_s=900)
+            done[name] = run_spec(spec, tmp_path_factory.mktemp(name), timeout_s=900)
         return done[name]
 
     return get

@@ -40,17 +40,8 @@ def without_cache(workdir, shared_prompts):
     return run_engine(workdir, "smollm2", shared_prompts, 80, request_eviction=MIXED)
 
 
-def test_mixed_policies_in_one_batch_equal_each_policy_alone(workdir, shared_prompts, without_cache):
-    """Per-request settings: a batch mixing five policies and full cache gives each request what
-    an engine running only that request's settings gives it."""
-    for index in (3, 0, 1):  # full cache first: it runs on the engine of the mixed batch (no default policy)
-        settings = MIXED[index]
-        alone = run_engine(workdir, "smollm2", [shared_prompts[index]], 80,
-                           eviction=settings if settings["policy"] != "full" else None)
-        assert_same_outputs({"outputs": [without_cache["outputs"][index]],
-                             "top_logprobs": [without_cache["top_logprobs"][index]]}, alone)
-
-
+# Before the batches of one request (CI time): its engine, SmolLM2 with prefix caching, is the one
+# tests/engine/test_context_compression.py used last, still running (tests/engine/conftest.py).
 def test_prefix_caching_changes_no_output_and_writes_no_cached_block(workdir, shared_prompts, without_cache):
     with_cache = run_engine(workdir, "smollm2", shared_prompts, 80, request_eviction=MIXED,
                             prefix_caching=True, warm_cache=True)
@@ -64,6 +55,17 @@ def test_prefix_caching_changes_no_output_and_writes_no_cached_block(workdir, sh
     assert cached["registered_before"] >= 4 and cached["still_registered"] == cached["registered_before"]
     assert cached["changed"] == 0
     assert with_cache["free_blocks_after"] == with_cache["free_blocks_before"]
+
+
+def test_mixed_policies_in_one_batch_equal_each_policy_alone(workdir, shared_prompts, without_cache):
+    """Per-request settings: a batch mixing five policies and full cache gives each request what
+    an engine running only that request's settings gives it."""
+    for index in (3, 0, 1):  # full cache first: it runs on the engine of the mixed batch (no default policy)
+        settings = MIXED[index]
+        alone = run_engine(workdir, "smollm2", [shared_prompts[index]], 80,
+                           eviction=settings if settings["policy"] != "full" else None)
+        assert_same_outputs({"outputs": [without_cache["outputs"][index]],
+                             "top_logprobs": [without_cache["top_logprobs"][index]]}, alone)
 
 
 def preempted_requests(policy: str) -> tuple[list[list[int]], list[dict]]:

@@ -49,12 +49,18 @@ def run_engine(tmp_path: Path, model: str, prompts, max_new_tokens: int, **spec)
         "model_path": model_path(model), "prompts": prompts, "max_new_tokens": max_new_tokens,
         "max_model_len": 4096, "top_logprobs": 3, **spec, "engine": asdict(engine_settings(**engine)),
     }
+    return run_spec(spec, tmp_path)
+
+
+def run_spec(spec: dict, tmp_path: Path, timeout_s: float = 1800) -> dict:
+    """A whole batch_run spec: on a kept engine of the open pool where it can share one
+    (``tests.support.engine_pool.pool_for``), else in a fresh ``python -m harness.engine.batch_run``."""
     from tests.support.engine_pool import pool_for
 
     pool = pool_for(spec)
     if pool is not None:
-        return pool.run(spec, tmp_path, timeout_s=1800)
-    return run_in_subprocess(spec, tmp_path, timeout_s=1800)
+        return pool.run(spec, tmp_path, timeout_s=timeout_s)
+    return run_in_subprocess(spec, tmp_path, timeout_s=timeout_s)
 
 
 def plain_policy(name: str, budget: int, block: int = BLOCK, granularity: str | None = None):
