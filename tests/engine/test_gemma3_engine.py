@@ -8,8 +8,6 @@ prepared (CI's clean clone) the whole file skips before anything loads, so it ad
 it is, it starts three engines of Gemma (stock, plugin, evicting), each in its own process."""
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 
 from harness.config.models import GEMMA3, cache_dir, is_complete
@@ -19,10 +17,10 @@ if not is_complete(CHECKPOINT):
     # resolve_model_path would convert it here (minutes): a test never prepares Gemma by itself
     pytest.skip(f"{GEMMA3} is not prepared here (./setup.sh {GEMMA3})", allow_module_level=True)
 
-from harness.config import engine_settings  # noqa: E402
 from harness.engine.batch_run import run_in_subprocess  # noqa: E402
-from tests.support.engine_support import (BLOCK, DECODE_EVICTING_TOKENS, assert_mostly_equal,  # noqa: E402
-                                          assert_same_outputs, mixed_lengths, plain_policy)
+from tests.support.engine_support import (BLOCK, DECODE_EVICTING_TOKENS,  # noqa: E402
+                                          assert_policy_equals_plain_reference, assert_same_outputs,
+                                          mixed_lengths, stock_and_policy_runs)
 
 pytestmark = pytest.mark.engine
 
@@ -53,27 +51,10 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def run(prompts, tmp_path_factory):
-    """One batch per engine configuration, started only when a test asks for it: ``stock`` (vLLM
-    without the plugin), ``unreached`` (PagedEviction at a budget no prompt reaches: the plugin's
-    physical-length machinery on, nothing evicted) and ``evicting`` (each prompt once per policy of
-    POLICIES at BUDGET, per-request settings beside the engine's default)."""
-    specs = {
-        "stock": dict(stock=True),
-        "unreached": dict(eviction={"policy": "paged", "budget": 2048}),
-        "evicting": dict(prompts=prompts * len(POLICIES), eviction={"policy": POLICIES[0], "budget": BUDGET},
-                         request_eviction=[None if policy == POLICIES[0] else {"policy": policy, "budget": BUDGET}
-                                           for policy in POLICIES for _ in prompts]),
-    }
-    done = {}
-
-    def get(name: str) -> dict:
-        if name not in done:
-            spec = {"model_path": str(CHECKPOINT), "prompts": prompts, "max_new_tokens": NEW_TOKENS,
-                    "max_model_len": 4096, "top_logprobs": 3, **specs[name], "engine": asdict(engine_settings())}
-            done[name] = run_in_subprocess(spec, tmp_path_factory.mktemp(name), timeout_s=900)
-        return done[name]
-
-    return get
+    """The stock, unreached and evicting runs (``stock_and_policy_runs``), each engine in a process
+    of its own."""
+    return stock_and_policy_runs(str(CHECKPOINT), prompts, POLICIES, BUDGET, NEW_TOKENS, tmp_path_factory,
+                                 runner=run_in_subprocess)
 
 
 def test_full_cache_equals_stock_vllm_on_gemma3(run):
@@ -87,19 +68,7 @@ def test_full_cache_equals_stock_vllm_on_gemma3(run):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_eviction_of_gemma3_s_global_layers_equals_the_plain_reference(run, prompts, policy):
-    from tests.support.plain_reference import PlainReference
-
-    evicting = run("evicting")
-    at = POLICIES.index(policy) * len(prompts)
-    outputs = evicting["outputs"][at:at + len(prompts)]
-    counters = evicting["request_counters"][at:at + len(prompts)]
-    assert all(c is not None and c["policy"] == policy and c["evictions"]["prefill"] == 1 for c in counters)
-    assert sum(c["evictions"]["decode"] for c in counters) >= len(prompts)  # decode eviction ran too
-    plain = PlainReference(str(CHECKPOINT))
-    expected = [plain.generate(prompt, NEW_TOKENS, plain_policy(policy, BUDGET))[0] for prompt in prompts]
-    assert_mostly_equal(outputs, expected)
-    # and eviction changed what the model generates (the check could fail)
-    assert sum(o != s for o, s in zip(outputs, run("stock")["outputs"])) >= len(prompts) // 2
+    assert_policy_equals_plain_reference(run, str(CHECKPOINT), prompts, POLICIES, policy, BUDGET, NEW_TOKENS)
 
 
 def test_gemma3_frees_blocks_in_the_global_group_only_and_vllm_frees_the_windows(run):

@@ -8,14 +8,11 @@ groups' blocks as before (``harness.engine.layer_groups``). Three engines, each 
 (the engine tests' pool: ``tests.support.engine_support.run_spec``)."""
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 
-from harness.config import engine_settings
 from harness.config.models import EMBEDDED_PREFIX, TINY_HYBRID, TINY_HYBRID_WINDOW, resolve_model_path
-from tests.support.engine_support import (BLOCK, DECODE_EVICTING_TOKENS, assert_mostly_equal, assert_same_outputs,
-                                          mixed_lengths, plain_policy, run_spec)
+from tests.support.engine_support import (BLOCK, DECODE_EVICTING_TOKENS, assert_policy_equals_plain_reference,
+                                          assert_same_outputs, mixed_lengths, stock_and_policy_runs)
 
 pytestmark = pytest.mark.engine
 
@@ -43,26 +40,8 @@ def prompts(model):
 
 @pytest.fixture(scope="module")
 def run(model, prompts, tmp_path_factory):
-    """One batch per engine configuration, kept for the module: ``stock`` (vLLM without the plugin),
-    ``unreached`` (PagedEviction at a budget no prompt reaches: the physical-length machinery on,
-    nothing evicted) and ``evicting`` (each prompt once per policy of POLICIES at BUDGET)."""
-    specs = {
-        "stock": dict(stock=True),
-        "unreached": dict(eviction={"policy": "paged", "budget": 2048}),
-        "evicting": dict(prompts=prompts * len(POLICIES), eviction={"policy": POLICIES[0], "budget": BUDGET},
-                         request_eviction=[None if policy == POLICIES[0] else {"policy": policy, "budget": BUDGET}
-                                           for policy in POLICIES for _ in prompts]),
-    }
-    done = {}
-
-    def get(name: str) -> dict:
-        if name not in done:
-            spec = {"model_path": model, "prompts": prompts, "max_new_tokens": NEW_TOKENS, "max_model_len": 4096,
-                    "top_logprobs": 3, **specs[name], "engine": asdict(engine_settings())}
-            done[name] = run_spec(spec, tmp_path_factory.mktemp(name), timeout_s=900)
-        return done[name]
-
-    return get
+    """The stock, unreached and evicting runs (``stock_and_policy_runs``) on the engine tests' pool."""
+    return stock_and_policy_runs(model, prompts, POLICIES, BUDGET, NEW_TOKENS, tmp_path_factory)
 
 
 def test_full_cache_equals_stock_vllm_on_a_hybrid_model(run):
@@ -76,19 +55,7 @@ def test_full_cache_equals_stock_vllm_on_a_hybrid_model(run):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_eviction_of_the_global_layers_equals_the_plain_reference(run, model, prompts, policy):
-    from tests.support.plain_reference import PlainReference
-
-    evicting = run("evicting")
-    at = POLICIES.index(policy) * len(prompts)
-    outputs = evicting["outputs"][at:at + len(prompts)]
-    counters = evicting["request_counters"][at:at + len(prompts)]
-    assert all(c is not None and c["policy"] == policy and c["evictions"]["prefill"] == 1 for c in counters)
-    assert sum(c["evictions"]["decode"] for c in counters) >= len(prompts)  # decode eviction ran too
-    plain = PlainReference(model)
-    expected = [plain.generate(prompt, NEW_TOKENS, plain_policy(policy, BUDGET))[0] for prompt in prompts]
-    assert_mostly_equal(outputs, expected)
-    # and eviction changed what the model generates (the check could fail)
-    assert sum(o != s for o, s in zip(outputs, run("stock")["outputs"])) >= len(prompts) // 2
+    assert_policy_equals_plain_reference(run, model, prompts, POLICIES, policy, BUDGET, NEW_TOKENS)
 
 
 def test_blocks_are_freed_in_the_global_group_only_and_vllm_frees_the_windows(run):

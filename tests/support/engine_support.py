@@ -63,6 +63,52 @@ def run_spec(spec: dict, tmp_path: Path, timeout_s: float = 1800) -> dict:
     return run_in_subprocess(spec, tmp_path, timeout_s=timeout_s)
 
 
+def stock_and_policy_runs(model: str, prompts, policies: list[str], budget: int, new_tokens: int, directories,
+                          runner=run_spec):
+    """The three engine runs the hybrid-model tests compare, each made on first use and kept:
+    ``stock`` (vLLM without the plugin), ``unreached`` (PagedEviction at a budget no prompt reaches:
+    the plugin's physical-length machinery on, nothing evicted) and ``evicting`` (each prompt once
+    per policy of ``policies`` at ``budget``, the first as the engine's default, the others as
+    per-request settings). ``directories``: pytest's ``tmp_path_factory``; ``runner``: ``run_spec``
+    (the pool) or ``run_in_subprocess`` (a fresh process)."""
+    specs = {
+        "stock": dict(stock=True),
+        "unreached": dict(eviction={"policy": "paged", "budget": 2048}),
+        "evicting": dict(prompts=prompts * len(policies), eviction={"policy": policies[0], "budget": budget},
+                         request_eviction=[None if policy == policies[0] else {"policy": policy, "budget": budget}
+                                           for policy in policies for _ in prompts]),
+    }
+    done = {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            spec = {"model_path": model, "prompts": prompts, "max_new_tokens": new_tokens, "max_model_len": 4096,
+                    "top_logprobs": 3, **specs[name], "engine": asdict(engine_settings())}
+            done[name] = runner(spec, directories.mktemp(name), timeout_s=900)
+        return done[name]
+
+    return get
+
+
+def assert_policy_equals_plain_reference(run, model: str, prompts, policies: list[str], policy: str, budget: int,
+                                         new_tokens: int) -> None:
+    """``policy``'s outputs in ``run("evicting")`` (``stock_and_policy_runs``) evicted once in
+    prefill and in decode too, equal the plain reference's (near-tie rule), and differ from stock's."""
+    from tests.support.plain_reference import PlainReference
+
+    evicting = run("evicting")
+    at = policies.index(policy) * len(prompts)
+    outputs = evicting["outputs"][at:at + len(prompts)]
+    counters = evicting["request_counters"][at:at + len(prompts)]
+    assert all(c is not None and c["policy"] == policy and c["evictions"]["prefill"] == 1 for c in counters)
+    assert sum(c["evictions"]["decode"] for c in counters) >= len(prompts)  # decode eviction ran too
+    plain = PlainReference(model)
+    expected = [plain.generate(prompt, new_tokens, plain_policy(policy, budget))[0] for prompt in prompts]
+    assert_mostly_equal(outputs, expected)
+    # and eviction changed what the model generates (the check could fail)
+    assert sum(o != s for o, s in zip(outputs, run("stock")["outputs"])) >= len(prompts) // 2
+
+
 def plain_policy(name: str, budget: int, block: int = BLOCK, granularity: str | None = None):
     """The plain reference's rule for a registered policy at its default options: its score (an
     alias names its base score), its granularity and the selection options it is configured with."""
