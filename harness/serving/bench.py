@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import random
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -70,7 +68,7 @@ class Bench:
 
         requests = sample_requests(self.workload, configuration, self.ratio)
         self.server.reset_prefix_cache()
-        eviction_state(self.server.base_url, reset=True)
+        self.server.eviction_state(reset=True)
         random.seed(seed)
         np.random.seed(seed)
         with GaugeSampler(self.server) as sampler:
@@ -83,22 +81,7 @@ class Bench:
                  "request_rate": rate if rate < float("inf") else "inf", "burstiness": 1.0,
                  "max_concurrency": max_concurrency,
                  **result}
-        return saved, sampler.samples, eviction_state(self.server.base_url)
-
-
-def eviction_state(base_url: str, reset: bool = False) -> dict | None:
-    """The served eviction scheduler's settings and ledger (``GET /kv_eviction/state``,
-    ``harness.engine.frontend.STATE_ROUTE``), its measurements reset first with ``reset``; None
-    where the server answers 404 (vLLM's own scheduler)."""
-    from harness.engine.frontend import STATE_ROUTE
-
-    try:
-        answer = urllib.request.urlopen(f"{base_url}{STATE_ROUTE}{'?reset=true' if reset else ''}", timeout=60)
-    except urllib.error.HTTPError as error:
-        if error.code == 404:
-            return None
-        raise
-    return json.loads(answer.read().decode())
+        return saved, sampler.samples, self.server.eviction_state()
 
 
 def run_name(trial: int, rate: float, configuration: str) -> str:

@@ -137,6 +137,22 @@ class Server:
             raise RuntimeError("vllm:cache_config_info gives no num_gpu_blocks")
         return int(found.group(1))
 
+    def eviction_state(self, reset: bool = False) -> dict | None:
+        """The eviction scheduler's settings and ledger (``GET /kv_eviction/state``,
+        ``harness.engine.frontend.STATE_ROUTE``), its measurements reset first with ``reset``; None
+        where the server answers 404 (vLLM's own scheduler)."""
+        import urllib.error
+
+        from harness.engine.frontend import STATE_ROUTE
+
+        try:
+            answer = urllib.request.urlopen(f"{self.base_url}{STATE_ROUTE}{'?reset=true' if reset else ''}", timeout=60)
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return None
+            raise
+        return json.loads(answer.read().decode())
+
     def reset_prefix_cache(self, timeout: float = 60) -> None:
         """Empty the prefix cache (and the compressed contexts): vLLM refuses while blocks are held
         (``success: false``), so retry until every request has let go of its blocks."""

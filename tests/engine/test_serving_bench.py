@@ -130,28 +130,26 @@ def complete(server, prompt: list[int], setting: dict | None = None) -> None:
 
 
 def test_the_served_ledger_counts_what_was_served_and_resets(server):
-    """``GET /kv_eviction/state`` (what the sweep reads, ``harness.serving.bench.eviction_state``)
+    """``GET /kv_eviction/state`` (what the sweep reads, ``harness.serving.server.Server.eviction_state``)
     answers the engine core's ledger across the process boundary, counts the steps of what was
     served, times the worker only on steps that run an evicting request, and starts afresh on reset."""
-    from harness.serving.bench import eviction_state
-
     server.reset_prefix_cache()
     prompt = list(range(400, 600))  # 200 tokens: PagedEviction at 2 blocks evicts in its prefill
-    fresh = eviction_state(server.base_url, reset=True)
+    fresh = server.eviction_state(reset=True)
     ledger = fresh["ledger"]
     assert fresh["settings"] is None and fresh["prefix_caching"]  # no server default: settings per request
     assert (ledger["steps"], ledger["model_s"], ledger["evict_s"]) == (0, 0.0, 0.0)
 
     complete(server, prompt)  # full cache: its steps count, but no step of it is timed
-    full = eviction_state(server.base_url)["ledger"]
+    full = server.eviction_state()["ledger"]
     assert full["steps"] >= 8 and full["model_s"] == 0.0 and full["evicted_tokens"] == 0
 
-    eviction_state(server.base_url, reset=True)
+    server.eviction_state(reset=True)
     started = time.perf_counter()
     for _ in range(2):
         complete(server, prompt, {"policy": "paged", "budget": 2 * BLOCK})
     elapsed = time.perf_counter() - started
-    paged = eviction_state(server.base_url)["ledger"]
+    paged = server.eviction_state()["ledger"]
     # the reset dropped full cache's steps; both requests' prefill evictions and steps counted
     assert 2 * 8 <= paged["steps"] < full["steps"] + 2 * 8
     # each keeps at most budget + a block and a half of its 200 tokens (policies/paged.py), once in its prefill
