@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from harness.analysis.stats import (EXACT_UP_TO, LEVEL, SCALE, benjamini_hochberg, can_decide, holm,
-                                    inverted_interval, settled_p_values, smallest_p)
+from harness.analysis.stats import (EXACT_UP_TO, LEVEL, SCALE, benjamini_hochberg, can_decide,
+                                    fewest_units_to_decide, holm, inverted_interval, settled_p_values, smallest_p)
 from harness.analysis.labels import signed
 from harness.analysis.studies import DEFAULT_MARGIN
 from harness.analysis.verdicts import verdict
@@ -52,10 +52,15 @@ def differences(rows: Rows, a: str, b: str, keep: Callable[[dict], bool], cluste
 
 
 def compare(rows: Rows, pairs: list[tuple[str, str]], keep: Callable[[dict], bool], cluster: str = "context",
-            scale: float = SCALE, score_range: tuple[float, float] = (0.0, 1.0)) -> list[dict]:
+            scale: float = SCALE, score_range: tuple[float, float] = (0.0, 1.0),
+            margin: float = DEFAULT_MARGIN) -> list[dict]:
     """One family: each pair's difference (x ``scale``), its interval and p-value with whole
     clusters flipped, and Holm and Benjamini-Hochberg over the family. ``score_range``: where a
-    score lies; a difference lies within its width either way, and so does its interval."""
+    score lies; a difference lies within its width either way, and so does its interval.
+    ``clusters_needed``: the plan for a design that could show the row non-inferior to the column
+    within ``margin`` points (``sample_size.clusters_for_non_inferiority``), per task."""
+    from harness.analysis.sample_size import clusters_for_non_inferiority
+
     width = score_range[1] - score_range[0]
     found = [(a, b, *differences(rows, a, b, keep, cluster)) for a, b in pairs]
     p_values = settled_p_values([d for *_, d, _ in found], SIGNIFICANCE, clusters=[c for *_, c in found])
@@ -64,9 +69,12 @@ def compare(rows: Rows, pairs: list[tuple[str, str]], keep: Callable[[dict], boo
     for (a, b, d, labels), value, p_holm, p_bh in zip(found, p_values, holm(plain), benjamini_hochberg(plain)):
         interval = inverted_interval(d, value, scale=scale, clusters=labels, bounds=(-width, width))
         clusters = len({label for task in labels.values() for label in task})
+        cluster_means = {task: np.array([d[task][labels[task] == label].mean() for label in np.unique(labels[task])])
+                         for task in d}
         table.append({"row": a, "column": b, "diff": interval.estimate, "low": interval.low, "high": interval.high,
                       "mc": interval.mc_error, "p": value.p, "p_flips": value.flips, "p_settled": value.settled,
-                      "p_holm": p_holm, "p_bh": p_bh, "samples": interval.samples, "clusters": clusters})
+                      "p_holm": p_holm, "p_bh": p_bh, "samples": interval.samples, "clusters": clusters,
+                      "clusters_needed": clusters_for_non_inferiority(cluster_means, margin, scale)})
     return table
 
 
@@ -120,5 +128,26 @@ def section(families: dict[str, list[dict]], what_a_cluster_is: str, margin: flo
                            settled=bool(entry["p_settled"]), decidable=able)
             lines.append(f"| {entry['row']} | {entry['column']} | {signed(entry['diff'], 2)} ({signed(entry['low'], 2)}, "
                          f"{signed(entry['high'], 2)}) | p={entry['p']:.4g}{mark(entry)} | {word} |")
+        lines += plan_lines(table, able, margin)
         lines.append("")
     return lines
+
+
+def plan_lines(table: list[dict], able: bool, margin: float) -> list[str]:
+    """The next design, planned from this one: how many clusters per comparison would let Holm
+    decide at all where it cannot, and how many per task would show each row non-inferior to full
+    cache within ``margin`` with 80% power were its true difference zero."""
+    from harness.analysis.sample_size import POWER
+
+    parts = []
+    if not able:
+        parts.append(f"{fewest_units_to_decide(len(table))} clusters per comparison would let Holm decide at all "
+                     f"over {len(table)} comparisons")
+    plans = [f"{entry['row']} {entry['clusters_needed']}" for entry in table
+             if entry["column"] == "full" and entry.get("clusters_needed") is not None]
+    if plans:
+        parts.append(f"to show a configuration non-inferior to full cache within {margin:g} points with "
+                     f"{POWER:.0%} power, were its true difference zero, would take per task: " + ", ".join(plans)
+                     + " clusters (`harness.analysis.sample_size.clusters_for_non_inferiority`, from the spread of "
+                     "these per-cluster differences; more where the true difference is below zero)")
+    return ["", "Planning the next design: " + "; ".join(parts) + "."] if parts else []

@@ -131,6 +131,22 @@ def fewest_differing(alpha: float) -> int:
     return max(1, math.ceil(math.log2(1 / alpha - 1) + 1e-12))
 
 
+def clusters_for_non_inferiority(per_task: dict[str, np.ndarray], margin: float, scale: float = SCALE) -> int | None:
+    """The plan for a design that can show non-inferiority: clusters per task (or per stratum) for
+    the one-sided test at 2.5% to find the difference above -``margin`` points with ``POWER``, were
+    the true difference zero, from the spread of the observed per-cluster mean differences
+    (``per_task``: each task's clusters' mean differences, on the 0-1 scale x ``scale``; normal
+    approximation), and never fewer than the exact test over whole clusters needs to reach 2.5% at
+    all. None where a task has fewer than two clusters or none differs (no spread to plan from)."""
+    if not per_task or any(len(values) < 2 for values in per_task.values()):
+        return None
+    spread = unit_sd(per_task, scale)
+    if spread == 0:
+        return None
+    # one-sided at 2.5% is the two-sided test at 5%: ((z_0.975 + z_0.8) S / margin)^2 clusters per task
+    return int(max(samples_needed(margin, spread, 0.05, POWER), fewest_differing(0.025)))
+
+
 def exact_floor(differing: int, samples: int, alpha: float) -> float:
     """Samples per task below which the sign-flip test cannot reach ``alpha`` however large the
     difference: the normal approximation ignores that only differing samples carry evidence. At the

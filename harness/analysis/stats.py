@@ -745,6 +745,15 @@ def can_decide(units: list[int], alpha: float = 1 - LEVEL) -> bool:
     return bool(units) and min(smallest_p(u) for u in units) * len(units) < alpha
 
 
+def fewest_units_to_decide(family_size: int, alpha: float = 1 - LEVEL) -> int:
+    """The fewest units (samples, or clusters) per comparison with which a family of
+    ``family_size`` comparisons can reject anything under Holm at ``alpha`` (``can_decide``):
+    ``family_size`` / (1 + 2^units) < ``alpha``."""
+    for units in range(1, EXACT_UP_TO + 2):
+        if can_decide([units] * max(1, family_size), alpha):
+            return units
+    raise ValueError(f"no count of units lets a family of {family_size} reach {alpha} with {MAX_FLIPS} flips")
+
 
 def _rejected(p_values: list[float], alpha: float) -> tuple[np.ndarray, np.ndarray]:
     """Which comparisons Holm and Benjamini-Hochberg reject at ``alpha`` (adjusted p < alpha, as

@@ -139,28 +139,18 @@ def accuracy_table(requests: list[dict]) -> list[dict]:
 
 
 def contexts_for_non_inferiority(paired: dict[tuple, float]) -> int | None:
-    """The plan for a design that can show non-inferiority (``harness.analysis.sample_size``): the
-    contexts per context kind for the one-sided test at 2.5% to find the difference above
-    -ACCURACY_MARGIN with 80% power were the true difference zero, from the spread of the observed
-    per-context mean differences (normal approximation), and never fewer than the exact test over
-    whole contexts needs to reach 2.5% at all. None where fewer than two contexts of a kind differ
-    (no spread to plan from)."""
+    """The plan for a design that can show non-inferiority within ACCURACY_MARGIN points: contexts
+    per context kind, from the spread of the observed per-context mean differences
+    (``harness.analysis.sample_size.clusters_for_non_inferiority``, whole contexts as clusters)."""
     import numpy as np
 
-    from harness.analysis.sample_size import POWER, fewest_differing, samples_needed, unit_sd
+    from harness.analysis.sample_size import clusters_for_non_inferiority
 
     per_context: dict[str, dict[str, list[float]]] = {}
     for (context, _), value in paired.items():
         per_context.setdefault(context.split("-")[0], {}).setdefault(context, []).append(value)
     means = {kind: np.array([statistics.fmean(v) for v in contexts.values()]) for kind, contexts in per_context.items()}
-    if any(len(values) < 2 for values in means.values()):
-        return None
-    spread = unit_sd(means)  # points per context, as SCALE puts scores
-    if spread == 0:
-        return None
-    # one-sided at 2.5% is the two-sided test at 5%: ((z_0.975 + z_0.8) S / margin)^2 contexts per kind
-    needed = samples_needed(ACCURACY_MARGIN, spread, 0.05, POWER)
-    return int(max(needed, fewest_differing(0.025)))
+    return clusters_for_non_inferiority(means, ACCURACY_MARGIN)
 
 
 def headline(table: list[dict], accuracy: list[dict]) -> list[str]:

@@ -3,6 +3,7 @@ the context's tokens, each configuration's requests carry the boundary their mod
 from __future__ import annotations
 
 import json
+import math
 
 import importlib.util
 import sys
@@ -258,3 +259,35 @@ def test_configs_join_an_earlier_run_keeping_its_configurations_and_its_full_cac
     # a run of other settings is not joined
     with pytest.raises(ValueError, match="same questions"):
         experiment.merge(found.rows, found.table, [r for r in new_rows if r["question"] < 2], new_table, order)
+
+
+def test_the_summary_plans_a_design_that_could_decide_from_the_per_context_spread(experiment):
+    """Each comparison with full cache carries the contexts per task that would show it non-inferior
+    within the margin (5 points) with 80% power: recomputed here from the per-context mean
+    differences by the normal formula ((z_0.975 + z_0.8) S / 5)^2, S = sqrt(sum of the tasks'
+    variances) / tasks; a family too small to decide says how many contexts would let Holm decide."""
+    from statistics import NormalDist, fmean, variance
+
+    rows, runs = fake_run(experiment, ["full", "paged context", "kvzip context"], seed=3)
+    later = experiment.comparisons(rows)["Later questions"]
+    entry = next(e for e in later if (e["row"], e["column"]) == ("paged context", "full"))
+    score = {(r["configuration"], r["context"], r["question"]): r["score"] for r in rows if r["question"] > 0}
+    variances = []
+    for prefix in ("codes", "births"):
+        means = [100 * fmean(score[("paged context", f"{prefix}-{c}", q)] - score[("full", f"{prefix}-{c}", q)]
+                             for q in (1, 2)) for c in range(3)]
+        variances.append(variance(means))
+    spread = sum(variances) ** 0.5 / 2
+    z = NormalDist().inv_cdf(0.975) + NormalDist().inv_cdf(0.8)
+    assert entry["clusters_needed"] == max(6, math.ceil((z * spread / 5) ** 2 - 1e-9))
+    text = "\n".join(experiment_section(later))
+    assert f"paged context {entry['clusters_needed']}" in text
+    # 6 contexts: the smallest p 1/65 times 3 comparisons is 0.046 (can decide); over 16 it cannot
+    assert "would let Holm decide at all" not in text
+    assert "9 clusters per comparison would let Holm decide at all over 16" in "\n".join(experiment_section((later * 6)[:16]))
+
+
+def experiment_section(table: list[dict]) -> list[str]:
+    from harness.analysis.clustered import section
+
+    return section({"Later questions": table}, "one context")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from harness.analysis.stats import (EXACT_UP_TO, FLIPS, PValue, _Stratified, _round_bound, can_decide,
-                                    inverted_interval, settled_p_values, sign_flip_p, sign_flip_test, smallest_p,
-                                    stratified_t_interval)
+                                    fewest_units_to_decide, inverted_interval, settled_p_values, sign_flip_p,
+                                    sign_flip_test, smallest_p, stratified_t_interval)
 
 
 def written_out(per_task: dict[str, np.ndarray], shift: float = 0.0) -> tuple[float, np.ndarray]:
@@ -213,6 +213,13 @@ def test_a_design_that_cannot_decide_is_recognised():
     assert not can_decide([4])  # 1/17 > 0.05: four units never reject
     assert can_decide([80] * 100)
     assert not can_decide([])
+
+
+def test_the_fewest_clusters_that_let_a_family_decide_are_the_first_count_can_decide_accepts():
+    """Sixteen comparisons need 16 / (1 + 2^k) < 0.05: k = 9 (16/513 = 0.031; eight give 0.062);
+    one comparison needs five (1/33 = 0.030; four give 1/17 = 0.059)."""
+    assert fewest_units_to_decide(16) == 9 and can_decide([9] * 16) and not can_decide([8] * 16)
+    assert fewest_units_to_decide(10) == 8 and fewest_units_to_decide(1) == 5
 
 
 def test_the_reported_p_value_decides_zero_where_more_draws_would_not():
