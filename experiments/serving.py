@@ -7,6 +7,8 @@ workloads in ``harness.serving.workloads``; docs/serving_bench.md).
         [--configs "full,paged context"] [--rates 0.05,0.1,0.2,0.4 | --fractions 0.7,1.2,2,4]
         [--trials 3] [--pool-blocks 400] [--goodput "ttft:5000 tpot:250"] [--out results/serving/<workload>]
     .venv/bin/python experiments/serving.py --summary-only [--out DIR]   # the summaries again from the saved runs
+    flock /tmp/engine.lock .venv/bin/python experiments/serving.py --verify [--out DIR]
+        # the summaries recomputed from the saved runs, and a sample of requests replayed at this code
 
 This script only parses its options: the sweep and its files are ``harness.serving.experiment``'s.
 """
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: results/serving/<workload>")
     parser.add_argument("--summary-only", action="store_true", help="start no server: rewrite the summaries and "
                         "the plot from the sweep's saved runs in --out (default results/serving/<workload>)")
+    parser.add_argument("--verify", action="store_true", help="check the sweep in --out at this code: its summaries "
+                        "rebuilt from the saved runs equal the committed ones, and its first requests per configuration, "
+                        "sent again alone to a fresh server, generate the committed texts (verified.json)")
     parser.add_argument("--contexts", type=int, default=None, help="shared contexts (default 8; shared_context_long 6)")
     parser.add_argument("--questions", type=int, default=None, help="shared_context: questions per context (default 6)")
     parser.add_argument("--requests", type=int, default=None, help="shared_context_long: requests per context (default 2)")
@@ -78,8 +83,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be positive")
         workload_options[name] = value
 
-    from harness.serving.experiment import Options, check, run, summarize
+    from harness.serving.experiment import Options, check, run, summarize, verify
 
+    if args.verify:
+        try:
+            record = verify(args.out or ROOT / "results" / "serving" / args.workload)
+        except (ValueError, FileNotFoundError) as error:
+            parser.error(str(error))
+        print(f"[verify] {record['study']}: {record['verdict']}" + "".join(f"\n  moved: {m}" for m in record["moved"]))
+        return 0 if record["verdict"] == "verified" else 1
     if args.summary_only:
         try:
             print(summarize(args.out or ROOT / "results" / "serving" / args.workload))

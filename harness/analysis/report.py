@@ -339,6 +339,16 @@ def serving_sections(root: Path) -> list[str]:
         parts += [f"### `{path.parent.name}`", "",
                   f"From [{path.relative_to(root).as_posix()}]({path.relative_to(root / 'results').as_posix()}). "
                   + command, "", verdict.strip(), ""]
+        record = path.parent / "verified.json"
+        if record.exists():  # experiments/serving.py --verify (harness.serving.experiment.verify)
+            record = read_json(record)
+            replayed = record["replayed"]
+            outcome = ("nothing moved" if record["verdict"] == "verified"
+                       else f"{len(record['moved'])} moved: {'; '.join(record['moved'][:3])}")
+            parts += [f"Verified at code version {record['code_version']} (commit {short(record['git_commit'])}, "
+                      f"{record['date']}; the sweep ran at {record['ran_at']}) by `{record['command']}`: the "
+                      f"summaries recomputed from the saved runs and {len(replayed)} requests replayed alone, "
+                      f"{sum(entry['equal'] for entry in replayed)} of them the committed text; {outcome}.", ""]
     return parts
 
 

@@ -83,13 +83,10 @@ def model_workload(name: str, model: dict, tokenizer, options: dict):
 def run(options: Options, server=None) -> str:
     """The sweep on a server of its own (or on ``server``, already serving the model: a test's);
     returns ``summary.md``'s text."""
-    from contextlib import nullcontext
-
     from transformers import AutoTokenizer
 
     from harness.config import engine_defaults
     from harness.config.models import resolve_model_path
-    from harness.serving.server import Server, block_bytes
     from harness.serving.workloads import blocks_at_once
 
     check(options)
@@ -98,27 +95,36 @@ def run(options: Options, server=None) -> str:
     tokenizer = AutoTokenizer.from_pretrained(path)
     workload = model_workload(options.workload, model, tokenizer, {"seed": options.seed, **options.workload_options})
     block = engine_defaults("cpu")["block_size"]
-    dtype_bytes = 4 if model.get("dtype", "float32") == "float32" else 2
     pool_blocks = options.pool_blocks
     if pool_blocks is None and options.kv_cache_gib is None:
         # The default: a pool where full cache queues, half of what it needs to run every request at once.
         pool_blocks = blocks_at_once(workload, block) // 2
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with serving(server, model, path, workload, block, pool_blocks, options.kv_cache_gib, out / "vllm.log") as server:
+        return measure(options, server, model, path, tokenizer, workload, block)
+
+
+def serving(server, model: dict, path: str, workload, block: int, pool_blocks: int | None,
+            kv_cache_gib: float | None, log: Path):
+    """``server`` as it is (a test's), or a ``vllm serve`` of the model with a pool of ``pool_blocks``
+    (or ``kv_cache_gib``), long enough for the workload's longest request."""
+    from contextlib import nullcontext
+
+    from harness.serving.server import Server, block_bytes
+
+    if server is not None:
+        return nullcontext(server)
     # vLLM refuses a pool that cannot hold one request of max_model_len (vllm/v1/core/kv_cache_utils.py:1104,
     # check_enough_kv_cache_memory): serve the workload's longest request, not the model's longest.
     longest = -(-max(len(item.prompt) + item.max_tokens for item in workload.items) // block) * block
-    max_model_len = min(model["max_model_len"], longest)
     if pool_blocks is not None and pool_blocks * block < longest:
         raise ValueError(f"--pool-blocks {pool_blocks}: the workload's longest request needs {longest // block} blocks")
+    dtype_bytes = 4 if model.get("dtype", "float32") == "float32" else 2
     # vLLM keeps one null block out of the pool: one more than the blocks asked for
-    pool_bytes = ((pool_blocks + 1) * block_bytes(path, block, dtype_bytes) if pool_blocks
-                  else int(options.kv_cache_gib * 2**30))
-    out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-    serving = nullcontext(server) if server is not None else Server(
-        path, out / "vllm.log", pool_bytes=pool_bytes, block_size=block, dtype=model.get("dtype", "float32"),
-        max_model_len=max_model_len)
-    with serving as server:
-        return measure(options, server, model, path, tokenizer, workload, block)
+    pool_bytes = (pool_blocks + 1) * block_bytes(path, block, dtype_bytes) if pool_blocks else int(kv_cache_gib * 2**30)
+    return Server(path, log, pool_bytes=pool_bytes, block_size=block, dtype=model.get("dtype", "float32"),
+                  max_model_len=min(model["max_model_len"], longest))
 
 
 def measure(options: Options, server, model: dict, path: str, tokenizer, workload, block: int) -> str:
@@ -198,3 +204,66 @@ def summarize(out: Path) -> str:
         requests += scored
     alone = json.loads((out / "alone.json").read_text()) if (out / "alone.json").is_file() else []
     return write_summaries(out, settings, rows, requests, alone)
+
+
+VERIFIED = "verified.json"  # in a sweep's folder: its last verification
+RECOMPUTED = ("summary.md", "summary.csv", "accuracy.csv", "runs.csv", "requests.jsonl")
+
+
+def verify(out: Path, server=None) -> dict:
+    """Does a committed sweep still stand at this code? Two checks, no timing compared:
+
+    * its figures recompute: the summaries rebuilt from the saved runs in a scratch copy
+      (``summarize``), each file of ``RECOMPUTED`` there equal, byte for byte, to the committed one;
+    * its requests replay: the first ``ALONE`` requests per configuration sent again one at a time
+      to a fresh ``vllm serve`` at this code (or ``server``), their texts against the committed
+      ones (trial 1 at the highest rate, as ``bench.served_alone`` compares them).
+
+    Writes ``verified.json`` in ``out`` (verdict ``verified`` or ``moved``, what moved, the code it
+    ran at and the code the sweep ran at) and returns it."""
+    import shutil
+    import tempfile
+    import time
+
+    from transformers import AutoTokenizer
+
+    from harness.config.models import resolve_model_path
+    from harness.records.provenance import code_version, git_commit
+    from harness.serving.bench import Bench, served_alone
+
+    out = Path(out).resolve()
+    if not (out / "settings.json").is_file():
+        raise ValueError(f"{out}: no settings.json (not a serving sweep's folder)")
+    settings = json.loads((out / "settings.json").read_text())
+    committed = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    moved = []
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = Path(scratch) / "sweep"
+        shutil.copytree(out, copy, ignore=shutil.ignore_patterns(VERIFIED))
+        summarize(copy)
+        moved += [f"{name}: rebuilt from the saved runs, it differs from the committed file" for name in RECOMPUTED
+                  if (out / name).is_file() and (copy / name).read_bytes() != (out / name).read_bytes()]
+        model = model_settings(settings["model"])
+        path = resolve_model_path(model["path"])
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        workload = model_workload(settings["workload"], model, tokenizer,
+                                  {"seed": settings["seed"], **settings["workload_options"]})
+        replay = Path(scratch) / "replay"
+        replay.mkdir()
+        with serving(server, model, path, workload, settings["block_size"], settings["pool_blocks"], None,
+                     replay / "vllm.log") as running:
+            bench = Bench(running, path, tokenizer, workload, settings["ratio"], settings["goodput"])
+            replayed = served_alone(bench, settings["configurations"], committed, replay)
+    moved += [f"{entry['configuration']} {entry['context']} question {entry['question']}: the text parts from the "
+              f"committed one at character {entry['parted_at_char']}" for entry in replayed if not entry["equal"]]
+    record = {"study": f"serving/{settings['workload']}", "verdict": "moved" if moved else "verified",
+              "code_version": code_version(ROOT), "git_commit": git_commit(ROOT),
+              "ran_at": (settings.get("provenance") or {}).get("code_version"), "moved": moved,
+              "recomputed": [name for name in RECOMPUTED if (out / name).is_file()], "replayed": replayed,
+              "compared": "the summaries rebuilt from the saved runs (byte for byte); the first requests per "
+                          "configuration sent again alone at this code, their texts against the committed ones; "
+                          "timings are not compared",
+              "command": f"python experiments/serving.py --verify --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}",
+              "date": time.strftime("%Y-%m-%d")}
+    (out / VERIFIED).write_text(json.dumps(record, indent=1) + "\n")
+    return record

@@ -68,9 +68,21 @@ def test_the_sweep_drives_vllms_benchmark_with_per_request_eviction(server, tmp_
     assert saved["max_concurrency"] == 1 and saved["completed"] == 4
     assert "## Served under load against sent alone" in text and "* paged context: " in text
     # the summaries again from the saved runs alone, with no server: the same text
-    from harness.serving.experiment import summarize
+    from harness.serving.experiment import summarize, verify
 
     assert summarize(tmp_path) == text
+    # --verify: the summaries recompute and the sample replays at this code; a committed text that is
+    # not what the server generates, or a summary edited by hand, is named as moved
+    record = verify(tmp_path, server=server)
+    assert record["verdict"] == "verified" and len(record["replayed"]) == 8, record["moved"]
+    assert json.loads((tmp_path / "verified.json").read_text())["verdict"] == "verified"
+    edited = [dict(row, prediction=row["prediction"] + " (edited)") if row["configuration"] == "full" else row
+              for row in rows]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(row) + "\n" for row in edited))
+    (tmp_path / "summary.md").write_text(text.replace("| 8 | paged context | 4/0 |", "| 8 | paged context | 3/1 |"))
+    moved = verify(tmp_path, server=server)["moved"]
+    assert any(m.startswith("summary.md:") for m in moved) and any(m.startswith("requests.jsonl:") for m in moved)
+    assert sum("full " in m and "parts from the committed one" in m for m in moved) == 4
 
 
 def test_a_setting_the_server_refuses_fails_the_request(server):

@@ -232,3 +232,27 @@ def test_each_serving_sweep_gives_its_verdict_under_its_workloads_name(tmp_path)
     assert "### `copy`" in text and "[results/serving/copy/summary.md](serving/copy/summary.md)" in text
     assert "Command: `python experiments/serving.py`" in text and "goodput 1.50x (1.35-1.70)" in text
     assert "## Every rate" not in text and report.serving_sections(tmp_path / "nothing") == []
+
+
+def test_a_verified_serving_sweep_says_where_it_was_verified_and_what_moved(tmp_path):
+    """``experiments/serving.py --verify`` leaves ``verified.json`` beside the sweep; the Serving
+    section says at which code, by which command, how many replayed requests gave the committed text,
+    and names what moved."""
+    import json
+
+    folder = tmp_path / "results" / "serving" / "copy"
+    folder.mkdir(parents=True)
+    (folder / "summary.md").write_text("# Serving benchmark: copy\n\nCommand: `x`\n\n## Verdict\n\n* v\n\n## Every rate\n")
+    record = {"verdict": "verified", "code_version": "abc123abc123", "git_commit": "0123456789abcdef", "date": "2026-11-29",
+              "ran_at": "fedcba987654", "command": "python experiments/serving.py --verify --out results/serving/copy",
+              "moved": [], "replayed": [{"equal": True}] * 8}
+    (folder / "verified.json").write_text(json.dumps(record))
+    text = "\n".join(report.serving_sections(tmp_path))
+    assert ("Verified at code version abc123abc123 (commit 01234567, 2026-11-29; the sweep ran at fedcba987654) by "
+            "`python experiments/serving.py --verify --out results/serving/copy`: the summaries recomputed from the "
+            "saved runs and 8 requests replayed alone, 8 of them the committed text; nothing moved.") in text
+    record.update(verdict="moved", moved=["summary.md: rebuilt from the saved runs, it differs"],
+                  replayed=[{"equal": True}] * 7 + [{"equal": False}])
+    (folder / "verified.json").write_text(json.dumps(record))
+    text = "\n".join(report.serving_sections(tmp_path))
+    assert "7 of them the committed text; 1 moved: summary.md: rebuilt from the saved runs, it differs." in text
