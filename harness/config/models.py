@@ -91,15 +91,109 @@ class ModelShape:
     query_heads: int
     head_dim: int
     dtype_bytes: int    # of the KV cache (the model's dtype)
+    # A hybrid model's sliding-window layers (config.json's ``layer_types``, as the engine reads them:
+    # ``harness.engine.layer_groups.sliding_window_layers``) and their window (its ``sliding_window``).
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """One token's K and V in every layer (what a model without sliding windows holds per token)."""
+        return self.layers * self.layer_bytes_per_token
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def hybrid(self) -> bool:
+        """Sliding-window layers beside full-attention ones: vLLM gives each kind KV cache groups of its own."""
+        return 0 < len(self.sliding_layers) < self.layers
+
+    @property
+    def evicting_layers(self) -> int:
+        """The layers a policy acts on: every layer, or a hybrid model's full-attention ones (the
+        sliding-window groups are left to vLLM: ``harness.engine.layer_groups.policies_by_group``)."""
+        return self.layers - len(self.sliding_layers) if self.hybrid else self.layers
+
+    def kv_cache_groups(self, block_size: int, layer_groups: int = 1, ranks: int = 1) -> "KVCacheGroups":
+        """The KV cache groups vLLM 0.32 makes of this model's layers (``engine.layer_groups`` of them
+        when the harness tags them), with a rank's bytes per layer and block (its share of the KV heads)."""
+        return KVCacheGroups(kv_cache_groups(self, layer_groups), block_size,
+                             block_size * self.layer_bytes_per_token // ranks)
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    layers: tuple[int, ...]        # the model's layers whose K/V one block of this group holds
+    sliding_window: int | None     # their window; None: full attention (every token)
+
+    def request_blocks(self, block_size: int, max_model_len: int, in_flight_tokens: int) -> int:
+        """The blocks one request of ``max_model_len`` tokens may hold in this group, as vLLM counts
+        them when it checks its pool: every token's under full attention
+        (``FullAttentionSpec.max_memory_usage_bytes``, vllm/v1/kv_cache_interface.py:602-607); under
+        a window, the window's last ``W - 1`` tokens and the tokens scheduled but not yet settled
+        (``in_flight_tokens``), plus one for a window that starts inside a block
+        (``SlidingWindowSpec.max_admission_blocks_per_request``, kv_cache_interface.py:859-885)."""
+        if self.sliding_window is None:
+            return -(-max_model_len // block_size)
+        return -(-min(self.sliding_window - 1 + in_flight_tokens, max_model_len) // block_size) + 1
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """A model's KV cache groups over vLLM's one block pool: a block id holds ``block_size`` tokens of
+    one group's layers (vllm/v1/core/kv_cache_utils.py:1588-1687, groups alias one buffer)."""
+
+    groups: tuple[KVCacheGroup, ...]
+    block_size: int
+    layer_block_bytes: int         # one layer's K and V of one block (a rank's heads)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """A pool block's bytes: the largest group's layers (``_get_kv_cache_bytes_per_block``,
+        kv_cache_utils.py:1520-1551; every layer's page is the same here, so no alignment adds to it)."""
+        return max(len(group.layers) for group in self.groups) * self.layer_block_bytes
+
+    def request_blocks(self, max_model_len: int, in_flight_tokens: int) -> tuple[int, ...]:
+        """Each group's blocks for one request of ``max_model_len`` tokens; a request holds their sum
+        (``_max_memory_usage_bytes_from_groups``, kv_cache_utils.py:2337-2366)."""
+        return tuple(group.request_blocks(self.block_size, max_model_len, in_flight_tokens) for group in self.groups)
+
+
+def kv_cache_groups(shape: ModelShape, layer_groups: int = 1) -> tuple[KVCacheGroup, ...]:
+    """The KV cache groups vLLM 0.32 makes of ``shape``'s layers, before vLLM loads.
+
+    Layers of one kind (every one full attention, or every one sliding over one window): one group
+    (``get_kv_cache_groups``, vllm/v1/core/kv_cache_utils.py:2184-2191), or ``layer_groups``
+    contiguous groups of equal size where the harness tags them (``harness.engine.layer_groups.tag_specs``,
+    which refuses sliding-window layers). Both kinds (a hybrid model, vLLM's hybrid KV cache manager on,
+    as the harness runs it): ``_get_kv_cache_groups_uniform_page_size`` (kv_cache_utils.py:1362-1502)
+    buckets the layers by kind in the order it meets them (:1427-1450), takes the fewest layers of a
+    kind as the group size, or the most where that is under 1.5 times the fewest (:1467-1478), and
+    splits each kind into ceil(n / size) groups of every ceil(n / size)-th layer (:1479-1501)."""
+    sliding = set(shape.sliding_layers)
+    if layer_groups != 1 and sliding:
+        raise ValueError(f"layer_groups={layer_groups} needs a model whose every attention layer is full attention")
+    if not shape.hybrid:
+        window = shape.sliding_window if sliding else None
+        size = shape.layers // layer_groups
+        return tuple(KVCacheGroup(tuple(range(g * size, (g + 1) * size)), window) for g in range(layer_groups))
+    kinds: dict[int | None, list[int]] = {}
+    for layer in range(shape.layers):
+        kinds.setdefault(shape.sliding_window if layer in sliding else None, []).append(layer)
+    fewest, most = min(map(len, kinds.values())), max(map(len, kinds.values()))
+    size = most if most < fewest * 1.5 else fewest
+    groups = []
+    for window, layers in kinds.items():
+        count = -(-len(layers) // size)
+        groups += [KVCacheGroup(tuple(layers[i::count]), window) for i in range(count)]
+    return tuple(groups)
 
 
 def model_shape(model_dir: str, dtype: str) -> ModelShape | None:
-    """A local checkpoint's shape from its config.json; None when the model is not local (a hub id)
-    or its config does not say."""
+    """A local checkpoint's shape from its config.json (its sliding-window layers too); None when
+    the model is not local (a hub id) or its config does not say."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         return None
@@ -108,8 +202,16 @@ def model_shape(model_dir: str, dtype: str) -> ModelShape | None:
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     try:
         heads = config["num_attention_heads"]
+        # As vLLM's Gemma 3 makes its attention layers: a window on the layers ``layer_types`` calls
+        # sliding, none on the others (vllm/model_executor/models/gemma3.py:152-155).
+        kinds = config.get("layer_types") or ()
+        sliding = tuple(index for index, kind in enumerate(kinds) if kind == "sliding_attention")
+        window = config.get("sliding_window") if sliding else None
+        if sliding and not window:
+            sliding = ()
         return ModelShape(config["num_hidden_layers"], config.get("num_key_value_heads", heads), heads,
-                          config.get("head_dim") or config["hidden_size"] // heads, DTYPE_BYTES[dtype])
+                          config.get("head_dim") or config["hidden_size"] // heads, DTYPE_BYTES[dtype],
+                          sliding, window)
     except KeyError:
         return None
 

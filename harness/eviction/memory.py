@@ -6,12 +6,16 @@ accumulating score's totals in float32, for at most ``budget + block_size`` toke
 evicts (a request inside its budget holds fewer). On top, one step's evictions allocate scratch,
 bounded by the group of requests the evictor takes at once (``predict``). With the layers as G KV
 cache groups (``engine.layer_groups``) each group keeps its own state for its own layers and budget;
-its evictions run one group after another, each on fewer layers, so the one-group scratch bounds them. ``experiments/eviction_cost.py --batch`` measures a full
-batch's step against this prediction.
+its evictions run one group after another, each on fewer layers, so the one-group scratch bounds them. On a
+hybrid model (sliding-window layers beside full-attention ones, ``ModelShape.sliding_layers``) a
+policy acts on the full-attention layers only: their scores and their evictions' scratch, while the
+query windows are kept for every layer (the worker hands each KV cache group's state its own layers'
+queries, the sliding-window groups' too: ``harness.engine.query_capture.QueryCapture.absorb``).
+``experiments/eviction_cost.py --batch`` measures a full batch's step against this prediction.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -66,31 +70,34 @@ MARGIN = 1.1     # see predict
 
 def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
             joint_read_bytes: int | None, groups: Sequence[Policy] = ()) -> EvictionMemory:
-    """``shape``: ``harness.config.models.ModelShape`` (layers, KV and query heads, head dim, dtype bytes).
+    """``shape``: ``harness.config.models.ModelShape`` (layers, KV and query heads, head dim, dtype bytes,
+    sliding-window layers).
 
     Scratch is one group of requests evicted together (``harness.eviction.evictor.evict_all``): as
     many tokens as ``joint_read_bytes`` of one layer's K/V hold (at least the longest context), read
-    and gathered (twice that), their scores of every layer and the state built from them beside the
+    and gathered (twice that), their scores of every layer evicted and the state built from them beside the
     old, their keep sets and gather indices (three int64 copies per layer, KV head and token); one
     request's selection temporaries (sorting its scores) and one layer's softmax over the window;
     and ``MARGIN`` for what this count leaves out (allocator rounding, short-lived copies):
     ``experiments/eviction_cost.py --batch`` measures each case within the prediction.
 
-    ``groups``: each layer group's policy (its own budget), when the layers run as several groups;
-    the state per request is then each group's for its own layers."""
-    parts = [(policy, shape)] if len(groups) <= 1 else [
-        (group, replace(shape, layers=shape.layers // len(groups))) for group in groups]
+    ``groups``: each evicting group's policy (its own budget), when the layers run as several groups
+    (``engine.layer_groups``, or a hybrid model's full-attention groups); the state per request is
+    then each group's for its own layers."""
+    count = max(1, len(groups))
+    parts = [policy] if len(groups) <= 1 else list(groups)
+    scored = shape.evicting_layers  # every layer, or a hybrid model's full-attention ones
     per_request = 0
-    for part, part_shape in parts:
+    for part in parts:
         held = min(part.budget + part.block_size, max_model_len)
-        layer_window = part_shape.query_heads * part_shape.head_dim * part_shape.dtype_bytes
-        per_request += part.query_window * part_shape.layers * layer_window
-        per_request += held * state_per_token(part, part_shape.layers, part_shape.kv_heads)
-    layer_bytes = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # one token's K and V in one layer
+        layer_window = shape.query_heads * shape.head_dim * shape.dtype_bytes
+        per_request += part.query_window * (shape.layers // count) * layer_window
+        per_request += held * state_per_token(part, scored // count, shape.kv_heads)
+    layer_bytes = shape.layer_bytes_per_token  # one token's K and V in one layer
     group_tokens = max_model_len if joint_read_bytes is None else max(joint_read_bytes // layer_bytes, max_model_len)
     group_tokens = min(group_tokens, max_num_seqs * max_model_len)
-    per_token = shape.layers * shape.kv_heads * (2 * SCORE_BYTES + 3 * INDEX_BYTES)
-    selection = shape.layers * shape.kv_heads * max_model_len * (4 * SCORE_BYTES + INDEX_BYTES)
+    per_token = scored * shape.kv_heads * (2 * SCORE_BYTES + 3 * INDEX_BYTES)
+    selection = scored * shape.kv_heads * max_model_len * (4 * SCORE_BYTES + INDEX_BYTES)
     softmax = shape.query_heads * policy.query_window * max_model_len * SCORE_BYTES
     scratch = int(MARGIN * (group_tokens * (2 * layer_bytes + per_token) + selection + softmax)) if policy.evicts else 0
     return EvictionMemory(per_request if policy.evicts else 0, max_num_seqs, scratch)
