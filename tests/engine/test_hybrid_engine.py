@@ -4,8 +4,10 @@ taught the window (``tests.support.plain_reference``: local layers attend over t
 positions of what they hold, global layers over what eviction kept).
 
 Policies act on the global layers' KV cache group; vLLM's sliding-window manager frees the local
-groups' blocks as before (``harness.engine.layer_groups``). Three engines, each in a process of its own
-(the engine tests' pool: ``tests.support.engine_support.run_spec``)."""
+groups' blocks as before (``harness.engine.layer_groups``). Then, as on the first model: prefix caching
+(requests sharing a prefix) changes no output, compress=context runs unshared and evicts at its
+boundary, preempted requests generate the same, and chain=true is refused in one line. Five engines,
+each in a process of its own (the engine tests' pool: ``tests.support.engine_support.run_spec``)."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +68,172 @@ def test_blocks_are_freed_in_the_global_group_only_and_vllm_frees_the_windows(ru
     assert global_group == BUDGET // BLOCK + 1  # the budget and the block decode fills past it
     assert ledger["freed_blocks"] > 0
     assert run("evicting")["free_blocks_after"] == ledger["kv_pool_blocks"]  # every block came back
+
+
+# --- prefix caching, context compression, preemption and the chain on the hybrid model -------------
+#
+# Two more engines (CI time): the evicting engine's configuration with vLLM's prefix cache on, and
+# one with prefix caching and a pool small enough to preempt; their "without" batches run on the
+# evicting engine above, still kept (tests/support/engine_pool.py keeps the two most recent).
+
+PREFIX = 330  # a shared prefix (the context of the compress=context requests): ten whole blocks and 10 tokens
+SUFFIX = 96   # each request's own tokens after it: past SnapKV's window of queries and a block
+CONTEXT_POLICIES = POLICIES  # each compressing the shared context before its own question
+# Preemption: four prompts of 64 and 96 tokens at BUDGET grow to 184-216 tokens (decode evicts at 160
+# and after); the first three fill a pool of 24 blocks at their second step (each holds its global
+# blocks and two or three per sliding-window group) and the next block a global group needs, at 96
+# tokens, makes vLLM preempt. vLLM refuses to start a pool that cannot hold one request of
+# max_model_len in every group (224 tokens: 7 global blocks and 8 per sliding-window group, and the
+# null block: vllm/v1/kv_cache_interface.py:859-885, vllm/v1/core/kv_cache_utils.py:1104-1134).
+PREEMPT_LENGTHS, PREEMPT_BUDGET, PREEMPT_TOKENS = [64, 96] * 2, BUDGET, 120
+PREEMPT_POOL, PREEMPT_LEN = 24, 224
+
+
+def context_settings(policy: str) -> dict:
+    return {"policy": policy, "budget": BUDGET, "decode_eviction": False, "compress": "context",
+            "context_tokens": PREFIX}
+
+
+@pytest.fixture(scope="module")
+def batch(model, tmp_path_factory):
+    """One batch_run spec on the pool: the evicting engine's configuration (``stock_and_policy_runs``:
+    PagedEviction at BUDGET the default, cpu.yaml's engine, 4096 tokens) unless ``engine`` or the
+    keys say otherwise, each request's own settings."""
+    from dataclasses import asdict
+
+    from harness.config import engine_settings
+    from tests.support.engine_support import run_spec
+
+    def run(name: str, prompts, settings, new_tokens: int, engine: dict | None = None, **keys) -> dict:
+        spec = {"model_path": model, "prompts": prompts, "max_new_tokens": new_tokens, "max_model_len": 4096,
+                "top_logprobs": 3, "eviction": {"policy": POLICIES[0], "budget": BUDGET},
+                "engine": asdict(engine_settings(**(engine or {}))), "request_eviction": settings, **keys}
+        return run_spec(spec, tmp_path_factory.mktemp(name), timeout_s=900)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def shared_prefix(prompts):
+    """(prompt, settings) per request: the longest prompt's first PREFIX tokens, then tokens of each
+    other prompt: seven compress the whole prompt (its first SUFFIX tokens after the prefix; the
+    module's policies in turn), three compress the prefix as their context before a question (the
+    last SUFFIX tokens of one of those prompts; one request per policy). No two share more than the
+    prefix, so the hit each finds is the prefix's whole blocks."""
+    longest = max(prompts, key=len)
+    prefix, others = longest[:PREFIX], [prompt for prompt in prompts if prompt is not longest]
+    whole = [(prefix + prompt[:SUFFIX], {"policy": POLICIES[i % len(POLICIES)], "budget": BUDGET})
+             for i, prompt in enumerate(others)]
+    context = [(prefix + others[i][-SUFFIX:], context_settings(policy)) for i, policy in enumerate(CONTEXT_POLICIES)]
+    return whole + context
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_runs(batch, shared_prefix):
+    """The same requests in one batch without prefix caching (the evicting engine) and with it (its
+    configuration with vLLM's prefix cache on): with it, the requests after the first find the
+    prefix the first one's blocks registered when they were allocated, in the same step
+    (vllm/v1/core/kv_cache_manager.py:606-616)."""
+    prompts, settings = [p for p, _ in shared_prefix], [s for _, s in shared_prefix]
+    without = batch("prefix_off", prompts, settings, NEW_TOKENS)
+    cached = batch("prefix_on", prompts, settings, NEW_TOKENS, prefix_caching=True)
+    return without, cached
+
+
+def takes_the_prefix(prompt: list[int], raw: dict) -> bool:
+    """Whether a request keeps vLLM's hit on the shared prefix (its whole blocks): where the hit leaves
+    the request's eviction point and its policy's window of queries to compute; past that a request
+    on a hybrid model takes no hit at all (a sliding-window group's hit cut shorter would hold null
+    blocks in its window: ``EvictionScheduler._cap_replayed_cache_hits``)."""
+    from harness.eviction.settings import EvictionSettings, build_policy
+
+    settings = EvictionSettings(**raw).for_prompt(len(prompt), BLOCK)
+    window = build_policy(settings, BLOCK).query_window
+    return PREFIX // BLOCK * BLOCK <= settings.eviction_point(len(prompt)) - max(1, window)
+
+
+def test_prefix_caching_on_a_hybrid_model_changes_no_output_and_every_block_returns(shared_prefix,
+                                                                                   shared_prefix_runs):
+    without, cached = shared_prefix_runs
+    assert_same_outputs(without, cached)
+    assert cached["ledger"]["evictions"] == without["ledger"]["evictions"]
+    whole = [c for (_, raw), c in zip(shared_prefix, cached["request_counters"]) if "compress" not in raw]
+    assert all(c["evictions"]["prefill"] == 1 for c in whole)
+    assert sum(c["evictions"]["decode"] for c in whole) >= len(whole)
+    # The prefix was read from the cache: every request after the first that keeps its hit holds the
+    # prefix's blocks of the first in the global group (and at most the window's in the local groups)
+    # instead of blocks of its own, so the step that prefilled them all held that many fewer at least.
+    # (batch_run does not return vLLM's per-request num_cached_tokens; the pool's peak is what shows.)
+    hits = sum(takes_the_prefix(prompt, raw) for prompt, raw in shared_prefix[1:])
+    assert hits >= 7  # (the SnapKV context request's window of queries lies in the prefix: it takes none)
+    saved = without["ledger"]["kv_blocks_used_peak"] - cached["ledger"]["kv_blocks_used_peak"]
+    assert saved >= hits * (PREFIX // BLOCK), (saved, hits)
+    # compaction wrote blocks of its own, not the cached ones the other requests read
+    assert cached["ledger"]["copy_target_blocks"] > 0
+    for run in (without, cached):
+        assert run["free_blocks_after"] == run["free_blocks_before"] == run["ledger"]["kv_pool_blocks"]
+
+
+def test_compress_context_on_a_hybrid_model_runs_unshared_and_evicts_at_its_boundary(shared_prefix,
+                                                                                    shared_prefix_runs):
+    """compress=context with prefix caching on: each request compresses its own context (a
+    compressed context is not shared on a hybrid model: ``EvictionScheduler.unshared_reason``), once,
+    when its prefill reaches the context's end: it evicts exactly the context less what the policy
+    keeps of it, which is the physical length then, before any question token. Those that took the
+    cached prefix compute the context's last 10 tokens and evict there too; the outputs equal those
+    computing the whole context (the first test). The plain reference does not run context
+    compression on a hybrid model (tests/support/plain_reference.py refuses it), so this is the
+    engine against itself."""
+    from harness.eviction.settings import EvictionSettings, build_policy
+
+    without, cached = shared_prefix_runs
+    assert "shared_contexts" not in cached["ledger"]
+    for run in (without, cached):
+        for (prompt, raw), counters in zip(shared_prefix, run["request_counters"]):
+            if raw.get("compress") != "context":
+                continue
+            settings = EvictionSettings(**raw).for_prompt(len(prompt), BLOCK)
+            kept = build_policy(settings, BLOCK).prefill_keep_count(PREFIX)
+            assert kept == BUDGET  # whole blocks of the context, whatever the granularity
+            assert counters["evictions"] == {"prefill": 1, "decode": 0}, counters
+            assert counters["evicted_tokens"] == PREFIX - kept, counters
+            assert "context" not in counters  # neither shared nor published
+
+
+@pytest.fixture(scope="module")
+def preempted(prompts):
+    """(prompt, settings): the module's prompts cut to PREEMPT_LENGTHS, the module's policies in turn."""
+    return [(prompt[:length], {"policy": POLICIES[i % len(POLICIES)], "budget": PREEMPT_BUDGET})
+            for i, (prompt, length) in enumerate(zip(prompts, PREEMPT_LENGTHS))]
+
+
+def test_preempted_requests_on_a_hybrid_model_generate_what_they_generate_unpreempted(batch, preempted):
+    """In a pool too small for the requests at once, with prefix caching on, vLLM preempts requests
+    (a replay's hit past its prompt is taken on a hybrid model not at all: it computes again); each
+    evicts again at the same lengths and generates what it generates in the roomy pool of the
+    evicting engine."""
+    prompts, settings = [p for p, _ in preempted], [s for _, s in preempted]
+    roomy = batch("roomy", prompts, settings, PREEMPT_TOKENS)
+    tight = batch("tight", prompts, settings, PREEMPT_TOKENS, engine={"num_kv_blocks": PREEMPT_POOL},
+                  max_model_len=PREEMPT_LEN, prefix_caching=True)
+    assert sum(roomy["preemptions"]) == 0 and sum(tight["preemptions"]) > 0
+    assert all(c["evictions"]["decode"] >= 1 for c in tight["request_counters"])
+    assert_same_outputs(roomy, tight)
+    assert tight["free_blocks_after"] == tight["free_blocks_before"]
+
+
+# Last (it ends its engine: a refused call ends a pooled engine's process).
+def test_a_chained_conversation_on_a_hybrid_model_is_refused_in_one_line(batch, shared_prefix):
+    """chain=true (each turn taking the previous turn's compressed cache) would need a chain entry to
+    hold each sliding-window group's window too: the request is refused with the reason
+    (``harness.engine.layer_groups.hybrid_refusal``), on an engine with prefix caching, where chain
+    runs on a model without windows."""
+    prompt = shared_prefix[0][0][:160]  # (within the small pool's max_model_len, turns included)
+    conversation = {"prompt": prompt, "context_tokens": 130, "messages": [prompt[-20:]], "max_new_tokens": 4,
+                    "eviction": {**context_settings(POLICIES[0]), "context_tokens": None, "chain": True}}
+    # (the whole reason, as one line says it)
+    with pytest.raises(RuntimeError, match=r"sharing a compressed context \(share_context=true, chain=true\) on a "
+                                           r"model with sliding-window layers is not built: the entry would have to "
+                                           r"hold each sliding-window group's window too"):
+        batch("chain", [prompt[:40]], None, 1, engine={"num_kv_blocks": PREEMPT_POOL}, max_model_len=PREEMPT_LEN,
+              prefix_caching=True, conversations=[conversation])
