@@ -222,11 +222,13 @@ def weight_bytes(model_dir: str) -> int | None:
     return sum(f.stat().st_size for f in files) if files else None
 
 
-def kv_bytes_per_token(model_dir: str, dtype: str) -> int | None:
-    """Bytes one token's K and V take over all layers, from a local checkpoint's config.json;
-    None when the model is not local (a hub id) or its config does not say."""
+def pool_block_bytes(model_dir: str, dtype: str, block_size: int, layer_groups: int = 1) -> int | None:
+    """Bytes of one block of vLLM's KV pool, from a local checkpoint's config.json: ``block_size``
+    tokens of one KV cache group's layers (``ModelShape.kv_cache_groups``: every layer, 1/G of them
+    in ``layer_groups`` groups, a third of Gemma 3 270M's 18); None when the model is not local (a
+    hub id) or its config does not say."""
     shape = model_shape(model_dir, dtype)
-    return shape.kv_bytes_per_token if shape else None
+    return shape.kv_cache_groups(block_size, layer_groups).bytes_per_block if shape else None
 
 
 def _gguf_file() -> Path:

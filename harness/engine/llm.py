@@ -266,12 +266,12 @@ class Engine:
     def _pool_bytes(self, cache) -> int | None:
         """The pool's bytes when vLLM sized it from free memory (a GPU at gpu_memory_utilization:
         ``kv_cache_memory_bytes`` stays None), from its blocks and the model's K/V bytes per token."""
-        from harness.config.models import kv_bytes_per_token
+        from harness.config.models import pool_block_bytes
 
-        per_token = kv_bytes_per_token(self.model_path, str(self.dtype))
-        if not (per_token and cache.num_gpu_blocks):
+        per_block = pool_block_bytes(self.model_path, str(self.dtype), cache.block_size, self.layer_groups)
+        if not (per_block and cache.num_gpu_blocks):
             return None
-        return cache.num_gpu_blocks * cache.block_size * per_token // self.layer_groups  # a block: 1/G of the layers
+        return cache.num_gpu_blocks * per_block
 
     def _core_state(self, reset: bool = False, requests: list[str] | None = None) -> dict | None:
         """The scheduler's eviction state (settings, ledger, free blocks, per-request stats of

@@ -120,9 +120,9 @@ def serving(server, model: dict, path: str, workload, block: int, pool_blocks: i
     longest = -(-max(len(item.prompt) + item.max_tokens for item in workload.items) // block) * block
     if pool_blocks is not None and pool_blocks * block < longest:
         raise ValueError(f"--pool-blocks {pool_blocks}: the workload's longest request needs {longest // block} blocks")
-    dtype_bytes = 4 if model.get("dtype", "float32") == "float32" else 2
     # vLLM keeps one null block out of the pool: one more than the blocks asked for
-    pool_bytes = (pool_blocks + 1) * block_bytes(path, block, dtype_bytes) if pool_blocks else int(kv_cache_gib * 2**30)
+    pool_bytes = ((pool_blocks + 1) * block_bytes(path, block, model.get("dtype", "float32")) if pool_blocks
+                  else int(kv_cache_gib * 2**30))
     return Server(path, log, pool_bytes=pool_bytes, block_size=block, dtype=model.get("dtype", "float32"),
                   max_model_len=min(model["max_model_len"], longest))
 

@@ -34,13 +34,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def block_bytes(model_path: str, block_size: int, dtype_bytes: int = 4) -> int:
-    """One KV block's bytes over all layers (K and V), from the model's config.json: what
-    ``--kv-cache-memory-bytes`` must give per block of the pool asked for."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return config["num_hidden_layers"] * 2 * config.get("num_key_value_heads", heads) * head_dim * block_size * dtype_bytes
+def block_bytes(model_path: str, block_size: int, dtype: str = "float32") -> int:
+    """One block of vLLM's KV pool in bytes (``harness.config.models.pool_block_bytes``: one KV cache
+    group's layers, K and V): what ``--kv-cache-memory-bytes`` must give per block of the pool asked for."""
+    from harness.config.models import pool_block_bytes
+
+    found = pool_block_bytes(model_path, dtype, block_size)
+    if found is None:
+        raise ValueError(f"{model_path}: no config.json giving the model's layers and heads")
+    return found
 
 
 def parse_metrics(text: str) -> dict[str, float]:

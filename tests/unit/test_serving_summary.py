@@ -166,11 +166,14 @@ def test_the_gauges_are_read_from_prometheus_text():
     assert summary == {"samples": 2, "mean": pytest.approx(0.4), "peak": 0.6}
 
 
-def test_a_block_of_smollm2_holds_its_layers_keys_and_values():
-    from harness.config.models import EMBEDDED_PREFIX, SMOLLM2, resolve_model_path
+def test_a_pool_block_holds_one_kv_cache_groups_layers_keys_and_values():
+    from harness.config.models import EMBEDDED_PREFIX, SMOLLM2, TINY_HYBRID, resolve_model_path
 
     # 30 layers x (K, V) x 3 KV heads x 64 dims x 32 tokens x 4 bytes (float32)
     assert block_bytes(resolve_model_path(EMBEDDED_PREFIX + SMOLLM2), 32) == 30 * 2 * 3 * 64 * 32 * 4
+    # a hybrid model's block holds one KV cache group's layers: the tiny Gemma 3's groups are two
+    # layers each (vLLM's grouping: tests/unit/test_hybrid_memory.py), not all six
+    assert block_bytes(resolve_model_path(EMBEDDED_PREFIX + TINY_HYBRID), 32) == 2 * 2 * 2 * 64 * 32 * 4
 
 
 def test_a_bad_goodput_is_refused_by_vllms_own_check():
