@@ -25,6 +25,7 @@ from harness.tasks import DataError, check_data_config
 from harness.eviction.settings import (DECLARED, WIRE_FIELDS, EvictionSettings, admit, budget_for_ratio,  # noqa: F401
                                        check_layer_groups, parse_settings, scheduling_is_async)
 from harness.config.models import ModelNotFoundError, ModelShape, model_shape, resolve_model_path, weight_bytes
+from harness.eviction.admission import hybrid_refusal
 from policies import REGISTRY, BudgetError, UnknownPolicyError, check_budget
 
 DEVICES = {"cpu": 32, "cuda": 16}  # device -> the block size multiple its attention backend needs
@@ -281,6 +282,12 @@ def check_run_layer_groups(run: RunSettings) -> None:
                           f"model {run.model.name} has {len(shape.sliding_layers)} sliding-window layers of {shape.layers}")
     if not run.evicts:
         return
+    if shape is not None and shape.sliding_layers:
+        # what eviction does not do yet beside sliding-window layers: the engine's frontend would
+        # refuse each request the same way, after the model loaded
+        refusal = hybrid_refusal(run.request, run.block_size)
+        if refusal is not None:
+            raise ConfigError(f"model {run.model.name}: {refusal}")
     try:
         # The run's one admission (its policy, options, schedule and what they need of the engine),
         # refused before a model loads: at the budget the policy was always checked at (a ratio's
@@ -462,38 +469,53 @@ def available_memory() -> int | None:
 
 def check_kv_pool(run: RunSettings) -> None:
     """vLLM refuses to start when its KV pool cannot hold one request of ``max_model_len`` tokens;
-    say so here, in the harness's terms, before a model loads."""
+    say so here, in the harness's terms, before a model loads, counted as vLLM counts it
+    (``get_kv_cache_configs``, vllm/v1/core/kv_cache_utils.py:2606-2647): a block holds
+    ``block_size`` tokens of one KV cache group's layers (every layer; 1/G of them in
+    ``engine.layer_groups`` groups; one group's on a model with sliding-window layers), one request
+    holds blocks in every group (every token's in a full-attention group, about its window's in a
+    sliding-window one: ``ModelShape.kv_cache_groups``), and the pool, less the null block vLLM keeps
+    back (:2627-2633), must hold their sum."""
     try:
         model_dir = resolve_model_path(run.model.path, prepare=False)
     except ModelNotFoundError:
         return  # not prepared yet: the engine will prepare it and vLLM checks the pool
     shape = model_shape(model_dir, run.model.dtype)
-    if shape is not None and shape.hybrid:
-        check_hybrid_kv_pool(run, shape)
-        return
-    per_token = shape.kv_bytes_per_token if shape else None
-    if per_token is not None:
-        per_token //= run.engine.tensor_parallel_size  # a rank's pool holds its share of the heads
-    blocks = run.engine.num_kv_blocks
-    gib = run.engine.kv_cache_gib
-    if blocks is None and (gib is None or per_token is None):
-        return  # vLLM sizes the pool from free device memory
-    # With G layer groups a block holds 1/G of the layers: G times the blocks, G per token slot.
-    groups = run.engine.layer_groups
+    blocks, gib, length = run.engine.num_kv_blocks, run.engine.kv_cache_gib, run.model.max_model_len
+    if blocks is None and (gib is None or shape is None):
+        return  # vLLM sizes the pool from free device memory (or the config does not say the layers)
+    # a rank's pool holds its share of the heads
+    cache = shape.kv_cache_groups(run.block_size, run.engine.layer_groups, ranks=run.engine.tensor_parallel_size) \
+        if shape is not None else None
     if blocks is None:
-        blocks = int(gib * 2**30 // (per_token * run.block_size)) * groups
+        blocks = int(gib * 2**30) // cache.bytes_per_block  # kv_cache_memory_bytes // bytes per block, as vLLM (:1627)
         source = f"engine.kv_cache_gib={gib} ({blocks} blocks of {run.block_size} tokens)"
     else:
         source = f"engine.num_kv_blocks={blocks} (of {run.block_size} tokens)"
-    need = -(-run.model.max_model_len // run.block_size) * groups
-    if blocks < need:
-        hint = (f"raise engine.kv_cache_gib to at least {need // groups * run.block_size * per_token / 2**30:.3f}"
-                if per_token else "raise engine.num_kv_blocks")
-        raise ConfigError(
-            f"the KV pool of {source} holds {blocks // groups * run.block_size} tokens, but one request of model "
-            f"{run.model.name} may need max_model_len={run.model.max_model_len} tokens ({need} blocks): "
-            f"{hint} or lower model.max_model_len"
-        )
+    per_group = (cache.request_blocks(length, in_flight_tokens(run.engine)) if cache is not None
+                 else [-(-length // run.block_size)] * run.engine.layer_groups)
+    need = sum(per_group)
+    if blocks - 1 >= need:
+        return
+    if run.engine.num_kv_blocks is None:
+        least = math.ceil((need + 1) * cache.bytes_per_block / 2**30 * 1000) / 1000
+        hint = f"raise engine.kv_cache_gib to at least {least:.3f}"
+    else:
+        hint = f"raise engine.num_kv_blocks to at least {need + 1}"
+    if cache is None:
+        held, where = f"{blocks} blocks", ""
+    else:
+        held = f"{blocks} blocks, each of {'one KV cache group' if len(cache.groups) > 1 else 'the model'}'s " \
+               f"{max(len(group.layers) for group in cache.groups)} layers"
+        full = [count for group, count in zip(cache.groups, per_group) if group.sliding_window is None]
+        sliding = [count for group, count in zip(cache.groups, per_group) if group.sliding_window is not None]
+        where = ": " + ", ".join(in_groups(len(counts), counts[0], kind) for counts, kind in
+                                 ((full, "full-attention"), (sliding, "sliding-window")) if counts) if len(per_group) > 1 else ""
+    raise ConfigError(
+        f"the KV pool of {source} holds {held}, but one request of model {run.model.name} may need "
+        f"max_model_len={length} tokens ({need} blocks{where}; and vLLM keeps one block back): {hint} or lower "
+        "model.max_model_len"
+    )
 
 
 def in_flight_tokens(engine: EngineSettings) -> int:
@@ -503,42 +525,6 @@ def in_flight_tokens(engine: EngineSettings) -> int:
     (vllm/platforms/cpu.py:329-331)."""
     asynchronous = engine.device != "cpu" and scheduling_is_async(engine.async_scheduling, engine.device)
     return engine.max_num_batched_tokens * (2 if asynchronous else 1)
-
-
-def check_hybrid_kv_pool(run: RunSettings, shape: ModelShape) -> None:
-    """``check_kv_pool`` for a model with sliding-window layers, as vLLM checks it
-    (``get_kv_cache_configs``, vllm/v1/core/kv_cache_utils.py:2606-2647): a block holds ``block_size``
-    tokens of one KV cache group's layers, one request holds blocks in every group (every token's
-    in a full-attention group, about its window's in a sliding-window one:
-    ``ModelShape.kv_cache_groups``), and the pool, less the null block vLLM keeps back, must hold
-    their sum."""
-    cache = shape.kv_cache_groups(run.block_size, ranks=run.engine.tensor_parallel_size)  # a rank's share of the heads
-    blocks, gib, length = run.engine.num_kv_blocks, run.engine.kv_cache_gib, run.model.max_model_len
-    if blocks is None and gib is None:
-        return  # vLLM sizes the pool from free device memory
-    if blocks is None:
-        blocks = int(gib * 2**30) // cache.bytes_per_block  # kv_cache_memory_bytes // bytes per block, as vLLM (:1627)
-        source = f"engine.kv_cache_gib={gib} ({blocks} blocks of {run.block_size} tokens)"
-    else:
-        source = f"engine.num_kv_blocks={blocks} (of {run.block_size} tokens)"
-    per_group = cache.request_blocks(length, in_flight_tokens(run.engine))
-    need = sum(per_group)
-    if blocks - 1 >= need:
-        return
-    if run.engine.num_kv_blocks is None:
-        least = math.ceil((need + 1) * cache.bytes_per_block / 2**30 * 1000) / 1000
-        hint = f"raise engine.kv_cache_gib to at least {least:.3f}"
-    else:
-        hint = f"raise engine.num_kv_blocks to at least {need + 1}"
-    full = [count for group, count in zip(cache.groups, per_group) if group.sliding_window is None]
-    sliding = [count for group, count in zip(cache.groups, per_group) if group.sliding_window is not None]
-    raise ConfigError(
-        f"the KV pool of {source} holds {blocks} blocks, each of one KV cache group's "
-        f"{max(len(group.layers) for group in cache.groups)} layers, but one request of model {run.model.name} "
-        f"may need max_model_len={length} tokens ({need} blocks: {in_groups(len(full), full[0], 'full-attention')}, "
-        f"{in_groups(len(sliding), sliding[0], 'sliding-window')}; and vLLM keeps one block back): {hint} or lower "
-        "model.max_model_len"
-    )
 
 
 def in_groups(groups: int, blocks: int, kind: str) -> str:

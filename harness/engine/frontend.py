@@ -34,7 +34,8 @@ from dataclasses import replace
 from harness.engine import patches
 from harness.engine.compatibility import REFUSED, check_compatible, layer_groups_of, prefix_cache_refusal
 from harness.eviction.settings import CONFIG_KEY, admit, request_settings, settings_from
-from harness.engine.layer_groups import hybrid_refusal, sliding_window_layers
+from harness.engine.layer_groups import sliding_window_layers
+from harness.eviction.admission import hybrid_refusal
 
 
 def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = None) -> dict | None:

@@ -25,7 +25,7 @@ import functools
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-from harness.eviction.admission import admit
+from harness.eviction.admission import admit, hybrid_refusal
 from harness.eviction.settings import EvictionSettings, check_layer_groups
 from harness.engine.compatibility import layer_groups_of
 from policies import Policy
@@ -145,22 +145,6 @@ def sliding_window_layers(model_config) -> list[int]:
     config check) can ask before any model loads."""
     kinds = getattr(model_config.hf_text_config, "layer_types", None) or ()
     return [index for index, kind in enumerate(kinds) if kind == "sliding_attention"]
-
-
-def hybrid_refusal(settings: EvictionSettings, block_size: int) -> str | None:
-    """What eviction does not do yet on a hybrid model, in one line (None: these settings run)."""
-    from harness.eviction.admission import build_policy
-
-    if settings.budget_schedule != "uniform":
-        return (f"budget_schedule={settings.budget_schedule} on a model with sliding-window layers is not built: "
-                "its global layers evict as one group (budget_schedule=uniform)")
-    if build_policy(settings, block_size).reconstructs:
-        return (f"policy={settings.policy}'s reconstruction passes on a model with sliding-window layers are not "
-                "built (they would run the local layers over the whole context)")
-    if settings.chain or (settings.compress == "context" and settings.share_context):
-        return ("sharing a compressed context (share_context=true, chain=true) on a model with sliding-window "
-                "layers is not built: the entry would have to hold each sliding-window group's window too")
-    return None
 
 
 def policies_by_group(settings: EvictionSettings, block_size: int, groups: list[tuple[object, int]], *,

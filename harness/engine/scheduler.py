@@ -392,7 +392,7 @@ class EvictionScheduler(Scheduler):
 
     def _shares_contexts(self) -> bool:
         # (not on a hybrid model: an entry would have to hold each sliding-window group's window,
-        # harness.engine.layer_groups.hybrid_refusal)
+        # harness.eviction.admission.hybrid_refusal)
         return self.kv_unsupported is None and bool(self.cache_config.enable_prefix_caching) and \
             self.connector is None and not self.kv_hybrid
 

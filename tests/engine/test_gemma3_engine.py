@@ -27,7 +27,7 @@ pytestmark = pytest.mark.engine
 WINDOW = 512  # the local layers' sliding window (config.json's sliding_window)
 # block rules on K/V scores (paged, knorm), a positional rule, and one reading the global layers'
 # queries (query capture beside sliding-window layers); KVzip's reconstruction is refused on a
-# hybrid model (harness.engine.layer_groups.hybrid_refusal)
+# hybrid model (harness.eviction.admission.hybrid_refusal)
 POLICIES = ["paged", "streaming", "knorm", "snapkv"]
 BUDGET = 256
 # Held-out prompts (a seed no other test uses) of 600-2000 tokens: past the window, so the local

@@ -226,7 +226,7 @@ def test_preempted_requests_on_a_hybrid_model_generate_what_they_generate_unpree
 def test_a_chained_conversation_on_a_hybrid_model_is_refused_in_one_line(batch, shared_prefix):
     """chain=true (each turn taking the previous turn's compressed cache) would need a chain entry to
     hold each sliding-window group's window too: the request is refused with the reason
-    (``harness.engine.layer_groups.hybrid_refusal``), on an engine with prefix caching, where chain
+    (``harness.eviction.admission.hybrid_refusal``), on an engine with prefix caching, where chain
     runs on a model without windows."""
     prompt = shared_prefix[0][0][:160]  # (within the small pool's max_model_len, turns included)
     conversation = {"prompt": prompt, "context_tokens": 130, "messages": [prompt[-20:]], "max_new_tokens": 4,

@@ -64,9 +64,12 @@ def test_gpu_engine_defaults_to_the_papers_block_size():
         (["model.path=/no/such/model"], "does not exist"),
         (["policy=streaming", "+policy.options.n_sinks=2"], "no option n_sinks"),
         (["policy.name=oracle"], "valid: full, h2o, hybrid, keydiff, keydiff_block"),
-        (["engine.kv_cache_gib=0.1"], "holds 2304 tokens, but one request of model smollm2-135m may need "
-                                      "max_model_len=8192 tokens (256 blocks): raise engine.kv_cache_gib to at least 0.352"),
-        (["engine.num_kv_blocks=100"], "engine.num_kv_blocks=100 (of 32 tokens) holds 3200 tokens"),
+        (["engine.kv_cache_gib=0.1"], "(72 blocks of 32 tokens) holds 72 blocks, each of the model's 30 layers, but one "
+                                      "request of model smollm2-135m may need max_model_len=8192 tokens (256 blocks; and "
+                                      "vLLM keeps one block back): raise engine.kv_cache_gib to at least 0.353"),
+        (["engine.num_kv_blocks=256"], "engine.num_kv_blocks=256 (of 32 tokens) holds 256 blocks, each of the model's 30 "
+                                       "layers, but one request of model smollm2-135m may need max_model_len=8192 tokens "
+                                       "(256 blocks; and vLLM keeps one block back): raise engine.num_kv_blocks to at least 257"),
         (["policy=full", "budget=-5"], "budget=-5 is below two blocks"),
         (["policy=full", "budget=1000000"], "budget=1000000 is above model smollm2-135m's context"),
         (["engine=gpu", "model=tiny"], "model.dtype=float32 cannot run on the GPU engine"),

@@ -166,7 +166,13 @@ def test_the_blocks_one_request_needs_are_vllms(name, block_size, length, batche
 
 CHECKED = [  # (model, max_model_len, max_num_batched_tokens)
     ("tiny-hybrid", 8192, 8192), ("tiny-hybrid", 2048, 64), ("tiny-hybrid", 600, 256),
-    ("gemma3-270m", 32768, 8192), ("gemma3-270m", 4096, 512)]
+    ("gemma3-270m", 32768, 8192), ("gemma3-270m", 4096, 512),
+    ("tiny", 8192, 8192), ("tiny", 600, 256)]  # a model without windows: one group of every layer, the same rule
+
+
+def checked_model_dir(model: str, gemma_dir: Path) -> Path:
+    return {"gemma3-270m": gemma_dir, "tiny": Path(resolve_model_path(EMBEDDED_PREFIX + "tiny-llama"))}.get(
+        model, tiny_hybrid_dir())
 
 
 def run_cfg(model: str, gemma_dir: Path, length: int, batched: int, *pool: str):
@@ -190,7 +196,7 @@ def test_a_pool_vllm_accepts_passes_and_one_it_refuses_is_refused_in_one_line(mo
     refused by vLLM and by the check, in one line whose suggested size vLLM then accepts."""
     from vllm.v1.core.kv_cache_utils import _max_memory_usage_bytes_from_groups, _pool_bytes_per_block
 
-    shape = model_shape(str(gemma_dir if model == "gemma3-270m" else tiny_hybrid_dir()), "float32")
+    shape = model_shape(str(checked_model_dir(model, gemma_dir)), "float32")
     config = set_config(vllm_config, max_model_len=length, batched=batched)
     found = vllm_groups(config, shape, 32)
     per_block = _pool_bytes_per_block(config, found)
@@ -228,6 +234,31 @@ def test_layer_groups_on_a_hybrid_model_are_refused_before_any_model_loads(gemma
     assert message == ("engine.layer_groups=2 needs a model whose every attention layer is full attention; model "
                        "tiny-hybrid has 4 sliding-window layers of 6")
     assert refusal(compose_cfg("model=tiny", "engine.layer_groups=2")) is None
+
+
+CONTEXT_HALF = ["budget_ratio=0.5", "compress=context"]
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["policy=paged", "budget=256", "budget_schedule=pyramid"],
+     "budget_schedule=pyramid on a model with sliding-window layers is not built"),
+    (["policy=kvzip", *CONTEXT_HALF], "policy=kvzip's reconstruction passes on a model with sliding-window layers are not built"),
+    (["policy=paged", *CONTEXT_HALF, "share_context=true"],
+     "sharing a compressed context (share_context=true, chain=true) on a model with sliding-window layers is not built"),
+    (["policy=paged", *CONTEXT_HALF, "chain=true"],
+     "sharing a compressed context (share_context=true, chain=true) on a model with sliding-window layers is not built"),
+], ids=["pyramid", "kvzip", "share_context", "chain"])
+def test_what_a_hybrid_model_cannot_run_yet_is_refused_before_any_model_loads(gemma_dir, overrides, reason):
+    """The engine's frontend would refuse each of its requests the same way, once the model loaded
+    (``harness.eviction.admission.hybrid_refusal``): the run stops first, in one line. The same
+    settings pass on a model without windows (the pyramid there over two layer groups, as it must be),
+    and compressing a context unshared passes on the hybrid model."""
+    message = refusal(compose_cfg("model=tiny-hybrid", *overrides))
+    assert message is not None and "\n" not in message, message
+    assert message == f"model tiny-hybrid: {reason}" or message.startswith(f"model tiny-hybrid: {reason}"), message
+    grouped = ["engine.layer_groups=2"] if "budget_schedule=pyramid" in overrides else []
+    assert refusal(compose_cfg("model=tiny", *overrides, *grouped)) is None
+    assert refusal(compose_cfg("model=tiny-hybrid", "policy=paged", *CONTEXT_HALF)) is None
 
 
 def test_the_memory_check_counts_a_hybrid_pool_block_as_one_groups_layers(gemma_dir, monkeypatch):

@@ -154,9 +154,11 @@ def test_the_run_config_checks_layer_groups_before_any_model_loads():
 
 
 def test_the_pool_check_counts_g_blocks_per_token_slot():
-    """A pool holds the same tokens at any G, in G times the blocks; too small a pool says so in tokens
-    (as at G = 1: 72 blocks, 2304 tokens, 256 blocks needed)."""
-    with pytest.raises(ConfigError, match=r"kv_cache_gib=0.1 \(216 blocks of 32 tokens\) holds 2304 tokens, but one "
-                                          r"request .* may need max_model_len=8192 tokens \(768 blocks\): raise "
-                                          r"engine.kv_cache_gib to at least 0.352"):
+    """A pool holds the same tokens at any G, in G times the blocks of 1/G the layers (as vLLM divides
+    the memory: 218 blocks where G = 1 has 72, each a third of the size); too small a pool says so in
+    the blocks each group's share of one request needs (256 at G = 1)."""
+    with pytest.raises(ConfigError, match=r"kv_cache_gib=0.1 \(218 blocks of 32 tokens\) holds 218 blocks, each of one KV "
+                                          r"cache group's 10 layers, but one request .* may need max_model_len=8192 "
+                                          r"tokens \(768 blocks: 256 in each of its 3 full-attention groups; and vLLM keeps "
+                                          r"one block back\): raise engine.kv_cache_gib to at least 0.353"):
         run_settings(compose_cfg("engine.kv_cache_gib=0.1", "engine.layer_groups=3"))
