@@ -25,6 +25,11 @@ another code version are deleted before their step reruns (they are in git histo
 ends by rewriting its folder's summary; the last rewrites ``results/RESULTS.md``
 (``python -m harness.analysis.report``).
 
+A serving sweep (``results/serving/<sweep>``) is one step too: its command is the one it was made
+with, its provenance its ``settings.json``, and its verification ``experiments/serving.py --verify``
+(``harness.serving.experiment.verify``: its summaries recomputed from the saved runs, byte for byte,
+and a sample of its requests replayed alone on a fresh ``vllm serve``); a rerun replaces its folder.
+
 The steps are the studies of ``harness.analysis.studies`` (the one table RESULTS.md reads too), in
 its order; ``minutes`` is what a step took on the 2-core CPU machine, or the estimate it is planned
 with where it has not run yet.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -59,9 +65,15 @@ class Step:
     minutes: float  # on the 2-core CPU machine (measured or planned, see ``measured``)
     measured: bool = False
 
+    @property
+    def serving(self) -> bool:
+        return self.folder.startswith("serving/")
+
     def cells(self) -> list[Path]:
         """The files or run directories that carry this step's provenance."""
         root = ROOT / "results" / self.folder
+        if self.serving:
+            return [root / "settings.json"] if (root / "settings.json").is_file() else []
         if self.folder.startswith("throughput/"):
             return sorted((root / "cells").glob("*.json"))
         return sorted(path.parent for path in root.glob("**/config.yaml") if path.parent.name != ".hydra"
@@ -87,8 +99,16 @@ def throughput(setting: str, minutes: float, trials: int = 3, measured: bool = F
                 ((PYTHON, "experiments/throughput.py", setting, "--trials", str(trials)),), minutes, measured)
 
 
+def serving(study: Study) -> Step:
+    """A serving sweep, by the command that made it (``python experiments/serving.py ...``)."""
+    command = shlex.split(study.command)
+    assert command[:2] == ["python", "experiments/serving.py"], study.command
+    return Step(study.folder, study.folder, ((PYTHON, *command[1:]),), study.minutes, study.measured)
+
+
 # The plan of record: every study of harness.analysis.studies with its minutes, in its order.
-STEPS = tuple(throughput(study.folder.split("/", 1)[1], study.minutes, study.trials, study.measured)
+STEPS = tuple(serving(study) if study.serving
+              else throughput(study.folder.split("/", 1)[1], study.minutes, study.trials, study.measured)
               if study.throughput else accuracy(study) for study in planned())
 
 
@@ -117,6 +137,8 @@ def status(step: Step, version: str) -> tuple[str, list[Path]]:
     if cells and not stale and summary.exists() and summary.stat().st_mtime >= newest:
         return "done", stale
     record = verification(step)
+    if record and step.serving:  # (a serving sweep's record: the one version its sweep ran at)
+        record = {**record, "ran_at": [record["ran_at"]], "cells": 1}
     if (stale and record and record["verdict"] == "verified" and record["code_version"] == version
             and sorted({version_of(cell) for cell in stale}) == record["ran_at"] and record["cells"] == len(stale)
             and summary.exists() and summary.stat().st_mtime >= newest):
@@ -187,7 +209,17 @@ def replay_subset(step: Step, version: str | None = None) -> list[Path]:
 
 
 def verify(step: Step, version: str, commit: str) -> dict:
-    """Replay ``replay_subset(step)`` at this code, write the study's verification, return it."""
+    """Replay ``replay_subset(step)`` at this code, write the study's verification, return it (a
+    serving sweep: ``harness.serving.experiment.verify``, which writes its own)."""
+    if step.serving:
+        from harness.serving.experiment import verify as verify_sweep
+
+        print(f"[verify] {step.name}: its summaries recomputed, a sample of its requests replayed alone", flush=True)
+        record = verify_sweep(ROOT / "results" / step.folder)
+        print(f"[verify] {step.name}: {record['verdict']}" + "".join(f"\n[verify]   moved: {m}" for m in record["moved"][:20])
+              + ("" if record["verdict"] == "verified" else f"; regenerate it: python experiments/regenerate.py --only "
+                 f"{step.name}"), flush=True)
+        return record
     cells = [cell for cell in step.cells() if version_of(cell) != version]  # those made at this version need none
     ran_at = sorted({version_of(cell) for cell in cells})
     subset = replay_subset(step, version)
@@ -260,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             note = f", {len(stale)} made at another version and replayed equal at this one (kept)"
         else:
             note = f", {len(stale)} made at another version (deleted before it runs)"
-        print(f"  {step.name:28s} {state:8s} {step.minutes:5.0f} min{'' if step.measured else ' (planned)'}{note}")
+        print(f"  {step.name:34s} {state:8s} {step.minutes:5.0f} min{'' if step.measured else ' (planned)'}{note}")
     outside = retired(steps)
     if outside:
         print("committed results no step regenerates (remove them, git rm, once the plan is done): "
@@ -283,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         started = time.perf_counter()
         print(f"[regenerate] {step.name}: {state}, about {step.minutes:.0f} min", flush=True)
-        for cell in stale:  # made by other code: rerun, never mixed into this version's tables
+        if step.serving and stale:  # a sweep's folder is one result: made again whole
+            shutil.rmtree(ROOT / "results" / step.folder)
+        for cell in stale if not step.serving else ():  # made by other code: rerun, never mixed into this version's tables
             shutil.rmtree(cell) if cell.is_dir() else cell.unlink()
         for command in step.commands:
             run(command)

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be positive")
         workload_options[name] = value
 
+    from harness.analysis.studies import refuse_uncommitted
+    from harness.records.provenance import code_version
     from harness.serving.experiment import Options, check, run, summarize, verify
 
     if args.verify:
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                       trials=args.trials, goodput=args.goodput, pool_blocks=args.pool_blocks,
                       kv_cache_gib=args.kv_cache_gib, seed=args.seed, workload_options=workload_options)
     try:
+        # a committed sweep (harness.analysis.studies) only from committed code
+        refuse_uncommitted(options.out, code_version(ROOT))
         check(options)
     except ValueError as error:
         parser.error(str(error))

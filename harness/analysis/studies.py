@@ -2,8 +2,9 @@
 (``harness.analysis.report``) and what ``experiments/regenerate.py`` remakes and verifies.
 
 A study is an accuracy sweep (its cells made by ``conf/experiment/<experiment>.yaml`` and
-summarised by ``harness.analysis.aggregate``) or a throughput setting (``experiments/throughput.py
-<setting>``). Its record says where it lives, what it asks, the variant every other is compared
+summarised by ``harness.analysis.aggregate``), a throughput setting (``experiments/throughput.py
+<setting>``) or a serving sweep (``experiments/serving.py``, its command in the record: ``vllm serve``
+loaded by vLLM's own benchmark, ``results/serving/<sweep>``). Its record says where it lives, what it asks, the variant every other is compared
 with, the signal its verdict rests on, and how long it takes to make on the 2-core CPU machine
 (``measured``: as it took there; otherwise the estimate it is planned with). A view is a further
 summary of another study's cells (RULER without variable tracking). A new study is one record here
@@ -47,6 +48,10 @@ class Study:
     @property
     def throughput(self) -> bool:
         return self.folder.startswith("throughput/")
+
+    @property
+    def serving(self) -> bool:
+        return self.folder.startswith("serving/")
 
     @property
     def name(self) -> str:
@@ -112,6 +117,11 @@ STUDIES: tuple[Study, ...] = (
     # KVzip's reconstruction passes against a plain prefill (a prefill setting: its ratios are of
     # prefill seconds against full cache, not of output tok/s)
     throughput("reconstruction", 7, trials=4, measured=True),
+    # Serving sweeps (RESULTS.md's Serving section reads their own summaries): the default sweep, and
+    # KVzip beside PagedEviction at twice full cache's capacity
+    Study("serving/shared_context_long", command="python experiments/serving.py", minutes=48, measured=True),
+    Study("serving/shared_context_long_kvzip", command="python experiments/serving.py --configs 'full,paged context,kvzip "
+          "context' --rates 0.257 --trials 3 --out results/serving/shared_context_long_kvzip", minutes=27, measured=True),
 )
 
 

@@ -59,3 +59,21 @@ def test_the_ruler_experiment_says_how_its_committed_results_ran():
                          if line.startswith("#"))
     assert overrides and all(override in comments for override in overrides), overrides
     assert "As committed (results/ruler_pilot)" not in comments
+
+
+def test_every_committed_serving_sweep_is_a_step_remade_by_the_command_that_made_it():
+    """results/serving/<sweep>: a step whose command is the one its settings.json recorded (the
+    regeneration remakes what is committed, not the default sweep), its provenance that file."""
+    import json
+    import shlex
+
+    sweeps = sorted(path.parent for path in (ROOT / "results" / "serving").glob("*/settings.json"))
+    steps = {step.folder: step for step in regenerate.STEPS if step.serving}
+    assert sweeps and sorted(steps) == [f"serving/{sweep.name}" for sweep in sweeps]
+    for sweep in sweeps:
+        step = steps[f"serving/{sweep.name}"]
+        (command,) = step.commands
+        recorded = json.loads((sweep / "settings.json").read_text())["command"]
+        assert [*command[1:]] == shlex.split(recorded)[1:], (command, recorded)
+        assert step.cells() == [sweep / "settings.json"]
+        assert regenerate.version_of(sweep / "settings.json") is not None

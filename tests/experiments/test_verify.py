@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 import regenerate  # noqa: E402
 
-ACCURACY = [step for step in regenerate.STEPS if not step.folder.startswith("throughput/")]
+ACCURACY = [step for step in regenerate.STEPS if not step.folder.startswith("throughput/") and not step.serving]
 
 
 @pytest.mark.parametrize("step", ACCURACY, ids=lambda step: step.name)
