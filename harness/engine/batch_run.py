@@ -139,6 +139,7 @@ def run(spec: dict) -> dict:
     result = {
         "outputs": [r.token_ids for r in results],
         "preemptions": [r.preemptions for r in results],
+        "cached_tokens": [r.cached_tokens for r in results],  # found in vLLM's prefix cache (or a shared context)
         "top_logprobs": [r.top_logprobs if top_logprobs else None for r in results],
         "token_logprobs": [r.token_logprobs for r in results],
         "token_ranks": [r.token_ranks for r in results],

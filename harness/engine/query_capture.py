@@ -16,8 +16,9 @@ needs eager mode; attention variants whose weights are not ``softmax(q.k * scale
 cap, ALiBi, attention sinks) are refused too: the recomputed attention would not be what the kernel
 computed. A sliding-window layer is not: on a hybrid model (Gemma 3) eviction acts on the
 full-attention layers only and leaves the sliding-window layers to vLLM
-(``harness.engine.layer_groups.policies_by_group``), so their queries are copied with the others
-but never score anything (their groups' policy, ``FullCache``, reads none).
+(``harness.engine.layer_groups.policies_by_group``: their groups' policy, ``FullCache``, reads no
+queries), so their queries are neither copied nor kept (Gemma 3 270M: a SnapKV window for its 3
+global layers, not all 18).
 """
 from __future__ import annotations
 
@@ -58,9 +59,13 @@ class QueryCapture:
         self.owners: list[tuple[str, int, int, int]] = []  # (request id, rows, window size, target) in row order
         self.copies: list[torch.Tensor | None] = [None] * len(modules)
         self.seconds = 0.0                               # this step's time copying queries so far
+        # the layers whose queries a policy may read: every full-attention one (a sliding-window
+        # layer's group never evicts, above)
+        self.captured = [module.sliding_window is None for module in modules]
         if self.unsupported is None:
             for index, module in enumerate(modules):
-                module.register_forward_pre_hook(self._hook(index))
+                if self.captured[index]:
+                    module.register_forward_pre_hook(self._hook(index))
 
     def _hook(self, index: int):
         def copy_queries(module, args):
@@ -89,18 +94,21 @@ class QueryCapture:
     def absorb(self, targets: list[list[PolicyState]], group_layers: list[list[int]]) -> float:
         """Hand this step's copies to each request's window, in each KV cache group's state (of the
         owner's target) its own layers (``group_layers``: positions in layer order; one group: every
-        layer); returns the seconds this step spent capturing (the hooks' copies and this)."""
+        layer), a sliding-window group's state none; returns the seconds this step spent capturing
+        (the hooks' copies and this)."""
         if self.rows is None:
             return 0.0
         started = time.perf_counter()
-        if any(copy is None for copy in self.copies):
+        if any(copy is None for copy, captured in zip(self.copies, self.captured) if captured):
             raise RuntimeError("an attention layer ran without capturing the queries planned for it")
-        step = torch.stack(self.copies)  # [layers, rows, heads, dim]
-        parts = [step] if len(group_layers) == 1 else [step[layers] for layers in group_layers]
+        # [layers, rows, heads, dim] per group whose layers are captured
+        parts = [torch.stack([self.copies[layer] for layer in layers]) if all(self.captured[layer] for layer in layers)
+                 else None for layers in group_layers]
         offset = 0
         for request_id, count, size, target in self.owners:
             for state, part in zip(targets[target], parts):
-                state.observe(request_id, part[:, offset : offset + count], size)
+                if part is not None:
+                    state.observe(request_id, part[:, offset : offset + count], size)
             offset += count
         self.rows, self.owners, self.copies = None, [], [None] * len(self.modules)
         seconds, self.seconds = self.seconds + time.perf_counter() - started, 0.0

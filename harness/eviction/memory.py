@@ -8,9 +8,9 @@ bounded by the group of requests the evictor takes at once (``predict``). With t
 cache groups (``engine.layer_groups``) each group keeps its own state for its own layers and budget;
 its evictions run one group after another, each on fewer layers, so the one-group scratch bounds them. On a
 hybrid model (sliding-window layers beside full-attention ones, ``ModelShape.sliding_layers``) a
-policy acts on the full-attention layers only: their scores and their evictions' scratch, while the
-query windows are kept for every layer (the worker hands each KV cache group's state its own layers'
-queries, the sliding-window groups' too: ``harness.engine.query_capture.QueryCapture.absorb``).
+policy acts on the full-attention layers only: their scores, their query windows (the worker
+copies no sliding-window layer's queries: ``harness.engine.query_capture.QueryCapture``) and their
+evictions' scratch.
 ``experiments/eviction_cost.py --batch`` measures a full batch's step against this prediction.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def predict(policy: Policy, shape, max_num_seqs: int, max_model_len: int,
     for part in parts:
         held = min(part.budget + part.block_size, max_model_len)
         layer_window = shape.query_heads * shape.head_dim * shape.dtype_bytes
-        per_request += part.query_window * (shape.layers // count) * layer_window
+        per_request += part.query_window * (scored // count) * layer_window
         per_request += held * state_per_token(part, scored // count, shape.kv_heads)
     layer_bytes = shape.layer_bytes_per_token  # one token's K and V in one layer
     group_tokens = max_model_len if joint_read_bytes is None else max(joint_read_bytes // layer_bytes, max_model_len)

@@ -70,6 +70,23 @@ def test_blocks_are_freed_in_the_global_group_only_and_vllm_frees_the_windows(ru
     assert run("evicting")["free_blocks_after"] == ledger["kv_pool_blocks"]  # every block came back
 
 
+def test_the_worker_keeps_policy_state_for_the_global_layers_only(run, model):
+    """Scores and SnapKV's query window are kept for the global group's layers alone (the capture hooks
+    copy no sliding-window layer's queries: ``harness.engine.query_capture``): the state the worker
+    held at its peak is within what ``harness.eviction.memory.predict`` gives for every request of the
+    batch at once. Windows kept for all six layers would be three times SnapKV's part of it."""
+    from harness.config.models import model_shape
+    from harness.eviction.memory import predict
+    from policies import make_policy
+
+    shape = model_shape(model, "float32")
+    predicted = [predict(make_policy(policy, BUDGET, BLOCK), shape, 1, 4096, None).per_request for policy in POLICIES]
+    windows = make_policy("snapkv", BUDGET, BLOCK).query_window * shape.query_heads * shape.head_dim * 4
+    assert predicted[POLICIES.index("snapkv")] == windows * (shape.layers - len(shape.sliding_layers))
+    peak = run("evicting")["ledger"]["policy_state_bytes_peak"]
+    assert 0 < peak <= sum(predicted) * len(LENGTHS), (peak, predicted)
+
+
 # --- prefix caching, context compression, preemption and the chain on the hybrid model -------------
 #
 # Two more engines (CI time): the evicting engine's configuration with vLLM's prefix cache on, and
@@ -160,12 +177,18 @@ def test_prefix_caching_on_a_hybrid_model_changes_no_output_and_every_block_retu
     whole = [c for (_, raw), c in zip(shared_prefix, cached["request_counters"]) if "compress" not in raw]
     assert all(c["evictions"]["prefill"] == 1 for c in whole)
     assert sum(c["evictions"]["decode"] for c in whole) >= len(whole)
-    # The prefix was read from the cache: every request after the first that keeps its hit holds the
-    # prefix's blocks of the first in the global group (and at most the window's in the local groups)
-    # instead of blocks of its own, so the step that prefilled them all held that many fewer at least.
-    # (batch_run does not return vLLM's per-request num_cached_tokens; the pool's peak is what shows.)
-    hits = sum(takes_the_prefix(prompt, raw) for prompt, raw in shared_prefix[1:])
-    assert hits >= 7  # (the SnapKV context request's window of queries lies in the prefix: it takes none)
+    # The prefix was read from the cache: a request that takes a hit takes the prefix's whole blocks
+    # (vLLM's num_cached_tokens), one whose hit the scheduler refuses none (which of the others do is
+    # vLLM's scheduling: not every one did here); each that took it holds the prefix's blocks of
+    # another in the global group (and at most the window's in the local groups) instead of blocks of
+    # its own, so the step that prefilled them all held that many fewer at least.
+    taken = [False] + [takes_the_prefix(prompt, raw) for prompt, raw in shared_prefix[1:]]
+    assert sum(taken) >= 7  # (the SnapKV context request's window of queries lies in the prefix: it takes none)
+    assert without["cached_tokens"] == [0] * len(shared_prefix)
+    assert all(found in (0, PREFIX // BLOCK * BLOCK) and (found == 0 or take)
+               for found, take in zip(cached["cached_tokens"], taken)), (cached["cached_tokens"], taken)
+    hits = sum(found > 0 for found in cached["cached_tokens"])
+    assert hits >= sum(taken) // 2, (cached["cached_tokens"], taken)
     saved = without["ledger"]["kv_blocks_used_peak"] - cached["ledger"]["kv_blocks_used_peak"]
     assert saved >= hits * (PREFIX // BLOCK), (saved, hits)
     # compaction wrote blocks of its own, not the cached ones the other requests read
@@ -175,15 +198,15 @@ def test_prefix_caching_on_a_hybrid_model_changes_no_output_and_every_block_retu
 
 
 def test_compress_context_on_a_hybrid_model_runs_unshared_and_evicts_at_its_boundary(shared_prefix,
-                                                                                    shared_prefix_runs):
+                                                                                    shared_prefix_runs, model):
     """compress=context with prefix caching on: each request compresses its own context (a
     compressed context is not shared on a hybrid model: ``EvictionScheduler.unshared_reason``), once,
     when its prefill reaches the context's end: it evicts exactly the context less what the policy
     keeps of it, which is the physical length then, before any question token. Those that took the
     cached prefix compute the context's last 10 tokens and evict there too; the outputs equal those
-    computing the whole context (the first test). The plain reference does not run context
-    compression on a hybrid model (tests/support/plain_reference.py refuses it), so this is the
-    engine against itself."""
+    computing the whole context (the first test) and the plain reference compressing the context
+    before the question (the local layers' window over what they hold, the global layers over what
+    was kept)."""
     from harness.eviction.settings import EvictionSettings, build_policy
 
     without, cached = shared_prefix_runs
@@ -198,6 +221,19 @@ def test_compress_context_on_a_hybrid_model_runs_unshared_and_evicts_at_its_boun
             assert counters["evictions"] == {"prefill": 1, "decode": 0}, counters
             assert counters["evicted_tokens"] == PREFIX - kept, counters
             assert "context" not in counters  # neither shared nor published
+    from tests.support.engine_support import assert_mostly_equal, plain_policy
+    from tests.support.plain_reference import PlainReference
+
+    plain = PlainReference(model)
+    rows = [row for row, (_, raw) in enumerate(shared_prefix) if raw.get("compress") == "context"]
+    expected = []
+    for row in rows:
+        rule = plain_policy(shared_prefix[row][1]["policy"], BUDGET)
+        rule.decode_eviction = False  # (compress=context compresses the context once)
+        ids, counts = plain.generate(shared_prefix[row][0], NEW_TOKENS, rule, context_tokens=PREFIX)
+        assert counts["prefill"] == 1 and counts["decode"] == 0
+        expected.append(ids)
+    assert_mostly_equal([without["outputs"][row] for row in rows], expected)
 
 
 @pytest.fixture(scope="module")

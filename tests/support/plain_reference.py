@@ -30,8 +30,10 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
   full-attention ("global") layers only, one group, masked by their own cache length as layer groups
   are; a sliding-window ("local") layer is never evicted and attends over the last W logical
   positions of what it holds (W = ``sliding_window``, the query's own included: Hugging Face's own
-  sliding-window cache and mask; vLLM's window is the same, single_type_kv_cache_manager.py:1135-1150,
-  and tests/engine/test_hybrid_engine.py checks the full cache against stock vLLM);
+  sliding-window cache, and a window mask over it built here, as the global layers' are; vLLM's
+  window is the same, single_type_kv_cache_manager.py:1135-1150, and tests/engine/test_hybrid_engine.py
+  checks the full cache against stock vLLM); a context compressed before its question
+  (``context_tokens``) evicts the global layers at the boundary, the question then attends as above;
 * layer groups: given one rule per group of contiguous layers (group 0 the first), each group evicts
   on its own layers, at its own length and budget, so layers hold different numbers of tokens: each
   layer's attention then gets its own causal mask, built from that layer's own cache length;
@@ -386,6 +388,16 @@ def chunk_mask(past: int, width: int) -> torch.Tensor:
     return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[None, None]
 
 
+def window_chunk_mask(past: int, width: int, window: int) -> torch.Tensor:
+    """``[1, 1, width, past + width]`` additive mask for a sliding-window layer holding the ``past``
+    tokens logically just before the chunk (never evicted: its slots are its positions): the chunk's
+    query i reads what lies within ``window`` positions of it, its own included, causally."""
+    query = torch.arange(width)[:, None] + past
+    key = torch.arange(past + width)[None, :]
+    visible = (key <= query) & (query - key < window)
+    return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)[None, None]
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE as Llama applies it: the two halves of head_dim rotated by each position's angle."""
     half = x.shape[-1] // 2
@@ -406,6 +418,7 @@ class PlainReference:
         # a hybrid model's sliding-window layers: never evicted (see the module's "hybrid model")
         self.local_layers = frozenset(i for i, kind in enumerate(getattr(config, "layer_types", None) or ())
                                       if kind == "sliding_attention")
+        self.window = getattr(config, "sliding_window", None)
         self.queries: list[torch.Tensor] = []  # per layer, the newest queries [n, query heads, dim]
         # Set while groups evict apart: Hugging Face builds one mask, from layer 0's length.
         self.per_layer_masks = False
@@ -420,14 +433,23 @@ class PlainReference:
 
     def _own_mask(self, index: int):
         """Replaces the model-wide mask by this layer's own: its cache length is read from the cache
-        itself before the layer appends the chunk, so it cannot drift from what the layer attends over."""
+        itself before the layer appends the chunk, so it cannot drift from what the layer attends over.
+        A local layer's: the window over the tokens its cache holds (Hugging Face's sliding-window
+        layer keeps the last W - 1 and attends over them and the chunk: DynamicSlidingWindowLayer.update),
+        built here because Hugging Face's would follow the global layers' cache positions, which
+        eviction moved."""
         def mask(module, args, kwargs):
-            if not self.per_layer_masks or index in self.local_layers:
-                return None  # (a local layer: Hugging Face's sliding-window mask over what it holds)
+            if not self.per_layer_masks:
+                return None
             if "attention_mask" not in kwargs or "past_key_values" not in kwargs:
                 raise RuntimeError("this transformers calls attention differently: the layer masks need updating")
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            past = kwargs["past_key_values"].get_seq_length(index)
+            cache = kwargs["past_key_values"]
+            if index in self.local_layers:
+                layer = cache.layers[index]
+                held = layer.keys.shape[-2] if getattr(layer, "is_initialized", False) else 0
+                return args, {**kwargs, "attention_mask": window_chunk_mask(held, hidden.shape[1], self.window)}
+            past = cache.get_seq_length(index)
             return args, {**kwargs, "attention_mask": chunk_mask(past, hidden.shape[1])}
         return mask
 
@@ -477,9 +499,9 @@ class PlainReference:
         span = layers // len(policies)
         groups = [range(g * span, (g + 1) * span) for g in range(len(policies))]
         if self.local_layers:
-            if len(policies) != 1 or resume or context_tokens is not None or policies[0].score == "kvzip":
-                raise ValueError("a hybrid model: one rule on its global layers, over whole prompts (layer groups, "
-                                 "chained turns, context compression and kvzip are not built for it)")
+            if len(policies) != 1 or resume or policies[0].score == "kvzip":
+                raise ValueError("a hybrid model: one rule on its global layers (layer groups, chained turns and "
+                                 "kvzip are not built for it)")
             groups = [[l for l in range(layers) if l not in self.local_layers]]
         evict_at = len(prompt) if context_tokens is None else context_tokens
         if not 0 < evict_at <= len(prompt):

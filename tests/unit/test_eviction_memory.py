@@ -47,12 +47,12 @@ HYBRID_GROUPS, GLOBAL_GROUP = ((0, 3), (1, 4), (2, 5)), 2
 
 
 @pytest.mark.parametrize("name, options", MATRIX, ids=MATRIX_IDS)
-def test_on_a_hybrid_model_the_prediction_counts_the_global_layers_scores_and_every_layers_window(name, options):
-    """On a hybrid model the worker keeps a policy's scores for the full-attention group only (the
-    sliding-window groups run ``FullCache``: harness.engine.layer_groups.policies_by_group), but a
-    query window in every group's state (``QueryCapture.absorb`` hands each group its layers'
-    queries), and evicts the global layers alone: the prediction covers what is kept, and is below
-    the same layers without windows wherever the policy keeps scores per layer or evicts."""
+def test_on_a_hybrid_model_the_prediction_counts_the_global_layers_scores_and_windows(name, options):
+    """On a hybrid model the worker keeps a policy's scores and query window for the full-attention
+    group only (the sliding-window groups run ``FullCache``: harness.engine.layer_groups.policies_by_group;
+    ``QueryCapture`` copies no sliding-window layer's queries), and evicts the global layers alone:
+    the prediction covers what is kept, and is below the same layers without windows wherever the
+    policy keeps scores or a window per layer, or evicts."""
     gen = torch.Generator().manual_seed(len(name))
     view = FlashAttnView([torch.randn(12, HEADS, BLOCK, 2 * DIM, generator=gen) for _ in HYBRID_GROUPS[GLOBAL_GROUP]])
     policy = make_policy(name, BUDGET, BLOCK, **options)
@@ -61,8 +61,7 @@ def test_on_a_hybrid_model_the_prediction_counts_the_global_layers_scores_and_ev
     for phase, tokens in (("prefill", 150), ("decode", BUDGET + BLOCK)):
         if policy.query_window:
             queries = torch.randn(6, BLOCK, QUERY_HEADS, DIM, generator=gen)
-            for state, layers in zip(states, HYBRID_GROUPS):
-                state.observe("r", queries[list(layers)], policy.query_window)
+            states[GLOBAL_GROUP].observe("r", queries[list(HYBRID_GROUPS[GLOBAL_GROUP])], policy.query_window)
         evict(policy, view, blocks, tokens, phase, states[GLOBAL_GROUP], "r")
         held.append(sum(state.nbytes() for state in states))
     hybrid = ModelShape(6, HEADS, QUERY_HEADS, DIM, 4, sliding_layers=(0, 1, 3, 4), sliding_window=32)
@@ -71,7 +70,7 @@ def test_on_a_hybrid_model_the_prediction_counts_the_global_layers_scores_and_ev
     assert predicted.per_request <= 4 * max(held) or max(held) == predicted.per_request == 0
     whole = predict(policy, ModelShape(6, HEADS, QUERY_HEADS, DIM, 4), 1, 4096, None)
     assert predicted.per_request <= whole.per_request
-    if state_per_token(policy, 2, HEADS) < state_per_token(policy, 6, HEADS):  # scores kept per layer
+    if state_per_token(policy, 2, HEADS) < state_per_token(policy, 6, HEADS) or policy.query_window:  # kept per layer
         assert predicted.per_request < whole.per_request
     if policy.evicts:
         assert predicted.scratch < whole.scratch

@@ -1,6 +1,6 @@
 """The plain reference (tests/support/plain_reference.py) on a hybrid-attention model, the tiny Gemma 3
 (``tiny-gemma3``: layers 2 and 5 global, the others a 32-token sliding window): the rule evicts the
-global layers only; a local layer keeps Hugging Face's sliding-window cache and mask. The engine
+global layers only; a local layer keeps Hugging Face's sliding-window cache, under a window mask. The engine
 against this reference is tests/engine/test_hybrid_engine.py."""
 from __future__ import annotations
 
@@ -63,5 +63,37 @@ def test_what_is_not_built_for_a_hybrid_model_is_refused(plain, prompt):
     rule = PlainPolicy("knorm", "token", 48, BLOCK, decode_eviction=False)
     with pytest.raises(ValueError, match="a hybrid model: one rule on its global layers"):
         plain.generate(prompt, NEW, [rule, PlainPolicy("knorm", "token", 48, BLOCK, decode_eviction=False)])
-    with pytest.raises(ValueError, match="a hybrid model"):
-        plain.generate(prompt, NEW, rule, context_tokens=60)
+
+
+CONTEXT = 60  # the context's end: past the window; the question's 40 tokens past it too
+
+
+def test_a_context_computed_before_its_question_and_not_evicted_generates_what_hugging_face_generates(plain, prompt):
+    """The question (40 tokens, more than the window) computed after the context on a cache that holds
+    it: the local layers' window mask over the 31 tokens they hold and the chunk gives Hugging Face's
+    greedy output of the whole prompt."""
+    new = 8
+    ids, counts = plain.generate(prompt, new, PlainPolicy("knorm", "token", 512, BLOCK, decode_eviction=False),
+                                 context_tokens=CONTEXT)
+    assert counts["prefill"] == counts["decode"] == 0
+    expected = plain.model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, PROMPT:]
+    assert ids == expected.tolist()
+
+
+@pytest.mark.parametrize("score, granularity", [("knorm", "token"), ("paged", "block")])
+def test_a_compressed_context_evicts_the_global_layers_at_its_boundary_only(plain, prompt, score, granularity):
+    """compress=context: the global layers evict the context down to the budget (whole blocks) once,
+    before the question, never in decode; the local layers hold their window; the output differs from
+    the uncompressed one's (the eviction reaches the answer)."""
+    budget = 32
+    ids, counts = plain.generate(prompt, NEW, PlainPolicy(score, granularity, budget, BLOCK, decode_eviction=False),
+                                 context_tokens=CONTEXT)
+    assert counts["prefill"] == 1 and counts["decode"] == 0
+    for layer, length in enumerate(counts["lengths"]):
+        if layer in GLOBAL:  # the context's budget, then the question and every output but the last
+            assert length == budget + (PROMPT - CONTEXT) + NEW - 1, (layer, counts["lengths"])
+        else:
+            assert length == PROMPT + NEW - 1 and plain.cache.layers[layer].keys.shape[-2] == TINY_HYBRID_WINDOW - 1
+    whole, _ = plain.generate(prompt, NEW, PlainPolicy(score, granularity, 512, BLOCK, decode_eviction=False),
+                              context_tokens=CONTEXT)
+    assert ids != whole
