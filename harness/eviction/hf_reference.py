@@ -35,6 +35,14 @@ policy's ``chunk_scores`` and cuts each pass's K/V off the cache again; the step
 by those scores. The engine's worker runs the same passes with the attention computed apart
 (``harness.engine.reconstruction``): this is the check of its orchestration.
 
+A hybrid model (Gemma 3: ``layer_types`` with sliding-window layers): the policy evicts the
+full-attention ("global") layers, one KV cache group, as the engine's does (its sliding-window
+groups run ``FullCache``: ``harness.engine.layer_groups.policies_by_group``); a sliding-window layer
+keeps Hugging Face's sliding cache (the last W - 1 tokens) and attends over the last W positions, its
+own included, under a mask built here from what it holds (Hugging Face's would follow the global
+layers' cache positions, which eviction moved). One policy, no reconstruction, no measured schedule
+and no chained turn on such a model, as the engine refuses them (``harness.eviction.admission.hybrid_refusal``).
+
 Chained turns (``resume``, ``chain=true``): the next turn of a conversation continues the cache the
 previous request left (its prompt and every output but the last, as evicted), computes its tokens
 up to its context boundary at their logical positions, and the prefill eviction there runs, through
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from typing import Sequence
 
 import torch
 
@@ -61,7 +70,7 @@ class DynamicCacheView(KVView):
     """A DynamicCache's layers seen through the KVView interface (block ids = block positions):
     all of them, or ``layers`` (one KV cache group's), numbered from 0 in the view."""
 
-    def __init__(self, cache, block_size: int, layers: range | None = None):
+    def __init__(self, cache, block_size: int, layers: Sequence[int] | None = None):
         self.cache = cache
         self.entries = [cache.layers[layer] for layer in (layers if layers is not None else range(len(cache.layers)))]
         super().__init__([entry.keys for entry in self.entries], block_size)
@@ -111,13 +120,26 @@ def own_causal_mask(query, key, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+def own_window_mask(query, key, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of ``query``'s tokens over a sliding-window layer's ``key`` tokens (what it
+    held, logically just before the queries, then the queries' own): query i sees the keys within
+    ``window`` positions of it, its own included, causally."""
+    queries, keys = query.shape[-2], key.shape[-2]
+    at = torch.arange(queries, device=query.device)[:, None] + keys - queries
+    slot = torch.arange(keys, device=query.device)[None, :]
+    allowed = (slot <= at) & (at - slot < window)
+    mask = torch.zeros(queries, keys, dtype=dtype, device=query.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
 def window_attention_implementation(base: str = "eager") -> str:
     """Register and name a Hugging Face attention implementation (each call re-registers the same
     name) that hands each layer's post-RoPE queries (``[new tokens, query_heads, head_dim]``) to
     the attention module's ``kv_report_queries(layer, queries)``, if it has one, and then runs
     ``base`` ("eager", the model's own eager attention, or a registered one such as "sdpa")
     unchanged; on a module marked ``kv_own_mask`` (layers holding their own numbers of tokens),
-    with the causal mask of that layer's keys (``own_causal_mask``) instead of the model's."""
+    with the causal mask of that layer's keys (``own_causal_mask``) instead of the model's, or, on
+    one marked ``kv_window`` (a sliding-window layer), the window's (``own_window_mask``)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -128,7 +150,9 @@ def window_attention_implementation(base: str = "eager") -> str:
         report = getattr(module, "kv_report_queries", None)
         if report is not None:
             report(module.layer_idx, query[0].transpose(0, 1))
-        if getattr(module, "kv_own_mask", False):
+        if getattr(module, "kv_window", None):
+            attention_mask = own_window_mask(query, key, module.kv_window, query.dtype)
+        elif getattr(module, "kv_own_mask", False):
             attention_mask = own_causal_mask(query, key, query.dtype)
         if base == "eager":
             run = sys.modules[type(module).__module__].eager_attention_forward
@@ -152,7 +176,7 @@ class HFReferenceEngine:
 
     def __init__(self, model_path: str, policy: Policy | list[Policy] | tuple[Policy, ...] | None = None,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", schedule: EvictionSettings | None = None):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.policies: tuple[Policy, ...] = tuple(policy) if isinstance(policy, (list, tuple)) else (policy,)
         self.schedule = schedule if schedule is not None and schedule.measuring else None
@@ -169,8 +193,16 @@ class HFReferenceEngine:
             raise ValueError("the groups' policies must read the same query window")
         grouped = len(self.policies) > 1
         self.reconstructs = any(p is not None and p.reconstructs for p in self.policies)
+        config = AutoConfig.from_pretrained(model_path)
+        config = getattr(config, "text_config", None) or config
+        # a hybrid model's sliding-window layers (the module's "hybrid model")
+        self.local_layers = [i for i, kind in enumerate(getattr(config, "layer_types", None) or ())
+                             if kind == "sliding_attention"]
+        if self.local_layers and (grouped or self.schedule is not None or self.reconstructs):
+            raise ValueError("a hybrid model: one policy on its global layers (no layer groups, measured schedule or "
+                             "reconstruction), as the engine runs it")
         attention = (window_attention_implementation("eager") if self.window or grouped or self.schedule
-                     or self.reconstructs else "eager")
+                     or self.reconstructs or self.local_layers else "eager")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attention)
         self.model = self.model.to(device).eval()
         self.device = torch.device(device)
@@ -181,10 +213,13 @@ class HFReferenceEngine:
             raise ValueError(f"{groups} groups must divide the model's {layers} layers (equal groups, as the engine's)")
         size = layers // groups
         self.group_layers = [range(g * size, (g + 1) * size) for g in range(groups)]
-        for layer in self.attention_layers:
+        if self.local_layers:  # the one evicting group: the global layers
+            self.group_layers = [[layer for layer in range(layers) if layer not in self.local_layers]]
+        for index, layer in enumerate(self.attention_layers):
             if self.window or self.schedule or self.reconstructs:
                 layer.kv_report_queries = self.step_queries.__setitem__
-            layer.kv_own_mask = grouped
+            layer.kv_own_mask = grouped or bool(self.local_layers)
+            layer.kv_window = config.sliding_window if index in self.local_layers else None
         self.policy_states = [PolicyState() for _ in self.policies]
 
     @property
@@ -260,8 +295,9 @@ class HFReferenceEngine:
             if not len(held) < evict_at:
                 raise ValueError(f"a chained turn computes at least one token before its boundary ({evict_at}); "
                                  f"the previous turn's cache holds {len(held)}")
-            if self.window or self.schedule is not None:
-                raise ValueError("chained turns: attention-free policies at a fixed schedule only")
+            if self.window or self.schedule is not None or self.local_layers:
+                raise ValueError("chained turns: attention-free policies at a fixed schedule only, on a model without "
+                                 "sliding-window layers")
             cache, computed, evicted = self.cache, len(held), list(self.chain_evicted)
         else:
             cache, computed = DynamicCache(config=self.model.config), 0

@@ -97,3 +97,29 @@ def test_a_compressed_context_evicts_the_global_layers_at_its_boundary_only(plai
     whole, _ = plain.generate(prompt, NEW, PlainPolicy(score, granularity, 512, BLOCK, decode_eviction=False),
                               context_tokens=CONTEXT)
     assert ids != whole
+
+
+@pytest.mark.parametrize("name", ["paged", "streaming", "knorm", "snapkv"])
+@pytest.mark.parametrize("mode", ["prompt", "context"])
+def test_the_hugging_face_reference_equals_the_plain_rule_on_a_hybrid_model(plain, prompt, name, mode):
+    """The harness's Hugging Face reference (``harness.eviction.hf_reference``: the engine's own step
+    driver and policies on a DynamicCache) on the hybrid model, evicting the global layers and masking
+    the local ones by their window, against the plain rule sharing no code with it: the same outputs
+    and, layer by layer, the same cache, whole prompts (prefill and decode evictions) and a context
+    compressed before its question."""
+    from harness.eviction.hf_reference import HFReferenceEngine
+    from harness.eviction.settings import EvictionSettings, build_policy
+    from tests.support.engine_support import plain_policy
+
+    budget, context = 48, (CONTEXT if mode == "context" else None)
+    settings = EvictionSettings(policy=name, budget=budget, **({"compress": "context", "decode_eviction": False,
+                                                                "context_tokens": CONTEXT} if context else {}))
+    rule = plain_policy(name, budget, BLOCK)
+    rule.decode_eviction = context is None
+    engine = HFReferenceEngine(resolve_model_path(EMBEDDED_PREFIX + TINY_HYBRID), build_policy(settings, BLOCK))
+    ids, counts = plain.generate(prompt, NEW, rule, context_tokens=context)
+    assert counts["prefill"] == 1 and (counts["decode"] >= 1) == (context is None)
+    assert engine.generate(prompt, NEW, context_tokens=context) == ids
+    for layer, (mine, theirs) in enumerate(zip(plain.cache.layers, engine.cache.layers, strict=True)):
+        torch.testing.assert_close(theirs.keys, mine.keys, rtol=0, atol=0, msg=f"layer {layer}")
+        torch.testing.assert_close(theirs.values, mine.values, rtol=0, atol=0, msg=f"layer {layer}")
