@@ -1,6 +1,7 @@
-"""A run labelled with an evicting policy was made by an engine that evicted, or it does not exist.
+"""A run labelled with an evicting policy was made by an engine that evicted, or it does not exist;
+a sample the run could not serve is counted, never silently dropped.
 
-Each test starts ``run.py`` as a user would (one engine process at a time).
+Each test reads ``run.py`` started as a user would (one engine process at a time).
 """
 from __future__ import annotations
 
@@ -36,12 +37,25 @@ def test_eviction_without_its_plugin_is_refused_before_the_first_request(tmp_pat
     assert not list(tmp_path.rglob("predictions.jsonl")) and not list(tmp_path.rglob("*.partial"))
 
 
-def test_engine_core_in_its_own_process_still_writes_the_ledger(tmp_path):
+@pytest.fixture(scope="module")
+def separate_core_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One ``run.py`` serving the two tests below (CI time: each started its own before): PagedEviction
+    at 256 on the tiny model (SmolLM2's tokenizer), the engine core in its own process, and a user's
+    max_model_len of 1536 under two of key_retrieval's first three prompts (the harness refuses
+    those before the engine sees them, harness/run/cell.py), so one sample
+    runs and is evicted (1,118 tokens)."""
+    out = tmp_path_factory.mktemp("separate_core")
+    done = run_py(out, "model=tiny", "model.max_model_len=1536", "data.limit=3", "data.tasks=[key_retrieval]",
+                  "policy=paged", "budget=256", "engine.in_process=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = [p for p in out.glob("tiny/synthetic/*") if p.is_dir()]
+    return run_dir, done
+
+
+def test_engine_core_in_its_own_process_still_writes_the_ledger(separate_core_run):
     """The GPU engine's mode (engine core in its own process) on CPU: perf.json carries the
     scheduler's ledger, read through an engine-core utility call, with the prefill eviction."""
-    done = run_py(tmp_path, *ONE_PROMPT, "engine.in_process=false")
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.glob("smollm2-135m/synthetic/*") if p.is_dir()]
+    run_dir, _ = separate_core_run
     perf = json.loads((run_dir / "perf.json").read_text())
     assert perf["kv"] is not None, "the ledger crossed the process boundary"
     assert perf["kv"]["policy"] == "paged" and perf["kv"]["budget"] == 256
@@ -54,3 +68,14 @@ def test_engine_core_in_its_own_process_still_writes_the_ledger(tmp_path):
     assert 0 <= row["top1_agreement"] <= 1 and row["kl_to_full"] >= 0 and row["agreement_steps"] > 0
     scores = json.loads((run_dir / "scores.json").read_text())
     assert set(scores["likelihood"]) >= {"answer_logprob", "top1_agreement", "kl_to_full", "tasks"}
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_counted(separate_core_run):
+    """A user's max_model_len below some prompts: those samples are refused one by one, counted in
+    scores.json with the reason, and the run completes with the rest."""
+    run_dir, done = separate_core_run
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["skipped"] == 2 and scores["skipped_by_task"] == {"key_retrieval": 2}
+    assert all("exceeds max_model_len=1536" in s["reason"] for s in scores["skipped_samples"])
+    assert scores["tasks"]["key_retrieval"]["samples"] == 1
+    assert "2 sample(s) skipped" in done.stdout
