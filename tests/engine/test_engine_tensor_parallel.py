@@ -10,7 +10,7 @@ Five engines: one worker and two with the same requests, then two workers with p
 over a warm cache, then one and two workers in a pool too small for the long requests; and two
 with the layers as two KV cache groups (two workers with prefix caching; one worker in a small pool,
 under preemption); and one worker in compiled mode. The
-matrix's requests (budget 256, 64 new tokens) and a preemption set (budget 512, 300 new tokens)
+matrix's requests (budget 256, 40 new tokens) and a preemption set (budget 512, 150 new tokens)
 share the first engine: a preempted request recomputes its prompt and replays its outputs one
 token per step, so it meets the same evictions and produces the same tokens as one never
 preempted (H2O: its attention totals and query window, dropped with the blocks, are rebuilt by the
@@ -29,7 +29,13 @@ pytestmark = pytest.mark.engine
 # Every matrix case evicts in decode too.
 BUDGET, NEW_TOKENS = 256, DECODE_EVICTING_TOKENS
 PREEMPTED = ["paged", "knorm", "h2o"]  # cached scores, compacted tokens, attention totals and windows: what a replay rebuilds
-PREEMPT_BUDGET, PREEMPT_TOKENS = 512, 300
+# 150 new tokens (300 before, CI time: in a pool this small the preemption set runs a few requests at
+# a time, and a preempted request replays its outputs one token per step, so its runs cost about their
+# new tokens in steps): the 600-token prompts evict in prefill and again in decode (at budget + one
+# block), the 100-token ones grow to 8 blocks, and requests that had evicted are still preempted in
+# the small pools (asserted: preempted_after_eviction, on one and two workers and with layer groups).
+PREEMPT_BUDGET, PREEMPT_TOKENS = 512, 150
+PREEMPT_LEN = 600 + PREEMPT_TOKENS  # the preemption set's longest request
 # Query-agnostic compression (compress=context): half of a context (the first prompt's first 70%) evicted
 # before the rest is computed; two questions ask about it, so that with prefix caching the second
 # takes the compressed context the first kept (harness.engine.shared_contexts). KVzip's passes run on
@@ -85,11 +91,14 @@ def two_workers_prefix_cached(tmp_path_factory, requests):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_worker", "two_workers"])
 def preempted_run(tmp_path_factory, requests, request):
-    """A pool of 29 blocks for requests that grow to 17: the scheduler preempts requests that had
-    already evicted."""
+    """A pool of 24 blocks (and vLLM's null block: the fewest that hold max_model_len, 600 + 150
+    tokens) for requests that grow to 18 blocks (600-token prompts) and 8 (100-token ones): beside
+    the 600-token request it admits, a 100-token one grows until the scheduler preempts, and it
+    preempts requests that had already evicted (asserted). With 29 blocks, the pool used with 300
+    new tokens before, 150 new tokens preempted none that had evicted (measured, one and two workers)."""
     _, preempted = requests
     return run(tmp_path_factory, f"tp{request.param}_preempt", preempted, tensor_parallel_size=request.param,
-               num_kv_blocks=30, max_model_len=900)
+               num_kv_blocks=25, max_model_len=PREEMPT_LEN)
 
 
 def part(result: dict, indices: range) -> dict:
@@ -232,13 +241,14 @@ def test_two_groups_on_two_workers_return_every_block(grouped_two_workers):
 
 
 # Preemption with layer groups (one worker, the tiny Llama's 4 layers as two groups): the
-# preemption set's long requests in a pool of twice the blocks (each holds half a block's memory
-# before), so requests that evicted in both groups are preempted, recompute their prompt, replay
-# their outputs one token per step and evict each group again at the same lengths. KNorm and H2O
-# at the uniform schedule then generate what one group generated without preemption (the first
-# engine); PagedEviction at the pyramid (budgets 832 and 192: only the second group evicts the
-# 600-token prompts, and both evict the 100-token ones' outputs) what the Hugging Face reference
-# generates evicting each group by its own budget.
+# preemption set in a pool of 60 blocks (each holds half a one-group block's memory: 30 blocks'
+# worth, what the preemption set had with one group and 300 new tokens), so requests that evicted in
+# both groups are preempted, recompute their prompt, replay their outputs one token per step and
+# evict each group again at the same lengths. KNorm and H2O at the uniform schedule then generate
+# what one group generated without preemption (the first engine); PagedEviction at the pyramid
+# (budgets 832 and 192: only the second group evicts the 600-token prompts, and both evict the
+# 100-token ones' outputs) what the Hugging Face reference generates evicting each group by its own
+# budget.
 GROUPED_PREEMPTED = [("knorm", "uniform"), ("h2o", "uniform"), ("paged", "pyramid")]
 
 

