@@ -47,6 +47,22 @@ def kv_eviction_state(core, reset: bool = False, requests: list[str] | None = No
 STATE_ROUTE = "/kv_eviction/state"
 
 
+def wrap_create_engine_config(original):
+    """``EngineArgs.create_engine_config`` (vllm/engine/arg_utils.py:2205), then, where the engine has
+    an eviction default, what eviction cannot coexist with (``check_compatible``), refused there: in
+    ``vllm serve``'s API server before any engine process starts or a model loads, where the
+    worker would refuse it only once the model and its KV cache were set up
+    (``harness.engine.worker_patch``). The plugin's patches are installed by then: EngineArgs loads
+    vLLM's general plugins when it is made (arg_utils.py:903-906)."""
+    @functools.wraps(original)
+    def create_engine_config(self, usage_context=None, headless=False):
+        vllm_config = original(self, usage_context, headless)
+        if settings_from(vllm_config) is not None:
+            check_compatible(vllm_config)
+        return vllm_config
+    return create_engine_config
+
+
 def wrap_register_api_routers(original):
     """``vllm serve`` builds its app in ``build_app`` (vllm/entrypoints/launchers/app.py:19-56), which
     calls ``register_api_routers`` (:45, looked up in that module when it runs) to add vLLM's own

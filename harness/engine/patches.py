@@ -127,6 +127,12 @@ PATCHES: tuple[Patch, ...] = (
           ("self", "finish_reason", "request_id"),
           "answer a request whose policy failed with the policy's message instead of a fixed text (HTTP 500)",
           "harness.engine.frontend.wrap_raise_if_error", _lazy("harness.engine.frontend", "wrap_raise_if_error")),
+    # The engine's config: vLLM has no hook after it is made, before the engine processes start.
+    Patch("vllm.engine.arg_utils:EngineArgs", "create_engine_config", "wrapped", ("self", "usage_context", "headless"),
+          "refuse an eviction default the engine cannot run (its scheduler, KV cache dtype, parallelism) before "
+          "any engine process starts or a model loads",
+          "harness.engine.frontend.wrap_create_engine_config",
+          _lazy("harness.engine.frontend", "wrap_create_engine_config")),
     # The served app: vLLM's build_app has no hook for a router that loads without VLLM_PLUGINS naming it.
     Patch("vllm.entrypoints.launchers.app:", "register_api_routers", "wrapped",
           ("args", "app", "supported_tasks", "model_config"),
