@@ -6,7 +6,8 @@ positions of what they hold, global layers over what eviction kept).
 Policies act on the global layers' KV cache group; vLLM's sliding-window manager frees the local
 groups' blocks as before (``harness.engine.layer_groups``). Then, as on the first model: prefix caching
 (requests sharing a prefix) changes no output, compress=context runs unshared and evicts at its
-boundary, preempted requests generate the same, and chain=true is refused in one line. Five engines,
+boundary, preempted requests generate the same, and chain=true is refused in one line; and every
+registered policy at every granularity equals the plain reference (the policy matrix). Five engines,
 each in a process of its own (the engine tests' pool: ``tests.support.engine_support.run_spec``)."""
 from __future__ import annotations
 
@@ -85,6 +86,40 @@ def test_the_worker_keeps_policy_state_for_the_global_layers_only(run, model):
     assert predicted[POLICIES.index("snapkv")] == windows * (shape.layers - len(shape.sliding_layers))
     peak = run("evicting")["ledger"]["policy_state_bytes_peak"]
     assert 0 < peak <= sum(predicted) * len(LENGTHS), (peak, predicted)
+
+
+# --- the policy matrix on the hybrid model ---------------------------------------------------------
+#
+# Every registered policy at every granularity (tests/support/policy_matrix.py, from the registry:
+# KVzip aside, refused on a hybrid model) in one batch on the evicting engine's configuration (kept by
+# the pool: no engine start), each through per-request settings, against the plain reference on the
+# same prompt: the longest of the module's, so every case evicts in prefill and again in decode.
+
+
+@pytest.fixture(scope="module")
+def matrix(batch, prompts):
+    from tests.support.policy_matrix import MATRIX
+
+    prompt = max(prompts, key=len)
+    settings = [{"policy": name, "budget": BUDGET, "options": options} for name, options in MATRIX]
+    return prompt, batch("matrix", [prompt] * len(MATRIX), settings, NEW_TOKENS)
+
+
+def test_every_registered_policy_on_a_hybrid_model_equals_the_plain_reference(matrix, model):
+    from tests.support.engine_support import assert_mostly_equal, plain_policy
+    from tests.support.plain_reference import PlainReference
+    from tests.support.policy_matrix import MATRIX
+
+    prompt, run = matrix
+    plain = PlainReference(model)
+    expected = []
+    for (name, options), counters in zip(MATRIX, run["request_counters"]):
+        ids, counts = plain.generate(prompt, NEW_TOKENS, plain_policy(name, BUDGET, BLOCK, options.get("granularity")))
+        assert counts["prefill"] == 1 and counts["decode"] >= 1, name
+        assert counters["evictions"] == {"prefill": 1, "decode": counts["decode"]}, (name, counters)
+        expected.append(ids)
+    assert_mostly_equal(run["outputs"], expected)
+    assert run["free_blocks_after"] == run["free_blocks_before"] == run["ledger"]["kv_pool_blocks"]
 
 
 # --- prefix caching, context compression, preemption and the chain on the hybrid model -------------
