@@ -172,4 +172,5 @@ def refuse_uncommitted(out: Path | str, version: str | None) -> None:
             raise ValueError(
                 f"results/{study.folder} holds a committed study (harness/analysis/studies.py): its cells are made "
                 f"only from committed code, and this checkout's code has uncommitted changes (code version "
-                f"{version}): commit them first, or write to another folder (output_dir=results/runs/...)")
+                f"{version}): commit them first, or write to another folder (run.py's output_dir=results/runs/..., "
+                f"experiments' --out)")
