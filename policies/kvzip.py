@@ -62,14 +62,18 @@ def chunk_scores(queries: torch.Tensor, sink_keys: torch.Tensor, chunk_keys: tor
 
 
 def causal_tiles(queries: torch.Tensor, earlier_keys: torch.Tensor, own_keys: torch.Tensor, scale: float,
-                 tile: int = TILE):
+                 tile: int = TILE, window: int | None = None):
     """The softmax of a pass's newest n queries ``[n, query_heads, dim]`` over ``earlier_keys``
     ``[e, kv_heads, dim]`` (all visible) and the pass's ``own_keys`` ``[m, kv_heads, dim]`` (m >= n,
     causal: query j reads own keys ``0 .. m - n + j``), in float32, ``tile`` queries at a time:
     yields ``(first, last, probabilities [kv_heads, group, last - first, e + m])``. Query head h
     reads KV head h // group (vLLM's and Hugging Face's GQA layout). The one tiled causal attention
     of KVzip's passes: its scores (``chunk_scores``) and the engine's pass outputs
-    (``harness.engine.reconstruction.pass_attention``)."""
+    (``harness.engine.reconstruction.pass_attention``).
+
+    ``window``: a sliding-window layer's (a hybrid model's local layers, which the passes run
+    through but never score): the earlier keys are then the positions just before the pass's own,
+    and a query reads only keys fewer than ``window`` positions behind it, its own included."""
     n, query_heads, dim = queries.shape
     m, kv_heads, _ = own_keys.shape
     group = query_heads // kv_heads
@@ -85,6 +89,9 @@ def causal_tiles(queries: torch.Tensor, earlier_keys: torch.Tensor, own_keys: to
         # Own key i is hidden from query j (the pass's token m - n + first + j) when i > m - n + first + j.
         sees = m - n + torch.arange(first, last, device=queries.device)
         logits[..., lead:].masked_fill_(own[None, :] > sees[:, None], float("-inf"))
+        if window is not None:  # key at own index i (earlier keys: -e .. -1) is too far behind query j
+            behind = sees[:, None] - torch.arange(-lead, m, device=queries.device)[None, :]
+            logits.masked_fill_(behind >= window, float("-inf"))
         yield first, last, torch.softmax(logits, dim=-1)
 
 

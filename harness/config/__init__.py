@@ -285,7 +285,7 @@ def check_run_layer_groups(run: RunSettings) -> None:
     if shape is not None and shape.sliding_layers:
         # what eviction does not do yet beside sliding-window layers: the engine's frontend would
         # refuse each request the same way, after the model loaded
-        refusal = hybrid_refusal(run.request, run.block_size)
+        refusal = hybrid_refusal(run.request)
         if refusal is not None:
             raise ConfigError(f"model {run.model.name}: {refusal}")
     try:

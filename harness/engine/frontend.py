@@ -133,7 +133,7 @@ def check_request(vllm_config, params, prompt_tokens: int | None = None, reconst
                   async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
             # what a model with sliding-window layers cannot run yet (harness.engine.layer_groups)
             if sliding_window_layers(vllm_config.model_config):
-                refusal = hybrid_refusal(settings, block_size)
+                refusal = hybrid_refusal(settings)
                 if refusal is not None:
                     raise ValueError(refusal)
             refusal = prefix_cache_refusal(settings, prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),

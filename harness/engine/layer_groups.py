@@ -159,7 +159,7 @@ def policies_by_group(settings: EvictionSettings, block_size: int, groups: list[
     if len(full) == len(groups):
         return admit(settings, block_size, layers, len(full), enforce_eager=enforce_eager,
                      async_scheduling=async_scheduling)
-    refusal = hybrid_refusal(settings, block_size)
+    refusal = hybrid_refusal(settings)
     if refusal is not None:
         raise ValueError(refusal)
     acting = admit(settings, block_size, layers, len(full), enforce_eager=enforce_eager,

@@ -53,6 +53,16 @@ What this relies on in vLLM 0.32 (cited where used):
 * The layer's softmax scale is its backend's ``impl.scale`` (``vllm/v1/attention/backends/
   cpu_attn.py:304``), read once by ``QueryCapture``.
 
+On a hybrid model (Gemma 3, issue 66) the passes run through every layer, but only the
+full-attention layers are scored (the sliding-window layers never evict). A sliding-window layer
+(its module's ``sliding_window``, ``vllm/model_executor/layers/attention/attention.py:339``) reads
+what vLLM's kernel would: the context's last ``window - 1`` tokens, which its KV cache group still
+holds when the prefill reaches c (vLLM frees only tokens before ``computed - window + 1``, with
+``computed`` < c the tokens before this step: ``SlidingWindowManager.get_num_skipped_tokens``,
+``vllm/v1/core/single_type_kv_cache_manager.py:1135-1170``, called from ``allocate_slots``,
+``vllm/v1/core/kv_cache_manager.py:545-558``), and the pass's own tokens, each query within
+``window`` positions of itself, its own included.
+
 Under tensor parallelism every rank runs the same passes in the same order (the model's all-reduces
 stay in step), scores its own KV heads, and the scores are gathered across ranks before they are
 stored, so every rank holds every head's, as the evictor expects (``HeadShards.gather_heads``).
@@ -142,15 +152,18 @@ def score_key(request, point: int, spec, score, cache_salt: str | None) -> tuple
 
 
 def pass_attention(query: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
-                   own_keys: torch.Tensor, own_values: torch.Tensor, scale: float, tile: int = TILE) -> torch.Tensor:
+                   own_keys: torch.Tensor, own_values: torch.Tensor, scale: float, tile: int = TILE,
+                   window: int | None = None) -> torch.Tensor:
     """``[n, query_heads, dim]`` attention output of a pass's newest n queries ``[n, query_heads,
     dim]`` over the whole cached context (``[c, kv_heads, dim]``) and the pass's own K/V so far
     (``[m, kv_heads, dim]``, m >= n, causal: query j reads own tokens up to m - n + j): what vLLM's
-    kernel computes for a prefill of the pass on top of the context, in float32."""
+    kernel computes for a prefill of the pass on top of the context, in float32. ``window``: a
+    sliding-window layer's, whose ``context_keys`` are the context's last tokens just before the
+    pass (see ``Reconstruction``)."""
     query_heads, kv_heads = query.shape[1], own_keys.shape[1]
     values = torch.cat([context_values, own_values]).float().permute(1, 0, 2)  # [kv_heads, c + m, dim_v]
     out = []
-    for first, last, probabilities in causal_tiles(query, context_keys, own_keys, scale, tile):
+    for first, last, probabilities in causal_tiles(query, context_keys, own_keys, scale, tile, window):
         rows = last - first
         probabilities = probabilities.reshape(kv_heads, -1, probabilities.shape[-1])  # [kv_heads, group * rows, c + m]
         attended = torch.bmm(probabilities, values).view(kv_heads, -1, rows, values.shape[-1])
@@ -168,6 +181,8 @@ class Reconstruction:
         # (a test without vLLM gives its own; the engine enters vLLM's forward context)
         self.forward_context = forward_context or self._vllm_forward_context
         self.views, self.group_layers, self.shards = views, group_layers, shards
+        # Each group's sliding window (None: full attention, the layers the passes score).
+        self.windows = [getattr(modules[layers[0]], "sliding_window", None) for layers in group_layers]
         # Layer i (KV-cache order) is layer `where[i][1]` of group `where[i][0]`'s view.
         self.where = {layer: (group, index) for group, layers in enumerate(group_layers)
                       for index, layer in enumerate(layers)}
@@ -201,9 +216,10 @@ class Reconstruction:
             # False: vllm/v1/worker/gpu_input_batch.py:37, 50, 54-56; vllm/v1/request.py:147-160)
             raise ValueError("it repeats the context by its token ids, and this prompt was given as embeddings")
         point = settings.eviction_point(len(request.prompt_token_ids))
-        spec, score = settings.reconstruction, policies[0].score
+        acting = next(policy for policy in policies if policy.reconstructs)  # (a hybrid model's windows' do not)
+        spec, score = settings.reconstruction, acting.score
         if spec is None:  # (admission refuses it; a request reaching here without ids is a bug)
-            raise RuntimeError(f"request {request_id}: {policies[0].name} has no reconstruction ids")
+            raise RuntimeError(f"request {request_id}: {acting.name} has no reconstruction ids")
         context = request.prompt_token_ids[:point]
         # every rank computes the same key: their passes stay in step
         key = score_key(request, point, spec, score, cache_salt)
@@ -222,9 +238,13 @@ class Reconstruction:
         context, the sinks on top, and the tokens the passes ran."""
         device = self.runner.device
         kv_heads = self.views[0].num_heads
-        scores = [torch.zeros(view.num_layers, kv_heads, point, device=device) for view in self.views]
-        # The context's slots in every group: logical = physical before the first eviction.
-        slots = [view.locate([(request.block_ids[group], 0, point)]) for group, view in enumerate(self.views)]
+        # a sliding-window group is never scored: no scores (its policy never evicts)
+        scores = [torch.zeros(view.num_layers, kv_heads, 0 if window else point, device=device)
+                  for view, window in zip(self.views, self.windows)]
+        # The context's slots in every group: logical = physical before the first eviction; a
+        # sliding-window group's, the tokens the pass's first query reads (blocks before them are freed).
+        slots = [view.locate([(request.block_ids[group], max(0, point - window + 1) if window else 0, point)])
+                 for group, (view, window) in enumerate(zip(self.views, self.windows))]
         tokens = 0
         for ids, start, end in passes(context, spec.prefix_tokens, spec.first, spec.later, spec.suffix,
                                       score.chunk_size, score.postfix):
@@ -237,7 +257,7 @@ class Reconstruction:
         gathered = self.shards.gather_heads(scores)
         # The sinks above every score of every group (kvpress: the whole score's amax + 1); reading
         # the maximum also waits for the device, so the seconds are the passes'.
-        top = max(float(part.max()) for part in gathered)
+        top = max(float(part.max()) for part in gathered if part.numel())
         for part in gathered:
             with_sinks(part, score.n_sink, above=top)
         return list(gathered), tokens
@@ -266,7 +286,7 @@ class Reconstruction:
 
     def _attention(self, layer: int, module, own: dict, slots: list, scores: list, chunk: tuple[int, int, int]):
         group, index = self.where[layer]
-        view, scale = self.views[group], self.scales[layer]
+        view, scale, window = self.views[group], self.scales[layer], self.windows[group]
         sinks, start, end = chunk
 
         def forward(query, key, value, output_shape=None, output_dtype=None):
@@ -281,10 +301,11 @@ class Reconstruction:
             context_keys, context_values = view.read(index, slots[group])
             part = slots[group].parts[0]
             context_keys, context_values = context_keys[part], context_values[part]
-            received = chunk_scores(q, context_keys[:sinks], context_keys[start:end], k, scale)
-            held = scores[group][index, :, start:end]
-            torch.maximum(held, received.to(held.device), out=held)
-            out = pass_attention(q, context_keys, context_values, k, v, scale)
+            if window is None:
+                received = chunk_scores(q, context_keys[:sinks], context_keys[start:end], k, scale)
+                held = scores[group][index, :, start:end]
+                torch.maximum(held, received.to(held.device), out=held)
+            out = pass_attention(q, context_keys, context_values, k, v, scale, window=window)
             shape = output_shape if output_shape is not None else (n, module.num_heads * module.head_size_v)
             return out.to(output_dtype or query.dtype).reshape(shape)
 

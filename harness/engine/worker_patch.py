@@ -419,7 +419,7 @@ def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: d
             continue
         settings = state.settings_of(request_id, settings)
         policies = state.policy_for(settings)
-        if not policies[0].reconstructs:
+        if not acting_policy(policies).reconstructs:  # (a hybrid model's group 0 may be a window's)
             continue
         before = request.num_computed_tokens  # (before this step: vLLM updates it at the next one)
         after = before + scheduler_output.num_scheduled_tokens[request_id]
@@ -448,7 +448,8 @@ def reconstruct_due(runner, state: WorkerEviction, scheduler_output, failures: d
                     if not evicts:  # a group its budget leaves whole: nothing reads its scores
                         policy_state.scores.pop(request_id, None)
         except Exception as error:  # the request fails, not the step
-            failures[request_id] = PolicyFailure(policies[0].name, f"reconstruction: {type(error).__name__}: {error}")
+            failures[request_id] = PolicyFailure(acting_policy(policies).name,
+                                                 f"reconstruction: {type(error).__name__}: {error}")
             for policy_state in state.policy_states:
                 policy_state.scores.pop(request_id, None)
             if measuring:

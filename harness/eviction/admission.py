@@ -250,16 +250,13 @@ def check_chain_policy(policy: Policy) -> None:
                          "use an attention-free policy or chain=false")
 
 
-def hybrid_refusal(settings: EvictionSettings, block_size: int) -> str | None:
+def hybrid_refusal(settings: EvictionSettings) -> str | None:
     """What eviction does not do yet on a model with sliding-window layers, in one line (None: these
     settings run). Asked before any model loads (``harness.config.check_run_layer_groups``), by the
     frontend per request, and by the scheduler's groups (``harness.engine.layer_groups``)."""
     if settings.budget_schedule != "uniform":
         return (f"budget_schedule={settings.budget_schedule} on a model with sliding-window layers is not built: "
                 "its global layers evict as one group (budget_schedule=uniform)")
-    if build_policy(settings, block_size).reconstructs:
-        return (f"policy={settings.policy}'s reconstruction passes on a model with sliding-window layers are not "
-                "built (they would run the local layers over the whole context)")
     if settings.chain or (settings.compress == "context" and settings.share_context):
         return ("sharing a compressed context (share_context=true, chain=true) on a model with sliding-window "
                 "layers is not built: the entry would have to hold each sliding-window group's window too")

@@ -40,8 +40,10 @@ full-attention ("global") layers, one KV cache group, as the engine's does (its 
 groups run ``FullCache``: ``harness.engine.layer_groups.policies_by_group``); a sliding-window layer
 keeps Hugging Face's sliding cache (the last W - 1 tokens) and attends over the last W positions, its
 own included, under a mask built here from what it holds (Hugging Face's would follow the global
-layers' cache positions, which eviction moved). One policy, no reconstruction, no measured schedule
-and no chained turn on such a model, as the engine refuses them (``harness.eviction.admission.hybrid_refusal``).
+layers' cache positions, which eviction moved). KVzip's passes run through every layer there, a
+sliding-window layer over its window, its cache put back after each pass, and score the global
+layers only. One policy, no measured schedule and no chained turn on such a model, as the engine
+refuses them (``harness.eviction.admission.hybrid_refusal``).
 
 Chained turns (``resume``, ``chain=true``): the next turn of a conversation continues the cache the
 previous request left (its prompt and every output but the last, as evicted), computes its tokens
@@ -198,9 +200,9 @@ class HFReferenceEngine:
         # a hybrid model's sliding-window layers (the module's "hybrid model")
         self.local_layers = [i for i, kind in enumerate(getattr(config, "layer_types", None) or ())
                              if kind == "sliding_attention"]
-        if self.local_layers and (grouped or self.schedule is not None or self.reconstructs):
-            raise ValueError("a hybrid model: one policy on its global layers (no layer groups, measured schedule or "
-                             "reconstruction), as the engine runs it")
+        if self.local_layers and (grouped or self.schedule is not None):
+            raise ValueError("a hybrid model: one policy on its global layers (no layer groups or measured "
+                             "schedule), as the engine runs it")
         attention = (window_attention_implementation("eager") if self.window or grouped or self.schedule
                      or self.reconstructs or self.local_layers else "eager")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attention)
@@ -376,6 +378,9 @@ class HFReferenceEngine:
                                       reconstruction.later, reconstruction.suffix, score.chunk_size, score.postfix):
             r = len(ids)
             self.step_queries.clear()
+            # a sliding-window layer's cache as it was before the pass (the pass slides it on)
+            held = {layer: (cache.layers[layer].keys, cache.layers[layer].values, cache.layers[layer].cumulative_length)
+                    for layer in self.local_layers}
             self.model.model(input_ids=torch.tensor([ids], device=self.device),
                              position_ids=torch.arange(c, c + r, device=self.device).unsqueeze(0),
                              cache_position=torch.arange(c, c + r, device=self.device), past_key_values=cache,
@@ -383,6 +388,9 @@ class HFReferenceEngine:
             sinks = min(score.n_sink, start)
             for layer in range(layers):
                 entry = cache.layers[layer]
+                if layer in held:  # never scored: it never evicts
+                    entry.keys, entry.values, entry.cumulative_length = held[layer]
+                    continue
                 keys = entry.keys[0].transpose(0, 1)  # [c + r, heads, dim]
                 scale = float(self.attention_layers[layer].scaling)
                 scores[layer, :, start:end] = chunk_scores(self.step_queries[layer], keys[:sinks], keys[start:end],
@@ -391,7 +399,7 @@ class HFReferenceEngine:
         with_sinks(scores, score.n_sink)
         for policy, layers_of, state in zip(self.policies, self.group_layers, self.policy_states):
             if policy.reconstructs:
-                state.scores["request"] = scores[layers_of.start:layers_of.stop]
+                state.scores["request"] = scores[list(layers_of)]
         return scores
 
     def _measure_kvzip(self, scores, evict_at: int, reconstruction) -> None:

@@ -271,6 +271,69 @@ def test_compress_context_on_a_hybrid_model_runs_unshared_and_evicts_at_its_boun
     assert_mostly_equal([without["outputs"][row] for row in rows], expected)
 
 
+# KVzip: the shared prefix as a context asked two questions, at token and block granularity, and one
+# whole prompt; made-up reconstruction ids (the tiny model has no chat template), chunks of 100 (passes
+# of 106-113 tokens, past the window: the local layers' pass attention slides within each pass).
+KVZIP_SPEC = {"prefix_tokens": 5, "first": [11, 12, 13, 14], "later": [21, 22, 23], "suffix": [31, 32]}
+KVZIP_CHUNK = 100
+
+
+@pytest.fixture(scope="module")
+def kvzip_requests(prompts):
+    longest = max(prompts, key=len)
+    others = [prompt for prompt in prompts if prompt is not longest]
+    context, questions = longest[:PREFIX], [others[0][-SUFFIX:], others[1][-SUFFIX:]]
+
+    def settings(granularity: str, compress: str) -> dict:
+        return {"policy": "kvzip", "budget": BUDGET, "decode_eviction": False, "compress": compress,
+                "options": {"granularity": granularity, "chunk_size": KVZIP_CHUNK}, "reconstruction": KVZIP_SPEC,
+                **({"context_tokens": PREFIX} if compress == "context" else {})}
+
+    return [(context + questions[0], settings("token", "context")), (context + questions[1], settings("token", "context")),
+            (context + questions[0], settings("block", "context")), (context + questions[0], settings("token", "prompt"))]
+
+
+def test_kvzip_on_a_hybrid_model_equals_the_plain_reference(batch, kvzip_requests, model):
+    """KVzip's reconstruction passes run through every layer (a sliding-window layer over its window of
+    what its KV cache group still holds, ``harness.engine.reconstruction``) and score the global
+    layers, which then evict once, at the context's (or prompt's) end. Without and with prefix caching
+    (the requests after the first take the context's cached blocks, the sliding-window groups' window
+    among them) the outputs are the same and equal the plain reference's; the passes ran once per
+    context (the second question and the block rule reuse its scores); every block returns."""
+    from harness.eviction.settings import EvictionSettings
+    from policies.kvzip import passes
+    from tests.support.engine_support import assert_mostly_equal, plain_policy
+    from tests.support.plain_reference import PlainReference, Repeat
+
+    prompts, settings = [p for p, _ in kvzip_requests], [s for _, s in kvzip_requests]
+    without = batch("kvzip_off", prompts, settings, NEW_TOKENS)
+    cached = batch("kvzip_on", prompts, settings, NEW_TOKENS, prefix_caching=True)
+    assert_same_outputs(without, cached)
+    assert max(cached["cached_tokens"]) > 0  # (some request took the cached context)
+    points = [EvictionSettings(**raw).for_prompt(len(prompt), BLOCK).eviction_point(len(prompt))
+              for prompt, raw in kvzip_requests]
+    contexts = {tuple(prompt[:point]) for (prompt, _), point in zip(kvzip_requests, points)}
+    spec = KVZIP_SPEC
+    pass_tokens = sum(len(ids) for context in contexts
+                      for ids, _, _ in passes(context, spec["prefix_tokens"], spec["first"], spec["later"],
+                                              spec["suffix"], KVZIP_CHUNK, 8))
+    for run in (without, cached):
+        assert all(c["evictions"] == {"prefill": 1, "decode": 0} for c in run["request_counters"])
+        assert run["ledger"]["reconstruct_tokens"] == pass_tokens
+        assert run["ledger"]["reconstruct_reused"] == len(kvzip_requests) - len(contexts)
+        assert run["free_blocks_after"] == run["free_blocks_before"] == run["ledger"]["kv_pool_blocks"]
+    plain = PlainReference(model)
+    expected = []
+    for (prompt, raw), point in zip(kvzip_requests, points):
+        rule = plain_policy("kvzip", BUDGET, BLOCK, raw["options"]["granularity"])
+        rule.decode_eviction = False
+        rule.repeat = Repeat(spec["prefix_tokens"], spec["first"], spec["later"], spec["suffix"], KVZIP_CHUNK)
+        ids, counts = plain.generate(prompt, NEW_TOKENS, rule, context_tokens=point if point < len(prompt) else None)
+        assert counts["prefill"] == 1 and counts["decode"] == 0
+        expected.append(ids)
+    assert_mostly_equal(without["outputs"], expected)
+
+
 @pytest.fixture(scope="module")
 def preempted(prompts):
     """(prompt, settings): the module's prompts cut to PREEMPT_LENGTHS, the module's policies in turn."""

@@ -57,7 +57,9 @@ decisions (``shared/design/PAGED_EVICTION.md``), one greedy request at a time, f
   the same count (the authors' ``pair-uniform`` level: a paged engine has one slot per token for
   all its heads). At block granularity the same scores choose PagedEviction's middle tokens per KV
   head (first block and last ``B + L mod B`` tokens kept; under context compression whole blocks,
-  the last ``B``, C in all, as every block rule there).
+  the last ``B``, C in all, as every block rule there). On a hybrid model the passes run through
+  every layer, a local layer attending over its window (the last W - 1 context tokens it holds and
+  the pass's own), and only the global layers are scored.
 """
 from __future__ import annotations
 
@@ -499,9 +501,9 @@ class PlainReference:
         span = layers // len(policies)
         groups = [range(g * span, (g + 1) * span) for g in range(len(policies))]
         if self.local_layers:
-            if len(policies) != 1 or resume or policies[0].score == "kvzip":
-                raise ValueError("a hybrid model: one rule on its global layers (layer groups, chained turns and "
-                                 "kvzip are not built for it)")
+            if len(policies) != 1 or resume:
+                raise ValueError("a hybrid model: one rule on its global layers (layer groups and chained turns are "
+                                 "not built for it)")
             groups = [[l for l in range(layers) if l not in self.local_layers]]
         evict_at = len(prompt) if context_tokens is None else context_tokens
         if not 0 < evict_at <= len(prompt):
@@ -558,7 +560,7 @@ class PlainReference:
                 if prefill and any(rule.score == "kvzip" for rule in policies):
                     reconstructed = self._reconstruct(cache, prompt[:evict_at], policies)
                     for rule, members in zip(policies, groups):
-                        rule.reconstructed = reconstructed[members.start:members.stop]
+                        rule.reconstructed = reconstructed[list(members)]
                 phases = set()
                 for g, (rule, members) in enumerate(zip(policies, groups)):
                     # The prompt's (or context's) last WINDOW queries, then every decode query (a question's
@@ -604,7 +606,9 @@ class PlainReference:
 
     def _reconstruct(self, cache, context: list[int], policies: list[PlainPolicy]) -> torch.Tensor:
         """KVzip's ``[layers, kv heads, context]`` scores: one pass per chunk over the cache of the
-        whole context (nothing evicted yet), at positions c.., its K/V dropped once it is scored."""
+        whole context (nothing evicted yet), at positions c.., its K/V dropped once it is scored.
+        A hybrid model's local layers run each pass over their window (their own mask) and are not
+        scored (rows of 0: never read); their cache is put back as it was before the pass."""
         repeats = {(r.repeat.prefix, tuple(r.repeat.first), tuple(r.repeat.later), tuple(r.repeat.suffix),
                     r.repeat.chunk) for r in policies if r.score == "kvzip"}
         if len(repeats) != 1:
@@ -620,11 +624,16 @@ class PlainReference:
             for ids, start, end in repeat.passes(context):
                 r = len(ids)
                 self.queries = []
+                local = {l: (cache.layers[l].keys, cache.layers[l].values, cache.layers[l].cumulative_length)
+                         for l in self.local_layers}
                 # The backbone alone (no logits are read); positions continue from the context's end.
                 self.model.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(c, c + r)[None],
                                  cache_position=torch.arange(c, c + r), past_key_values=cache, use_cache=True)
                 for l in range(layers):
                     layer = cache.layers[l]
+                    if l in local:  # the window it held before the pass
+                        layer.keys, layer.values, layer.cumulative_length = local[l]
+                        continue
                     scores[l, :, start:end] = kvzip_chunk_scores(self.queries[l], layer.keys[0], start, end,
                                                                  self.scale)
                     layer.keys, layer.values = layer.keys[:, :, :c].contiguous(), layer.values[:, :, :c].contiguous()

@@ -242,23 +242,25 @@ CONTEXT_HALF = ["budget_ratio=0.5", "compress=context"]
 @pytest.mark.parametrize("overrides, reason", [
     (["policy=paged", "budget=256", "budget_schedule=pyramid"],
      "budget_schedule=pyramid on a model with sliding-window layers is not built"),
-    (["policy=kvzip", *CONTEXT_HALF], "policy=kvzip's reconstruction passes on a model with sliding-window layers are not built"),
+    (["policy=kvzip", *CONTEXT_HALF, "share_context=true"],
+     "sharing a compressed context (share_context=true, chain=true) on a model with sliding-window layers is not built"),
     (["policy=paged", *CONTEXT_HALF, "share_context=true"],
      "sharing a compressed context (share_context=true, chain=true) on a model with sliding-window layers is not built"),
     (["policy=paged", *CONTEXT_HALF, "chain=true"],
      "sharing a compressed context (share_context=true, chain=true) on a model with sliding-window layers is not built"),
-], ids=["pyramid", "kvzip", "share_context", "chain"])
+], ids=["pyramid", "kvzip_shared", "share_context", "chain"])
 def test_what_a_hybrid_model_cannot_run_yet_is_refused_before_any_model_loads(gemma_dir, overrides, reason):
     """The engine's frontend would refuse each of its requests the same way, once the model loaded
     (``harness.eviction.admission.hybrid_refusal``): the run stops first, in one line. The same
     settings pass on a model without windows (the pyramid there over two layer groups, as it must be),
-    and compressing a context unshared passes on the hybrid model."""
+    and compressing a context unshared passes on the hybrid model, KVzip's reconstruction too."""
     message = refusal(compose_cfg("model=tiny-hybrid", *overrides))
     assert message is not None and "\n" not in message, message
     assert message == f"model tiny-hybrid: {reason}" or message.startswith(f"model tiny-hybrid: {reason}"), message
     grouped = ["engine.layer_groups=2"] if "budget_schedule=pyramid" in overrides else []
     assert refusal(compose_cfg("model=tiny", *overrides, *grouped)) is None
     assert refusal(compose_cfg("model=tiny-hybrid", "policy=paged", *CONTEXT_HALF)) is None
+    assert refusal(compose_cfg("model=tiny-hybrid", "policy=kvzip", *CONTEXT_HALF)) is None
 
 
 def test_the_memory_check_counts_a_hybrid_pool_block_as_one_groups_layers(gemma_dir, monkeypatch):

@@ -4,7 +4,8 @@ passes replace their forward), its context K/V in a paged cache at scattered blo
 passes leave in the request's state equal an independent computation: the model run over the
 whole sequence ``context + pass`` with plain causal attention, and the plain reference's rule
 (``tests/support/plain_reference.kvzip_chunk_scores``) on its queries and keys; chunks, pieces
-smaller than a pass, one or two layer groups. Nothing of the cache is written. The worker's kept
+smaller than a pass, one or two layer groups, and a hybrid model's sliding-window layers (read over
+their window only, never scored). Nothing of the cache is written. The worker's kept
 scores (``RecentScores``) are keyed as vLLM keys its prefix cache: a LoRA, a cache salt or a
 multimodal item in the context makes another context, and a prefix-cache reset empties them."""
 from __future__ import annotations
@@ -42,9 +43,10 @@ class StandIn(torch.nn.Module):
     """What the passes read of vLLM's ``Attention``: head counts and sizes; its own forward must
     never run during them."""
 
-    def __init__(self):
+    def __init__(self, sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size, self.head_size_v = HEADS, KV_HEADS, DIM, DIM
+        self.sliding_window = sliding_window  # (vLLM's Attention has it: attention.py:339)
 
     def forward(self, *args, **kwargs):
         raise AssertionError("the passes replace every attention layer's forward")
@@ -54,8 +56,9 @@ class TinyModel(torch.nn.Module):
     """Embedding plus a learned position embedding (positions matter), then per layer q/k/v
     projections, attention through the stand-in and a residual output projection."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, windows: tuple = (None,) * LAYERS):
         super().__init__()
+        self.windows = windows  # each layer's sliding window (None: full attention)
         gen = torch.Generator().manual_seed(seed)
         hidden = HEADS * DIM
         self.embed = torch.randn(VOCAB, hidden, generator=gen) * 0.5
@@ -63,7 +66,7 @@ class TinyModel(torch.nn.Module):
         self.weights = [[torch.randn(hidden, n, generator=gen) * 0.3 for n in (HEADS * DIM, KV_HEADS * DIM,
                                                                              KV_HEADS * DIM, hidden)]
                         for _ in range(LAYERS)]
-        self.attn = torch.nn.ModuleList(StandIn() for _ in range(LAYERS))
+        self.attn = torch.nn.ModuleList(StandIn(window) for window in windows)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         x = self.embed[input_ids.long()] + self.position[positions]
@@ -73,11 +76,15 @@ class TinyModel(torch.nn.Module):
 
     def whole(self, ids: list[int]):
         """The independent computation: every layer's queries ``[T, heads, dim]``, keys and values
-        ``[kv heads, T, dim]`` of the whole sequence under plain causal attention."""
+        ``[kv heads, T, dim]`` of the whole sequence under plain causal attention (a sliding-window
+        layer's: each query over the last ``window`` positions, its own included)."""
         t = len(ids)
         x = self.embed[torch.tensor(ids)] + self.position[torch.arange(t)]
         out = []
-        for wq, wk, wv, wo in self.weights:
+        for (wq, wk, wv, wo), window in zip(self.weights, self.windows):
+            hidden = torch.ones(t, t, dtype=torch.bool).triu(1)
+            if window is not None:
+                hidden |= torch.ones(t, t, dtype=torch.bool).tril(-window)
             q = (x @ wq).view(t, HEADS, DIM)
             k = (x @ wk).view(t, KV_HEADS, DIM).transpose(0, 1)
             v = (x @ wv).view(t, KV_HEADS, DIM).transpose(0, 1)
@@ -85,7 +92,7 @@ class TinyModel(torch.nn.Module):
             for h in range(HEADS):
                 kv = h * KV_HEADS // HEADS
                 logits = q[:, h] @ k[kv].T * SCALE
-                logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+                logits = logits.masked_fill(hidden, float("-inf"))
                 heads.append(torch.softmax(logits, dim=-1) @ v[kv])
             out.append((q, k, v))
             x = x + torch.stack(heads, dim=1).reshape(t, -1) @ wo
@@ -329,3 +336,54 @@ def test_a_prefix_cache_reset_empties_the_kept_scores_before_the_next_request_re
     assert step(1).reused == 1
     worker.forget_before(2)
     assert not worker.recent.entries and worker.recent.held == 0
+
+
+WINDOW = 12  # past the context's first blocks, shorter than every later pass
+
+
+@pytest.mark.parametrize("chunk, piece", [(9, 64), (9, 5)], ids=["chunks", "pieces"])
+def test_on_a_hybrid_model_the_windows_read_their_last_tokens_and_only_the_global_layers_are_scored(chunk, piece):
+    """Layers 0-1 a sliding-window KV cache group (window 12), layers 2-3 the global one (KVzip):
+    the scores equal the independent computation whose window layers attend over the last 12
+    positions. The window group's blocks before its window hold NaN (vLLM has freed them: a null
+    block, ``SlidingWindowManager.remove_skipped_blocks``): were the passes to read them, the scores
+    would not be finite. The window group keeps no scores."""
+    gen = torch.Generator().manual_seed(chunk + piece)
+    prefix, first, later, suffix = 5, [1, 2, 3], [4, 5], [6, 7]
+    context = torch.randint(8, VOCAB, (29,), generator=gen).tolist()
+    c = len(context)
+    model = TinyModel(windows=(WINDOW, WINDOW, None, None))
+    blocks = [6, 1, 4, 0]
+    caches = [torch.zeros(8, KV_HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
+    views = [FlashAttnView(caches[:2]), FlashAttnView(caches[2:])]
+    table = torch.tensor(blocks)
+    positions = torch.arange(c)
+    for layer, (_, k, v) in enumerate(model.whole(context)):
+        views[layer // 2].write_layer(layer % 2, table[positions // BLOCK], positions % BLOCK,
+                                      k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    freed = (c - WINDOW + 1) // BLOCK  # whole blocks before the first pass query's window: 2
+    for cache in caches[:2]:
+        cache[blocks[:freed]] = float("nan")
+    window_table = [7] * freed + blocks[freed:]  # 7: the null block, NaN too
+    for cache in caches[:2]:
+        cache[7] = float("nan")
+
+    runner = SimpleNamespace(device=torch.device("cpu"), model=model, vllm_config=None,
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=piece))
+    passes = Reconstruction(runner, list(model.attn), [SCALE] * LAYERS, views, [[0, 1], [2, 3]], SINGLE,
+                            forward_context=lambda tokens: nullcontext())
+    settings = EvictionSettings("kvzip", 16, decode_eviction=False, compress="context", context_tokens=c,
+                                reconstruction={"prefix_tokens": prefix, "first": first, "later": later,
+                                                "suffix": suffix})
+    policies = (make_policy("full", 16, BLOCK), make_policy("kvzip", 16, BLOCK, chunk_size=chunk))
+    states = [PolicyState(), PolicyState()]
+    passes.run("r", cached_request(context + [9, 10, 11], (window_table, blocks)), settings, policies, states)
+
+    want = torch.zeros(2, KV_HEADS, c)
+    for ids, start, end in Repeat(prefix, first, later, suffix, chunk).passes(context):
+        assert len(ids) > WINDOW or start == prefix  # the later passes slide past the window
+        for layer, (q, k, _) in list(enumerate(model.whole(context + ids)))[2:]:
+            want[layer - 2, :, start:end] = kvzip_chunk_scores(q[c:], k, start, end, SCALE)
+    want[..., :4] = want.max() + 1
+    assert "r" not in states[0].scores
+    torch.testing.assert_close(states[1].scores["r"], want, rtol=1e-4, atol=1e-6)

@@ -123,3 +123,59 @@ def test_the_hugging_face_reference_equals_the_plain_rule_on_a_hybrid_model(plai
     for layer, (mine, theirs) in enumerate(zip(plain.cache.layers, engine.cache.layers, strict=True)):
         torch.testing.assert_close(theirs.keys, mine.keys, rtol=0, atol=0, msg=f"layer {layer}")
         torch.testing.assert_close(theirs.values, mine.values, rtol=0, atol=0, msg=f"layer {layer}")
+
+
+# KVzip's reconstruction ids (made-up ids: the tiny model has no chat template): a 5-token header,
+# repeat prompts of 4 and 3 ids, a 2-id footer. Chunks of 20: passes of 26-33 tokens, near the window.
+KVZIP_SPEC = {"prefix_tokens": 5, "first": (11, 12, 13, 14), "later": (21, 22, 23), "suffix": (31, 32)}
+
+
+def kvzip_rule(granularity: str, budget: int, chunk: int):
+    from tests.support.plain_reference import Repeat
+
+    spec = KVZIP_SPEC
+    return PlainPolicy("kvzip", granularity, budget, BLOCK, decode_eviction=False,
+                       repeat=Repeat(spec["prefix_tokens"], spec["first"], spec["later"], spec["suffix"], chunk))
+
+
+def test_kvzip_s_passes_on_a_hybrid_model_leave_no_trace(plain, prompt):
+    """Budget 512 above the context: the passes run through every layer (the global layers scored),
+    nothing is evicted, and the output and every layer's cache, the local layers' windows included,
+    equal a run whose rule never reconstructs: each pass's K/V is gone from both kinds of layer."""
+    rule = kvzip_rule("token", 512, 20)
+    ids, counts = plain.generate(prompt, NEW, rule, context_tokens=CONTEXT)
+    assert counts["prefill"] == 0 and rule.reconstructed is not None
+    assert rule.reconstructed.shape[0] == len(GLOBAL) and rule.reconstructed[..., 5:].max() > 0
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in plain.cache.layers]
+    plain_ids, _ = plain.generate(prompt, NEW, PlainPolicy("knorm", "token", 512, BLOCK, decode_eviction=False),
+                                  context_tokens=CONTEXT)
+    assert ids == plain_ids
+    for (keys, values), theirs in zip(kept, plain.cache.layers, strict=True):
+        torch.testing.assert_close(keys, theirs.keys, rtol=0, atol=0)
+        torch.testing.assert_close(values, theirs.values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("granularity, context", [("token", CONTEXT), ("block", CONTEXT), ("token", None)],
+                         ids=["token_context", "block_context", "token_whole_prompt"])
+def test_kvzip_in_the_hugging_face_reference_equals_the_plain_rule_on_a_hybrid_model(plain, prompt, granularity,
+                                                                                     context):
+    """KVzip compressing the context (token and block granularity) or the whole prompt: the Hugging Face
+    reference's passes (the model's own attention, the local layers under their window masks) and the
+    plain rule's give the same outputs and the same cache, layer by layer; the output differs from the
+    uncompressed one's."""
+    from harness.eviction.hf_reference import HFReferenceEngine
+    from harness.eviction.settings import EvictionSettings, Reconstruction, build_policy
+
+    budget, chunk = 32, 20
+    rule = kvzip_rule(granularity, budget, chunk)
+    ids, counts = plain.generate(prompt, NEW, rule, context_tokens=context)
+    assert counts["prefill"] == 1 and counts["decode"] == 0
+    settings = EvictionSettings("kvzip", budget, {"granularity": granularity, "chunk_size": chunk}, decode_eviction=False,
+                                compress="prompt" if context is None else "context")
+    engine = HFReferenceEngine(resolve_model_path(EMBEDDED_PREFIX + TINY_HYBRID), build_policy(settings, BLOCK))
+    assert engine.generate(prompt, NEW, context_tokens=context, reconstruction=Reconstruction(**KVZIP_SPEC)) == ids
+    for layer, (mine, theirs) in enumerate(zip(plain.cache.layers, engine.cache.layers, strict=True)):
+        torch.testing.assert_close(theirs.keys, mine.keys, rtol=0, atol=0, msg=f"layer {layer}")
+        torch.testing.assert_close(theirs.values, mine.values, rtol=0, atol=0, msg=f"layer {layer}")
+    whole, _ = plain.generate(prompt, NEW, kvzip_rule(granularity, 512, chunk), context_tokens=context)
+    assert ids != whole
