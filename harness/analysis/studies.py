@@ -78,6 +78,8 @@ def throughput(setting: str, minutes: float | None = None, trials: int = 3, meas
 # tokenizer makes the same texts shorter), so the suite is planned at cpu_accuracy's 68 min scaled
 # by that and rounded up; RULER's prompts are sized in each model's own tokens, so ruler_context's
 # 74 min stands for Gemma's too.
+# Planned: ruler_context's KVzip cells at four ratios on one group, 8 cells here on three.
+KVZIP_SCHEDULE_MINUTES = 30
 GEMMA3_SUITE_MINUTES = 40
 GEMMA3_RULER_MINUTES = 74
 
@@ -111,6 +113,12 @@ STUDIES: tuple[Study, ...] = (
     Study("layer_budgets_suite", "Budgets per layer on the embedded suite: three KV cache groups at the "
           "uniform, pyramid and attention schedules", "paged[layer_groups=3]", experiment="layer_budgets_suite",
           minutes=40, measured=True),
+    # KVzip's own allocation over three layer groups (its global threshold) beside the equal counts
+    # of pair-uniform, RULER compressed before the question, with ruler_context's full cache beside
+    Study("kvzip_schedule", "KVzip's allocation across layer groups (its global threshold) beside equal counts "
+          "per layer and head (pair-uniform), RULER compressed before the question",
+          "kvzip[compress=context, layer_groups=3]", experiment="kvzip_schedule", minutes=KVZIP_SCHEDULE_MINUTES,
+          beside=("results/ruler_context",)),
     # The second model (issue 66): the suite and RULER compressed before the question on Gemma 3 270M,
     # the SmolLM2 studies' cells (minutes: planned, from one cell of each timed beside SmolLM2's)
     Study("cpu_accuracy_gemma3", "The policies on the embedded suite, on Gemma 3 270M", "paged",

@@ -195,6 +195,31 @@ def test_every_ablation_cell_composes_and_validates():
     assert len(names) == 21
 
 
+def test_every_kvzip_schedule_cell_composes_validates_and_its_focus_is_one_of_them():
+    """+experiment=kvzip_schedule (``harness.analysis.studies``): KVzip at four ratios, three layer
+    groups, each at the uniform (pair-uniform) and the kvzip schedule: 8 distinct cells, each passing
+    the checks a run makes before any model loads, and the study's focus (what every other variant is
+    compared with) is the label of its uniform cells."""
+    from omegaconf import OmegaConf
+
+    from hydra import compose, initialize_config_dir
+
+    from harness.analysis.labels import variant_label
+    from harness.analysis.studies import STUDIES
+    from harness.run.sweep import expand_sweep
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        config = compose("config", overrides=["+experiment=kvzip_schedule"], return_hydra_config=True)
+        params = [f"{key}={value}" for key, value in config.hydra.sweeper.params.items()]
+    cells = [compose_cfg(*overrides) for overrides in expand_sweep(params + ["+experiment=kvzip_schedule"])]
+    assert len({run_settings(cfg).run_dir.name for cfg in cells}) == 8
+    labels = {variant_label(OmegaConf.to_container(cfg, resolve=True)) for cfg in cells}
+    assert labels == {"kvzip[compress=context, layer_groups=3]",
+                      "kvzip[compress=context, layer_groups=3, budget_schedule=kvzip]"}
+    (study,) = [study for study in STUDIES if study.folder == "kvzip_schedule"]
+    assert study.focus in labels and study.beside == ("results/ruler_context",)
+
+
 def test_the_private_hydra_name_the_sweep_expansion_asks_still_exists():
     """``expand_sweep`` asks Hydra's own basic sweeper (a private name): its parameters as in
     Hydra 1.3.2, and a sweep expands to the cells in Hydra's order."""
