@@ -160,8 +160,8 @@ def test_prefix_caching_pieces_and_two_groups_generate_the_same(engine_runs, req
                          "36 blocks, four sharing two contexts at 40, all six at 34) preempted nothing, the scheduler "
                          "admitting them one after another; KVzip under preemption is NOT PROVEN (issue 50)")
 def test_preempted_requests_reconstruct_again_and_generate_the_same(tmp_path, requests):
-    """A pool too small for every request at once (the settings of test_context_compression's
-    preemption test): requests preempted after their eviction compute their context, and their
+    """A pool too small for every request at once (as test_context_compression's preemption test,
+    at this module's sizes): requests preempted after their eviction compute their context, and their
     passes, again (or take the shared context) and generate what they generate without preemption."""
     # Every request of the module at 34 blocks (three earlier tries preempted nothing: three unshared
     # requests at 40 and 36 blocks, four sharing two contexts at 40).
