@@ -78,8 +78,10 @@ def throughput(setting: str, minutes: float | None = None, trials: int = 3, meas
 # tokenizer makes the same texts shorter), so the suite is planned at cpu_accuracy's 68 min scaled
 # by that and rounded up; RULER's prompts are sized in each model's own tokens, so ruler_context's
 # 74 min stands for Gemma's too.
-# Planned: ruler_context's KVzip cells at four ratios on one group, 8 cells here on three.
-KVZIP_SCHEDULE_MINUTES = 30
+# Planned: a quick look (python run.py -m +experiment=kvzip_schedule data.limit=1 budget_ratio=0.5,
+# 24 prompts x 2 cells) took 722 s here; the study is 6 times the prompts (each context's passes run
+# once) and 4 times the cells, about 100 minutes.
+KVZIP_SCHEDULE_MINUTES = 100
 GEMMA3_SUITE_MINUTES = 40
 GEMMA3_RULER_MINUTES = 74
 
