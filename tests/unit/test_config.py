@@ -18,6 +18,17 @@ def compose_cfg(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
+def experiment_cells(experiment: str) -> list[list[str]]:
+    """Every cell's overrides of ``run.py -m +experiment=<experiment>``: its config's sweep parameters
+    expanded as the sweep itself expands and checks them (``harness.run.sweep.SweepProgress``)."""
+    from harness.run.sweep import expand_sweep
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        config = compose("config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
+        params = [f"{key}={value}" for key, value in config.hydra.sweeper.params.items()]
+    return expand_sweep(params + [f"+experiment={experiment}"])
+
+
 def test_default_config_composes():
     cfg = compose_cfg()
     assert (cfg.policy.name, cfg.model.name, cfg.data.name, cfg.engine.device) == ("full", "smollm2-135m", "synthetic", "cpu")
@@ -202,16 +213,10 @@ def test_every_kvzip_schedule_cell_composes_validates_and_its_focus_is_one_of_th
     compared with) is the label of its uniform cells."""
     from omegaconf import OmegaConf
 
-    from hydra import compose, initialize_config_dir
-
     from harness.analysis.labels import variant_label
     from harness.analysis.studies import STUDIES
-    from harness.run.sweep import expand_sweep
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        config = compose("config", overrides=["+experiment=kvzip_schedule"], return_hydra_config=True)
-        params = [f"{key}={value}" for key, value in config.hydra.sweeper.params.items()]
-    cells = [compose_cfg(*overrides) for overrides in expand_sweep(params + ["+experiment=kvzip_schedule"])]
+    cells = [compose_cfg(*overrides) for overrides in experiment_cells("kvzip_schedule")]
     assert len({run_settings(cfg).run_dir.name for cfg in cells}) == 8
     labels = {variant_label(OmegaConf.to_container(cfg, resolve=True)) for cfg in cells}
     assert labels == {"kvzip[compress=context, layer_groups=3]",

@@ -16,7 +16,7 @@ import torch
 
 from harness.config import ConfigError, engine_settings, in_flight_tokens, run_settings
 from harness.config.models import EMBEDDED_PREFIX, TINY_HYBRID, ModelShape, cache_dir, model_shape, resolve_model_path
-from tests.unit.test_config import ROOT, compose_cfg
+from tests.unit.test_config import compose_cfg, experiment_cells
 
 # Gemma 3 270M's config.json, the keys the checks read (CI has no Gemma): 18 layers, five of every
 # six sliding over 512 tokens, one KV head of 256.
@@ -292,15 +292,6 @@ def test_every_cell_of_the_gemma_studies_passes_the_checks_a_run_makes_before_an
     the question on Gemma 3 270M): every cell of their sweeps composes and passes the config checks
     (the hybrid refusals, the pool, the policy's admission) that would otherwise stop a cell hours
     into the regeneration; KVzip's included. Full cache runs once (its reference)."""
-    from hydra import compose, initialize_config_dir
-
-    from harness.run.sweep import expand_sweep
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        config = compose("config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
-        params = [f"{key}={value}" for key, value in config.hydra.sweeper.params.items()]
-    # the sweep's own expansion and check (harness.run.sweep.SweepProgress.on_multirun_start)
-    runs = [run_settings(compose_cfg(*overrides, f"model.path={gemma_dir}"))
-            for overrides in expand_sweep(params + [f"+experiment={experiment}"])]
+    runs = [run_settings(compose_cfg(*overrides, f"model.path={gemma_dir}")) for overrides in experiment_cells(experiment)]
     assert {run.model.name for run in runs} == {"gemma3-270m"}
     assert len({run.run_dir.name for run in runs}) == cells  # as many as the SmolLM2 study's
