@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.config.models import ModelShape
+from harness.config.models import KVCacheGroup, ModelShape
 from harness.records.results import atomic_write_text
 
 
@@ -120,34 +120,169 @@ class Setting:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def pool_blocks(self, cell: Cell) -> int | None:
-        """Usable blocks of the cell's pool; None lets vLLM size it (GPU memory utilisation). With
-        G layer groups a block holds 1/G of the layers: the same memory is G times the blocks."""
+        """Usable blocks of the cell's pool; None lets vLLM size it (GPU memory utilisation). A
+        request holds blocks in every KV cache group of the cell's engine (``request_blocks``): one
+        group of every layer, G groups of 1/G of them each (the same memory, G times the blocks), or a
+        hybrid model's full-attention and sliding-window groups over the one pool."""
         workload = self.workload
         if cell.pool == "unlimited":
-            blocks = workload.requests * workload.blocks_per_request
-        elif self.fixed_pool_budget is not None:
-            blocks = workload.requests * (self.fixed_pool_budget // workload.block_size + 1)
-        elif self.fixed_pool_requests is not None:
-            blocks = self.fixed_pool_requests * workload.blocks_per_request
-        else:
-            return None
-        return blocks * cell.layer_groups
+            return workload.requests * self.request_blocks(cell).total
+        if self.fixed_pool_budget is not None:
+            return workload.requests * self.request_blocks(cell, budget=self.fixed_pool_budget).total
+        if self.fixed_pool_requests is not None:
+            return self.fixed_pool_requests * self.request_blocks(cell).total
+        return None
+
+    def request_blocks(self, cell: Cell, budget: int | None = None, generating: bool = False) -> RequestBlocks:
+        """The blocks one request of the workload holds in each KV cache group of the cell's engine.
+
+        Full-attention groups: every token's blocks at full length, or at ``budget`` the budget and the
+        block decode fills (budget // block + 1: what eviction keeps a request to). Sliding-window
+        groups, which eviction leaves to vLLM's sliding-window manager: at full length what vLLM counts
+        for one request when it sizes and checks its pool and caps its admission (the window less one
+        token plus the tokens in flight, ``KVCacheGroup.request_blocks``, with the engine's in-flight
+        tokens: ``max_num_batched_tokens`` per batch in flight, ``harness.config.in_flight_tokens``,
+        vllm/config/vllm.py:589-598); while generating (``generating``, and at any ``budget``) what it
+        holds then, the window and the newest token: ``SlidingWindowManager`` frees every block before
+        the last ``W - 1`` computed tokens (``get_num_skipped_tokens``,
+        vllm/v1/core/single_type_kv_cache_manager.py:1135-1170), and each batch in flight adds its one
+        token (``max_concurrent_batches``, vllm/config/vllm.py:576-587)."""
+        from harness.config import in_flight_tokens
+
+        block, length = self.workload.block_size, self.workload.max_model_len
+        engine = unsized_engine(self, cell)
+        tokens = in_flight_tokens(engine)
+        if generating or budget is not None:
+            tokens //= engine.max_num_batched_tokens  # one token per batch in flight
+        full, sliding = [], []
+        for group in self.kv_groups(cell):
+            if group.sliding_window is not None:
+                sliding.append(group.request_blocks(block, length, tokens))
+            else:
+                full.append(budget // block + 1 if budget is not None else group.request_blocks(block, length, tokens))
+        return RequestBlocks(tuple(full), tuple(sliding))
+
+    def kv_groups(self, cell: Cell) -> tuple[KVCacheGroup, ...]:
+        """The KV cache groups vLLM makes of the model's layers on the cell's engine, from its
+        config.json (``harness.config.models.kv_cache_groups``, checked against vLLM by
+        tests/unit/test_hybrid_memory.py). A model the harness cannot read here (a hub id: a GPU
+        setting's model) is taken to be what every model the bench ran before was: ``layer_groups``
+        full-attention groups."""
+        from harness.config.models import ModelNotFoundError, kv_cache_groups, model_shape, resolve_model_path
+
+        workload = self.workload
+        try:
+            model_dir = resolve_model_path(workload.model, prepare=False)
+        except ModelNotFoundError as error:
+            # An embedded model not prepared yet (or a local directory not there) is not sized at all:
+            # nothing in the harness knows its layers before its config.json exists (the config checks
+            # skip the pool check until then, harness.config.check_kv_pool), and counting it as one
+            # group of every layer would size a hybrid model's pool silently wrong (Gemma 3 270M: six
+            # groups, a request holding blocks in every one). run_setting prepares the model first.
+            raise ValueError(f"{self.name}: the KV pool of {workload.model} is counted from its config.json: "
+                             f"{error}") from None
+        shape = model_shape(model_dir, workload.dtype)
+        if shape is None:
+            return (KVCacheGroup((), None),) * cell.layer_groups
+        try:
+            return kv_cache_groups(shape, cell.layer_groups)
+        except ValueError as error:  # layer groups asked of a model with sliding-window layers
+            raise ValueError(f"{self.name}: {cell.name}: {error}") from None
 
     def fixed_pool_text(self) -> str | None:
         """How the fixed pool was sized, for reports and plot titles."""
-        blocks = self.pool_blocks(Cell(pool="fixed"))
+        cell = Cell(pool="fixed")
+        blocks = self.pool_blocks(cell)
         if blocks is None:
             return None
-        full_length = blocks / self.workload.blocks_per_request
+        counted = self.request_blocks(cell)
+        full_length = blocks / counted.total
+        if counted.sliding:  # a hybrid model: vLLM's count of a full-length request is not what one holds
+            held = f", {blocks / self.request_blocks(cell, generating=True).total:.1f} with full cache while generating"
+            counting = " as vLLM counts a request"
+        else:
+            held = counting = ""
         if self.fixed_pool_budget is not None:
             return (f"{blocks} blocks: every request at budget {self.fixed_pool_budget} "
-                    f"({blocks // self.workload.requests} blocks each), {full_length:.1f} at full length")
-        return f"{blocks} blocks: {full_length:.0f} requests at full length"
+                    f"({blocks // self.workload.requests} blocks each), {full_length:.1f} at full length{counting}{held}")
+        return f"{blocks} blocks: {full_length:.0f} requests at full length{counting}{held}"
+
+    def pool_split_text(self) -> str | None:
+        """For a model with sliding-window layers: how a request's blocks split over its KV cache
+        groups at full length, with full cache while generating and at each budget of the setting,
+        which says why eviction (which acts on the full-attention groups only) frees less of the
+        pool than on a model without windows. None for a model without them (one kind of group:
+        the blocks per request say it all)."""
+        cell = Cell(pool="fixed")
+        counted = self.request_blocks(cell)
+        if not counted.sliding:
+            return None
+        from harness.config import in_flight_tokens
+
+        generating = self.request_blocks(cell, generating=True)
+        workload, engine = self.workload, unsized_engine(self, cell)
+        text = (f"KV cache groups: {counted.groups_text()} over one block pool, a request holding blocks in each; "
+                f"blocks per request ({counted.legend()}): at full length as vLLM counts one when it sizes and "
+                f"checks its pool (a sliding-window group's window plus the {in_flight_tokens(engine)} tokens a step "
+                f"may schedule, at most the request's {workload.max_model_len}) {counted.text()} = {counted.total}; "
+                f"with full cache while generating (a sliding-window group's window and newest token) "
+                f"{generating.text()} = {generating.total}")
+        budgets = sorted({c.budget for c in self.cells if c.budget is not None}
+                         | ({self.fixed_pool_budget} if self.fixed_pool_budget is not None else set()))
+        for budget in budgets:
+            evicting = self.request_blocks(cell, budget=budget)
+            text += (f"; at budget {budget} {evicting.text()} = {evicting.total} "
+                     f"({100 * (1 - evicting.total / generating.total):.0f}% fewer than full cache)")
+        return text + ". Eviction shrinks the full-attention groups only."
+
+
+@dataclass(frozen=True)
+class RequestBlocks:
+    """One request's blocks in each KV cache group, by the group's kind: full-attention groups
+    (eviction acts on them) and sliding-window groups (vLLM's sliding-window manager keeps them)."""
+
+    full: tuple[int, ...]
+    sliding: tuple[int, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return sum(self.full) + sum(self.sliding)
+
+    def kinds(self):
+        return [(counts, kind) for counts, kind in ((self.full, "full-attention"), (self.sliding, "sliding-window"))
+                if counts]
+
+    def groups_text(self) -> str:
+        """'1 full-attention and 5 sliding-window'."""
+        return " and ".join(f"{len(counts)} {kind}" for counts, kind in self.kinds())
+
+    def legend(self) -> str:
+        """What the terms of ``text`` are: 'full-attention + sliding-window groups'."""
+        return " + ".join(kind for _, kind in self.kinds()) + " groups"
+
+    def text(self) -> str:
+        """The blocks per kind of group: '36 + 5 x 37' (one group of 36, five of 37)."""
+        def term(counts):
+            if len(set(counts)) > 1:
+                return " + ".join(map(str, counts))
+            return str(counts[0]) if len(counts) == 1 else f"{len(counts)} x {counts[0]}"
+
+        return " + ".join(term(counts) for counts, _ in self.kinds())
 
 
 def cell_engine(setting: Setting, cell: Cell):
     """The cell's engine (``harness.config.EngineSettings``): the device's defaults (``conf/engine/<device>.yaml``,
-    ``harness.config.engine_settings``), changed only where the cell says otherwise."""
+    ``harness.config.engine_settings``), changed only where the cell says otherwise, its pool sized
+    by the setting (``Setting.pool_blocks``)."""
+    engine = unsized_engine(setting, cell)
+    blocks = setting.pool_blocks(cell)
+    # vLLM keeps one null block out of the pool
+    return engine if blocks is None else replace(engine, num_kv_blocks=blocks + 1)
+
+
+def unsized_engine(setting: Setting, cell: Cell):
+    """The cell's engine before its pool is sized (what sizing the pool reads: its block size,
+    layer groups and the tokens it schedules per step)."""
     from harness.config import engine_settings
 
     workload = setting.workload
@@ -161,9 +296,6 @@ def cell_engine(setting: Setting, cell: Cell):
         # not cpu.yaml's 2.0: every committed CPU cell ran (and recorded as kv_pool_bytes) at 4, and
         # replaying one (harness.bench.replay) must start the same engine.
         changes["kv_cache_gib"] = 4.0
-    blocks = setting.pool_blocks(cell)
-    if blocks is not None:
-        changes["num_kv_blocks"] = blocks + 1  # vLLM keeps one null block out of the pool
     if setting.gpu_memory_utilization is not None:
         changes["gpu_memory_utilization"] = setting.gpu_memory_utilization
     return engine_settings(workload.device, **changes)
@@ -194,7 +326,7 @@ def admit_cell(setting: Setting, cell: Cell) -> tuple | None:
         settings = cell.settings
         if settings is None:
             return None
-        engine = cell_engine(setting, cell)
+        engine = unsized_engine(setting, cell)  # (admission does not read the pool's size)
         try:
             shape = model_shape(resolve_model_path(setting.workload.model, prepare=False), setting.workload.dtype)
         except ModelNotFoundError:
@@ -220,9 +352,13 @@ def check_setting(setting: Setting) -> None:
                     f">= {workload.max_model_len} tokens per request)"
                 )
         blocks = setting.pool_blocks(cell)
-        if blocks is not None and blocks < workload.blocks_per_request * cell.layer_groups:
+        if blocks is None:
+            continue
+        one = setting.request_blocks(cell)  # at full length, as vLLM counts one when it checks its pool
+        if blocks < one.total:
+            split = f" ({one.text()}: {one.legend()})" if one.sliding else ""
             raise ValueError(f"{setting.name}: a {blocks}-block pool cannot hold one request of "
-                             f"{workload.blocks_per_request} blocks")
+                             f"{one.total} blocks{split}")
 
 
 def setting_prompts(setting: Setting, model_path: str) -> list[list[int]]:
@@ -244,9 +380,10 @@ def run_setting(setting: Setting, out: Path, force: bool = False, progress=print
     from harness.config.models import resolve_model_path
     from harness.records.provenance import provenance
 
-    check_setting(setting)
     workload = setting.workload
+    # Prepared before the check: the pool is counted from the model's config.json (``Setting.kv_groups``).
     model_path = resolve_model_path(workload.model)
+    check_setting(setting)
     prompts = setting_prompts(setting, model_path)
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
@@ -516,19 +653,77 @@ def recompute_share(shape: ModelShape, parameters: float, window: int, cached: i
     return recompute / (block * step)
 
 
-def parameter_count(model_dir: str) -> int | None:
-    """Parameters of a local safetensors checkpoint, from the files' headers."""
+def tensor_shapes(model_dir: str) -> dict[str, list[int]]:
+    """Each tensor's shape in a local safetensors checkpoint, from the files' headers (empty: none there)."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    for file in files:
+    shapes = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                total += math.prod(handle.get_slice(name).get_shape())
-    return total
+                shapes[name] = handle.get_slice(name).get_shape()
+    return shapes
+
+
+def parameter_count(model_dir: str) -> int | None:
+    """Parameters of a local safetensors checkpoint, from the files' headers."""
+    shapes = tensor_shapes(model_dir)
+    return sum(math.prod(shape) for shape in shapes.values()) if shapes else None
+
+
+@dataclass(frozen=True)
+class OutputLayer:
+    """A checkpoint's output layer (the vocabulary's logits) against the weights a decode step multiplies by."""
+
+    shape: tuple[int, ...]   # vocabulary x hidden
+    tied: bool               # the input embedding's matrix (the checkpoint stores no lm_head of its own)
+    parameters: int          # the checkpoint's
+    multiplied: int          # the weights one token's decode step multiplies its activations by
+
+    @property
+    def share(self) -> float:
+        return math.prod(self.shape) / self.multiplied
+
+
+def output_layer(model_dir: str) -> OutputLayer | None:
+    """The output layer of a local safetensors checkpoint, from the files' headers: ``lm_head``, or
+    the input embedding where the two are tied (the checkpoint then stores the embedding alone, as
+    transformers saves it; vLLM's logits multiply by that matrix all the same). A decode step
+    multiplies one token's activations by every weight once, the output layer's included, except an
+    untied input embedding, which it only looks up: the output layer's share of ``multiplied`` is its
+    share of the step's weight matmul FLOPs (2 per weight; attention over the cache aside). None
+    when the checkpoint is not here or has no embedding or output layer by these names."""
+    shapes = tensor_shapes(model_dir)
+    embedding = [name for name in shapes if name.endswith("embed_tokens.weight")]
+    head = [name for name in shapes if name.endswith("lm_head.weight")]
+    if len(embedding) != 1 or len(head) > 1:
+        return None
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    if head:
+        return OutputLayer(tuple(shapes[head[0]]), False, parameters, parameters - math.prod(shapes[embedding[0]]))
+    return OutputLayer(tuple(shapes[embedding[0]]), True, parameters, parameters)
+
+
+def output_layer_line(setting: Setting) -> str | None:
+    """The share of a decode step's weight matmul FLOPs the setting's model spends in its output layer
+    (``output_layer``): what no eviction shortens, large on a small model with a large vocabulary
+    (Gemma 3 270M's 262,144 x 640 tied embedding: 168M of its 268M parameters). None for a model
+    not here to read (a hub id, or not prepared)."""
+    from harness.config.models import ModelNotFoundError, resolve_model_path
+
+    model = setting.workload.model
+    try:
+        layer = output_layer(resolve_model_path(model, prepare=False))
+    except ModelNotFoundError:
+        return None
+    if layer is None:
+        return None
+    what = "the input embedding, tied" if layer.tied else "lm_head"
+    multiplied = "its parameters" if layer.tied else "its parameters less the input embedding, a lookup"
+    return (f"Output layer of {Path(model).name} ({what}, {' x '.join(map(str, layer.shape))}): "
+            f"{math.prod(layer.shape) / 1e6:.1f}M of the {layer.multiplied / 1e6:.1f}M weights a decode step multiplies "
+            f"by ({multiplied}), {100 * layer.share:.1f}% of the step's weight matmul FLOPs: the vocabulary's logits, "
+            "whatever the cache holds.")
 
 
 def recompute_lines(setting: Setting) -> list[str]:
@@ -772,6 +967,12 @@ def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str)
     if setting.fixed_pool_text():
         lines.append(f"Fixed pool: {setting.fixed_pool_text()}; unlimited pool: "
                      f"{setting.pool_blocks(Cell(pool='unlimited'))} blocks (every request at full length).")
+        split = setting.pool_split_text()  # a hybrid model's blocks per request, group by group
+        if split:
+            lines.append(split)
+    output = output_layer_line(setting)
+    if output:
+        lines.append(output)
     lines.append(trials_text(table))
     ratios = f"Ratios of output tok/s: x baseline = against {setting.baseline.name}" if setting.baseline else ""
     if setting.ceiling:

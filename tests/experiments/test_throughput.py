@@ -211,6 +211,8 @@ def test_a_summary_is_rewritten_from_the_cells_on_disk_alone(tmp_path, capsys):
     summary = (tmp_path / "summary.md").read_text()
     assert "Command: `python experiments/throughput.py latency --trials 2 --out " in summary
     assert "--summary-only" not in summary
+    assert ("Output layer of embedded:smollm2-135m-instruct (the input embedding, tied, 49152 x 576): 28.3M of the "
+            "134.5M weights a decode step multiplies by (its parameters), 21.0% of the step's weight matmul FLOPs") in summary
     assert ("Trials: each of the 2 configurations ran in 2 trials (4 cells, an engine process each; trial k ran its "
             "configurations once each, in the table's order, after trial k - 1; each process generated the batch 3 "
             "times, medians reported).") in summary
@@ -288,3 +290,163 @@ def test_a_setting_runs_on_another_model_by_its_conf_name(capsys):
     with pytest.raises(SystemExit):
         experiment.main(["cpu", "--model", "nope", "--summary-only"])
     assert "--model nope: no conf/model/nope.yaml (the models: " in capsys.readouterr().err
+
+
+def test_every_committed_cell_ran_on_the_pool_its_setting_sizes():
+    """The pools of models without windows are what they were before the bench counted KV cache
+    groups (one group of every layer, or ``layer_groups`` of them): every committed cell's pool
+    (SmolLM2's, the tiny Llama's; vLLM's own count, its null block taken off) is the one its setting
+    sizes now."""
+    import json
+
+    from harness.bench.throughput import Workload
+
+    cells = sorted((ROOT / "results" / "throughput").glob("*/cells/*.json"))
+    checked = 0
+    for path in cells:
+        stored = json.loads(path.read_text())
+        if stored.get("setting") not in experiment.SETTINGS:
+            continue  # (the reconstruction setting's prefill cells size their own pool)
+        s = replace(experiment.SETTINGS[stored["setting"]], workload=Workload(**stored["workload"]))
+        assert s.pool_blocks(Cell(**stored["cell"])) == stored["pool_blocks"], path
+        checked += 1
+    assert checked >= 200
+    cpu, tight = experiment.SETTINGS["cpu"], experiment.SETTINGS["cpu_tight"]
+    assert (cpu.pool_blocks(Cell()), cpu.pool_blocks(CEILING), tight.pool_blocks(Cell())) == (12 * 17, 12 * 36, 3 * 40)
+    assert cpu.pool_split_text() is None and tight.fixed_pool_text() == "120 blocks: 3 requests at full length"
+
+
+HYBRID = replace(TINY, model="embedded:tiny-gemma3")  # 512 tokens a request; windows of 32 on 4 of 6 layers
+
+
+def test_a_hybrid_models_pool_holds_a_request_in_every_kv_cache_group():
+    """The tiny hybrid model's layers are two sliding-window KV cache groups and one full-attention
+    group over one pool: a request at full length holds, as vLLM counts it, every token's blocks in
+    the full-attention group and its window plus the tokens one step may schedule (capped at its
+    length) in each sliding-window group, not the one group's 16 blocks a model without windows holds."""
+    from harness.config import engine_settings, in_flight_tokens
+    from harness.config.models import model_shape, resolve_model_path
+
+    shape = model_shape(resolve_model_path(HYBRID.model, prepare=False), HYBRID.dtype)
+    counted = shape.kv_cache_groups(32).request_blocks(HYBRID.max_model_len, in_flight_tokens(engine_settings("cpu")))
+    assert counted == (17, 17, 16)  # min(31 + 8192, 512) tokens over 16 blocks, + 1 for a window inside a block
+    s = setting(FULL, PAGED, CEILING, workload=HYBRID)
+    one = s.request_blocks(FULL)
+    assert (one.full, one.sliding) == ((16,), (17, 17)) and one.total == sum(counted) == 50
+    assert s.pool_blocks(FULL) == 50 and s.pool_blocks(CEILING) == 4 * 50
+    assert engine_spec(s, PAGED, [[1]], "/m")["engine"]["num_kv_blocks"] == 51
+    assert s.fixed_pool_text() == ("50 blocks: 1 requests at full length as vLLM counts a request, "
+                                   "2.5 with full cache while generating")
+    # While generating a sliding-window group holds its window and the newest token: 2 blocks, not 17.
+    assert s.request_blocks(FULL, generating=True) == type(one)((16,), (2, 2))
+    assert s.pool_split_text() == (
+        "KV cache groups: 1 full-attention and 2 sliding-window over one block pool, a request holding blocks in "
+        "each; blocks per request (full-attention + sliding-window groups): at full length as vLLM counts one when "
+        "it sizes and checks its pool (a sliding-window group's window plus the 8192 tokens a step may schedule, at "
+        "most the request's 512) 16 + 2 x 17 = 50; with full cache while generating (a sliding-window group's "
+        "window and newest token) 16 + 2 x 2 = 20; at budget 64 3 + 2 x 2 = 7 (65% fewer than full cache). "
+        "Eviction shrinks the full-attention groups only.")
+    check_setting(s)
+
+
+def test_a_pool_sized_at_a_budget_on_a_hybrid_model_keeps_the_windows():
+    """At a budget, eviction keeps a request to budget // block + 1 blocks in the full-attention group
+    only; each sliding-window group holds what vLLM keeps there while generating, whatever the policy.
+    On Gemma 3 270M's shape: test_the_cpu_setting_on_gemmas_shape."""
+    s = Setting("tiny", "test", replace(HYBRID, requests=8), (FULL, PAGED, CEILING), fixed_pool_budget=64)
+    check_setting(s)
+    assert s.request_blocks(PAGED, budget=64) == type(s.request_blocks(FULL))((3,), (2, 2))
+    assert s.pool_blocks(FULL) == 8 * 7 and s.pool_blocks(CEILING) == 8 * 50
+    assert s.fixed_pool_text() == ("56 blocks: every request at budget 64 (7 blocks each), 1.1 at full length as "
+                                   "vLLM counts a request, 2.8 with full cache while generating")
+
+
+def test_the_cpu_setting_on_gemmas_shape(tmp_path):
+    """`--model gemma3-270m`'s cpu setting, on Gemma 3 270M's config.json (CI has no Gemma): every
+    request at budget 512 holds 17 blocks in the global group and 17 in each of the five local ones
+    (what a run at budget 512 held: docs/models.md)."""
+    import json
+
+    from tests.unit.test_hybrid_memory import GEMMA3
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
+    cpu = experiment.SETTINGS["cpu"]
+    gemma = replace(cpu, workload=replace(cpu.workload, model=str(tmp_path)))
+    check_setting(gemma)
+    assert gemma.pool_blocks(FULL) == 12 * (17 + 5 * 17) and gemma.pool_blocks(CEILING) == 12 * (36 + 5 * 37)
+    assert gemma.fixed_pool_text() == ("1224 blocks: every request at budget 512 (102 blocks each), 5.5 at full "
+                                       "length as vLLM counts a request, 10.1 with full cache while generating")
+    split = gemma.pool_split_text()
+    assert "1 full-attention and 5 sliding-window" in split and "36 + 5 x 37 = 221" in split
+    assert "with full cache while generating (a sliding-window group's window and newest token) 36 + 5 x 17 = 121; " \
+           "at budget 256 9 + 5 x 17 = 94 (22% fewer than full cache); at budget 512 17 + 5 x 17 = 102 (16% fewer " \
+           "than full cache); at budget 1024 33 + 5 x 17 = 118 (2% fewer than full cache)" in split
+
+
+def test_a_pool_too_small_for_one_hybrid_request_is_refused():
+    """vLLM refuses a pool that cannot hold one request in all its groups; so does the check, where
+    the one group's count (16 blocks) would have let this 36-block pool through."""
+    s = Setting("tiny", "test", HYBRID, (FULL, PAGED), fixed_pool_budget=128)
+    assert s.pool_blocks(FULL) == 4 * (5 + 2 * 2) == 36
+    with pytest.raises(ValueError, match=r"a 36-block pool cannot hold one request of 50 blocks "
+                                         r"\(16 \+ 2 x 17: full-attention \+ sliding-window groups\)"):
+        check_setting(s)
+    with pytest.raises(ValueError, match="a 12-block pool cannot hold one request of 16 blocks$"):
+        check_setting(Setting("tiny", "test", TINY, (FULL,), fixed_pool_budget=64))  # without windows, as before
+
+
+def test_a_model_not_prepared_is_not_sized_as_one_group(tmp_path, monkeypatch):
+    """Gemma 3 before its first use has no config.json to count its groups from: the setting is
+    refused (run_setting prepares the model before it checks), never sized as one group of every
+    layer; a hub id, which the harness does not read, keeps the one-group count."""
+    monkeypatch.setenv("KVH_CACHE", str(tmp_path))
+    gemma = experiment.with_model(experiment.SETTINGS["cpu"], "gemma3-270m")
+    with pytest.raises(ValueError, match="cpu: the KV pool of embedded:gemma3-270m is counted from its config.json: "
+                                         "embedded model gemma3-270m is not prepared: run ./setup.sh gemma3-270m"):
+        check_setting(gemma)
+    hub = setting(FULL, CEILING, workload=replace(TINY, model="meta-llama/Llama-3.2-1B-Instruct"))
+    assert hub.pool_blocks(FULL) == 16 and hub.pool_blocks(CEILING) == 64 and hub.pool_split_text() is None
+    assert hub.pool_blocks(Cell("full", layer_groups=3)) == 48
+
+
+def test_the_output_layers_share_of_a_decode_step(tmp_path):
+    """A tied embedding is the output layer's matrix (the checkpoint stores it once); an untied
+    input embedding is a lookup, not multiplied by."""
+    import torch
+    from safetensors.torch import save_file
+
+    from harness.bench.throughput import output_layer, output_layer_line
+
+    weights = {"model.embed_tokens.weight": torch.zeros(10, 4), "model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4),
+               "model.norm.weight": torch.zeros(4)}
+    tied, untied = tmp_path / "tied", tmp_path / "untied"
+    tied.mkdir(), untied.mkdir()
+    save_file(weights, str(tied / "model.safetensors"))
+    save_file({**weights, "lm_head.weight": torch.zeros(10, 4)}, str(untied / "model.safetensors"))
+    one, other = output_layer(str(tied)), output_layer(str(untied))
+    assert (one.shape, one.tied, one.parameters, one.multiplied) == ((10, 4), True, 60, 60)
+    assert (other.shape, other.tied, other.parameters, other.multiplied) == ((10, 4), False, 100, 60)
+    assert one.share == other.share == pytest.approx(40 / 60)
+    assert output_layer(str(tmp_path)) is None  # no checkpoint
+    line = output_layer_line(setting(FULL, workload=replace(TINY, model=str(untied))))
+    assert line == ("Output layer of untied (lm_head, 10 x 4): 0.0M of the 0.0M weights a decode step multiplies by "
+                    "(its parameters less the input embedding, a lookup), 66.7% of the step's weight matmul FLOPs: "
+                    "the vocabulary's logits, whatever the cache holds.")
+    # The tiny Llama ties its 49,152 x 256 embedding: 12.6M of its 14.9M parameters.
+    assert "(the input embedding, tied, 49152 x 256): 12.6M of the 14.9M weights" in output_layer_line(setting(FULL))
+
+
+def test_a_hybrid_models_summary_says_how_its_pool_splits(tmp_path):
+    import json
+
+    from harness.bench.throughput import summarize_setting, write_report
+
+    s = setting(FULL, PAGED, CEILING, workload=HYBRID)
+    (tmp_path / "cells").mkdir()
+    for cell in s.cells:
+        (tmp_path / "cells" / f"{cell.slug}.json").write_text(json.dumps(fake_cell(s, cell, 10.0)))
+    report = write_report(s, summarize_setting(s, tmp_path), tmp_path, "python experiments/throughput.py tiny")
+    assert ("Fixed pool: 50 blocks: 1 requests at full length as vLLM counts a request, 2.5 with full cache while "
+            "generating; unlimited pool: 200 blocks (every request at full length).\nKV cache groups: 1 full-attention "
+            "and 2 sliding-window over one block pool") in report
+    assert "Output layer of embedded:tiny-gemma3 (lm_head, 49152 x 256): 12.6M of the 16.1M weights" in report
