@@ -3,6 +3,7 @@
     python experiments/throughput.py quick      # PagedEviction b512 vs full cache and the ceiling
     python experiments/throughput.py cpu        # every policy x budget 256/512/1024
     python experiments/throughput.py cpu_tight  # the same on a pool too small for budget 512
+    python experiments/throughput.py cpu_gemma3  # cpu on Gemma 3 270M (hybrid attention; prepared on first use)
     python experiments/throughput.py overhead   # the plugin with eviction off vs stock vLLM
     python experiments/throughput.py latency    # one 6k-token prompt: time per output token
     python experiments/throughput.py shared_prefix  # 12 requests on one 2k-token system prompt: prefix cache on vs off
@@ -134,6 +135,10 @@ GROUP_OVERHEAD_TRIALS = tuple(
 # only if its KV is evicted, with full cache memory-bound.
 CPU = Workload(requests=12, prompt_tokens=512, output_tokens=640)
 TIGHT = Workload(requests=12, prompt_tokens=512, output_tokens=768)
+# The same on the second model (conf/model/gemma3-270m.yaml's path and dtype): its pool is counted per
+# KV cache group (harness.bench.throughput.Setting.request_blocks), so "every request at budget 512"
+# means 17 blocks in the global group and the window's 17 in each of the five local ones.
+CPU_GEMMA3 = replace(CPU, model="embedded:gemma3-270m", dtype="float32")
 
 SETTINGS = {
     s.name: s
@@ -149,6 +154,13 @@ SETTINGS = {
             "Every policy x budget 256/512/1024 against full cache on one fixed pool (every request fits "
             "at budget 512, 5-6 at full length), and the unlimited-pool ceiling.",
             CPU, eviction_cells(POLICIES, (256, 512, 1024)), fixed_pool_budget=512,
+        ),
+        against_full_cache(
+            "cpu_gemma3",
+            "The cpu setting on Gemma 3 270M (issue 66: the same requests, token counts, policies, budgets and "
+            "pool rule): the pool holds every request at budget 512, as counted in each of its six KV cache "
+            "groups, where eviction shrinks only the global group's share.",
+            CPU_GEMMA3, eviction_cells(POLICIES, (256, 512, 1024)), fixed_pool_budget=512,
         ),
         against_full_cache(
             "cpu_tight",
@@ -768,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, cpu_tight, attention, overhead, latency, shared_prefix")
+            parser.error(f"setting {setting.name!r} needs an NVIDIA GPU (torch sees none); CPU settings: quick, cpu, cpu_gemma3, cpu_tight, attention, overhead, latency, shared_prefix")
     if args.summary_only and args.force:
         parser.error("--summary-only reads the cells on disk; --force would rerun them")
     out = args.out or ROOT / "results" / "throughput" / (setting.name if args.model is None else f"{setting.name}-{args.model}")

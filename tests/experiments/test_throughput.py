@@ -120,8 +120,18 @@ def test_ambiguous_settings_are_refused():
     check_setting(setting(FULL, Cell("full", trial=2)))
 
 
-def test_every_shipped_setting_is_valid():
+def test_every_shipped_setting_is_valid(tmp_path):
+    """Gemma's setting on Gemma's config.json where Gemma is not prepared (CI): its pool is counted
+    from the config (test_the_cpu_setting_on_gemmas_shape)."""
+    import json
+
+    from harness.config.models import GEMMA3, cache_dir, is_complete
+    from tests.unit.test_hybrid_memory import GEMMA3 as GEMMA3_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_CONFIG))
     for s in experiment.SETTINGS.values():
+        if s.workload.model == f"embedded:{GEMMA3}" and not is_complete(cache_dir() / "models" / GEMMA3):
+            s = replace(s, workload=replace(s.workload, model=str(tmp_path)))
         check_setting(s)
         assert s.baseline in s.cells and (s.ceiling is None or s.ceiling in s.cells), s.name
 
@@ -370,8 +380,12 @@ def test_the_cpu_setting_on_gemmas_shape(tmp_path):
     from tests.unit.test_hybrid_memory import GEMMA3
 
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
-    cpu = experiment.SETTINGS["cpu"]
-    gemma = replace(cpu, workload=replace(cpu.workload, model=str(tmp_path)))
+    cpu, named = experiment.SETTINGS["cpu"], experiment.SETTINGS["cpu_gemma3"]
+    # the committed study's setting (harness.analysis.studies) is cpu on Gemma, nothing else changed
+    assert (named.cells, named.fixed_pool_budget, replace(named.workload, model=cpu.workload.model)) == (
+        cpu.cells, cpu.fixed_pool_budget, cpu.workload)
+    assert named.workload.model == "embedded:gemma3-270m" == experiment.with_model(cpu, "gemma3-270m").workload.model
+    gemma = replace(named, workload=replace(named.workload, model=str(tmp_path)))
     check_setting(gemma)
     assert gemma.pool_blocks(FULL) == 12 * (17 + 5 * 17) and gemma.pool_blocks(CEILING) == 12 * (36 + 5 * 37)
     assert gemma.fixed_pool_text() == ("1224 blocks: every request at budget 512 (102 blocks each), 5.5 at full "
