@@ -74,18 +74,19 @@ def throughput(setting: str, minutes: float | None = None, trials: int = 3, meas
 
 
 # Planned, not measured. The Gemma suite's first try (regenerate.py --only cpu_accuracy_gemma3,
-# 2026-11-30, stopped for CI) reached 314 of its 2,960 requests in 21.4 min, the unit tests running
-# beside it for most of that time: about 200 min at that pace, 150 planned alone, against
-# cpu_accuracy's 68 for the same requests on SmolLM2 (one cell timed alone had suggested 40: its
-# engine start hid the per-token cost). Gemma's 262,144-token output layer (168M of its 268M weights)
-# is in every decode step and every likelihood pass. RULER's prompts are sized in each model's own
-# tokens, so ruler_context's 74 min on SmolLM2 is scaled by the same pace, about 2.5x.
+# 2026-11-30, stopped for CI) reached 314 of its generation round's 2,960 requests in 21.4 min, the
+# unit tests running beside it for most of that time (its first requests include the warm prefill of
+# every prompt): about 150-200 min for that round at that pace, and the likelihood rounds (3,040 and
+# 2,880 more requests, each prompt prefilled again) at least as long again: 300 planned (one cell timed
+# alone had suggested 40: its engine start hid the per-token cost). Gemma's 262,144-token output layer
+# (168M of its 268M weights) is in every decode step and every likelihood pass. RULER's prompts are
+# sized in each model's own tokens: ruler_context's 160 min on SmolLM2 at the suite's pace, about 2.5x.
 # Planned: a quick look (python run.py -m +experiment=kvzip_schedule data.limit=1 budget_ratio=0.5,
 # 24 prompts x 2 cells) took 722 s here; the study is 6 times the prompts (each context's passes run
 # once) and 4 times the cells, about 100 minutes.
 KVZIP_SCHEDULE_MINUTES = 100
-GEMMA3_SUITE_MINUTES = 150
-GEMMA3_RULER_MINUTES = 180
+GEMMA3_SUITE_MINUTES = 300
+GEMMA3_RULER_MINUTES = 400
 # Planned: cpu's 42.4 min (measured) times the Gemma suite's pace against SmolLM2's above (about
 # 2.5x; the two models' parameters alone, 268M / 135M, would say 2x): the same token counts.
 GEMMA3_CPU_MINUTES = 105
@@ -106,17 +107,18 @@ STUDIES: tuple[Study, ...] = (
     # evicting the filler: the table is also summarised without it.
     Study("ruler/without_vt", "The same RULER cells without variable tracking (full cache scores 0 on it)",
           "paged[decode_eviction=False]", view_of="ruler", view_options=("--drop-task", "vt", "--no-plots")),
+    # Measured in two parts: its 29 cells 92.9 min (ed377cd), KVzip's 4 cells 67 min (355137d).
     # The same RULER samples compressed before the question is seen (the leaderboard's main loop),
     # summarised beside the query-aware cells above (its --compress_questions loop).
     Study("ruler_context", "RULER compressed before the question is seen (query-agnostic, kvpress's "
           "leaderboard loop) beside the whole prompt compressed (query-aware, its --compress_questions loop)",
-          "paged[compress=context]", experiment="ruler_context", minutes=74, beside=("results/ruler",)),
+          "paged[compress=context]", experiment="ruler_context", minutes=160, measured=True, beside=("results/ruler",)),
     Study("ruler_context/without_vt", view_of="ruler_context", view_options=("--drop-task", "vt", "--no-plots")),
     Study("ablation", "PagedEviction's score and granularity apart", "paged", experiment="ablation",
           minutes=69.1, measured=True),
     Study("layer_budgets", "Budgets per layer at equal total KV memory: three KV cache groups at the uniform, "
           "pyramid and attention schedules (RULER, prompt only)", "paged[decode_eviction=False, layer_groups=3]",
-          experiment="layer_budgets", minutes=62, measured=True),
+          experiment="layer_budgets", minutes=140, measured=True),  # 62 min, then the attention schedule's 4 cells 78 (486488c)
     Study("layer_budgets_suite", "Budgets per layer on the embedded suite: three KV cache groups at the "
           "uniform, pyramid and attention schedules", "paged[layer_groups=3]", experiment="layer_budgets_suite",
           minutes=40, measured=True),
