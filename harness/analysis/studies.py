@@ -73,22 +73,23 @@ def throughput(setting: str, minutes: float | None = None, trials: int = 3, meas
     return Study(f"throughput/{setting}", minutes=minutes, trials=trials, measured=measured)
 
 
-# Planned, not measured. The Gemma suite's first try (regenerate.py --only cpu_accuracy_gemma3,
-# 2026-11-30, stopped for CI) reached 314 of its generation round's 2,960 requests in 21.4 min, the
-# unit tests running beside it for most of that time (its first requests include the warm prefill of
-# every prompt): about 150-200 min for that round at that pace, and the likelihood rounds (3,040 and
-# 2,880 more requests, each prompt prefilled again) at least as long again: 300 planned (one cell timed
-# alone had suggested 40: its engine start hid the per-token cost). Gemma's 262,144-token output layer
-# (168M of its 268M weights) is in every decode step and every likelihood pass. RULER's prompts are
-# sized in each model's own tokens: ruler_context's 160 min on SmolLM2 at the suite's pace, about 2.5x.
+# Planned from a side-by-side timing: both suites at 2 samples per task (run.py -m
+# +experiment=gemma3_cpu_accuracy data.limit=2, then +experiment=cpu_accuracy data.limit=2, back to
+# back under the engine lock, nothing else running, 2026-11-30 at e7be620): Gemma 18.7 min, SmolLM2
+# 4.2 min, 4.5x; so cpu_accuracy's 68.3 measured minutes give Gemma's suite about 300. (Its
+# generation and two likelihood rounds took about the same time each: 6.1, 5.9 and 5.9 min. Gemma's
+# 262,144-token output layer, 168M of its 268M weights, is in every decode step, and every returned
+# logprob is a log-softmax over it.) RULER compressed before the question is as decode-heavy, so
+# ruler_context's 160 min at the same 4.5x: about 720. A first try of the whole suite, beside the unit
+# tests, reached 314 of its generation round's 2,960 requests in 21.4 min and was stopped.
 # Planned: a quick look (python run.py -m +experiment=kvzip_schedule data.limit=1 budget_ratio=0.5,
 # 24 prompts x 2 cells) took 722 s here; the study is 6 times the prompts (each context's passes run
 # once) and 4 times the cells, about 100 minutes.
 KVZIP_SCHEDULE_MINUTES = 100
 GEMMA3_SUITE_MINUTES = 300
-GEMMA3_RULER_MINUTES = 400
-# Planned: cpu's 42.4 min (measured) times the Gemma suite's pace against SmolLM2's above (about
-# 2.5x; the two models' parameters alone, 268M / 135M, would say 2x): the same token counts.
+GEMMA3_RULER_MINUTES = 720
+# Planned: cpu's 42.4 min (measured) at about 2.5x: the same token counts, with no logprobs asked (the
+# suites' 4.5x above includes theirs); the two models' parameters alone, 268M / 135M, would say 2x.
 GEMMA3_CPU_MINUTES = 105
 
 # In RESULTS.md's order, which the regeneration also follows. Sample counts: the embedded suite and
