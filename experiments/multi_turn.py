@@ -63,6 +63,9 @@ POLICIES = ("paged", "snapkv", "streaming", "keydiff")
 COLD = "paged context, history not cached"
 CHAINED = " chained"  # a chained configuration's name: its twin's and this
 
+# A conversation's turns, one definition with the serving benchmark's multi_turn workload
+from harness.serving.workloads import footer_tokens, next_turn_tokens, question_texts  # noqa: E402,F401
+
 
 def shared_context_module():
     """``experiments/shared_context.py`` (its contexts and prompts), loaded from its file."""
@@ -90,30 +93,6 @@ def configurations(chain: bool = False, policies: tuple[str, ...] = POLICIES) ->
 
 def chained(name: str) -> bool:
     return name.endswith(CHAINED)
-
-
-def next_turn_tokens(tokenizer, question_text: str, answer_ids: list[int]) -> list[int]:
-    """What follows the model's answer ``answer_ids`` in the next turn's prompt: the end of the
-    assistant's turn (unless the answer already ends with it), the user's header, ``question_text``,
-    the end of the user's turn and the assistant's header, as the chat template renders a
-    conversation (its rendering around a marker answer, tokenized alone: special tokens tokenize
-    alone)."""
-    marker = "\x00answer\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker},
-                                          {"role": "user", "content": question_text}], tokenize=False,
-                                         add_generation_prompt=True)
-    if text.count(marker) != 1:
-        raise RuntimeError("the chat template does not write the answer once and verbatim")
-    glue = tokenizer(text.split(marker)[1], add_special_tokens=False)["input_ids"]
-    if answer_ids and glue and answer_ids[-1] == glue[0] == tokenizer.eos_token_id:
-        glue = glue[1:]  # the answer ended with the end-of-turn token itself
-    return glue
-
-
-def question_texts(prompts: list, tokenizer, footer: int) -> list[str]:
-    """Each question's own part of its single-turn prompt (the suite's template after the context,
-    without the chat template's footer), as text for a later user message."""
-    return [tokenizer.decode(p.token_ids[p.context_tokens:len(p.token_ids) - footer]).strip() for p in prompts]
 
 
 def run_configuration(engine, configuration, conversations, turns: int, ratio: float, tokenizer, progress=print):
@@ -302,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     conversations = []
     for shared in shared_context.workload(args.conversations, questions=args.turns):
         prompts = shared_context.prompts_of(shared, tokenizer, run.model.max_prompt_tokens)
-        footer = shared_context.footer_tokens(tokenizer, prompts)
+        footer = footer_tokens(tokenizer, prompts)
         conversations.append((shared, prompts[0], question_texts(prompts, tokenizer, footer)))
     engine = Engine(model_path, run.model, replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=None),
                     run.block_size, seed=run.seed, prefix_caching=True)

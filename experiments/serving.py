@@ -4,7 +4,7 @@ scheduler, every configuration a per-request ``vllm_xargs`` setting (``harness.s
 workloads in ``harness.serving.workloads``; docs/serving_bench.md).
 
     flock /tmp/engine.lock .venv/bin/python experiments/serving.py --workload shared_context_long
-        [--configs "full,paged context"] [--rates 0.05,0.1,0.2,0.4 | --fractions 0.7,1.2,2,4]
+        [--configs "full,paged context"]  # multi_turn: "full,paged context,paged context chained" [--rates 0.05,0.1,0.2,0.4 | --fractions 0.7,1.2,2,4]
         [--trials 3] [--pool-blocks 400] [--goodput "ttft:5000 tpot:250"] [--out results/serving/<workload>]
     .venv/bin/python experiments/serving.py --summary-only [--out DIR]   # the summaries again from the saved runs
     flock /tmp/engine.lock .venv/bin/python experiments/serving.py --verify [--out DIR]
@@ -29,6 +29,7 @@ from harness.serving.workloads import WORKLOADS  # noqa: E402
 DEFAULT_CONFIGS = "full,paged context"
 # the options each workload takes (the rest are refused for it, not silently ignored)
 WORKLOAD_OPTIONS = {"shared_context": ("contexts", "questions"), "shared_context_long": ("contexts", "requests"),
+                    "multi_turn": ("conversations", "turns"),
                     "prefix_repetition": ("num_requests", "prefix_len", "suffix_len", "num_prefixes", "output_len")}
 
 
@@ -43,10 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=WORKLOADS, default="shared_context_long")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
-                        help="comma-separated: 'full' and '<policy> <mode>', mode context | context unshared | prompt")
+                        help="comma-separated: 'full' and '<policy> <mode>', mode context | context unshared | "
+                        "context chained (multi_turn) | prompt")
     parser.add_argument("--ratio", type=float, default=0.5, help="compression ratio of what each configuration compresses")
-    parser.add_argument("--rates", type=floats, default=None, help="request rates (req/s); default: --fractions of "
-                        "full cache's capacity, measured first with every request sent at once")
+    parser.add_argument("--rates", type=floats, default=None, help="request rates (req/s; multi_turn: conversations/s); "
+                        "default: --fractions of full cache's capacity, measured first with every request (conversation) "
+                        "sent at once")
     parser.add_argument("--fractions", type=floats, default=list(CAPACITY_FRACTIONS))
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--goodput", default=DEFAULT_GOODPUT, help="SLOs in ms, vLLM's --goodput format, "
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, default=None, help="shared contexts (default 8; shared_context_long 6)")
     parser.add_argument("--questions", type=int, default=None, help="shared_context: questions per context (default 6)")
     parser.add_argument("--requests", type=int, default=None, help="shared_context_long: requests per context (default 2)")
+    parser.add_argument("--conversations", type=int, default=None, help="multi_turn (default 8)")
+    parser.add_argument("--turns", type=int, default=None, help="multi_turn: turns per conversation (default 4)")
     parser.add_argument("--num-requests", type=int, default=None, help="prefix_repetition (default 40)")
     parser.add_argument("--prefix-len", type=int, default=None, help="prefix_repetition (default 1024)")
     parser.add_argument("--suffix-len", type=int, default=None, help="prefix_repetition (default 128)")
@@ -72,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=None, help="prefix_repetition (default 256)")
     args = parser.parse_args(argv)
     workload_options = {}
-    for name in ("contexts", "questions", "requests", "num_requests", "prefix_len", "suffix_len", "num_prefixes",
-                 "output_len"):
+    for name in ("contexts", "questions", "requests", "conversations", "turns", "num_requests", "prefix_len",
+                 "suffix_len", "num_prefixes", "output_len"):
         value = getattr(args, name)
         if value is None:
             continue
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from harness.analysis.studies import refuse_uncommitted
     from harness.records.provenance import code_version
-    from harness.serving.experiment import Options, check, run, summarize, verify
+    from harness.serving.experiment import Options, prepare, run, summarize, verify
 
     if args.verify:
         try:
@@ -110,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # a committed sweep (harness.analysis.studies) only from committed code
         refuse_uncommitted(options.out, code_version(ROOT))
-        check(options)
+        prepared = prepare(options)
     except ValueError as error:
         parser.error(str(error))
-    print(run(options))
+    print(run(options, prepared=prepared))
     return 0
 
 

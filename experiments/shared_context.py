@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harness.serving.workloads import QUESTIONS, WORDS, Shared, prompts_of, shared_contexts  # noqa: E402,F401
+from harness.serving.workloads import QUESTIONS, WORDS, Shared, footer_tokens, prompts_of, shared_contexts  # noqa: E402,F401
 
 OUT = ROOT / "results" / "shared_context"
 POLICIES = ("paged", "snapkv")          # every mode
@@ -135,19 +135,6 @@ def after_first_question(first, later, footer: int) -> tuple[list[int], int]:
     question_one = first.token_ids[first.context_tokens:len(first.token_ids) - footer]
     tokens = first.token_ids[:first.context_tokens] + question_one + later.token_ids[later.context_tokens:]
     return tokens, first.context_tokens + len(question_one)
-
-
-def footer_tokens(tokenizer, prompts: list) -> int:
-    """How many closing tokens the chat template writes after every question (end of turn,
-    assistant header): its footer, tokenized on its own (special tokens tokenize alone), which
-    each prompt must end with."""
-    from harness.tasks.prompts import chat_footer
-
-    footer = chat_footer(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
-    ids = tokenizer(footer, add_special_tokens=False)["input_ids"] if footer else []
-    if any(p.token_ids[len(p.token_ids) - len(ids):] != ids for p in prompts):
-        raise RuntimeError("a prompt does not end with the chat template's footer")
-    return len(ids)
 
 
 def requests_for(configuration: tuple[str, str | None], workload_prompts, ratio: float, tokenizer) -> list[Request]:

@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 
 from harness.serving.server import GaugeSampler, Server, gauge_summary
-from harness.serving.workloads import Workload, sample_requests, score
+from harness.serving.workloads import Workload, next_request, sample_requests, score, turn_items
 
 # Stated before any run: a request is good when its first token comes within TTFT and its
 # later tokens at TPOT or faster (ms; vLLM's --goodput format)
@@ -64,7 +64,7 @@ class Bench:
         run (its ledger reset first; None from a server without the eviction scheduler)."""
         import numpy as np
 
-        from harness.engine.bench_client import benchmark
+        from harness.engine.bench_client import benchmark, conversations
 
         requests = sample_requests(self.workload, configuration, self.ratio)
         self.server.reset_prefix_cache()
@@ -72,11 +72,18 @@ class Bench:
         random.seed(seed)
         np.random.seed(seed)
         with GaugeSampler(self.server) as sampler:
-            result = benchmark(self.server.base_url, self.model, self.tokenizer, requests, rate,
-                               ignore_eos=self.workload.ignore_eos, goodput=self.goodput, percentiles=PERCENTILES,
-                               extra_body={"temperature": 0.0}, max_concurrency=max_concurrency)
+            if self.workload.turns > 1:  # a conversation's later turns are sent as the earlier ones return
+                result = conversations(self.server.base_url, self.model, self.tokenizer, requests, self.workload.turns,
+                                       next_request(self.workload, self.tokenizer, configuration, self.ratio), rate,
+                                       goodput=self.goodput, percentiles=PERCENTILES, extra_body={"temperature": 0.0},
+                                       max_concurrency=max_concurrency)
+            else:
+                result = benchmark(self.server.base_url, self.model, self.tokenizer, requests, rate,
+                                   ignore_eos=self.workload.ignore_eos, goodput=self.goodput, percentiles=PERCENTILES,
+                                   extra_body={"temperature": 0.0}, max_concurrency=max_concurrency)
         saved = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "vllm", "backend": "vllm",
-                 "label": None, "model_id": self.model, "tokenizer_id": self.model, "num_prompts": len(requests),
+                 "label": None, "model_id": self.model, "tokenizer_id": self.model,
+                 "num_prompts": len(requests) * self.workload.turns,
                  **{key: str(value) for key, value in (metadata or {}).items()},
                  "request_rate": rate if rate < float("inf") else "inf", "burstiness": 1.0,
                  "max_concurrency": max_concurrency,
@@ -110,10 +117,20 @@ def rates_from_capacity(bench: Bench, fractions: tuple[float, ...], out: Path, s
     inf): its request throughput; the sweep's rates are ``fractions`` of it (below and above)."""
     saved, samples, state = bench.run("full", float("inf"), seed, {"configuration": "full", "purpose": "capacity"})
     write_run(out, "capacity", saved, samples, state)
-    capacity = saved["request_throughput"]
-    print(f"[serving] full cache's capacity: {capacity:.3f} req/s ({saved['output_throughput']:.1f} output tok/s) "
-          f"with all {saved['num_prompts']} requests at once", flush=True)
+    capacity = arrival_throughput(saved)
+    print(f"[serving] full cache's capacity: {capacity:.3f} {rate_unit(bench.workload.turns)} "
+          f"({saved['output_throughput']:.1f} output tok/s) with all {saved['num_prompts']} at once", flush=True)
     return [float(f"{capacity * fraction:.3g}") for fraction in fractions]
+
+
+def arrival_throughput(saved: dict) -> float:
+    """What arrives per second, completed: requests, or whole conversations (``conversations``)."""
+    return saved.get("conversation_throughput", saved["request_throughput"])
+
+
+def rate_unit(turns: int) -> str:
+    """What a rate counts: requests, or conversations (a conversation's later turns follow its answers)."""
+    return "conv/s" if turns > 1 else "req/s"
 
 
 def write_run(out: Path, name: str, saved: dict, samples: list, state: dict | None = None) -> None:
@@ -162,7 +179,27 @@ def run_row(entry: dict, saved: dict, samples: list, items: list, state: dict | 
                 for item, text, tokens, ttft, latency, error, value in zip(
                     items, saved["generated_texts"], saved["output_lens"], saved["ttfts"], saved["latencies"],
                     saved["errors"], scores)]
+    if "cached_tokens" in saved:  # conversations: what each turn found cached, and the history it held
+        for request, cached in zip(requests, saved["cached_tokens"]):
+            request["cached_tokens"] = cached
+        later = [r for r in requests if r["question"] > 0 and r["cached_tokens"] is not None and not r["error"]]
+        ledger = (state or {}).get("ledger") or {}
+        contexts = ledger.get("shared_contexts") or {}
+        row.update(later_turn_computed=mean_of([r["prompt_tokens"] - r["cached_tokens"] for r in later]),
+                   kv_blocks_mean=ledger.get("kv_blocks_used_mean"), kv_blocks_peak=ledger.get("kv_blocks_used_peak"),
+                   chain_hits=contexts.get("chain_hits", 0), chain_misses=contexts.get("chain_misses", 0))
     return row, requests
+
+
+
+def mean_of(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def sent_items(workload: Workload, tokenizer, saved: dict) -> list:
+    """The requests a run sent, in its result's order: the workload's, and a conversation's later
+    turns as the answers before them made them (``output_token_ids``)."""
+    return turn_items(workload, tokenizer, saved.get("output_token_ids", []))
 
 
 def sweep(bench: Bench, configurations: list[str], rates: list[float], trials: int, out: Path, seed: int = 0
@@ -179,7 +216,7 @@ def sweep(bench: Bench, configurations: list[str], rates: list[float], trials: i
         saved, samples, state = bench.run(entry["configuration"], entry["rate"],
                                           arrival_seed(seed, entry["trial"], entry["rate"], rates), metadata)
         write_run(out, run_name(entry["trial"], entry["rate"], entry["configuration"]), saved, samples, state)
-        row, scored = run_row(entry, saved, samples, bench.workload.items, state)
+        row, scored = run_row(entry, saved, samples, sent_items(bench.workload, bench.tokenizer, saved), state)
         rows.append(row)
         requests += scored
         accuracy = "" if row["accuracy"] is None else f", accuracy {row['accuracy']:.1f}"
@@ -204,7 +241,8 @@ def served_alone(bench: Bench, configurations: list[str], requests: list[dict], 
     from dataclasses import replace
 
     top = max(r["rate"] for r in requests)
-    sample = bench.workload.items[:ALONE]
+    turns = bench.workload.turns  # conversations are replayed whole, one after another
+    sample = bench.workload.items[:-(-ALONE // turns) * turns]
     alone = replace(bench, workload=replace(bench.workload, items=sample))
     checked = []
     for configuration in configurations:

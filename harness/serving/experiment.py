@@ -80,20 +80,30 @@ def model_workload(name: str, model: dict, tokenizer, options: dict):
     return build(name, tokenizer, **options)
 
 
-def run(options: Options, server=None) -> str:
-    """The sweep on a server of its own (or on ``server``, already serving the model: a test's);
-    returns ``summary.md``'s text."""
+def prepare(options: Options) -> tuple:
+    """The checks, then the model's settings, path and tokenizer and the workload built: everything
+    before a server starts (a ValueError here is a bad setting, in one line)."""
     from transformers import AutoTokenizer
 
-    from harness.config import engine_defaults
     from harness.config.models import resolve_model_path
-    from harness.serving.workloads import blocks_at_once
+    from harness.serving.workloads import check_configurations
 
     check(options)
     model = model_settings(options.model)
     path = resolve_model_path(model["path"])
     tokenizer = AutoTokenizer.from_pretrained(path)
     workload = model_workload(options.workload, model, tokenizer, {"seed": options.seed, **options.workload_options})
+    check_configurations(options.configurations, workload)
+    return model, path, tokenizer, workload
+
+
+def run(options: Options, server=None, prepared: tuple | None = None) -> str:
+    """The sweep on a server of its own (or on ``server``, already serving the model: a test's);
+    returns ``summary.md``'s text. ``prepared``: what ``prepare`` gave (else it runs here)."""
+    from harness.config import engine_defaults
+    from harness.serving.workloads import blocks_at_once
+
+    model, path, tokenizer, workload = prepared or prepare(options)
     block = engine_defaults("cpu")["block_size"]
     pool_blocks = options.pool_blocks
     if pool_blocks is None and options.kv_cache_gib is None:
@@ -117,7 +127,7 @@ def serving(server, model: dict, path: str, workload, block: int, pool_blocks: i
         return nullcontext(server)
     # vLLM refuses a pool that cannot hold one request of max_model_len (vllm/v1/core/kv_cache_utils.py:1104,
     # check_enough_kv_cache_memory): serve the workload's longest request, not the model's longest.
-    longest = -(-max(len(item.prompt) + item.max_tokens for item in workload.items) // block) * block
+    longest = -(-max(item.prompt_bound + item.max_tokens for item in workload.items) // block) * block
     if pool_blocks is not None and pool_blocks * block < longest:
         raise ValueError(f"--pool-blocks {pool_blocks}: the workload's longest request needs {longest // block} blocks")
     # vLLM keeps one null block out of the pool: one more than the blocks asked for
@@ -129,7 +139,7 @@ def serving(server, model: dict, path: str, workload, block: int, pool_blocks: i
 
 def measure(options: Options, server, model: dict, path: str, tokenizer, workload, block: int) -> str:
     """Every run of the sweep on ``server``, then the files; returns ``summary.md``'s text."""
-    from harness.serving.bench import Bench, parse_goodput, rates_from_capacity, served_alone, sweep
+    from harness.serving.bench import Bench, arrival_throughput, parse_goodput, rates_from_capacity, served_alone, sweep
 
     out = Path(options.out)
     pool = server.pool_blocks()
@@ -138,7 +148,7 @@ def measure(options: Options, server, model: dict, path: str, tokenizer, workloa
     rates = options.rates
     if rates is None:
         rates = rates_from_capacity(bench, options.fractions, out, options.seed)
-        capacity = json.loads((out / "runs" / "capacity.json").read_text())["request_throughput"]
+        capacity = arrival_throughput(json.loads((out / "runs" / "capacity.json").read_text()))
     rows, requests = sweep(bench, options.configurations, rates, options.trials, out, options.seed)
     alone = served_alone(bench, options.configurations, requests, out)
     from harness.records.provenance import provenance
@@ -147,7 +157,8 @@ def measure(options: Options, server, model: dict, path: str, tokenizer, workloa
                 "model_path": path, "pool_blocks": pool, "block_size": block, "rates": rates, "capacity": capacity,
                 "ignore_eos": workload.ignore_eos, "goodput": parse_goodput(options.goodput),
                 "description": workload.description, "workload_options": workload.options,
-                "contexts": len({item.context for item in workload.items}) if workload.scored else None}
+                "contexts": len({item.context for item in workload.items}) if workload.scored else None,
+                **({"turns": workload.turns} if workload.turns > 1 else {})}
     (out / "settings.json").write_text(json.dumps(settings, indent=1, default=str) + "\n")
     return write_summaries(out, settings, rows, requests, alone)
 
@@ -167,9 +178,11 @@ def write_summaries(out: Path, settings: dict, rows: list[dict], requests: list[
     with open(out / "requests.jsonl", "w") as handle:
         for row in requests:
             handle.write(json.dumps(row) + "\n")
-    text = summary.markdown(table, accuracy, settings, alone, summary.time_split(rows))
+    from harness.serving.bench import rate_unit
+
+    text = summary.markdown(table, accuracy, settings, alone, summary.time_split(rows), rows)
     (out / "summary.md").write_text(text)
-    summary.plot(table, out / "pareto.png", settings["workload"])
+    summary.plot(table, out / "pareto.png", settings["workload"], rate_unit(settings.get("turns", 1)))
     return text
 
 
@@ -179,7 +192,7 @@ def summarize(out: Path) -> str:
     settings to score each request's saved text. Returns ``summary.md``'s text."""
     from transformers import AutoTokenizer
 
-    from harness.serving.bench import plan, run_name, run_row
+    from harness.serving.bench import plan, run_name, run_row, sent_items
     out = Path(out)
     if not (out / "settings.json").is_file():
         raise ValueError(f"{out}: no settings.json (not a serving sweep's folder)")
@@ -188,13 +201,16 @@ def summarize(out: Path) -> str:
     settings = json.loads((out / "settings.json").read_text())
     model = model_settings(settings["model"])
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model["path"]))
-    items = model_workload(settings["workload"], model, tokenizer,
-                           {"seed": settings["seed"], **settings["workload_options"]}).items
+    workload = model_workload(settings["workload"], model, tokenizer,
+                              {"seed": settings["seed"], **settings["workload_options"]})
     rows, requests = [], []
     for entry in plan(settings["configurations"], settings["rates"], settings["trials"]):
         name = out / "runs" / run_name(entry["trial"], entry["rate"], entry["configuration"])
         saved = json.loads(Path(f"{name}.json").read_text())
-        if saved["input_lens"] != [len(item.prompt) for item in items]:
+        items = sent_items(workload, tokenizer, saved)
+        sent = [(length, len(item.prompt)) for length, item, error in zip(saved["input_lens"], items, saved["errors"])
+                if not (error or "").startswith("not sent")]  # a failed conversation's unsent turns
+        if any(length != len(prompt) for length, prompt in sent) or len(saved["input_lens"]) != len(items):
             raise ValueError(f"{name}.json: its prompts are not the workload rebuilt from settings.json")
         # a sweep saved before the ledger was read (no .ledger.json) keeps its summaries as they were
         ledger = Path(f"{name}.ledger.json")

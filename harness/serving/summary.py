@@ -153,7 +153,7 @@ def contexts_for_non_inferiority(paired: dict[tuple, float]) -> int | None:
     return clusters_for_non_inferiority(means, ACCURACY_MARGIN)
 
 
-def headline(table: list[dict], accuracy: list[dict]) -> list[str]:
+def headline(table: list[dict], accuracy: list[dict], unit: str = "req/s") -> list[str]:
     """The verdict in a few lines: per compressing configuration, its goodput and output tok/s
     against full cache's at each rate, beside its accuracy verdict; whether a configuration whose
     accuracy is non-inferior to full cache's reaches TARGET x full cache's goodput at some rate
@@ -173,13 +173,13 @@ def headline(table: list[dict], accuracy: list[dict]) -> list[str]:
         if word is not None and word != "no verdict":
             word += f" ({'within' if ok else 'not shown within'} the {ACCURACY_MARGIN:g}-point margin)"
         lines.append(f"* {name}: accuracy {word or 'not scored'}; goodput and output tok/s against full cache's "
-                     "at " + "; ".join(f"{line['rate']:g} req/s {ratio_text(line, 'request_goodput')} and "
+                     "at " + "; ".join(f"{line['rate']:g} {unit} {ratio_text(line, 'request_goodput')} and "
                                       f"{ratio_text(line, 'output_tok_s')}"
                                       for line in table if line["configuration"] == name) + ".")
         hits = [line["rate"] for line in table if line["configuration"] == name
                 and line.get("request_goodput_low") is not None and line["request_goodput_low"] >= TARGET]
         if ok and hits:
-            reached.append(f"{name} (at {', '.join(f'{r:g}' for r in hits)} req/s)")
+            reached.append(f"{name} (at {', '.join(f'{r:g}' for r in hits)} {unit})")
     if any(words.values()):
         lines += ["", (f"Reached by: {'; '.join(reached)}: the goodput interval's lower bound at or above {TARGET:g}x."
                        if reached else f"No configuration reaches {TARGET:g}x full cache's goodput (the interval's "
@@ -320,17 +320,27 @@ def ratio_text(line: dict, key: str) -> str:
 
 
 def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: list[dict] | None = None,
-             split: list[dict] | None = None) -> str:
+             split: list[dict] | None = None, rows: list[dict] | None = None) -> str:
+    from harness.serving.bench import rate_unit
+
     contexts = settings.get("contexts")
+    turns = settings.get("turns", 1)
+    unit = rate_unit(turns)
     lines = [f"# Serving benchmark: {settings['workload']}", "",
              f"Command: `{settings['command']}`"
              + (f" (commit {settings['provenance']['git_commit']}, code version "
                 f"{settings['provenance']['code_version']})" if settings.get("provenance") else ""), "",
              f"{settings['description']}. One `vllm serve` ({settings['model']}, prefix caching on, the eviction "
              f"scheduler, a pool of {settings['pool_blocks']} blocks of {settings['block_size']} tokens), every "
-             "configuration a per-request `vllm_xargs` setting; vLLM's own `benchmark()` "
-             "(`vllm/benchmarks/serve.py`) sends the requests as token ids with Poisson arrivals (burstiness 1.0) "
-             f"at each rate, temperature 0, {'ignore_eos' if settings['ignore_eos'] else 'stopping where the model ends'}; "
+             "configuration a per-request `vllm_xargs` setting; "
+             + ("vLLM's own `benchmark()` (`vllm/benchmarks/serve.py`) sends the requests as token ids with Poisson "
+                "arrivals (burstiness 1.0) at each rate" if turns == 1 else
+                "conversations arrive by vLLM's own arrival process (`get_request`, `vllm/benchmarks/serve.py`; "
+                "Poisson, burstiness 1.0) at each rate in conversations per second, and each later turn goes out "
+                "when the one before it returns (its prompt: the last prompt, the answer's token ids, the next "
+                "question), every turn through vLLM's own request function, the figures by vLLM's "
+                "`calculate_metrics` over every turn (`harness.engine.bench_client.conversations`)")
+             + f", temperature 0, {'ignore_eos' if settings['ignore_eos'] else 'stopping where the model ends'}; "
              f"the prefix cache emptied before every run. Goodput SLOs (stated before the run): "
              + ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in settings["goodput"].items()) + ". "
              f"Compression ratio {settings['ratio']:g} of what each configuration compresses. "
@@ -340,12 +350,14 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
              "95% t-interval over trials (`harness.analysis.stats.ratio_interval`; one trial: no interval). KV usage: "
              "vLLM's `vllm:kv_cache_usage_perc` gauge sampled every 0.5 s beside the run (mean, peak).", ""]
     if settings.get("capacity") is not None:
-        lines += [f"Rates: {', '.join(f'{r:g}' for r in settings['rates'])} req/s, fractions "
+        lines += [f"Rates: {', '.join(f'{r:g}' for r in settings['rates'])} {unit}, fractions "
                   f"{', '.join(f'{f:g}' for f in settings['fractions'])} of full cache's capacity "
-                  f"({settings['capacity']:.3f} req/s with every request sent at once).", ""]
-    lines += headline(table, accuracy)
+                  f"({settings['capacity']:.3f} {unit} with every "
+                  f"{'request' if turns == 1 else 'conversation'} sent at once).", ""]
+    lines += headline(table, accuracy, unit)
     lines += split_section(split or [], table, accuracy)
-    lines += ["## Every rate", "", "| rate (req/s) | configuration | completed/failed | output tok/s | vs full | goodput (req/s) | vs full | "
+    lines += conversation_section(rows or [], unit)
+    lines += ["## Every rate", "", f"| rate ({unit}) | configuration | completed/failed | output tok/s | vs full | goodput (req/s) | vs full | "
               "median TTFT ms | vs full | median TPOT ms | vs full | KV usage mean/peak | accuracy |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for line in table:
@@ -392,7 +404,7 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
         lines += ["", "## Served under load against sent alone", "",
                   f"The first {len({(a['context'], a['question']) for a in alone})} requests of the workload, per "
                   "configuration, sent again one at a time after the sweep (vLLM's `max_concurrency` 1, prefix cache "
-                  f"emptied), their texts against the same requests' in trial 1 at {alone[0]['rate']:g} req/s "
+                  f"emptied), their texts against the same requests' in trial 1 at {alone[0]['rate']:g} {unit} "
                   "(`alone.json`; texts only: a difference is not checked for a near tie).", ""]
         for name in dict.fromkeys(a["configuration"] for a in alone):
             mine = [a for a in alone if a["configuration"] == name]
@@ -402,7 +414,53 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
     return "\n".join(lines) + "\n"
 
 
-def plot(table: list[dict], path, title: str) -> None:
+CHAINED = " chained"
+
+
+def conversation_section(rows: list[dict], unit: str) -> list[str]:
+    """Conversations (runs whose rows carry the ledger's blocks, ``bench.run_row``): per rate and
+    configuration, the prompt tokens a later turn computed (not found cached) and the KV blocks in
+    use over the run's steps, each beside full cache's and a chained configuration's also beside its
+    recompressing twin's (ratios of the same trial and rate, geometric mean and 95% t-interval over
+    trials), and the chain's hits of the later turns it asked."""
+    rows = [r for r in rows if r.get("kv_blocks_mean") is not None]
+    if not rows:
+        return []
+    by = {(r["configuration"], r["rate"], r["trial"]): r for r in rows}
+    lines = ["## Conversations", "",
+             "Per rate: the prompt tokens each later turn computed (its prompt less what vLLM found cached: "
+             "`usage.prompt_tokens_details`), the KV blocks in use over the run's engine steps (the eviction "
+             "scheduler's ledger: a block the prefix cache holds for no running request is free), each as a ratio to "
+             "full cache's and, for a chained configuration, to its recompressing twin's in the same trial and rate "
+             "(below 1: fewer); hits: later turns that took the turn before's compressed cache, of those that asked "
+             "(a miss recompresses the pristine history: its entry was reclaimed under pool pressure).", "",
+             f"| rate ({unit}) | configuration | computed tokens per later turn | vs full | vs twin | KV blocks mean | "
+             "vs full | vs twin | chain hits |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(mine: list[dict], other: str, key: str) -> str:
+        cell = ratio_cell([divide(r[key], by.get((other, r["rate"], r["trial"]), {}).get(key)) for r in mine])
+        return ratio_text({"configuration": "", "x_ratio": cell["estimate"], "x_low": cell["low"],
+                           "x_high": cell["high"]}, "x")
+
+    for rate in sorted({r["rate"] for r in rows}):
+        for name in dict.fromkeys(r["configuration"] for r in rows):
+            mine = [r for r in rows if r["configuration"] == name and r["rate"] == rate]
+            if not mine:
+                continue
+            twin = name[:-len(CHAINED)] if name.endswith(CHAINED) else None
+            computed = [r["later_turn_computed"] for r in mine if r["later_turn_computed"] is not None]
+            hits, asked = sum(r["chain_hits"] for r in mine), sum(r["chain_hits"] + r["chain_misses"] for r in mine)
+            lines.append(f"| {rate:g} | {name} | {number(statistics.fmean(computed) if computed else None, 0)} | "
+                         f"{'-' if name == 'full' else ratio(mine, 'full', 'later_turn_computed')} | "
+                         f"{ratio(mine, twin, 'later_turn_computed') if twin else '-'} | "
+                         f"{number(statistics.fmean(r['kv_blocks_mean'] for r in mine), 1)} | "
+                         f"{'-' if name == 'full' else ratio(mine, 'full', 'kv_blocks_mean')} | "
+                         f"{ratio(mine, twin, 'kv_blocks_mean') if twin else '-'} | "
+                         f"{f'{hits}/{asked}' if twin else '-'} |")
+    return lines + [""]
+
+
+def plot(table: list[dict], path, title: str, unit: str = "req/s") -> None:
     """Latency against throughput, one curve per configuration through its rates (means over
     trials, bars their 95% t-intervals over trials): median end-to-end latency and median TTFT
     against output tok/s, and goodput against the offered rate. The Pareto front of a
@@ -431,10 +489,11 @@ def plot(table: list[dict], path, title: str) -> None:
         half = [line.get("request_goodput_half") for line in mine]
         axes[2].errorbar([line["rate"] for line in mine], [line["request_goodput"] for line in mine], marker="o",
                          label=name, capsize=3, yerr=None if None in half else half)
-    axes[2].set_xlabel("offered request rate (req/s)")
+    axes[2].set_xlabel(f"offered rate ({unit})" if unit != "req/s" else "offered request rate (req/s)")
     axes[2].set_ylabel("goodput (req/s within the SLOs)")
     axes[0].legend(fontsize=8)
-    figure.suptitle(f"{title}: latency against throughput (points labelled by request rate; bars: 95% over trials)")
+    figure.suptitle(f"{title}: latency against throughput (points labelled by {'request ' if unit == 'req/s' else ''}"
+                    "rate; bars: 95% over trials)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

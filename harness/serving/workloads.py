@@ -9,6 +9,11 @@ where its context ends, its output length, its reference answer), turned into vL
 * ``shared_context_long``: contexts of about 2,000 tokens each holding ``requests`` registers of
   ``ENTRIES`` lines; each request asks for one register back (its own question on the shared
   context): answers of about 160 tokens, scored by ROUGE-L against the register.
+* ``multi_turn``: conversations about ``shared_context``'s contexts, one person per turn: turn 1 is
+  the context's first question as ``shared_context`` asks it, each later turn the model's own answer
+  (its token ids), then the next question in a new user message (the chat template's rendering,
+  ``next_turn_tokens``). Later turns' prompts exist only once the turn before has returned, so a
+  run sends them through ``harness.engine.bench_client.conversations`` (``next_request``).
 * ``prefix_repetition``: vLLM's own standard synthetic (``PrefixRepetitionRandomDataset``,
   vllm/benchmarks/datasets/datasets.py:4181, through ``harness.engine.bench_client``): random-token
   prefixes each shared by ``num_requests / num_prefixes`` requests, sampled by vLLM's class, then
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 
 from harness.tasks.embedded.dataset import CITIES, JOBS, filler, people
 
-WORKLOADS = ("shared_context", "shared_context_long", "prefix_repetition")
+WORKLOADS = ("shared_context", "shared_context_long", "multi_turn", "prefix_repetition")
 QUESTIONS = 6
 WORDS = 1400          # about 2,000 of SmolLM2's tokens per context
 
@@ -97,6 +102,44 @@ def _same_context(name: str, prompts: list) -> list:
            for p in prompts):
         raise RuntimeError(f"{name}: the questions' prompts do not share one context")
     return prompts
+
+
+# --------------------------------------------------------------------------------- conversations' turns
+def footer_tokens(tokenizer, prompts: list) -> int:
+    """How many closing tokens the chat template writes after every question (end of turn,
+    assistant header): its footer, tokenized on its own (special tokens tokenize alone), which
+    each prompt must end with."""
+    from harness.tasks.prompts import chat_footer
+
+    footer = chat_footer(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
+    ids = tokenizer(footer, add_special_tokens=False)["input_ids"] if footer else []
+    if any(p.token_ids[len(p.token_ids) - len(ids):] != ids for p in prompts):
+        raise RuntimeError("a prompt does not end with the chat template's footer")
+    return len(ids)
+
+
+def question_texts(prompts: list, tokenizer, footer: int) -> list[str]:
+    """Each question's own part of its single-turn prompt (the suite's template after the context,
+    without the chat template's footer), as text for a later user message."""
+    return [tokenizer.decode(p.token_ids[p.context_tokens:len(p.token_ids) - footer]).strip() for p in prompts]
+
+
+def next_turn_tokens(tokenizer, question_text: str, answer_ids: list[int]) -> list[int]:
+    """What follows the model's answer ``answer_ids`` in the next turn's prompt: the end of the
+    assistant's turn (unless the answer already ends with it), the user's header, ``question_text``,
+    the end of the user's turn and the assistant's header, as the chat template renders a
+    conversation (its rendering around a marker answer, tokenized alone: special tokens tokenize
+    alone)."""
+    marker = "\x00answer\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker},
+                                          {"role": "user", "content": question_text}], tokenize=False,
+                                         add_generation_prompt=True)
+    if text.count(marker) != 1:
+        raise RuntimeError("the chat template does not write the answer once and verbatim")
+    glue = tokenizer(text.split(marker)[1], add_special_tokens=False)["input_ids"]
+    if answer_ids and glue and answer_ids[-1] == glue[0] == tokenizer.eos_token_id:
+        glue = glue[1:]  # the answer ended with the end-of-turn token itself
+    return glue
 
 
 # ------------------------------------------------------------------------------- long answers: registers
@@ -171,6 +214,15 @@ class Item:
     answers: tuple[str, ...] = ()
     stop: tuple[str, ...] = ()
     reconstruction: dict | None = field(default=None, compare=False)
+    # a conversation's later turn: its question's text (the prompt is made when the turn before has
+    # returned: ``next_request``) and the longest its prompt can be (every earlier answer at its limit)
+    follow_up: str | None = None
+    longest_prompt: int | None = None
+
+    @property
+    def prompt_bound(self) -> int:
+        """The most prompt tokens the request can have (its prompt's, where it is known)."""
+        return self.longest_prompt if self.longest_prompt is not None else len(self.prompt)
 
 
 @dataclass(frozen=True)
@@ -180,6 +232,7 @@ class Workload:
     ignore_eos: bool    # every request generates max_tokens (the synthetic), or stops where the model ends
     description: str
     options: dict = field(default_factory=dict, compare=False)  # every argument it was built with (``build``)
+    turns: int = 1      # a conversation's turns (items: each conversation's turns in order, ``question`` the turn)
 
     @property
     def scored(self) -> bool:
@@ -229,6 +282,39 @@ def shared_context_long_workload(tokenizer, contexts: int = 6, requests: int = 2
                     f"to {LONG_TOKENS}), scored by ROUGE-L against the register (the suite's record_listing rule)")
 
 
+def multi_turn_workload(tokenizer, conversations: int = 8, turns: int = 4, max_prompt_tokens: int = 7500,
+                        seed: int = 0) -> Workload:
+    """``conversations`` conversations of ``turns`` turns, each about one of ``shared_contexts``'
+    contexts (alternately access codes and birthplaces), one person per turn, the embedded suite's
+    scoring per turn; the conversations in a seeded order."""
+    from harness.tasks import task_spec
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("multi_turn: the model has no chat template to write a conversation's later turns with")
+    if turns < 2:
+        raise ValueError(f"multi_turn: a conversation needs at least 2 turns, got {turns}")
+    talks = []
+    for shared in shared_contexts(conversations, seed, turns):
+        spec = task_spec(shared.task)
+        prompts = prompts_of(shared, tokenizer, max_prompt_tokens)
+        texts = question_texts(prompts, tokenizer, footer_tokens(tokenizer, prompts))
+        first, longest, talk = prompts[0], len(prompts[0].token_ids), []
+        for turn in range(turns):
+            if turn:  # the answer before it at its limit, then the longest glue (no end-of-turn shared)
+                longest += spec.max_new_tokens + len(next_turn_tokens(tokenizer, texts[turn], []))
+            talk.append(Item(shared.id, turn, shared.task, list(first.token_ids) if turn == 0 else [],
+                             first.context_tokens if turn == 0 else None, spec.max_new_tokens,
+                             tuple(shared.questions[turn][1]), tuple(spec.stop), None,
+                             texts[turn] if turn else None, longest))
+        talks.append(talk)
+    random.Random(seed).shuffle(talks)
+    history = round(sum(len(talk[0].prompt) for talk in talks) / len(talks), -1)
+    return Workload("multi_turn", [item for talk in talks for item in talk], False,
+                    f"{conversations} conversations x {turns} turns (half access codes in a long text, half passages "
+                    f"about people; about {history:,.0f} tokens at turn 1), each turn a short question about the next "
+                    "person after the model's own answer, the embedded suite's scoring", turns=turns)
+
+
 def prefix_repetition_workload(tokenizer, num_requests: int = 40, prefix_len: int = 1024, suffix_len: int = 128,
                                num_prefixes: int = 8, output_len: int = 256, seed: int = 0) -> Workload:
     """vLLM's ``prefix_repetition`` dataset, sampled by its own class (the arguments of
@@ -264,7 +350,11 @@ def common_prefix(sequences: list[list[int]]) -> int:
 def blocks_at_once(workload: Workload, block_size: int) -> int:
     """The KV blocks full cache with prefix caching holds to run every request of ``workload`` at
     once: each context's full blocks once (its requests share them), and each request's own blocks
-    after them, to its last output token."""
+    after them, to its last output token. Conversations: each one's last turn at its longest (a
+    conversation runs one turn at a time, each over the history the one before it cached)."""
+    if workload.turns > 1:
+        return sum(-(-(item.prompt_bound + item.max_tokens) // block_size) for item in workload.items
+                   if item.question == workload.turns - 1)
     shared: dict[str, int] = {}
     own = 0
     for item in workload.items:
@@ -277,7 +367,7 @@ def blocks_at_once(workload: Workload, block_size: int) -> int:
 def build(name: str, tokenizer, **options) -> Workload:
     """A workload by name, with its options (``contexts``, ``questions``/``requests``, ...)."""
     makers = {"shared_context": shared_context_workload, "shared_context_long": shared_context_long_workload,
-              "prefix_repetition": prefix_repetition_workload}
+              "multi_turn": multi_turn_workload, "prefix_repetition": prefix_repetition_workload}
     if name not in makers:
         raise ValueError(f"unknown workload {name!r}; the workloads are: {', '.join(WORKLOADS)}")
     import inspect
@@ -291,7 +381,7 @@ def build(name: str, tokenizer, **options) -> Workload:
 
 
 # --------------------------------------------------------------------------------------- configurations
-MODES = ("context", "context unshared", "prompt")
+MODES = ("context", "context unshared", "context chained", "prompt")
 
 
 def parse_configuration(name: str) -> tuple[str | None, str]:
@@ -304,14 +394,23 @@ def parse_configuration(name: str) -> tuple[str | None, str]:
     return policy, mode
 
 
-def check_configurations(names: list[str]) -> None:
-    """One clear line for a configuration the server would refuse anyway (before any server starts)."""
+def check_configurations(names: list[str], workload: Workload | None = None) -> None:
+    """One clear line for a configuration the server would refuse anyway, or one ``workload`` cannot
+    run (before any server starts)."""
     from policies import REGISTRY
 
     for name in names:
-        policy, _ = parse_configuration(name)
+        policy, mode = parse_configuration(name)
         if policy is not None and policy not in REGISTRY:
             raise ValueError(f"configuration {name!r}: no policy {policy!r}; the policies are: {', '.join(REGISTRY)}")
+        if mode == "context chained" and workload is not None:
+            if workload.turns < 2:
+                raise ValueError(f"configuration {name!r}: a chain continues a conversation; {workload.name} has none")
+            if any(item.stop for item in workload.items):
+                # a stop string ends a request by an abort the frontend sends after the fact
+                # (vllm/v1/engine/output_processor.py:768-820): the next turn's chain entry may not match
+                raise ValueError(f"configuration {name!r}: a chain cannot follow answers cut by stop strings, and "
+                                 f"{workload.name}'s tasks stop at {sorted({s for i in workload.items for s in i.stop})}")
     if "full" not in names:
         raise ValueError("the configurations must include 'full' (every ratio is against it)")
 
@@ -321,6 +420,8 @@ def settings_for(configuration: str, item: Item, ratio: float) -> dict:
     ``<policy> context`` compresses the context (its first ``context_tokens`` prompt tokens) by
     ``ratio`` before the question is computed, one copy shared by the context's requests (prefix
     caching on); ``context unshared`` the same with each request compressing its own copy;
+    ``context chained`` compresses a conversation's history as ``context`` does, each turn from the
+    cache the turn before kept (``chain=true``: only the new tokens are computed);
     ``prompt`` compresses context and question together (query-aware, no sharing)."""
     from policies import REGISTRY
 
@@ -328,12 +429,14 @@ def settings_for(configuration: str, item: Item, ratio: float) -> dict:
     if policy is None:
         return {"policy": "full"}
     settings = {"policy": policy, "budget_ratio": ratio, "decode_eviction": False}
-    if mode in ("context", "context unshared"):
+    if mode.startswith("context"):
         if item.context_tokens is None:
             raise ValueError(f"{configuration}: request {item.context}/{item.question} has no context boundary")
         settings.update(compress="context", context_tokens=item.context_tokens)
     if mode == "context unshared":
         settings.update(share_context=False)
+    if mode == "context chained":
+        settings.update(chain=True)
     if REGISTRY[policy].reconstructs:
         if item.reconstruction is None:
             raise ValueError(f"{configuration}: request {item.context}/{item.question} has no reconstruction ids")
@@ -342,17 +445,55 @@ def settings_for(configuration: str, item: Item, ratio: float) -> dict:
 
 
 def sample_requests(workload: Workload, configuration: str, ratio: float) -> list:
-    """vLLM's ``SampleRequest``s of ``workload`` under ``configuration``: token-id prompts, each with
-    its ``vllm_xargs`` eviction setting (a JSON string: vllm_xargs values may only be strings and
-    numbers) and its stop strings as request overrides."""
+    """vLLM's ``SampleRequest``s of ``workload`` under ``configuration`` (a conversation's first turns
+    only: the later ones are made as the conversation goes, ``next_request``)."""
+    return [request_of(item, configuration, ratio) for item in workload.items if item.follow_up is None]
+
+
+def request_of(item: Item, configuration: str, ratio: float):
+    """vLLM's ``SampleRequest`` of ``item`` under ``configuration``: its token-id prompt, with its
+    ``vllm_xargs`` eviction setting (a JSON string: vllm_xargs values may only be strings and numbers)
+    and its stop strings as request overrides."""
     from harness.engine.bench_client import sample_request
 
+    overrides = {"vllm_xargs": {"kv_eviction": json.dumps(settings_for(configuration, item, ratio))}}
+    if item.stop:
+        overrides["stop"] = list(item.stop)
+    return sample_request(item.prompt, item.max_tokens, overrides)
+
+
+def conversation_of(workload: Workload, c: int) -> list[Item]:
+    """Conversation ``c``'s turns (in the order conversations arrive)."""
+    return workload.items[c * workload.turns:(c + 1) * workload.turns]
+
+
+def next_turn(tokenizer, item: Item, prompt: list[int], answer: list[int]) -> Item:
+    """Turn ``item`` made concrete after the turn before it: that turn's ``prompt``, its ``answer``
+    (token ids), then the glue and ``item``'s question (``next_turn_tokens``); its boundary (what
+    ``context`` configurations compress) is the history, everything before the new question."""
+    from dataclasses import replace
+
+    return replace(item, prompt=prompt + answer + next_turn_tokens(tokenizer, item.follow_up, answer),
+                   context_tokens=len(prompt) + len(answer))
+
+
+def next_request(workload: Workload, tokenizer, configuration: str, ratio: float):
+    """``harness.engine.bench_client.conversations``' ``follow``: conversation c's turn's request."""
+    def follow(c: int, turn: int, prompt: list[int], answer: list[int]):
+        return request_of(next_turn(tokenizer, conversation_of(workload, c)[turn], prompt, answer), configuration,
+                          ratio)
+    return follow
+
+
+def turn_items(workload: Workload, tokenizer, answers: list[list[int]]) -> list[Item]:
+    """Every turn of every conversation made concrete from the answers it was served (token ids, in
+    the workload's order): what a run sent, rebuilt."""
+    if workload.turns == 1:
+        return list(workload.items)
     made = []
-    for item in workload.items:
-        overrides = {"vllm_xargs": {"kv_eviction": json.dumps(settings_for(configuration, item, ratio))}}
-        if item.stop:
-            overrides["stop"] = list(item.stop)
-        made.append(sample_request(item.prompt, item.max_tokens, overrides))
+    for item, answer in zip(workload.items, answers):
+        made.append(item if item.follow_up is None else next_turn(tokenizer, item, made[-1].prompt, previous))
+        previous = answer
     return made
 
 

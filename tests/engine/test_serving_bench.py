@@ -85,6 +85,50 @@ def test_the_sweep_drives_vllms_benchmark_with_per_request_eviction(server, tmp_
     assert sum("full " in m and "parts from the committed one" in m for m in moved) == 4
 
 
+def test_conversations_follow_their_answers_and_the_chain_takes_each_turn_before(server, tmp_path):
+    """multi_turn through ``harness.engine.bench_client.conversations``: 2 conversations x 3 turns
+    for full cache, recompression and the chain, at one rate. Every turn completes; each later turn
+    starts after the one before returned and is that turn's prompt, its answer's token ids and the
+    next question (rebuilt from the saved ids, the lengths the server counted); full cache finds
+    its history cached; the chain takes the turn before's compressed cache at every later turn (4
+    hits) and computes fewer tokens than recompression; the summaries rebuild from the saved runs."""
+    from harness.serving.experiment import Options, run, summarize
+
+    configurations = ["full", "paged context", "paged context chained"]
+    options = Options(workload="multi_turn", configurations=configurations, out=tmp_path, command="test", model="tiny",
+                      rates=[4.0], trials=1, goodput="ttft:5000 tpot:500",
+                      workload_options={"conversations": 2, "turns": 3, "max_prompt_tokens": 1000})
+    text = run(options, server=server)
+    runs = {name: json.loads((tmp_path / "runs" / f"trial1-rate4-{name.replace(' ', '_')}.json").read_text())
+            for name in configurations}
+    for name, saved in runs.items():
+        assert saved["completed"] == saved["num_prompts"] == 6 and saved["failed"] == 0, (name, saved["errors"])
+        assert saved["conversations"] == 2 and saved["turns"] == 3 and saved["conversation_throughput"] > 0
+        for c in range(2):
+            turns = range(3 * c, 3 * c + 3)
+            for t in list(turns)[1:]:
+                assert saved["start_times"][t] >= saved["start_times"][t - 1] + saved["latencies"][t - 1]
+                assert saved["input_lens"][t] > saved["input_lens"][t - 1] + len(saved["output_token_ids"][t - 1])
+                assert len(saved["output_token_ids"][t]) == saved["output_lens"][t]
+    full, again, chain = (runs[name] for name in configurations)
+    later = [t for t in range(6) if t % 3]
+    # full cache: the history's whole blocks come from the prefix cache
+    assert all(full["cached_tokens"][t] >= (full["input_lens"][t - 1] // BLOCK) * BLOCK for t in later)
+    computed = {name: sum(runs[name]["input_lens"][t] - runs[name]["cached_tokens"][t] for t in later)
+                for name in configurations}
+    assert computed["paged context chained"] < computed["paged context"]
+    ledger = json.loads((tmp_path / "runs" / "trial1-rate4-paged_context_chained.ledger.json").read_text())["ledger"]
+    assert ledger["shared_contexts"]["chain_hits"] == 4
+    assert "## Conversations" in text and "| 4 | paged context chained |" in text and "| 4/4 |" in text
+    assert "conv/s" in text
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 18 and all(row["error"] is None and row["cached_tokens"] is not None for row in rows)
+    # the first conversation sent again alone, whole, per configuration
+    alone = json.loads((tmp_path / "alone.json").read_text())
+    assert [(a["configuration"], a["question"]) for a in alone] == [(n, t) for n in configurations for t in range(3)]
+    assert summarize(tmp_path) == text
+
+
 def test_a_setting_the_server_refuses_fails_the_request(server):
     """A boundary past the prompt's end is refused (docs/serving.md; on a stream, as the benchmark sends,
     as an error event): the per-request override reached the server, the benchmark counts the request

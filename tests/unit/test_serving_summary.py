@@ -345,3 +345,47 @@ def test_the_state_route_answers_404_without_the_eviction_scheduler():
         answer = http.get(f"{STATE_ROUTE}?reset=1")
         assert answer.status_code == 200 and answer.json() == {"ledger": {"steps": 3}}
     assert calls == [("kv_eviction_state", False, None), ("kv_eviction_state", True, None)]
+
+
+# --- conversations: a run of harness.engine.bench_client.conversations --------------------------------
+
+def conversation_run(cached: list[int], blocks: float, hits: int = 0, misses: int = 0) -> tuple[dict, dict]:
+    """Two conversations of two turns as the driver saves them (conversation then turn order), later
+    turns' prompts 150 tokens with ``cached`` of each found cached, and the run's ledger state."""
+    saved = {"completed": 4, "failed": 0, "duration": 10.0, "output_throughput": 5.0, "request_goodput": 0.4,
+             "request_throughput": 0.4, "total_output_tokens": 20, "max_concurrent_requests": 2,
+             "generated_texts": ["12345", "no", "54321", "54321"], "output_lens": [5] * 4, "ttfts": [0.1] * 4,
+             "latencies": [1.0] * 4, "errors": [""] * 4, "input_lens": [100, 150, 100, 150],
+             "cached_tokens": [0, cached[0], 0, cached[1]], "output_token_ids": [[1]] * 4}
+    state = {"ledger": {"kv_blocks_used_mean": blocks, "kv_blocks_used_peak": 2 * blocks,
+                        **({"shared_contexts": {"chain_hits": hits, "chain_misses": misses}} if hits or misses else {})}}
+    return saved, state
+
+
+def test_a_conversation_runs_row_counts_what_later_turns_computed_and_the_chain_beside_its_twin():
+    """run_row: each request's cached tokens, per run the mean tokens a later turn computed (prompt
+    less cached), the ledger's mean and peak blocks and the chain's hits; the section puts each
+    configuration beside full cache and a chained one beside its twin, in the same trial and rate."""
+    from harness.serving.bench import run_row
+    from harness.serving.summary import conversation_section
+    from harness.serving.workloads import Item
+
+    items = [Item(f"codes-{c}", t, "key_retrieval", [1] * (100 + 50 * t), 10, 16, (("12345",) if c == 0 else ("54321",)))
+             for c in range(2) for t in range(2)]
+    figures = {"full": ([140, 140], 40.0), "paged context": ([96, 96], 20.0), "paged context chained": ([130, 130], 18.0)}
+    rows = []
+    for trial in (1, 2, 3):
+        for name, (cached, blocks) in figures.items():
+            saved, state = conversation_run(cached, blocks, *((2, 0) if name.endswith("chained") else (0, 0)))
+            row_, requests = run_row({"configuration": name, "rate": 0.1, "trial": trial}, saved, [], items, state)
+            rows.append(row_)
+    assert [r["cached_tokens"] for r in requests] == [0, 130, 0, 130] and [r["score"] for r in requests] == [1, 0, 1, 1]
+    assert row_["later_turn_computed"] == 20 and row_["kv_blocks_mean"] == 18.0 and row_["chain_hits"] == 2
+    text = "\n".join(conversation_section(rows, "conv/s"))
+    assert text.startswith("## Conversations") and "| rate (conv/s) |" in text
+    assert "| 0.1 | full | 10 | - | - | 40.0 | - | - | - |" in text
+    assert "| 0.1 | paged context | 54 | 5.40x (5.40-5.40) | - | 20.0 | 0.50x (0.50-0.50) | - | - |" in text
+    assert ("| 0.1 | paged context chained | 20 | 2.00x (2.00-2.00) | 0.37x (0.37-0.37) | 18.0 | 0.45x (0.45-0.45) | "
+            "0.90x (0.90-0.90) | 6/6 |") in text
+    # a single-turn sweep's rows carry no blocks: no section, so its summary is what it was
+    assert conversation_section([row("full", 0.5, 1, 10.0)], "req/s") == []

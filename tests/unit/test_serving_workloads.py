@@ -156,3 +156,92 @@ def test_prefix_repetition_is_vllms_dataset_with_each_prefix_boundary_measured(t
         assert len({tuple(item.prompt[:boundary]) for item in items}) == 1
         assert len({item.prompt[boundary] for item in items}) > 1  # the shared part ends there
         assert all(item.max_tokens == 32 for item in items)
+
+
+@pytest.fixture(scope="module")
+def talks(tokenizer):
+    return workloads.build("multi_turn", tokenizer, conversations=2, turns=3, max_prompt_tokens=3500)
+
+
+def test_a_conversations_later_turn_continues_its_last_prompt_and_answer_as_the_chat_template_renders(talks, tokenizer):
+    """Turn 1 is shared_context's first question; a later turn is the last prompt, the answer's own
+    token ids and the next question in a new user message, as the chat template renders the
+    conversation; its boundary is the history (everything before the new question), and no answer
+    at its limit makes a prompt longer than the bound the pool and max_model_len are sized by."""
+    assert talks.turns == 3 and [item.question for item in talks.items] == [0, 1, 2] * 2
+    for c in range(2):
+        first, second, third = workloads.conversation_of(talks, c)
+        shared = next(s for s in workloads.shared_contexts(2, 0, 3) if s.id == first.context)
+        assert first.prompt == workloads.prompts_of(shared, tokenizer, 3500)[0].token_ids
+        assert first.follow_up is None and second.prompt == [] and shared.questions[1][0] in second.follow_up
+        user_message = tokenizer.decode(first.prompt).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        answer_text = "The access code is 12345."
+        answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        made = workloads.next_turn(tokenizer, second, first.prompt, answer)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message}, {"role": "assistant", "content": answer_text},
+             {"role": "user", "content": second.follow_up}], tokenize=False, add_generation_prompt=True)
+        assert tokenizer.decode(made.prompt) == rendered
+        assert made.context_tokens == len(first.prompt) + len(answer) and made.prompt[:made.context_tokens] == first.prompt + answer
+        longest = [7] * first.max_tokens  # answers at their limit, no end of turn
+        two = workloads.next_turn(tokenizer, second, first.prompt, longest)
+        three = workloads.next_turn(tokenizer, third, two.prompt, longest)
+        assert len(two.prompt) == second.prompt_bound and len(three.prompt) == third.prompt_bound
+    # full cache at once: each conversation's last turn at its longest
+    assert workloads.blocks_at_once(talks, 32) == sum(-(-(item.prompt_bound + item.max_tokens) // 32)
+                                                      for item in talks.items if item.question == 2)
+
+
+def test_a_run_sends_first_turns_and_its_later_turns_rebuild_from_the_answers(talks, tokenizer):
+    from harness.eviction.settings import request_settings
+
+    firsts = workloads.sample_requests(talks, "paged context chained", 0.5)
+    assert [request.prompt for request in firsts] == [item.prompt for item in talks.items if item.question == 0]
+    answers = [[100 + i, 200 + i] for i in range(len(talks.items))]
+    sent = workloads.turn_items(talks, tokenizer, answers)
+    follow = workloads.next_request(talks, tokenizer, "paged context chained", 0.5)
+    for c in range(2):
+        turns = sent[3 * c:3 * c + 3]
+        for turn in (1, 2):
+            request = follow(c, turn, turns[turn - 1].prompt, answers[3 * c + turn - 1])
+            assert request.prompt == turns[turn].prompt
+            settings = request_settings({"kv_eviction": json.loads(request.request_overrides["vllm_xargs"]["kv_eviction"])},
+                                        None, 32)
+            assert settings.chain is True and settings.compress == "context"
+            assert settings.context_tokens == len(turns[turn - 1].prompt) + 2
+    assert workloads.turn_items(talks, tokenizer, answers)[0] is talks.items[0]
+
+
+def test_a_chain_is_refused_where_it_cannot_follow_the_answers(talks, built):
+    workloads.check_configurations(["full", "paged context", "paged context chained"], talks)
+    with pytest.raises(ValueError, match="a chain continues a conversation"):
+        workloads.check_configurations(["full", "paged context chained"], built["shared_context"])
+    from dataclasses import replace
+
+    stopped = replace(talks, items=[replace(item, stop=("\n",)) for item in talks.items])
+    with pytest.raises(ValueError, match="stop strings"):
+        workloads.check_configurations(["full", "paged context chained"], stopped)
+
+
+def test_a_model_without_a_chat_template_gets_one_line_for_conversations(tokenizer):
+    from copy import copy
+
+    plain = copy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        workloads.build("multi_turn", plain, conversations=2, turns=2)
+
+
+def test_the_streamed_answer_is_read_back_from_the_bytes_vllms_request_function_saw():
+    """``bench_client._KeptStream``: the token ids of every chunk and the final usage's cached
+    tokens, from SSE bytes split anywhere (a chunk boundary inside a message)."""
+    from harness.engine.bench_client import _KeptStream
+
+    messages = [{"choices": [{"text": "The", "token_ids": [504]}]}, {"choices": [{"text": " code", "token_ids": [2012, 5]}]},
+                {"choices": [], "usage": {"prompt_tokens": 90, "completion_tokens": 3,
+                                          "prompt_tokens_details": {"cached_tokens": 64}}}]
+    stream = "".join(f"data: {json.dumps(m)}\n\n" for m in messages) + ": ping\n\ndata: [DONE]\n\n"
+    kept = _KeptStream(None)
+    raw = stream.encode()
+    kept.chunks = [raw[:17], raw[17:60], raw[60:]]
+    assert kept.answer() == ([504, 2012, 5], 64)
