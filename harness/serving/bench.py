@@ -185,9 +185,12 @@ def run_row(entry: dict, saved: dict, samples: list, items: list, state: dict | 
         later = [r for r in requests if r["question"] > 0 and r["cached_tokens"] is not None and not r["error"]]
         ledger = (state or {}).get("ledger") or {}
         contexts = ledger.get("shared_contexts") or {}
+        # a chain's first turns count as misses in the ledger (nothing before them to take): the
+        # hits are read against the later turns served
         row.update(later_turn_computed=mean_of([r["prompt_tokens"] - r["cached_tokens"] for r in later]),
                    kv_blocks_mean=ledger.get("kv_blocks_used_mean"), kv_blocks_peak=ledger.get("kv_blocks_used_peak"),
-                   chain_hits=contexts.get("chain_hits", 0), chain_misses=contexts.get("chain_misses", 0))
+                   later_turns=sum(r["question"] > 0 and not r["error"] for r in requests),
+                   chain_hits=contexts.get("chain_hits", 0))
     return row, requests
 
 

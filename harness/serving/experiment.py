@@ -210,7 +210,7 @@ def summarize(out: Path) -> str:
         items = sent_items(workload, tokenizer, saved)
         sent = [(length, len(item.prompt)) for length, item, error in zip(saved["input_lens"], items, saved["errors"])
                 if not (error or "").startswith("not sent")]  # a failed conversation's unsent turns
-        if any(length != len(prompt) for length, prompt in sent) or len(saved["input_lens"]) != len(items):
+        if any(length != prompt for length, prompt in sent) or len(saved["input_lens"]) != len(items):
             raise ValueError(f"{name}.json: its prompts are not the workload rebuilt from settings.json")
         # a sweep saved before the ledger was read (no .ledger.json) keeps its summaries as they were
         ledger = Path(f"{name}.ledger.json")

@@ -74,8 +74,9 @@ class Server:
                         "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                         "--max-num-batched-tokens", str(max_num_batched_tokens), "--enforce-eager",
                         "--enable-prefix-caching", "--scheduler-cls", SCHEDULER,
-                        # each response's cached prompt tokens (usage.prompt_tokens_details,
-                        # vllm/entrypoints/openai/completion/serving.py:453-456; the flag: launchers/cli_args.py:148): a conversation's turns
+                        # each response's cached prompt tokens, which a conversation's turns report
+                        # (usage.prompt_tokens_details: vllm/entrypoints/openai/completion/serving.py:453-456;
+                        # the flag: vllm/entrypoints/launchers/cli_args.py:148)
                         "--enable-prompt-tokens-details",
                         "--kv-cache-memory-bytes", str(pool_bytes), *extra]
         self.process: subprocess.Popen | None = None

@@ -432,8 +432,9 @@ def conversation_section(rows: list[dict], unit: str) -> list[str]:
              "`usage.prompt_tokens_details`), the KV blocks in use over the run's engine steps (the eviction "
              "scheduler's ledger: a block the prefix cache holds for no running request is free), each as a ratio to "
              "full cache's and, for a chained configuration, to its recompressing twin's in the same trial and rate "
-             "(below 1: fewer); hits: later turns that took the turn before's compressed cache, of those that asked "
-             "(a miss recompresses the pristine history: its entry was reclaimed under pool pressure).", "",
+             "(below 1: fewer); chain hits: later turns that took the turn before's compressed cache, of the later "
+             "turns served (a miss recompresses the pristine history: its entry was reclaimed under pool "
+             "pressure).", "",
              f"| rate ({unit}) | configuration | computed tokens per later turn | vs full | vs twin | KV blocks mean | "
              "vs full | vs twin | chain hits |", "|---|---|---|---|---|---|---|---|---|"]
 
@@ -449,7 +450,7 @@ def conversation_section(rows: list[dict], unit: str) -> list[str]:
                 continue
             twin = name[:-len(CHAINED)] if name.endswith(CHAINED) else None
             computed = [r["later_turn_computed"] for r in mine if r["later_turn_computed"] is not None]
-            hits, asked = sum(r["chain_hits"] for r in mine), sum(r["chain_hits"] + r["chain_misses"] for r in mine)
+            hits, asked = sum(r["chain_hits"] for r in mine), sum(r["later_turns"] for r in mine)
             lines.append(f"| {rate:g} | {name} | {number(statistics.fmean(computed) if computed else None, 0)} | "
                          f"{'-' if name == 'full' else ratio(mine, 'full', 'later_turn_computed')} | "
                          f"{ratio(mine, twin, 'later_turn_computed') if twin else '-'} | "

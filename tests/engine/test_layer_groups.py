@@ -35,6 +35,10 @@ KNORM_PYRAMID = {"policy": "knorm", "budget": 128, "budget_schedule": "pyramid"}
 # PyramidKV proper (SnapKV with the pyramid), and H2O counting every query in every group
 PYRAMID = [PAGED_PYRAMID, KNORM_PYRAMID, {"policy": "snapkv", "budget": 128, "budget_schedule": "pyramid"},
            {"policy": "h2o", "budget": 128, "budget_schedule": "pyramid"}]
+# The Hugging Face reference checks the plumbing, not each score: one policy per path through it
+# (attention-free PagedEviction, SnapKV's query capture per group, H2O's totals per group); KNorm
+# takes PagedEviction's path and is checked against the plain reference with the rest (CI time)
+PYRAMID_PLUMBING = [settings for settings in PYRAMID if settings is not KNORM_PYRAMID]
 ATTENTION = [{"policy": "paged", "budget": 128, "budget_schedule": "attention"},
              {"policy": "snapkv", "budget": 128, "budget_schedule": "attention"}]
 
@@ -119,7 +123,7 @@ def test_the_pyramid_equals_the_plain_reference_evicting_each_group_by_its_own_b
     assert_mostly_equal(part(runs[GROUPS], index, len(prompts))["outputs"], expected)
 
 
-@pytest.mark.parametrize("settings", PYRAMID, ids=[settings["policy"] for settings in PYRAMID])
+@pytest.mark.parametrize("settings", PYRAMID_PLUMBING, ids=[settings["policy"] for settings in PYRAMID_PLUMBING])
 def test_the_pyramid_equals_the_hugging_face_reference_evicting_each_group_by_its_own_budget(runs, prompts, settings):
     """The plumbing's oracle: the Hugging Face reference with the harness's own evictor and the
     engine's group policies, each group's layers holding their own tokens under their own causal

@@ -140,17 +140,18 @@ def metric(client, name: str) -> float:
 
 
 def test_64_concurrent_requests_through_the_server(server):
-    """An OpenAI client sends 64 requests of mixed lengths at once: all complete, each equals the
+    """An OpenAI client sends 64 requests of mixed lengths at once: all complete, every fourth (16,
+    of every length the draw made; sent one at a time they are most of the test's time) equals the
     same request sent alone, and the KV pool is empty afterwards (no block leaked)."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompts = text_prompts("tiny", mixed_lengths(64, 40, 1500, seed=10), seed=10)
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda p: served_with_logprobs(server, p, 32), prompts))
-    alone = [served_with_logprobs(server, p, 32) for p in prompts]
+    alone = [served_with_logprobs(server, p, 32) for p in prompts[::4]]
     assert all(len(ids) == 32 for ids, _ in together)
     as_run = lambda results: {"outputs": [r[0] for r in results], "top_logprobs": [r[1] for r in results]}  # noqa: E731
-    assert_same_outputs(as_run(alone), as_run(together))
+    assert_same_outputs(as_run(alone), as_run(together[::4]))
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:kv_cache_usage_perc") == 0.0, "every block is back in the pool"
 

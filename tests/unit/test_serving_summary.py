@@ -376,11 +376,13 @@ def test_a_conversation_runs_row_counts_what_later_turns_computed_and_the_chain_
     rows = []
     for trial in (1, 2, 3):
         for name, (cached, blocks) in figures.items():
-            saved, state = conversation_run(cached, blocks, *((2, 0) if name.endswith("chained") else (0, 0)))
+            # the ledger counts a chain's first turns as misses
+            saved, state = conversation_run(cached, blocks, *((2, 2) if name.endswith("chained") else (0, 0)))
             row_, requests = run_row({"configuration": name, "rate": 0.1, "trial": trial}, saved, [], items, state)
             rows.append(row_)
     assert [r["cached_tokens"] for r in requests] == [0, 130, 0, 130] and [r["score"] for r in requests] == [1, 0, 1, 1]
     assert row_["later_turn_computed"] == 20 and row_["kv_blocks_mean"] == 18.0 and row_["chain_hits"] == 2
+    assert row_["later_turns"] == 2
     text = "\n".join(conversation_section(rows, "conv/s"))
     assert text.startswith("## Conversations") and "| rate (conv/s) |" in text
     assert "| 0.1 | full | 10 | - | - | 40.0 | - | - | - |" in text
