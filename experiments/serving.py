@@ -4,7 +4,7 @@ scheduler, every configuration a per-request ``vllm_xargs`` setting (``harness.s
 workloads in ``harness.serving.workloads``; docs/serving_bench.md).
 
     flock /tmp/engine.lock .venv/bin/python experiments/serving.py --workload shared_context_long
-        [--configs "full,paged context"]  # multi_turn: "full,paged context,paged context chained" [--rates 0.05,0.1,0.2,0.4 | --fractions 0.7,1.2,2,4]
+        [--configs "full,paged context"]      (multi_turn: "full,paged context,paged context chained") [--rates 0.05,0.1,0.2,0.4 | --fractions 0.7,1.2,2,4]
         [--trials 3] [--pool-blocks 400] [--goodput "ttft:5000 tpot:250"] [--out results/serving/<workload>]
     .venv/bin/python experiments/serving.py --summary-only [--out DIR]   # the summaries again from the saved runs
     flock /tmp/engine.lock .venv/bin/python experiments/serving.py --verify [--out DIR]

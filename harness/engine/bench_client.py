@@ -71,6 +71,7 @@ def benchmark(base_url: str, model: str, tokenizer, requests: list, rate: float,
 # streamed bytes, and the figures are vLLM's ``calculate_metrics`` (serve.py:573), in the keys
 # ``benchmark()`` saves (serve.py:1280-1397).
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+NOT_SENT = "not sent: an earlier turn of its conversation failed"  # a turn's error after its conversation ended
 
 
 class _KeptStream:
@@ -134,24 +135,27 @@ class _KeptContent:
 
 
 def conversations(base_url: str, model: str, tokenizer, firsts: list, turns: int, follow, rate: float, *,
-                  goodput: dict[str, float], percentiles: tuple[float, ...], extra_body: dict,
+                  ignore_eos: bool, goodput: dict[str, float], percentiles: tuple[float, ...], extra_body: dict,
                   max_concurrency: int | None = None) -> dict:
     """Conversations of ``turns`` turns each: conversation c's first request ``firsts[c]`` (a
     ``SampleRequest``) arrives by vLLM's arrival process at ``rate`` conversations per second
     (Poisson, burstiness 1.0), and each later turn is sent when the one before it returns:
     ``follow(c, turn, prompt, answer_ids)`` gives its ``SampleRequest`` from the last prompt's ids
     and the answer's token ids. At most ``max_concurrency`` conversations at once (1: one after
-    another). A failed turn ends its conversation; the turns it did not send count as failed.
+    another). A turn goes out as soon as the one before returns (no think time between turns). A
+    failed turn (or one whose answer cannot be read back, or whose next request cannot be made) ends
+    its conversation, the others go on; the turns it did not send count as failed (``NOT_SENT``).
 
     Returns ``benchmark()``'s result keys (vLLM's own metrics over every turn; lists in conversation
     then turn order), and per turn ``output_token_ids`` and ``cached_tokens``; ``conversations``,
     ``turns`` and ``conversation_throughput`` (conversations whose every turn completed, per second)."""
-    return asyncio.run(_conversations(base_url, model, tokenizer, firsts, turns, follow, rate, goodput,
+    return asyncio.run(_conversations(base_url, model, tokenizer, firsts, turns, follow, rate, ignore_eos, goodput,
                                       percentiles, extra_body, max_concurrency))
 
 
-async def _conversations(base_url, model, tokenizer, firsts, turns, follow, rate, goodput, percentiles, extra_body,
-                         max_concurrency):
+async def _conversations(base_url, model, tokenizer, firsts, turns, follow, rate, ignore_eos, goodput, percentiles,
+                         extra_body, max_concurrency):
+    import traceback
     import contextlib
     import time
 
@@ -175,15 +179,21 @@ async def _conversations(base_url, model, tokenizer, firsts, turns, follow, rate
                 body = {**(_merge_overrides(extra_body, request.request_overrides) or {}), "return_token_ids": True}
                 output = await request_func(request_func_input=RequestFuncInput(
                     prompt=request.prompt, api_url=f"{base_url}/v1/completions", prompt_len=request.prompt_len,
-                    output_len=request.expected_output_len, model=model, model_name=model, extra_body=body),
-                    session=kept)
-                ids, cached = kept.answer()
+                    output_len=request.expected_output_len, model=model, model_name=model, extra_body=body,
+                    ignore_eos=ignore_eos), session=kept)
+                ids, cached, following = [], None, None
+                try:
+                    ids, cached = kept.answer()
+                    if output.success and turn + 1 < turns:
+                        following = follow(c, turn + 1, list(request.prompt), ids)
+                except Exception:  # this conversation's failure, counted as its turn's; the others go on
+                    output.success, output.error = False, traceback.format_exc()
                 sent[c, turn] = (request, output, ids, cached)
-                if not output.success or turn + 1 == turns:
+                if following is None:
                     return
-                request = follow(c, turn + 1, list(request.prompt), ids)
+                request = following
 
-    index = {id(request): c for c, request in enumerate(firsts)}
+    index = {id(request): c for c, request in enumerate(firsts)}  # get_request yields the objects it was given
     started = time.perf_counter()
     tasks = []
     async for request, _ in get_request(firsts, rate, 1.0):
@@ -194,7 +204,7 @@ async def _conversations(base_url, model, tokenizer, firsts, turns, follow, rate
         duration = time.perf_counter() - started
         await session.close()
     keys = [(c, turn) for c in range(len(firsts)) for turn in range(turns)]
-    unsent = RequestFuncOutput(success=False, error="not sent: an earlier turn of its conversation failed")
+    unsent = RequestFuncOutput(success=False, error=NOT_SENT)
     outputs = [sent[key][1] if key in sent else unsent for key in keys]
     metrics, output_lens = calculate_metrics(input_requests=[sent[key][0] for key in keys if key in sent],
                                              outputs=outputs, dur_s=duration, tokenizer=tokenizer,

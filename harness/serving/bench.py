@@ -23,13 +23,15 @@ arrival times (one seed per trial and rate), so its ratio to full cache compares
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from harness.engine.bench_client import NOT_SENT
 from harness.serving.server import GaugeSampler, Server, gauge_summary
-from harness.serving.workloads import Workload, next_request, sample_requests, score, turn_items
+from harness.serving.workloads import Workload, next_request, rate_unit, sample_requests, score, turn_items
 
 # Stated before any run: a request is good when its first token comes within TTFT and its
 # later tokens at TPOT or faster (ms; vLLM's --goodput format)
@@ -75,7 +77,7 @@ class Bench:
             if self.workload.turns > 1:  # a conversation's later turns are sent as the earlier ones return
                 result = conversations(self.server.base_url, self.model, self.tokenizer, requests, self.workload.turns,
                                        next_request(self.workload, self.tokenizer, configuration, self.ratio), rate,
-                                       goodput=self.goodput, percentiles=PERCENTILES, extra_body={"temperature": 0.0},
+                                       ignore_eos=self.workload.ignore_eos, goodput=self.goodput, percentiles=PERCENTILES, extra_body={"temperature": 0.0},
                                        max_concurrency=max_concurrency)
             else:
                 result = benchmark(self.server.base_url, self.model, self.tokenizer, requests, rate,
@@ -128,11 +130,6 @@ def arrival_throughput(saved: dict) -> float:
     return saved.get("conversation_throughput", saved["request_throughput"])
 
 
-def rate_unit(turns: int) -> str:
-    """What a rate counts: requests, or conversations (a conversation's later turns follow its answers)."""
-    return "conv/s" if turns > 1 else "req/s"
-
-
 def write_run(out: Path, name: str, saved: dict, samples: list, state: dict | None = None) -> None:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
@@ -182,16 +179,32 @@ def run_row(entry: dict, saved: dict, samples: list, items: list, state: dict | 
     if "cached_tokens" in saved:  # conversations: what each turn found cached, and the history it held
         for request, cached in zip(requests, saved["cached_tokens"]):
             request["cached_tokens"] = cached
+            if (request["error"] or "").startswith(NOT_SENT):
+                request["prompt_tokens"] = None  # never made: its conversation ended before it
         later = [r for r in requests if r["question"] > 0 and r["cached_tokens"] is not None and not r["error"]]
         ledger = (state or {}).get("ledger") or {}
-        contexts = ledger.get("shared_contexts") or {}
-        # a chain's first turns count as misses in the ledger (nothing before them to take): the
-        # hits are read against the later turns served
         row.update(later_turn_computed=mean_of([r["prompt_tokens"] - r["cached_tokens"] for r in later]),
                    kv_blocks_mean=ledger.get("kv_blocks_used_mean"), kv_blocks_peak=ledger.get("kv_blocks_used_peak"),
-                   later_turns=sum(r["question"] > 0 and not r["error"] for r in requests),
-                   chain_hits=contexts.get("chain_hits", 0))
+                   later_turns=len(later), chain_hits=chain_hits(requests, saved))
     return row, requests
+
+
+def chain_hits(requests: list[dict], saved: dict) -> int:
+    """Later turns that took the turn before's compressed cache, counted per turn from what the
+    server answered: vLLM reports a request's cached tokens at its first scheduling
+    (vllm/v1/core/sched/scheduler.py:1075-1081), and a chained turn that takes its entry reports the
+    entry's logical length, the turn before's prompt and all but its last output token
+    (harness/engine/shared_contexts.py). (The ledger's ``chain_hits`` counts a turn preempted and
+    taking its entry again twice.) A miss that recompresses the pristine history reports the whole
+    blocks the prefix cache held of it instead, which can equal that length only where it ends on a
+    block boundary."""
+    hits = 0
+    for t, request in enumerate(requests):
+        if request["question"] == 0 or request["error"] or request["cached_tokens"] is None:
+            continue
+        before = requests[t - 1]
+        hits += request["cached_tokens"] == before["prompt_tokens"] + len(saved["output_token_ids"][t - 1]) - 1
+    return hits
 
 
 
@@ -245,7 +258,7 @@ def served_alone(bench: Bench, configurations: list[str], requests: list[dict], 
 
     top = max(r["rate"] for r in requests)
     turns = bench.workload.turns  # conversations are replayed whole, one after another
-    sample = bench.workload.items[:-(-ALONE // turns) * turns]
+    sample = bench.workload.items[:math.ceil(ALONE / turns) * turns]
     alone = replace(bench, workload=replace(bench.workload, items=sample))
     checked = []
     for configuration in configurations:

@@ -178,7 +178,7 @@ def write_summaries(out: Path, settings: dict, rows: list[dict], requests: list[
     with open(out / "requests.jsonl", "w") as handle:
         for row in requests:
             handle.write(json.dumps(row) + "\n")
-    from harness.serving.bench import rate_unit
+    from harness.serving.workloads import rate_unit
 
     text = summary.markdown(table, accuracy, settings, alone, summary.time_split(rows), rows)
     (out / "summary.md").write_text(text)
@@ -192,6 +192,7 @@ def summarize(out: Path) -> str:
     settings to score each request's saved text. Returns ``summary.md``'s text."""
     from transformers import AutoTokenizer
 
+    from harness.engine.bench_client import NOT_SENT
     from harness.serving.bench import plan, run_name, run_row, sent_items
     out = Path(out)
     if not (out / "settings.json").is_file():
@@ -209,7 +210,7 @@ def summarize(out: Path) -> str:
         saved = json.loads(Path(f"{name}.json").read_text())
         items = sent_items(workload, tokenizer, saved)
         sent = [(length, len(item.prompt)) for length, item, error in zip(saved["input_lens"], items, saved["errors"])
-                if not (error or "").startswith("not sent")]  # a failed conversation's unsent turns
+                if not (error or "").startswith(NOT_SENT)]  # a failed conversation's unsent turns
         if any(length != prompt for length, prompt in sent) or len(saved["input_lens"]) != len(items):
             raise ValueError(f"{name}.json: its prompts are not the workload rebuilt from settings.json")
         # a sweep saved before the ledger was read (no .ledger.json) keeps its summaries as they were

@@ -321,7 +321,7 @@ def ratio_text(line: dict, key: str) -> str:
 
 def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: list[dict] | None = None,
              split: list[dict] | None = None, rows: list[dict] | None = None) -> str:
-    from harness.serving.bench import rate_unit
+    from harness.serving.workloads import rate_unit
 
     contexts = settings.get("contexts")
     turns = settings.get("turns", 1)
@@ -405,7 +405,10 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
                   f"The first {len({(a['context'], a['question']) for a in alone})} requests of the workload, per "
                   "configuration, sent again one at a time after the sweep (vLLM's `max_concurrency` 1, prefix cache "
                   f"emptied), their texts against the same requests' in trial 1 at {alone[0]['rate']:g} {unit} "
-                  "(`alone.json`; texts only: a difference is not checked for a near tie).", ""]
+                  "(`alone.json`; texts only: a difference is not checked for a near tie)."
+                  + ("" if turns == 1 else " Conversations are replayed whole, one turn after another, each later "
+                     "turn made from the answers it got alone: after a turn that parts, the later turns are no "
+                     "longer the same requests.") + "", ""]
         for name in dict.fromkeys(a["configuration"] for a in alone):
             mine = [a for a in alone if a["configuration"] == name]
             parted = [f"{a['context']}/{a['question']} at character {a['parted_at_char']}" for a in mine if not a["equal"]]
@@ -414,15 +417,14 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
     return "\n".join(lines) + "\n"
 
 
-CHAINED = " chained"
-
-
 def conversation_section(rows: list[dict], unit: str) -> list[str]:
     """Conversations (runs whose rows carry the ledger's blocks, ``bench.run_row``): per rate and
     configuration, the prompt tokens a later turn computed (not found cached) and the KV blocks in
     use over the run's steps, each beside full cache's and a chained configuration's also beside its
     recompressing twin's (ratios of the same trial and rate, geometric mean and 95% t-interval over
-    trials), and the chain's hits of the later turns it asked."""
+    trials), and the chain's hits of the later turns served (``bench.chain_hits``)."""
+    from harness.serving.workloads import twin_of
+
     rows = [r for r in rows if r.get("kv_blocks_mean") is not None]
     if not rows:
         return []
@@ -448,7 +450,7 @@ def conversation_section(rows: list[dict], unit: str) -> list[str]:
             mine = [r for r in rows if r["configuration"] == name and r["rate"] == rate]
             if not mine:
                 continue
-            twin = name[:-len(CHAINED)] if name.endswith(CHAINED) else None
+            twin = twin_of(name) if name != "full" else None
             computed = [r["later_turn_computed"] for r in mine if r["later_turn_computed"] is not None]
             hits, asked = sum(r["chain_hits"] for r in mine), sum(r["later_turns"] for r in mine)
             lines.append(f"| {rate:g} | {name} | {number(statistics.fmean(computed) if computed else None, 0)} | "

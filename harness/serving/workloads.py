@@ -394,15 +394,37 @@ def parse_configuration(name: str) -> tuple[str | None, str]:
     return policy, mode
 
 
+def rate_unit(turns: int) -> str:
+    """What a rate counts: requests, or conversations (a conversation's later turns follow its answers)."""
+    return "conv/s" if turns > 1 else "req/s"
+
+
+def twin_of(name: str) -> str | None:
+    """A chained configuration's recompressing twin (``paged context chained`` -> ``paged context``)."""
+    policy, mode = parse_configuration(name)
+    return f"{policy} context" if mode == "context chained" else None
+
+
 def check_configurations(names: list[str], workload: Workload | None = None) -> None:
     """One clear line for a configuration the server would refuse anyway, or one ``workload`` cannot
     run (before any server starts)."""
-    from policies import REGISTRY
+    from policies import REGISTRY, make_policy
 
     for name in names:
         policy, mode = parse_configuration(name)
         if policy is not None and policy not in REGISTRY:
             raise ValueError(f"configuration {name!r}: no policy {policy!r}; the policies are: {', '.join(REGISTRY)}")
+        if workload is not None and workload.turns > 1 and policy is not None and REGISTRY[policy].reconstructs:
+            raise ValueError(f"configuration {name!r}: {policy} reconstructs from ids each request brings, and a "
+                             "conversation's later turns have none")
+        if mode == "context chained":
+            probe = make_policy(policy, 1024, 32)  # at its default options, as a configuration sends it
+            if probe.query_window or probe.accumulates:  # what chain=true admits (admission.check_chain_policy)
+                raise ValueError(f"configuration {name!r}: a chain carries kept keys and values, not the queries or "
+                                 f"running totals {policy} scores by")
+            if twin_of(name) not in names:
+                raise ValueError(f"configuration {name!r}: list its recompressing twin {twin_of(name)!r} too (the "
+                                 "summary sets each chain beside it)")
         if mode == "context chained" and workload is not None:
             if workload.turns < 2:
                 raise ValueError(f"configuration {name!r}: a chain continues a conversation; {workload.name} has none")

@@ -372,22 +372,24 @@ def test_a_conversation_runs_row_counts_what_later_turns_computed_and_the_chain_
 
     items = [Item(f"codes-{c}", t, "key_retrieval", [1] * (100 + 50 * t), 10, 16, (("12345",) if c == 0 else ("54321",)))
              for c in range(2) for t in range(2)]
-    figures = {"full": ([140, 140], 40.0), "paged context": ([96, 96], 20.0), "paged context chained": ([130, 130], 18.0)}
+    # a chained turn that takes its entry reports the turn before's prompt and all but its last
+    # output token as cached (100 + 1 - 1); one of the chain's two later turns misses (block-aligned 96)
+    figures = {"full": ([140, 140], 40.0), "paged context": ([96, 96], 20.0), "paged context chained": ([100, 96], 18.0)}
     rows = []
     for trial in (1, 2, 3):
         for name, (cached, blocks) in figures.items():
-            # the ledger counts a chain's first turns as misses
-            saved, state = conversation_run(cached, blocks, *((2, 2) if name.endswith("chained") else (0, 0)))
+            # the ledger's own count (which a preempted turn taking its entry again counts twice) is not read
+            saved, state = conversation_run(cached, blocks, *((5, 2) if name.endswith("chained") else (0, 0)))
             row_, requests = run_row({"configuration": name, "rate": 0.1, "trial": trial}, saved, [], items, state)
             rows.append(row_)
-    assert [r["cached_tokens"] for r in requests] == [0, 130, 0, 130] and [r["score"] for r in requests] == [1, 0, 1, 1]
-    assert row_["later_turn_computed"] == 20 and row_["kv_blocks_mean"] == 18.0 and row_["chain_hits"] == 2
+    assert [r["cached_tokens"] for r in requests] == [0, 100, 0, 96] and [r["score"] for r in requests] == [1, 0, 1, 1]
+    assert row_["later_turn_computed"] == 52 and row_["kv_blocks_mean"] == 18.0 and row_["chain_hits"] == 1
     assert row_["later_turns"] == 2
     text = "\n".join(conversation_section(rows, "conv/s"))
     assert text.startswith("## Conversations") and "| rate (conv/s) |" in text
     assert "| 0.1 | full | 10 | - | - | 40.0 | - | - | - |" in text
     assert "| 0.1 | paged context | 54 | 5.40x (5.40-5.40) | - | 20.0 | 0.50x (0.50-0.50) | - | - |" in text
-    assert ("| 0.1 | paged context chained | 20 | 2.00x (2.00-2.00) | 0.37x (0.37-0.37) | 18.0 | 0.45x (0.45-0.45) | "
-            "0.90x (0.90-0.90) | 6/6 |") in text
+    assert ("| 0.1 | paged context chained | 52 | 5.20x (5.20-5.20) | 0.96x (0.96-0.96) | 18.0 | 0.45x (0.45-0.45) | "
+            "0.90x (0.90-0.90) | 3/6 |") in text
     # a single-turn sweep's rows carry no blocks: no section, so its summary is what it was
     assert conversation_section([row("full", 0.5, 1, 10.0)], "req/s") == []

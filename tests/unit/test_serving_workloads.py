@@ -213,14 +213,26 @@ def test_a_run_sends_first_turns_and_its_later_turns_rebuild_from_the_answers(ta
 
 
 def test_a_chain_is_refused_where_it_cannot_follow_the_answers(talks, built):
-    workloads.check_configurations(["full", "paged context", "paged context chained"], talks)
+    """Before any server starts: a chain needs a conversation, answers not cut by stop strings, a
+    policy scoring by kept keys and values (the frontend refuses the others' chains) and its
+    recompressing twin beside it; no policy that reconstructs runs conversations (later turns bring
+    no reconstruction ids)."""
+    chained = ["full", "paged context", "paged context chained"]
+    workloads.check_configurations(chained, talks)
     with pytest.raises(ValueError, match="a chain continues a conversation"):
-        workloads.check_configurations(["full", "paged context chained"], built["shared_context"])
+        workloads.check_configurations(chained, built["shared_context"])
     from dataclasses import replace
 
     stopped = replace(talks, items=[replace(item, stop=("\n",)) for item in talks.items])
     with pytest.raises(ValueError, match="stop strings"):
-        workloads.check_configurations(["full", "paged context chained"], stopped)
+        workloads.check_configurations(chained, stopped)
+    with pytest.raises(ValueError, match="not the queries or running totals snapkv"):
+        workloads.check_configurations(["full", "snapkv context", "snapkv context chained"], talks)
+    with pytest.raises(ValueError, match="list its recompressing twin 'paged context'"):
+        workloads.check_configurations(["full", "paged context chained"], talks)
+    with pytest.raises(ValueError, match="later turns have none"):
+        workloads.check_configurations(["full", "kvzip context"], talks)
+    workloads.check_configurations(["full", "kvzip context"], built["shared_context"])
 
 
 def test_a_model_without_a_chat_template_gets_one_line_for_conversations(tokenizer):
