@@ -83,7 +83,8 @@ class Step:
 def accuracy(study: Study) -> Step:
     """A sweep and its summary, and its views' summaries (further summaries of the same cells: a
     subfolder and the aggregate's options, e.g. the table without a task); ``beside``: other
-    studies' folders whose cells the summaries show next to this one's (a cell both have counts once)."""
+    studies' folders whose cells the summaries show next to this one's (a cell both have counts once);
+    ``across``: the study it repeats on another model, the two set side by side last."""
     folder = f"results/{study.folder}"
     roots = (folder, *study.beside)
     return Step(study.folder, study.folder, (
@@ -91,6 +92,8 @@ def accuracy(study: Study) -> Step:
         (PYTHON, "-m", "harness.analysis.aggregate", *roots, "--out", folder),
         *((PYTHON, "-m", "harness.analysis.aggregate", *roots, "--out", f"results/{view.folder}", *view.view_options)
           for view in views_of(study)),
+        *(((PYTHON, "-m", "harness.analysis.cross_model", f"results/{study.across}", folder,
+            "--out", f"{folder}/across_models"),) if study.across else ()),
     ), study.minutes, study.measured)
 
 

@@ -44,6 +44,9 @@ class Study:
     # set in this record, before a study (re)runs. The committed results predate it: for them the
     # margin was set after their numbers were seen, which FINDINGS says.
     margin: float = 5.0
+    # The study whose cells and samples this one repeats on another model (issue 66): its summary
+    # and this one's side by side (``harness.analysis.cross_model``) in ``<folder>/across_models``.
+    across: str | None = None
 
     @property
     def throughput(self) -> bool:
@@ -135,9 +138,10 @@ STUDIES: tuple[Study, ...] = (
     # The second model (issue 66): the suite and RULER compressed before the question on Gemma 3 270M,
     # the SmolLM2 studies' cells (minutes: planned, from one cell of each timed beside SmolLM2's)
     Study("cpu_accuracy_gemma3", "The policies on the embedded suite, on Gemma 3 270M", "paged",
-          experiment="gemma3_cpu_accuracy", minutes=GEMMA3_SUITE_MINUTES),
+          experiment="gemma3_cpu_accuracy", minutes=GEMMA3_SUITE_MINUTES, across="cpu_accuracy"),
     Study("ruler_context_gemma3", "RULER compressed before the question is seen, on Gemma 3 270M",
-          "paged[compress=context]", experiment="gemma3_ruler_context", minutes=GEMMA3_RULER_MINUTES),
+          "paged[compress=context]", experiment="gemma3_ruler_context", minutes=GEMMA3_RULER_MINUTES,
+          across="ruler_context"),
     throughput("quick"),
     throughput("cpu", 42.4, measured=True),
     throughput("cpu_tight"),

@@ -24,6 +24,19 @@ def test_every_step_runs_something_that_exists():
                 assert command[command.index("experiments/throughput.py") + 1] in throughput.SETTINGS | throughput.PREFILL_SETTINGS, step.name
 
 
+def test_a_study_on_a_second_model_ends_beside_the_one_it_repeats():
+    """The Gemma studies repeat SmolLM2's cells: their step's last command sets the two side by side
+    (harness.analysis.cross_model) in a folder under the study's own, where the plan keeps it."""
+    steps = {step.name: step for step in regenerate.STEPS}
+    for name, repeats in (("cpu_accuracy_gemma3", "cpu_accuracy"), ("ruler_context_gemma3", "ruler_context")):
+        *_, last = steps[name].commands
+        assert last[1:] == ("-m", "harness.analysis.cross_model", f"results/{repeats}", f"results/{name}",
+                            "--out", f"results/{name}/across_models")
+        assert repeats in steps
+    assert not any("cross_model" in " ".join(command) for step in regenerate.STEPS if "gemma3" not in step.name
+                   for command in step.commands)
+
+
 def test_trials_interleave_every_configuration():
     setting = throughput.with_trials(throughput.SETTINGS["attention"], 3)
     first = [cell for cell in setting.cells if cell.trial == 1]
