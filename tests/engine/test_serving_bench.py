@@ -97,7 +97,7 @@ def test_conversations_follow_their_answers_and_the_chain_takes_each_turn_before
     configurations = ["full", "paged context", "paged context chained"]
     options = Options(workload="multi_turn", configurations=configurations, out=tmp_path, command="test", model="tiny",
                       rates=[4.0], trials=1, goodput="ttft:5000 tpot:500",
-                      workload_options={"conversations": 2, "turns": 3, "max_prompt_tokens": 1000})
+                      workload_options={"conversations": 2, "turns": 3, "max_prompt_tokens": 2500})
     text = run(options, server=server)
     runs = {name: json.loads((tmp_path / "runs" / f"trial1-rate4-{name.replace(' ', '_')}.json").read_text())
             for name in configurations}
@@ -123,9 +123,11 @@ def test_conversations_follow_their_answers_and_the_chain_takes_each_turn_before
     assert "conv/s" in text
     rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert len(rows) == 18 and all(row["error"] is None and row["cached_tokens"] is not None for row in rows)
-    # the first conversation sent again alone, whole, per configuration
+    # whole conversations sent again alone, one turn after another, per configuration: the first
+    # ALONE = 4 requests' conversations (two of three turns)
     alone = json.loads((tmp_path / "alone.json").read_text())
-    assert [(a["configuration"], a["question"]) for a in alone] == [(n, t) for n in configurations for t in range(3)]
+    assert [(a["configuration"], a["question"]) for a in alone] == [(n, t) for n in configurations for _ in range(2)
+                                                                    for t in range(3)]
     assert summarize(tmp_path) == text
 
 
