@@ -155,6 +155,7 @@ def conversations(base_url: str, model: str, tokenizer, firsts: list, turns: int
 
 async def _conversations(base_url, model, tokenizer, firsts, turns, follow, rate, ignore_eos, goodput, percentiles,
                          extra_body, max_concurrency):
+    import dataclasses
     import traceback
     import contextlib
     import time
@@ -187,7 +188,7 @@ async def _conversations(base_url, model, tokenizer, firsts, turns, follow, rate
                     if output.success and turn + 1 < turns:
                         following = follow(c, turn + 1, list(request.prompt), ids)
                 except Exception:  # this conversation's failure, counted as its turn's; the others go on
-                    output.success, output.error = False, traceback.format_exc()
+                    output = dataclasses.replace(output, success=False, error=traceback.format_exc())
                 sent[c, turn] = (request, output, ids, cached)
                 if following is None:
                     return
