@@ -157,6 +157,7 @@ def accuracy_section(study: Study, root: Path) -> list[str]:
                   + (f"-{int(samples.max())}" if samples.max() != samples.min() else "")
                   + f" samples per task, {len(runs)} cells; ran at: "
                   + commits_text([run_version(r, root) for r in runs["run_dir"]]) + ". " + silence_line(group, root), ""]
+        parts += kvzip_note(runs["variant"])
         full = runs[runs["variant"] == "full"]
         for quantity in QUANTITIES:
             average = quantity.average_column
@@ -193,6 +194,17 @@ def accuracy_section(study: Study, root: Path) -> list[str]:
                 parts += [f"Of these, against the other variants compressing the context alone: {scope[0]} of "
                           f"{scope[1]} decided (`{study.focus}` better in {scope[2]}).", ""]
     return parts
+
+
+# KVzip's numbers are those of one allocation (issue 65): the engine keeps an equal count per (layer,
+# KV head), the authors' `pair-uniform` level, not KVzip's default single threshold over layers and heads
+KVZIP_NAMED = ("`kvzip` is KVzip (pair-uniform): an equal count kept per layer and KV head, the authors' "
+               "`pair-uniform` level, not KVzip's default single threshold over layers and heads "
+               "(docs/policies.md, docs/design_kvzip.md).")
+
+
+def kvzip_note(variants) -> list[str]:
+    return [KVZIP_NAMED, ""] if any(str(v).startswith("kvzip") for v in variants) else []
 
 
 def silence_line(group: pd.DataFrame, root: Path) -> str:
@@ -255,7 +267,7 @@ def throughput_section(setting: str, root: Path) -> list[str]:
             word = "no verdict"
         parts.append(f"| {base} | {len(ratios)} | {ratio} | {word} | "
                      + " | ".join(percent(cells, c) for _, c in shares) + " |")
-    return parts + [""]
+    return parts + [""] + kvzip_note(frame["base"])
 
 
 def percent(cells: pd.DataFrame, column: str) -> str:
@@ -339,6 +351,7 @@ def serving_sections(root: Path) -> list[str]:
         parts += [f"### `{path.parent.name}`", "",
                   f"From [{path.relative_to(root).as_posix()}]({path.relative_to(root / 'results').as_posix()}). "
                   + command, "", verdict.strip(), ""]
+        parts += kvzip_note(["kvzip"] if "kvzip" in verdict else [])
         record = path.parent / "verified.json"
         if record.exists():  # experiments/serving.py --verify (harness.serving.experiment.verify)
             record = read_json(record)

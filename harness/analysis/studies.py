@@ -109,7 +109,9 @@ GEMMA3_CPU_MINUTES = 105
 # (6 per length), prompt-only compression (conf/experiment/ruler_ratios.yaml). Throughput:
 # interleaved trials of every configuration. Outside the plan (no minutes): ``quick`` (a subset of
 # ``cpu``) and ``cpu_tight`` (``cpu`` on a smaller pool), runnable but not remade; also the proxy
-# study, the eviction-cost benchmark and the shared-context workload, which record no provenance yet.
+# study and the eviction-cost benchmark, which record no provenance yet, and the shared-context and
+# multi-turn studies (experiments/shared_context.py, multi_turn.py), which record theirs
+# (provenance.json, settings.json) but are remade by their own scripts.
 STUDIES: tuple[Study, ...] = (
     Study("cpu_accuracy", "The policies on the embedded suite", "paged", experiment="cpu_accuracy",
           minutes=68.3, measured=True),
@@ -167,6 +169,10 @@ STUDIES: tuple[Study, ...] = (
     Study("serving/shared_context_long", command="python experiments/serving.py", minutes=48, measured=True),
     Study("serving/shared_context_long_kvzip", command="python experiments/serving.py --configs 'full,paged context,kvzip "
           "context' --rates 0.257 --trials 3 --out results/serving/shared_context_long_kvzip", minutes=27, measured=True),
+    # conversations: full cache, recompressing each turn's history, and the chain (124 min alone here,
+    # most of it the arrival spans of the two lowest rates)
+    Study("serving/multi_turn", command="python experiments/serving.py --workload multi_turn --configs "
+          "'full,paged context,paged context chained'", minutes=124, measured=True),
 )
 
 

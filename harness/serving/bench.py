@@ -19,6 +19,15 @@ A sweep: every configuration at every rate in every trial, on one server (a conf
 per-request setting). Counterbalanced: rates ascending and configurations in the listed order in odd
 trials, both reversed in even ones; within a trial and rate every configuration gets the same
 arrival times (one seed per trial and rate), so its ratio to full cache compares like with like.
+
+A conversation workload (``Workload.turns`` > 1) runs through ``bench_client.conversations``
+instead of ``benchmark()``: the same arrival process draws when each conversation's first turn goes
+out (the same times for every configuration), each later turn goes out as soon as the one before
+returns (no think time), and vLLM's ``calculate_metrics`` reports over every turn. Its
+``queue_times`` are 0 (``benchmark()`` sets ``client_queue_time`` in its own concurrency wrapper,
+serve.py:984, which a conversation, holding its slot for all its turns, does not go through); its saved
+run adds each turn's answer ids and cached prompt tokens, from which ``turn_items`` rebuilds the
+later turns' prompts for ``--summary-only`` and ``--verify``.
 """
 from __future__ import annotations
 

@@ -267,14 +267,14 @@ def split_reading(line: dict, rate_line: dict | None, accuracy_line: dict | None
     return text
 
 
-def split_section(split: list[dict], table: list[dict], accuracy: list[dict]) -> list[str]:
+def split_section(split: list[dict], table: list[dict], accuracy: list[dict], unit: str = "req/s") -> list[str]:
     """``summary.md``'s "Where a step's time goes" (empty where no run kept its ledger)."""
     if not split:
         return []
     top = split[0]["rate"]
     parts = [(key, label) for key, label in PARTS if key != "reconstruction" or any(l["reconstructs"] for l in split)]
     lines = ["## Where a step's time goes", "",
-             f"At the highest rate ({top:g} req/s), from the eviction scheduler's ledger (`GET /kv_eviction/state`, "
+             f"At the highest rate ({top:g} {unit}), from the eviction scheduler's ledger (`GET /kv_eviction/state`, "
              "reset before each run and read after it: `runs/*.ledger.json`): the worker's seconds over the steps "
              "that ran an evicting request, split into the model (its forward and sampling, less the query capture "
              "inside it), the query capture attention-aware policies read, the eviction (less the reconstruction "
@@ -345,8 +345,11 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
              + ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in settings["goodput"].items()) + ". "
              f"Compression ratio {settings['ratio']:g} of what each configuration compresses. "
              f"{settings['trials']} trial(s), rates ascending and configurations in the listed order in odd trials, "
-             "both reversed in even ones; within a trial and rate every configuration gets the same arrival times. "
-             "Ratios: the configuration's figure over full cache's in the same trial and rate, geometric mean with a "
+             "both reversed in even ones; within a trial and rate every configuration gets the same arrival times"
+             + (". " if turns == 1 else " for its conversations' first turns (a later turn goes out as soon as the "
+                "one before returns, with no time to think between them, which favours a chain's cached turns: an "
+                "entry idle between turns could be reclaimed). ")
+             + "Ratios: the configuration's figure over full cache's in the same trial and rate, geometric mean with a "
              "95% t-interval over trials (`harness.analysis.stats.ratio_interval`; one trial: no interval). KV usage: "
              "vLLM's `vllm:kv_cache_usage_perc` gauge sampled every 0.5 s beside the run (mean, peak).", ""]
     if settings.get("capacity") is not None:
@@ -355,7 +358,7 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
                   f"({settings['capacity']:.3f} {unit} with every "
                   f"{'request' if turns == 1 else 'conversation'} sent at once).", ""]
     lines += headline(table, accuracy, unit)
-    lines += split_section(split or [], table, accuracy)
+    lines += split_section(split or [], table, accuracy, unit)
     lines += conversation_section(rows or [], unit)
     lines += ["## Every rate", "", f"| rate ({unit}) | configuration | completed/failed | output tok/s | vs full | goodput (req/s) | vs full | "
               "median TTFT ms | vs full | median TPOT ms | vs full | KV usage mean/peak | accuracy |",
