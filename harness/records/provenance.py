@@ -67,6 +67,22 @@ def package_versions() -> dict[str, str]:
 LOADED = {"git_commit": git_commit(), "code_version": code_version()}
 
 
+def loaded_text() -> str:
+    """``LOADED`` in a sentence: the code that computed and wrote a summary."""
+    return f"commit {LOADED['git_commit']} (code version {LOADED['code_version']})"
+
+
+def last_commit_of(path: Path, root: Path = Path(__file__).resolve().parents[2]) -> str | None:
+    """The commit that last committed ``path`` (full hash): for a result made before runs recorded
+    their own provenance, the nearest truthful origin. None where git does not know the file."""
+    try:
+        found = subprocess.run(["git", "log", "--format=%H", "-1", "--", str(path)], capture_output=True,
+                               text=True, cwd=root, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return found or None
+
+
 def provenance(vllm_version: str | None = None) -> dict:
     return {
         **LOADED,

@@ -238,11 +238,13 @@ def digest(text: str) -> str:
 
 
 # The same inputs through today's driver (git show 028bd50:experiments/kvpress_parity.py, its main()'s
-# stage-2 and stage-4 code run as written): what prompt mode must still give, byte for byte.
+# stage-2 and stage-4 code run as written): what prompt mode must still give, byte for byte. The
+# summary's since issue 65, item 2: 590cbdf's (901754e0...) with NO_TEST as its first line, the
+# command's --summary-only note and "Each sample's outcome" for "Verdicts", nothing else changed.
 GOLDEN_BUILD_JOBS = "7ae1cd9497431dc3578fde1825e785ba952c4822b6f9389d2eb52dcdc4d14f28"
 GOLDEN_PROMPT = {
     "jobs": "eca58e38704253b9610eb406776894f91f1f87ff769952695a6a116d30a3a4b5",
-    "summary.md": "901754e0ceb7f9a96990e42c264e59e7f2dd2eba0db399edda3744e94a4eb09d",
+    "summary.md": "c31e7c62c1c3fa88caa66f58029e3a249b947e538097432fb75b8cd67a30ac7b",
     "comparison.jsonl": "61aeea7f51e3eaf933fb4cf980650768ea71c4f778375afdba099ed0c7f13b3c",
     "counts.csv": "2021c8eaa7571fa4a02d7faebcaa7cb7fcce1318aefdab4ac96fe2174c558a01",
 }
@@ -271,6 +273,67 @@ def test_prompt_mode_jobs_and_report_are_todays(tmp_path, monkeypatch):
     produced = {"jobs": digest(json.dumps(jobs)), **{name: digest((out / name).read_text())
                                                      for name in ("summary.md", "comparison.jsonl", "counts.csv")}}
     assert produced == GOLDEN_PROMPT
+    assert_counts_not_a_test((out / "summary.md").read_text())
+
+
+VERDICT_WORDS = ("better", "worse", "equivalent", "non-inferior", "inconclusive")  # harness.analysis.verdicts
+
+
+def assert_counts_not_a_test(summary: str) -> None:
+    """Issue 65, item 2: the line after the title says the table counts, runs no test and enters no
+    verdict; nowhere else does a word of harness.analysis.verdicts, or "Verdicts", appear."""
+    lines = summary.splitlines()
+    assert lines[0].startswith("# kvpress parity") and lines[1] == ""
+    assert lines[2] == parity.NO_TEST
+    for words in ("Counts, not a test", "no verdict", "no test is run", "no p-value", "no smallest attainable p",
+                  "no score is compared"):
+        assert words in lines[2], words
+    rest = "\n".join(lines[3:]).lower()
+    assert "verdict" not in rest
+    assert not [word for word in VERDICT_WORDS if f" {word} " in rest or f" {word}," in rest]
+
+
+@pytest.mark.parametrize("folder", ["kvpress_parity", "kvpress_parity_context"])
+def test_the_committed_parities_say_first_that_they_count_and_enter_no_verdict(folder):
+    assert (ROOT / "results" / folder / "summary.md").read_text().splitlines()[2] == parity.NO_TEST
+
+
+def test_summary_only_runs_no_stage_and_is_left_out_of_the_command(tmp_path, monkeypatch):
+    """--summary-only refuses every stage that would start the engine or kvpress, before it runs
+    (``refuse_stage``), and the summary names the command that runs the parity, not the re-render."""
+    args = parity.parse(["--ratios", "0.5", "--summary-only", "--to", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--summary-only runs no stage, but 2 harness cell"):
+        parity.refuse_stage(args, "2 harness cell(s) are not complete")
+    parity.refuse_stage(parity.parse(["--ratios", "0.5"]), "anything")  # a run goes on
+    for argv in (["--summary-only", "--force"], ["--to", "x"]):
+        with pytest.raises(SystemExit):
+            parity.parse(argv)
+    assert parity.run_command(["--compress", "context", "--summary-only", "--to", "/tmp/x", "--limit", "2"]) == (
+        ".venv/bin/python experiments/kvpress_parity.py --compress context --limit 2")
+    # with a harness cell missing, main stops at stage 1: no engine is started
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(parity, "ROOT", tmp_path)
+    (tmp_path / "conf").symlink_to(ROOT / "conf")
+    started = []
+    monkeypatch.setattr(parity, "run_logged", lambda command, what: started.append(what))
+    with pytest.raises(SystemExit, match="harness cell"):
+        parity.main(["--ratios", "0.5", "--lengths", "1024", "--limit", "1", "--summary-only"])
+    assert started == [] and not (tmp_path / "results" / "kvpress_parity" / "summary.md").exists()
+
+
+@pytest.mark.slow  # the RULER prompts rebuilt with the tokenizer (about 10 s per parity); no model, no kvpress
+@pytest.mark.parametrize("folder", ["kvpress_parity", "kvpress_parity_context"])
+def test_summary_only_rebuilds_the_committed_parity_byte_for_byte(folder, tmp_path, monkeypatch):
+    out = ROOT / "results" / folder
+    committed = (out / "summary.md").read_text()
+    command = next(line.strip() for line in committed.splitlines() if line.startswith("    .venv/bin/python"))
+    monkeypatch.chdir(ROOT)  # main() changes to the repository; monkeypatch changes back
+    started = []
+    monkeypatch.setattr(parity, "run_logged", lambda command, what: started.append(what))
+    assert parity.main([*command.split()[2:], "--summary-only", "--to", str(tmp_path)]) == 0
+    assert started == []
+    for name in ("counts.csv", "comparison.jsonl", "summary.md"):
+        assert (tmp_path / name).read_text() == (out / name).read_text(), name
 
 
 def test_context_mode_jobs_carry_the_boundary_and_context_keep_counts(tmp_path, monkeypatch):
@@ -316,6 +379,7 @@ def test_context_mode_jobs_carry_the_boundary_and_context_keep_counts(tmp_path, 
                   "`results/kvpress_parity_context/harness/smollm2-135m/ruler/`"):
         assert words in summary, words
     assert not (parity.PROMPT.out / "summary.md").exists()  # the committed prompt-mode parity is left alone
+    assert_counts_not_a_test(summary)
 
 
 def test_context_boundaries_are_refused_unless_every_cell_agrees(tmp_path, monkeypatch):

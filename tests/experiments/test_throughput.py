@@ -58,7 +58,7 @@ def test_overhead_is_the_median_of_back_to_back_trials():
     table = pd.DataFrame([{"policy.name": p, "trial": t, "output_tok_s": v, "pool": "unlimited"} for p, t, v in rows])
     assert overhead_lines(table) == [
         "patched engine, eviction off, vs stock vLLM: +0.00% output tok/s (median of 3 back-to-back trials; "
-        "trials range -1.00% to +1.00%; 95% interval -2.46% to +2.51%; target within 2%)"
+        "trials range -1.00% to +1.00%; 95% interval -2.46% to +2.51%; target within 2%): equivalent"
     ]
     compiled = pd.DataFrame([{"policy.name": p, "trial": t, "output_tok_s": v * 1.5, "pool": "unlimited",
                               "enforce_eager": False} for p, t, v in rows])
@@ -67,8 +67,10 @@ def test_overhead_is_the_median_of_back_to_back_trials():
     assert lines[1].startswith("compiled mode: patched engine, eviction off, vs stock vLLM: +0.00% output tok/s")
     assert lines[2].startswith("patched engine in eager mode (eviction off) vs stock vLLM at the platform's defaults "
                                "(compiled): -33.33% output tok/s (median of 3")
-    assert overhead_lines(table[table["trial"] == 1])[0].startswith(
-        "patched engine, eviction off, vs stock vLLM: +1.00% output tok/s (median of 1 back-to-back trial;")
+    assert lines[2].endswith("; 95% interval -34.97% to -31.66%): worse")
+    (one,) = overhead_lines(table[table["trial"] == 1])
+    assert one == ("patched engine, eviction off, vs stock vLLM: +1.00% output tok/s (median of 1 back-to-back trial; "
+                   "target within 2%): no verdict")
     assert Cell("full", trial=2).slug == "full__fixed-pool__trial-2"
 
 
@@ -91,12 +93,76 @@ def test_trials_give_each_policy_ratios_against_full_cache_and_paged_of_the_same
                            "tensor_parallel_size": 1, "evict_share": 0.1 * t if p == "snapkv" else None,
                            "capture_share": 0.01 if p == "snapkv" else None} for p, b, t, v in rows])
     lines = trial_lines(setting(FULL), table)
-    assert lines[0] == "paged b512 over 2 trials: 2.00x full cache (2.00-2.00)"
+    assert lines[0] == "paged b512 over 2 trials: 2.00x full cache (2.00-2.00): better"
     # snapkv: 0.75x paged in both trials although the machine ran at half speed in trial 2;
-    # shares 11% and 21%: mean 16, t(1) x sd/sqrt(2) = 12.706 x 5 = 63.5
-    assert lines[1] == ("snapkv b512 over 2 trials: 1.50x full cache (1.50-1.50); 0.75x PagedEviction (0.75-0.75); "
-                        "eviction + capture 16.00% of model step time (0.00-79.53)")
+    # shares 11% and 21%: mean 16, t(1) x sd/sqrt(2) = 12.706 x 5 = 63.5 (a share: no verdict word)
+    assert lines[1] == ("snapkv b512 over 2 trials: 1.50x full cache (1.50-1.50): better; 0.75x PagedEviction "
+                        "(0.75-0.75): worse; eviction + capture 16.00% of model step time (0.00-79.53)")
     assert len(lines) == 2
+
+
+def test_each_ratio_is_judged_at_the_margin_stated_before_the_run():
+    """Issue 65: the word after a ratio is ``ratio_verdict``'s at ``THROUGHPUT_MARGIN`` (5%: equivalent
+    inside (0.95x, 1/0.95x)), on the side the measure is worse; a ratio from one trial has no
+    interval and decides nothing."""
+    from harness.analysis.stats import Interval
+    from harness.analysis.studies import THROUGHPUT_MARGIN
+    from harness.bench.throughput import ratio_word, trials_verdict
+
+    assert THROUGHPUT_MARGIN == 0.05
+    assert ratio_word(Interval(1.2, 1.1, 1.3, 4)) == "better"  # the interval lies above 1
+    assert ratio_word(Interval(1.2, 1.1, 1.3, 4), higher_is_better=False) == "worse"  # seconds, not tok/s
+    assert ratio_word(Interval(0.9, 0.85, 0.97, 4)) == "worse"
+    assert ratio_word(Interval(1.0, 0.955, 1.05, 4)) == "equivalent"  # straddles 1, both bounds inside the margin
+    assert ratio_word(Interval(1.03, 0.96, 1.10, 4)) == "non-inferior"  # only the worse side inside
+    assert ratio_word(Interval(1.0, 0.945, 1.05, 4)) == "inconclusive"  # its worse side leaves the margin ...
+    # ... unless lower is better: then its worse side is the upper bound, inside the margin
+    assert ratio_word(Interval(1.0, 0.945, 1.05, 4), higher_is_better=False) == "non-inferior"
+    assert ratio_word(Interval(1.0, 0.9, 1.1, 4)) == "inconclusive"
+    assert trials_verdict([0.99, 1.01, 1.0, 1.0]) == "equivalent"  # (0.987, 1.013)
+    assert trials_verdict([0.8, 0.8]) == "worse" and trials_verdict([0.8, 0.8], higher_is_better=False) == "better"
+    assert trials_verdict([1.2]) == "no verdict"
+
+
+def test_a_configuration_measured_in_one_trial_gets_no_verdict():
+    from harness.bench.throughput import cell_table, headline
+
+    s = setting(FULL, PAGED, CEILING)
+    table = cell_table(s, {cell: fake_cell(s, cell, 12.0 if cell.policy == "paged" else 10.0) for cell in s.cells})
+    assert ("paged b64 / fixed pool: 12.0 tok/s = 1.20x full / fixed pool, 1.20x full / unlimited pool (one trial): "
+            "no verdict") in headline(s, table)
+
+
+@pytest.mark.parametrize("name, pattern, compared", [
+    ("cpu", r"- {} over \d+ trials: [\d.]+x full cache \([\d.-]+\): ([a-z -]+?)(?:;|$)", 9),
+    ("budget_schedules", r"- {} over \d+ trials: [\d.]+x PagedEviction \([\d.-]+\): ([a-z -]+?)(?:;|$)", 1),
+    ("reconstruction", r"- {}: [^\n]*? the prefill seconds of full cache: ([a-z -]+?)(?:;|$)", 2),
+], ids=["cpu", "budget_schedules", "reconstruction"])
+def test_a_summary_gives_each_ratio_the_word_results_md_gives_it(tmp_path, capsys, name, pattern, compared):
+    """The committed cells summarized again (no engine): each configuration's ratio to the setting's
+    baseline over its trials carries the word RESULTS.md's table gives it
+    (``harness.analysis.report.throughput_section``): one function, one margin, one interval. The
+    prefill setting's word is the other way round (fewer seconds are better)."""
+    import re
+    import shutil
+
+    from harness.analysis.report import throughput_section
+
+    folder = tmp_path / "results" / "throughput" / name
+    shutil.copytree(ROOT / "results" / "throughput" / name / "cells", folder / "cells")
+    assert experiment.main([name, "--trials", "4", "--summary-only", "--out", str(folder)]) == 0
+    capsys.readouterr()
+    summary = (folder / "summary.md").read_text()
+    rows = [[part.strip() for part in row.split("|")[1:-1]] for row in throughput_section(name, tmp_path)
+            if row.startswith("| ") and not row.startswith("| cell |")]
+    words = {}
+    for base, _, _, word, *_ in rows:
+        found = re.search(pattern.format(re.escape(base.split(" / ")[0])), summary, re.MULTILINE)
+        if found:
+            words[base] = (found.group(1), word)
+    assert len(words) == compared, words
+    assert all(ours == theirs for ours, theirs in words.values()), words
+    assert {ours for ours, _ in words.values()} <= {"better", "worse", "equivalent", "non-inferior", "inconclusive"}
 
 
 @pytest.mark.parametrize(
@@ -226,6 +292,20 @@ def test_a_summary_is_rewritten_from_the_cells_on_disk_alone(tmp_path, capsys):
     assert ("Trials: each of the 2 configurations ran in 2 trials (4 cells, an engine process each; trial k ran its "
             "configurations once each, in the table's order, after trial k - 1; each process generated the batch 3 "
             "times, medians reported).") in summary
+    # Issue 65: the design, before the table: its test, its margin, whether it can decide.
+    design = summary[summary.index("Design:"):summary.index("| cell")]
+    assert max(len(line) for line in design.splitlines()) <= 110, "wrapped to read in a terminal"
+    design = " ".join(design.split())
+    assert "95% t-interval on their logs (`harness.analysis.stats.ratio_interval`)" in design
+    assert "the drift model's own 95% interval (`harness.analysis.stats.trend_ratios`)" in design
+    assert "at a margin of 5% (`harness.analysis.studies.THROUGHPUT_MARGIN`" in design
+    assert "(better: more output tok/s, less time per output token)" in design
+    assert "- Smallest p this design can reach: no floor above 0" in design
+    assert "with 2 or more trials it can decide" in design
+    assert "one trial has no interval and gets `no verdict`" in design
+    # 1.2x in both trials, the trend fitted out: the interval lies above 1
+    assert ("paged b1024 / unlimited pool vs full / unlimited pool, the trend taken out: 1.200x output tok/s (95% "
+            "interval 1.200-1.200): better") in summary
     # The setting's own trials (one) do not match the cells of two: refused, naming the extra ones.
     with pytest.raises(ValueError, match="does not name .*trial-2"):
         summarize_setting(experiment.SETTINGS["latency"], tmp_path)
@@ -249,8 +329,12 @@ def test_layer_groups_are_stated_against_one_group_trial_by_trial():
              "tpot_p50_ms": 100 / speed / (0.9 if groups == 3 else 1.0)}
             for trial, speed in ((1, 80.0), (2, 70.0)) for groups in (1, 3)]
     (line,) = layer_group_lines(pd.DataFrame(rows))
+    # 0.9x the output tok/s is worse; 1.11x the time per output token too (less is better there)
     assert line == ("full with G=3 layer groups vs one, over 2 back-to-back trials: 0.900x output tok/s (95% interval "
-                    "0.900-0.900); 1.111x time per output token (95% interval 1.111-1.111)")
+                    "0.900-0.900): worse; 1.111x time per output token (95% interval 1.111-1.111): worse")
+    (once,) = layer_group_lines(pd.DataFrame([row for row in rows if row["trial"] == 1]))
+    assert once.endswith("over 1 back-to-back trial: 0.900x output tok/s (one trial): no verdict; 1.111x time per "
+                         "output token (one trial): no verdict")
     assert layer_group_lines(pd.DataFrame([row for row in rows if row["layer_groups"] == 1])) == []
 
 

