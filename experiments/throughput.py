@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import json
 import math
+import re
 import shlex
 import statistics
 import sys
@@ -755,6 +756,15 @@ def with_trials(setting: Setting | PrefillSetting, trials: int) -> Setting | Pre
     return replace(setting, cells=cells, baseline=baseline, ceiling=ceiling)
 
 
+def measured_command(summary: Path) -> str | None:
+    """The ``Command:`` line of a summary already written: the command that measured its cells, which
+    ``--summary-only`` keeps (it cannot be retyped: ``--force`` and ``--summary-only`` refuse each other)."""
+    if not summary.exists():
+        return None
+    found = re.search(r"^Command: `(python experiments/throughput\.py [^`]+)`$", summary.read_text(), re.MULTILINE)
+    return found.group(1) if found else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -797,6 +807,8 @@ def main(argv: list[str] | None = None) -> int:
     # The command that measures these cells, also when --summary-only rewrites their summary.
     measuring = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--summary-only"]
     command = "python experiments/throughput.py " + " ".join(shlex.quote(a) for a in measuring)
+    if args.summary_only:  # the summary already names the command that measured its cells (--force and all)
+        command = measured_command(out / "summary.md") or command
     started = time.perf_counter()
     progress = lambda line: print(line, flush=True)  # noqa: E731
     try:

@@ -548,3 +548,14 @@ def test_a_hybrid_models_summary_says_how_its_pool_splits(tmp_path):
             "generating; unlimited pool: 200 blocks (every request at full length).\nKV cache groups: 1 full-attention "
             "and 2 sliding-window over one block pool") in report
     assert "Output layer of embedded:tiny-gemma3 (lm_head, 49152 x 256): 12.6M of the 16.1M weights" in report
+
+
+def test_a_summary_rewritten_from_its_cells_keeps_the_command_that_measured_them(tmp_path):
+    """--summary-only cannot be typed beside --force, so the summary's Command line is the one
+    already there (the command that measured the cells), not the re-render's own argv."""
+    summary = tmp_path / "summary.md"
+    assert experiment.measured_command(summary) is None
+    summary.write_text("# Throughput: cpu\n\npurpose\n\nCommand: `python experiments/throughput.py cpu --trials 4 --force`\n")
+    assert experiment.measured_command(summary) == "python experiments/throughput.py cpu --trials 4 --force"
+    summary.write_text("# Throughput: cpu\n\nCommand: `python experiments/other.py cpu`\n")
+    assert experiment.measured_command(summary) is None
