@@ -110,16 +110,16 @@ def measured_origin(data: Path, name: str, title: re.Pattern) -> tuple[dict, str
     measured ``<name>.csv`` and the code that renders its summary. A run from before the record
     kept only its title's revisions: read from the summary committed with the CSV (``title``'s
     groups), beside the commit that committed the CSV."""
+    harness_path()  # (imported late, as in rendered_by)
+    from harness.records.provenance import last_commit_of, measured_and_rendered
+
     record = data / f"{name}_run.json"
     if record.exists():
         run = json.loads(record.read_text())
         prov = run.get("provenance") or {}
-        return run, (f"Measured at commit {prov.get('git_commit')} (code version {prov.get('code_version')}); "
-                     f"summary rendered at {rendered_by()}.")
+        return run, measured_and_rendered(prov)
     try:
         relative = (data / f"{name}.csv").resolve().relative_to(ROOT)
-        from harness.records.provenance import last_commit_of
-
         commit = last_commit_of(relative, ROOT) or ""
         printed = subprocess.run(["git", "show", f"{commit}:{relative.with_suffix('.md')}"], cwd=ROOT, check=True,
                                  capture_output=True, text=True).stdout

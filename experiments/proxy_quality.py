@@ -55,7 +55,8 @@ from harness.config.models import resolve_model_path  # noqa: E402
 from harness.analysis.stats import (EXACT_UP_TO, MAX_FLIPS, bootstrap, can_decide, holm,  # noqa: E402
                                     inverted_interval, settled_p_values, smallest_p)
 from harness.analysis.verdicts import SIGNIFICANCE, verdict  # noqa: E402
-from harness.records.provenance import last_commit_of, loaded_text, provenance  # noqa: E402
+from harness.records.provenance import (last_commit_of, loaded_text, measured_and_rendered,  # noqa: E402
+                                        provenance)
 from policies.attention import Window, received_attention  # noqa: E402
 from policies.keydiff import key_diff  # noqa: E402
 from policies.knorm import inverse_key_norm  # noqa: E402
@@ -267,8 +268,7 @@ def measured_origin(data: Path) -> tuple[dict, str]:
     if record.exists():
         run = json.loads(record.read_text())
         prov = run.get("provenance") or {}
-        return run, (f"Measured at commit {prov.get('git_commit')} (code version {prov.get('code_version')}); "
-                     f"summary rendered at {loaded_text()}.")
+        return run, measured_and_rendered(prov)
     commit = last_commit_of((data / PER_HEAD).resolve())
     run = {"command": "python experiments/proxy_quality.py", "seconds": None, "margin_seen_first": True}
     if commit is None:

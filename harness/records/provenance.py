@@ -72,6 +72,13 @@ def loaded_text() -> str:
     return f"commit {LOADED['git_commit']} (code version {LOADED['code_version']})"
 
 
+def measured_and_rendered(measured: dict) -> str:
+    """A summary's origin in a sentence: the run's recorded provenance (``measured``) and the code
+    that rendered the summary from its data (``LOADED``)."""
+    return (f"Measured at commit {measured.get('git_commit')} (code version {measured.get('code_version')}); "
+            f"summary rendered at {loaded_text()}.")
+
+
 def last_commit_of(path: Path, root: Path = Path(__file__).resolve().parents[2]) -> str | None:
     """The commit that last committed ``path`` (full hash): for a result made before runs recorded
     their own provenance, the nearest truthful origin. None where git does not know the file."""
