@@ -193,7 +193,33 @@ def accuracy_section(study: Study, root: Path) -> list[str]:
                 scope = decided_counts(study, root, quantity, SCOPES[0][1])
                 parts += [f"Of these, against the other variants compressing the context alone: {scope[0]} of "
                           f"{scope[1]} decided (`{study.focus}` better in {scope[2]}).", ""]
-    return parts
+    return parts + across_models_lines(study, root)
+
+
+def across_models_lines(study: Study, root: Path) -> list[str]:
+    """Where a study repeats another on a second model (``Study.across``): how its comparisons against
+    full cache decide on the two models, and how alike the two orders of policies are per budget, from
+    ``<folder>/across_models`` (``harness.analysis.cross_model``, which has the cell table)."""
+    folder = root / RESULTS / study.folder / "across_models"
+    if study.across is None or not (folder / "summary.csv").exists():
+        return []
+    cells = pd.read_csv(folder / "summary.csv")
+    orders = pd.read_csv(folder / "orders.csv")
+    evicting = cells[cells["policy"] != "full"]
+    model_a, model_b = cells["a_model"].iloc[0], cells["b_model"].iloc[0]
+    counts = evicting["across_models"].value_counts()
+    parts = [f"**Across models**: `results/{study.folder}/across_models/summary.md` sets these cells beside "
+             f"`results/{study.across}/` ({model_a}), cell by cell. Of the {len(evicting)} comparisons against full "
+             "cache (each model's own verdict, Holm over its own family): "
+             + ", ".join(f"{int(n)} {name}" for name, n in counts.items())
+             + ". Kendall's tau-b between the two models' cell averages of the evicting policies at each budget "
+             f"({model_a} against {model_b}; 95% BCa interval from a paired bootstrap over samples):", "",
+             "| data | budget | policies | tau-b (95% interval) |", "|---|---|---|---|"]
+    for row in orders.itertuples():
+        tau = "undefined" if row.kendall_tau != row.kendall_tau else (
+            f"{row.kendall_tau:+.2f} ({row.low:+.2f}, {row.high:+.2f})")
+        parts.append(f"| {row.data} | {row.budget} | {row.policies} | {tau} |")
+    return parts + [""]
 
 
 # KVzip's numbers are those of one allocation (issue 65): the engine keeps an equal count per (layer,

@@ -170,3 +170,26 @@ def test_studies_with_other_cells_or_other_samples_are_refused_in_one_line(tmp_p
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "did not score the same samples: snapkv 256 qa" in error
     assert not (tmp_path / "out").exists()
+
+
+def test_results_md_sets_a_second_models_study_beside_the_first_from_its_across_models_folder(tmp_path):
+    """``report.across_models_lines``: RESULTS.md gives each second-model study the counts of how its
+    comparisons decide on both models and tau per budget, read from the folder cross_model wrote;
+    nothing where the study repeats none, or the folder is not there yet."""
+    from harness.analysis.report import across_models_lines
+    from harness.analysis.studies import Study
+
+    a = write_study(tmp_path / "a", "a-model", {"paged": np.zeros(20), "knorm": np.ones(20), "streaming": FULL})
+    b = write_study(tmp_path / "b", "b-model", {"paged": np.zeros(20), "knorm": np.zeros(20), "streaming": FULL})
+    study = Study("second", "On the second model", "paged", across="first")
+    assert across_models_lines(study, tmp_path) == []  # not compared yet
+    out = tmp_path / "results" / "second" / "across_models"
+    assert main([str(a), str(b), "--out", str(out), "--no-plots"]) == 0
+    lines = across_models_lines(study, tmp_path)
+    assert lines[0].startswith("**Across models**: `results/second/across_models/summary.md`")
+    assert "Of the 3 comparisons against full cache" in lines[0]
+    assert "1 same direction on both" in lines[0] and "1 opposite ways" in lines[0] and "1 undecided on both" in lines[0]
+    orders = pd.read_csv(out / "orders.csv")
+    assert lines[-2] == (f"| d | 256 | 3 | {orders['kendall_tau'][0]:+.2f} ({orders['low'][0]:+.2f}, "
+                         f"{orders['high'][0]:+.2f}) |")
+    assert across_models_lines(Study("second", "On the second model", "paged"), tmp_path) == []
