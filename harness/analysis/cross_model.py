@@ -321,15 +321,15 @@ def cells_frame(a: StudyRuns, b: StudyRuns) -> pd.DataFrame:
             row = {"data": data, "policy": variant, "budget": budget}
             for side, study in (("a", a), ("b", b)):
                 cell = study.cells.loc[(data, variant, budget)]
-                row.update({f"{side}_average": cell["average"], f"{side}_low": cell["average_low"],
-                            f"{side}_high": cell["average_high"]})
+                row.update({f"{side}_average": cell["average"], f"{side}_average_low": cell["average_low"],
+                            f"{side}_average_high": cell["average_high"]})
                 if variant == "full":
                     continue
                 rivals = study.cells.loc[data].xs(budget, level="budget")
                 rivals = rivals[rivals.index != "full"]
                 row.update({f"{side}_minus_full": cell[f"{FULL}_diff"], f"{side}_minus_full_low": cell[f"{FULL}_low"],
-                            f"{side}_minus_full_high": cell[f"{FULL}_high"], f"{side}_p": cell[f"{FULL}_p"],
-                            f"{side}_p_holm": cell[f"{FULL}_p_holm"],
+                            f"{side}_minus_full_high": cell[f"{FULL}_high"], f"{side}_minus_full_p": cell[f"{FULL}_p"],
+                            f"{side}_minus_full_p_holm": cell[f"{FULL}_p_holm"],
                             f"{side}_mark": significance_mark(cell[f"{FULL}_p_holm"], cell[f"{FULL}_p_bh"],
                                                               settled(cell, FULL)).strip(),
                             f"{side}_verdict": cell["verdict"],
@@ -350,16 +350,16 @@ def difference_text(row, side: str) -> str:
         return ""
     mark = f" {row[f'{side}_mark']}" if row[f"{side}_mark"] else ""
     return (f"{signed(row[f'{side}_minus_full'], 2)} ({signed(row[f'{side}_minus_full_low'], 2)}, "
-            f"{signed(row[f'{side}_minus_full_high'], 2)}) p_holm={row[f'{side}_p_holm']:.3g}{mark} "
+            f"{signed(row[f'{side}_minus_full_high'], 2)}) p_holm={row[f'{side}_minus_full_p_holm']:.3g}{mark} "
             f"{row[f'{side}_verdict']}")
 
 
 def cells_table(frame: pd.DataFrame, name_a: str, name_b: str) -> pd.DataFrame:
     table = pd.DataFrame({
         "policy": frame["policy"], "budget": frame["budget"],
-        f"{name_a} average": [with_interval(r.a_average, r.a_low, r.a_high) for r in frame.itertuples()],
+        f"{name_a} average": [with_interval(r.a_average, r.a_average_low, r.a_average_high) for r in frame.itertuples()],
         f"{name_a} minus full": [difference_text(r, "a") for _, r in frame.iterrows()],
-        f"{name_b} average": [with_interval(r.b_average, r.b_low, r.b_high) for r in frame.itertuples()],
+        f"{name_b} average": [with_interval(r.b_average, r.b_average_low, r.b_average_high) for r in frame.itertuples()],
         f"{name_b} minus full": [difference_text(r, "b") for _, r in frame.iterrows()],
         "rank (each model)": ["" if r["policy"] == "full" else f"{int(r['a_rank'])} / {int(r['b_rank'])}"
                               for _, r in frame.iterrows()],
@@ -482,15 +482,16 @@ def plot(frame: pd.DataFrame, found: list[Order], out: Path, name_a: str, name_b
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns + 1.6, 3.8 * rows), squeeze=False)
     full = frame[frame["policy"] == "full"].set_index("data")
-    span = (min(frame["a_low"].min(), frame["b_low"].min()) - 2, max(frame["a_high"].max(), frame["b_high"].max()) + 2)
+    span = (min(frame["a_average_low"].min(), frame["b_average_low"].min()) - 2,
+            max(frame["a_average_high"].max(), frame["b_average_high"].max()) + 2)
     legend = {}
     for index, (ax, (data, budget, order)) in enumerate(zip(axes.flat, panels)):
         shown = frame[(frame["data"] == data) & (frame["budget"] == budget)]
         for _, row in pd.concat([full.loc[[data]].reset_index(), shown]).iterrows():
             legend[row["policy"]] = ax.errorbar(
                 row["a_average"], row["b_average"], fmt="*" if row["policy"] == "full" else "o",
-                xerr=[[row["a_average"] - row["a_low"]], [row["a_high"] - row["a_average"]]],
-                yerr=[[row["b_average"] - row["b_low"]], [row["b_high"] - row["b_average"]]],
+                xerr=[[row["a_average"] - row["a_average_low"]], [row["a_average_high"] - row["a_average"]]],
+                yerr=[[row["b_average"] - row["b_average_low"]], [row["b_average_high"] - row["b_average"]]],
                 color=color(row["policy"]), capsize=2)
         ax.axline((0, 0), slope=1, linestyle=":", color="grey", lw=1)  # equal averages on both models
         ax.set_xlim(span)

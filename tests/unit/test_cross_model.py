@@ -15,6 +15,7 @@ import yaml
 from harness.analysis.aggregate import load_runs, write_summary
 from harness.analysis.cross_model import (CLASSES, Refused, agreement, compare_studies, kendall_tau, main,
                                           order_agreement)
+from tests.support.recompute_intervals import comparisons
 from tests.unit.test_aggregate import write_run
 
 FULL = np.tile([1.0, 0.0], 10)  # 20 samples per task: full cache answers every other one
@@ -63,7 +64,7 @@ def test_each_comparison_is_classified_by_how_it_decides_on_both_models(tmp_path
     # Each side's difference and Holm-adjusted p are its own study's (aggregate's columns, unchanged).
     own = load_runs([a]).drop_duplicates("run_dir").set_index("policy.name")
     assert frame.set_index("policy").loc["knorm", "a_minus_full"] == own.loc["knorm", "avg_vs_full_diff"] == 50.0
-    assert frame.set_index("policy").loc["knorm", "a_p_holm"] == own.loc["knorm", "avg_vs_full_p_holm"]
+    assert frame.set_index("policy").loc["knorm", "a_minus_full_p_holm"] == own.loc["knorm", "avg_vs_full_p_holm"]
 
     assert main([str(a), str(b), "--out", str(tmp_path / "out"), "--no-plots"]) == 0
     markdown = (tmp_path / "out" / "summary.md").read_text()
@@ -78,6 +79,10 @@ def test_each_comparison_is_classified_by_how_it_decides_on_both_models(tmp_path
     csv = pd.read_csv(tmp_path / "out" / "summary.csv")
     assert len(csv) == 5 and set(csv["across_models"].dropna()) == {
         "same direction on both", "decided on b-model only", "opposite ways", "undecided on both"}
+    # Each interval with a p beside it is the difference's: the committed-interval check
+    # (tests/support/recompute_intervals.py) reads every <stem>low/high/p trio as one comparison,
+    # so an average's BCa interval must not share a stem with the difference's p.
+    assert {stem for _, stem in comparisons(csv)} == {"a_minus_full_", "b_minus_full_"}
 
 
 def test_agreement_counts_only_holm_decisions():
@@ -152,7 +157,7 @@ def test_a_study_against_its_copy_reads_its_summary_and_agrees_everywhere(tmp_pa
     assert set(frame["budget"]) == {"all", "r0.25", "r0.75"}
     assert set(frame["across_models"].dropna()) <= {"same direction on both", "undecided on both"}
     evicting = frame[frame["policy"] != "full"]
-    assert (evicting["a_verdict"] == evicting["b_verdict"]).all() and (evicting["a_p_holm"] == evicting["b_p_holm"]).all()
+    assert (evicting["a_verdict"] == evicting["b_verdict"]).all() and (evicting["a_minus_full_p_holm"] == evicting["b_minus_full_p_holm"]).all()
 
 
 def test_studies_with_other_cells_or_other_samples_are_refused_in_one_line(tmp_path, capsys):
