@@ -617,7 +617,8 @@ def misattributed(text: str, root: Path = ROOT, summaries: Printed | None = None
         named = {name.rstrip(".,;:") for name in _NAMED.findall(heading + "\n" + paragraph)}
         folders = [f for f in intervals if any(n == f"results/{f}" or n.startswith(f"results/{f}/") for n in named)]
         for sentence in _SENTENCE.split(" ".join(paragraph.split())):
-            for triple in _TRIPLE.finditer(_LINK_TARGET.sub("]", sentence)):
+            sentence = _LINK_TARGET.sub("]", sentence)  # the offsets below are of this text
+            for triple in _TRIPLE.finditer(sentence):
                 values = tuple(float(v) for v in triple.groups())
                 candidates = [q for f in folders for q in intervals[f] if matches(values, q)]
                 prefix, suffix = sentence[:triple.start()], sentence[triple.end():]

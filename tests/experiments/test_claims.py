@@ -135,6 +135,19 @@ def test_a_number_on_the_wrong_comparison_is_caught():
     assert len(report.misattributed(wrong_budget, ROOT)) == 1
 
 
+def test_a_link_before_the_number_does_not_move_what_its_sentence_names():
+    """A sentence that links a summary before it quotes a number is read where the number is: the
+    check once found the number in the sentence without the link's target and cut the sentence with
+    it at that offset, so a link as long as the words between two names ended the cut before the
+    name the number belongs to (here at KeyDiff, not SnapKV)."""
+    snapkv = interval_of("cpu_accuracy", "score", "snapkv", "256")
+    link = "[s](cpu_accuracy/" + "x" * 8 + "/summary.md)"  # a target of 30 characters, "(...)"
+    text = (f"## E (`results/cpu_accuracy`)\n\nSee {link} on KeyDiff, and PagedEviction minus SnapKV at 256 "
+            f"is {snapkv}.")
+    assert report.misattributed(text, ROOT) == []
+    assert len(report.misattributed(text.replace("minus SnapKV", "minus H2O"), ROOT)) == 1
+
+
 def test_a_listed_comparison_reads_its_place_in_the_list():
     """"SnapKV at 256 and 512 (a and b)": each number belongs to one of the listed budgets; a budget
     written right after a number ("a at `r0.5`") is that number's."""
