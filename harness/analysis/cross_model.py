@@ -37,12 +37,12 @@ from harness.analysis.report import budget_key, read_summary
 from harness.analysis.stats import (EXACT_UP_TO, MAX_FLIPS, MAX_RESAMPLES, RESAMPLES, SECTIONS, _bca_bounds,
                                     _bounds_error, data_seed, smallest_p)
 from harness.analysis.studies import ROOT, STUDIES, margin_for
+from harness.analysis.verdicts import ACROSS_MODELS
 from harness.records.results import atomic_write_text, read_json
 
 FULL = "avg_vs_full"  # the column stem of a cell's paired difference from full cache (aggregate's)
 DECIDED = ("better", "worse")  # the verdicts Holm decides (harness.analysis.verdicts)
-CLASSES = ("same direction on both", "opposite ways", "decided on {a} only", "decided on {b} only",
-           "undecided on both")
+CLASSES = ACROSS_MODELS  # harness.analysis.verdicts: how a comparison decides on the two models
 # Largest Monte Carlo standard error of a tau bound: four of them (stats.WIDTH) stay within 0.01.
 TAU_TARGET = 0.0025
 _DRAWS_AT_ONCE = 1 << 15  # bootstrap draws evaluated together (bounds memory: draws x samples)

@@ -44,7 +44,7 @@ from harness.analysis.silence import dead_samples
 from harness.records.results import atomic_write_text, read_json
 from harness.analysis.stats import MAX_FLIPS, ratio_interval
 from harness.analysis.studies import THROUGHPUT_MARGIN, Study, accuracy_studies, throughput_settings
-from harness.analysis.verdicts import ratio_verdict, verdict as verdict_of
+from harness.analysis.verdicts import ACROSS_MODELS, ratio_verdict, verdict as verdict_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("results")
@@ -208,10 +208,11 @@ def across_models_lines(study: Study, root: Path) -> list[str]:
     evicting = cells[cells["policy"] != "full"]
     model_a, model_b = cells["a_model"].iloc[0], cells["b_model"].iloc[0]
     counts = evicting["across_models"].value_counts()
+    classes = [name.format(a=model_a, b=model_b) for name in ACROSS_MODELS]
     parts = [f"**Across models**: `results/{study.folder}/across_models/summary.md` sets these cells beside "
              f"`results/{study.across}/` ({model_a}), cell by cell. Of the {len(evicting)} comparisons against full "
              "cache (each model's own verdict, Holm over its own family): "
-             + ", ".join(f"{int(n)} {name}" for name, n in counts.items())
+             + ", ".join(f"{int(counts.get(name, 0))} {name}" for name in classes)
              + ". Kendall's tau-b between the two models' cell averages of the evicting policies at each budget "
              f"({model_a} against {model_b}; 95% BCa interval from a paired bootstrap over samples):", "",
              "| data | budget | policies | tau-b (95% interval) |", "|---|---|---|---|"]

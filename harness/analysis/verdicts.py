@@ -22,6 +22,10 @@ import math
 
 SIGNIFICANCE = 0.05
 VERDICTS = ("better", "worse", "equivalent", "non-inferior", "inconclusive", "no verdict")
+# How one comparison decides on two models, each by its own verdict (harness.analysis.cross_model,
+# and RESULTS.md's lines about it): ``{a}`` and ``{b}`` are the models' names.
+ACROSS_MODELS = ("same direction on both", "opposite ways", "decided on {a} only", "decided on {b} only",
+                 "undecided on both")
 
 
 def verdict(diff: float, low: float, high: float, p_holm: float, margin: float | None, *,

@@ -193,7 +193,8 @@ def test_results_md_sets_a_second_models_study_beside_the_first_from_its_across_
     lines = across_models_lines(study, tmp_path)
     assert lines[0].startswith("**Across models**: `results/second/across_models/summary.md`")
     assert "Of the 3 comparisons against full cache" in lines[0]
-    assert "1 same direction on both" in lines[0] and "1 opposite ways" in lines[0] and "1 undecided on both" in lines[0]
+    assert ("1 same direction on both, 1 opposite ways, 0 decided on a-model only, 0 decided on b-model only, "
+            "1 undecided on both.") in lines[0]  # every class, in cross_model's order, the empty ones too
     orders = pd.read_csv(out / "orders.csv")
     assert lines[-2] == (f"| d | 256 | 3 | {orders['kendall_tau'][0]:+.2f} ({orders['low'][0]:+.2f}, "
                          f"{orders['high'][0]:+.2f}) |")
