@@ -93,7 +93,11 @@ def throughput(setting: str, minutes: float | None = None, trials: int = 3, meas
 # (2026-11-30, each alone under the lock at one code version, 84d023a8e4bc): full and PagedEviction 12,
 # StreamingLLM 12, Knorm 12, SnapKV and H2O 84, KeyDiff and value norm 12, recency and the learned
 # scorer 12, the hybrid 43, TOVA 12, LRU 43 (the unit tests ran beside it for its first 25 min):
-# 242 min in all. RULER's answers are short, so its 240 stands until measured. Either is more than a session holds beside a CI: run them in chunks of
+# 242 min in all. RULER's answers are short, but its first chunk, full cache and PagedEviction (5
+# cells x 144 samples), took 47 min (the unit tests beside it for about 20): at that pace its 17 cells
+# without query capture take about 150, and if capture costs what it did in the suite (SnapKV and H2O,
+# 6 cells, 84 min against 12 for 6 cells without), SnapKV, TOVA and H2O about 250 more, KVzip's
+# passes on top: about 480 in all, planned. Either is more than a session holds beside a CI: run them in chunks of
 # policies (run.py -m +experiment=... 'policy=full,paged,...': the command line's list replaces the
 # experiment's), each an engine group that publishes its cells at its end. Chunks run faster than the
 # one group: full cache and PagedEviction (4 cells) took 12 min, StreamingLLM (3 cells) 12 min. Run the
@@ -104,7 +108,7 @@ def throughput(setting: str, minutes: float | None = None, trials: int = 3, meas
 # once) and 4 times the cells, about 100 minutes.
 KVZIP_SCHEDULE_MINUTES = 100
 GEMMA3_SUITE_MINUTES = 242
-GEMMA3_RULER_MINUTES = 240
+GEMMA3_RULER_MINUTES = 480
 # Planned: cpu's 42.4 min (measured) at about 2.5x: the same token counts, with no logprobs asked (the
 # suites' 4.5x above includes theirs); the two models' parameters alone, 268M / 135M, would say 2x.
 GEMMA3_CPU_MINUTES = 105
