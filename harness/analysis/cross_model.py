@@ -42,7 +42,7 @@ from harness.records.results import atomic_write_text, read_json
 
 FULL = "avg_vs_full"  # the column stem of a cell's paired difference from full cache (aggregate's)
 DECIDED = ("better", "worse")  # the verdicts Holm decides (harness.analysis.verdicts)
-CLASSES = ACROSS_MODELS  # harness.analysis.verdicts: how a comparison decides on the two models
+CLASSES = ACROSS_MODELS  # how a comparison decides on the two models (in verdicts: report prints them too)
 # Largest Monte Carlo standard error of a tau bound: four of them (stats.WIDTH) stay within 0.01.
 TAU_TARGET = 0.0025
 _DRAWS_AT_ONCE = 1 << 15  # bootstrap draws evaluated together (bounds memory: draws x samples)

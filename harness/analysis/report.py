@@ -201,8 +201,8 @@ def across_models_lines(study: Study, root: Path) -> list[str]:
     full cache decide on the two models, and how alike the two orders of policies are per budget, from
     ``<folder>/across_models`` (``harness.analysis.cross_model``, which has the cell table)."""
     folder = root / RESULTS / study.folder / "across_models"
-    if study.across is None or not (folder / "summary.csv").exists():
-        return []
+    if study.across is None or not all((folder / name).exists() for name in ("summary.csv", "orders.csv")):
+        return []  # not compared yet (or not to the end: cross_model writes summary.csv first)
     cells = pd.read_csv(folder / "summary.csv")
     orders = pd.read_csv(folder / "orders.csv")
     evicting = cells[cells["policy"] != "full"]
@@ -217,7 +217,7 @@ def across_models_lines(study: Study, root: Path) -> list[str]:
              f"({model_a} against {model_b}; 95% BCa interval from a paired bootstrap over samples):", "",
              "| data | budget | policies | tau-b (95% interval) |", "|---|---|---|---|"]
     for row in orders.itertuples():
-        tau = "undefined" if row.kendall_tau != row.kendall_tau else (
+        tau = "undefined" if pd.isna(row.kendall_tau) else (
             f"{row.kendall_tau:+.2f} ({row.low:+.2f}, {row.high:+.2f})")
         parts.append(f"| {row.data} | {row.budget} | {row.policies} | {tau} |")
     return parts + [""]

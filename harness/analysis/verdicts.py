@@ -22,8 +22,9 @@ import math
 
 SIGNIFICANCE = 0.05
 VERDICTS = ("better", "worse", "equivalent", "non-inferior", "inconclusive", "no verdict")
-# How one comparison decides on two models, each by its own verdict (harness.analysis.cross_model,
-# and RESULTS.md's lines about it): ``{a}`` and ``{b}`` are the models' names.
+# How one comparison decides on two models, each by its own verdict: ``{a}`` and ``{b}`` are the
+# models' names. Here, not in harness.analysis.cross_model, because report prints them too
+# (RESULTS.md's across-models lines) and cross_model imports report: report cannot import it.
 ACROSS_MODELS = ("same direction on both", "opposite ways", "decided on {a} only", "decided on {b} only",
                  "undecided on both")
 

@@ -141,7 +141,7 @@ def test_a_link_before_the_number_does_not_move_what_its_sentence_names():
     it at that offset, so a link as long as the words between two names ended the cut before the
     name the number belongs to (here at KeyDiff, not SnapKV)."""
     snapkv = interval_of("cpu_accuracy", "score", "snapkv", "256")
-    link = "[s](cpu_accuracy/" + "x" * 8 + "/summary.md)"  # a target of 30 characters, "(...)"
+    link = "[s](cpu_accuracy/" + "x" * 8 + "/summary.md)"  # a target of 34 characters, "(...)"
     text = (f"## E (`results/cpu_accuracy`)\n\nSee {link} on KeyDiff, and PagedEviction minus SnapKV at 256 "
             f"is {snapkv}.")
     assert report.misattributed(text, ROOT) == []

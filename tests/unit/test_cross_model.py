@@ -15,6 +15,8 @@ import yaml
 from harness.analysis.aggregate import load_runs, write_summary
 from harness.analysis.cross_model import (CLASSES, Refused, agreement, compare_studies, kendall_tau, main,
                                           order_agreement)
+from harness.analysis.report import across_models_lines
+from harness.analysis.studies import Study
 from tests.support.recompute_intervals import comparisons
 from tests.unit.test_aggregate import write_run
 
@@ -181,9 +183,6 @@ def test_results_md_sets_a_second_models_study_beside_the_first_from_its_across_
     """``report.across_models_lines``: RESULTS.md gives each second-model study the counts of how its
     comparisons decide on both models and tau per budget, read from the folder cross_model wrote;
     nothing where the study repeats none, or the folder is not there yet."""
-    from harness.analysis.report import across_models_lines
-    from harness.analysis.studies import Study
-
     a = write_study(tmp_path / "a", "a-model", {"paged": np.zeros(20), "knorm": np.ones(20), "streaming": FULL})
     b = write_study(tmp_path / "b", "b-model", {"paged": np.zeros(20), "knorm": np.zeros(20), "streaming": FULL})
     study = Study("second", "On the second model", "paged", across="first")
