@@ -60,7 +60,10 @@ def test_the_cells_are_full_cache_and_one_per_budget_paged_first():
         committed = {budget_label(yaml.safe_load((cell / "config.yaml").read_text())) for cell in step.cells()} - {"all"}
         assert sorted(budget_label(config) for config in configs) == sorted(committed)  # one per budget label
         variants = [variant_label(config) for config in configs]
-        assert len(set(variants)) == len(variants)  # the policies (variants) taken in turn
+        # the policies (variants) taken in turn; a study with fewer evicting variants than budgets (a
+        # study whose cells are committed chunk by chunk, such as Gemma's RULER) takes each once first
+        offered = {variant_label(yaml.safe_load((cell / "config.yaml").read_text())) for cell in step.cells()} - {"full"}
+        assert len(set(variants)) == min(len(variants), len(offered)), (step.name, variants)
     for step in regenerate.STEPS:
         if step.folder.startswith("throughput/") and step.cells():  # (a planned setting not made yet: none)
             (cell,) = regenerate.replay_subset(step)
