@@ -99,9 +99,8 @@ def throughput(setting: str, minutes: float | None = None, trials: int = 3, meas
 # 6 cells, 84 min against 12 for 6 cells without), SnapKV, TOVA and H2O about 250 more, KVzip's
 # passes on top: about 480 in all, planned. Either is more than a session holds beside a CI: run them in chunks of
 # policies (run.py -m +experiment=... 'policy=full,paged,...': the command line's list replaces the
-# experiment's), each an engine group that publishes its cells at its end. Chunks run faster than the
-# one group: full cache and PagedEviction (4 cells) took 12 min, StreamingLLM (3 cells) 12 min. Run the
-# chunks with run.py, not regenerate.py: at a later code version regenerate deletes cells of another
+# experiment's), each an engine group that publishes its cells at its end (the suite's chunks above
+# are such groups). Run the chunks with run.py, not regenerate.py: at a later code version regenerate deletes cells of another
 # version that no --verify has replayed equal; the finished study is aggregated, then verified.
 # Planned: a quick look (python run.py -m +experiment=kvzip_schedule data.limit=1 budget_ratio=0.5,
 # 24 prompts x 2 cells) took 722 s here; the study is 6 times the prompts (each context's passes run
