@@ -2,7 +2,7 @@
 shared-context, multi-request workloads; KVzip's setting), in the real engine with prefix caching.
 
     flock /tmp/engine.lock .venv/bin/python experiments/shared_context.py [--contexts 8] [--questions 6] [--ratio 0.5]
-        [--kv-cache-gib 4] [--out results/shared_context] [--configs "kvzip context"]
+        [--kv-cache-gib 4] [--out results/shared_context] [--configs "kvzip context"] [--layer-groups 3]
 
 The workload (``harness.serving.workloads.shared_contexts``, the serving benchmark's one definition, from the embedded suite's vocabulary):
 half the contexts a long text hiding one access code per person (key_retrieval's needle, several
@@ -33,6 +33,15 @@ Configurations, at one compression ratio (of what each compresses):
 ``prompt`` cannot share: what each request keeps depends on its own question, so each holds its own
 copy. ``first question``'s later requests all compress the same tokens (the context and the first
 question), so they share one compressed copy like ``context``.
+
+``--layer-groups G`` (G > 1) runs the engine's attention layers as G KV cache groups
+(``engine.layer_groups``) and adds ``kvzip context schedule=kvzip``: KVzip compressing the context
+with its own allocation across the groups (``budget_schedule=kvzip``: each group's budget from the
+one threshold over every layer's and head's reconstruction scores, docs/policies.md) beside
+``kvzip context``, whose groups each keep the same count per layer and KV head (pair-uniform, the
+engine's default). A measured schedule's budgets are the request's own, so its requests share no
+compressed context (``harness.eviction.settings``, ``unshareable``): each compresses its own copy,
+the context's passes run once all the same (the worker keeps recent contexts' scores).
 
 Per configuration: accuracy on the first question and on the later ones (95% intervals over
 whole contexts, ``harness.analysis.stats.cell_interval``; paired differences with whole contexts
@@ -72,17 +81,19 @@ POLICIES = ("paged", "snapkv")          # every mode
 MODES = ("context", "prompt", "first question")
 CONTEXT_ONLY = ("streaming", "keydiff", "kvzip")  # the context mode alone
 UNSHARED = "context unshared"            # PagedEviction's context mode with share_context=false
+SCHEDULED = "context schedule=kvzip"     # KVzip's context mode with its global threshold over layer groups
 # Compared beside each one's difference from full cache: KVzip against PagedEviction, both compressing the context.
-EXTRA_PAIRS = (("kvzip context", "paged context"),)
+EXTRA_PAIRS = (("kvzip context", "paged context"), (f"kvzip {SCHEDULED}", "kvzip context"))
 ADDED = "added.json"                     # configurations a later --configs run added to a directory's run
 
 
-def configurations(context_only: bool = False) -> list[tuple[str, str | None]]:
+def configurations(context_only: bool = False, layer_groups: int = 1) -> list[tuple[str, str | None]]:
     """(mode, policy) in the order they run and print (``context_only``: full cache and the
-    context modes alone)."""
+    context modes alone; KVzip's schedule across layer groups where there are groups)."""
     modes = ("context",) if context_only else MODES
     return ([("full", None)] + [(mode, policy) for policy in POLICIES for mode in modes]
-            + [("context", policy) for policy in CONTEXT_ONLY] + [(UNSHARED, "paged")])
+            + [("context", policy) for policy in CONTEXT_ONLY] + [(UNSHARED, "paged")]
+            + ([(SCHEDULED, "kvzip")] if layer_groups > 1 else []))
 
 
 def name_of(configuration: tuple[str, str | None]) -> str:
@@ -91,13 +102,17 @@ def name_of(configuration: tuple[str, str | None]) -> str:
     return "full" if mode == "full" else f"{policy} {mode}"
 
 
-def selected(context_only: bool = False, configs: str | None = None) -> dict[str, tuple[str, str | None]]:
+def selected(context_only: bool = False, configs: str | None = None,
+             layer_groups: int = 1) -> dict[str, tuple[str, str | None]]:
     """name -> (mode, policy), in run order: every configuration (``configurations``), or full cache
     and those ``configs`` names (comma-separated summary names; full cache always runs, the comparison)."""
-    named = {name_of(c): c for c in configurations(context_only)}
+    named = {name_of(c): c for c in configurations(context_only, layer_groups)}
     if configs is None:
         return named
     wanted = [name.strip() for name in configs.split(",") if name.strip()]
+    if f"kvzip {SCHEDULED}" in wanted and layer_groups < 2:
+        raise ValueError(f"--configs {f'kvzip {SCHEDULED}'!r} needs --layer-groups 2 or more: with the layers as one "
+                         "KV cache group there is no allocation across groups to measure")
     unknown = [name for name in wanted if name not in named]
     if unknown or not wanted:
         raise ValueError(f"--configs: {', '.join(map(repr, unknown)) or 'nothing named'}; the configurations "
@@ -150,10 +165,12 @@ def requests_for(configuration: tuple[str, str | None], workload_prompts, ratio:
                 settings = {"policy": policy, "budget_ratio": ratio, "decode_eviction": False}
                 if mode == "first question" and q > 0:
                     tokens, boundary = after_first_question(prompts[0], prompt, footer)
-                if mode in ("context", UNSHARED) or (mode == "first question" and q > 0):
+                if mode in ("context", UNSHARED, SCHEDULED) or (mode == "first question" and q > 0):
                     settings.update(compress="context", context_tokens=boundary)
                 if mode == UNSHARED:
                     settings.update(share_context=False)
+                if mode == SCHEDULED:
+                    settings.update(budget_schedule="kvzip")
                 if reconstructs(policy):
                     # the prompt builder's ids, as run.py's requests carry them (CellWork.eviction_for)
                     if prompt.reconstruction is None:
@@ -311,7 +328,8 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
     from harness.analysis.clustered import compare
 
     present = {row["configuration"] for row in rows}
-    names = [f"{policy} {mode}" for policy in POLICIES for mode in MODES] + [f"{p} context" for p in CONTEXT_ONLY]
+    names = ([f"{policy} {mode}" for policy in POLICIES for mode in MODES] + [f"{p} context" for p in CONTEXT_ONLY]
+             + [f"kvzip {SCHEDULED}"])
     pairs = [(name, "full") for name in names]
     for policy in POLICIES:
         pairs += [(f"{policy} context", f"{policy} prompt"), (f"{policy} first question", f"{policy} prompt"),
@@ -336,7 +354,8 @@ def dead_questions(rows: list[dict]) -> tuple[int, int]:
 def markdown(table: list[dict], command: str, contexts: int, ratio: float, model: str, pool: int,
              families: dict[str, list[dict]] | None = None, questions: int = QUESTIONS,
              arrivals: str = "together", dead: tuple[int, int] | None = None,
-             trials: list[dict] | None = None, added: list[dict] | None = None, code: str | None = None) -> str:
+             trials: list[dict] | None = None, added: list[dict] | None = None, code: str | None = None,
+             layer_groups: int = 1) -> str:
     """``code``: ``code_line``'s sentence naming the code the figures come from."""
     full = next(line for line in table if line["configuration"] == "full")
     lines = [
@@ -348,7 +367,10 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
            f"configuration sent in {questions} rounds (one question of every context per round, each round once the "
            "one before has finished)")
         + f" to one engine ({model}, prefix caching on, a pool of {pool} blocks of 32 "
-        f"tokens, the prefix cache emptied between configurations). Compression ratio {ratio:g} of what each "
+        f"tokens, the prefix cache emptied between configurations"
+        + (f"; its attention layers as {layer_groups} KV cache groups, `engine.layer_groups`, a block holding one "
+           "group's layers" if layer_groups > 1 else "")
+        + f"). Compression ratio {ratio:g} of what each "
         "configuration compresses. Accuracy: the suite's scores (0-100), mean over the two tasks of the task "
         "means, 95% intervals over whole contexts (a context's questions are not independent: the values m "
         "that a one-sample sign-flip test negating whole contexts' deviations from m does not reject, "
@@ -386,6 +408,13 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
         lines[-1:-1] = [f"`{unshared['configuration']}` asks the requests of `paged context`, each compressing its "
                         f"own copy: {unshared['same_as_shared']} of its {unshared['requests']} answers are the same "
                         "text as with the context shared.", ""]
+    if any(line["configuration"] == f"kvzip {SCHEDULED}" for line in table):
+        lines[-1:-1] = [f"`kvzip {SCHEDULED}` compresses each context as `kvzip context` does, at the same ratio, with "
+                        "each group's budget from KVzip's one threshold over every layer's and KV head's reconstruction "
+                        "scores (`budget_schedule=kvzip`, kvpress's default allocation at group granularity) where "
+                        "`kvzip context` keeps the same count in every layer and KV head (pair-uniform). Its budgets "
+                        "are measured per request, so its requests share no compressed context: each holds its own copy.",
+                        ""]
     lines += reconstruction_lines(table) + [line for entry in added or [] for line in (added_line(entry), "")]
     if families:
         from harness.analysis.clustered import section
@@ -569,6 +598,8 @@ def reanalyse(out: Path) -> int:
     """The statistics again from what the engine run left (``requests.jsonl``; the timings, KV counts,
     model and pool in ``summary.csv`` and ``summary.md``), no engine and no model: summary.md,
     summary.csv and comparisons.csv rewritten, the plot redrawn."""
+    import re
+
     import pandas as pd
 
     earlier = previous_run(out)
@@ -580,11 +611,12 @@ def reanalyse(out: Path) -> int:
         line["output_tokens_per_s"] = old["output_tokens_per_s"]
     families = comparisons(rows)
     trials = (pd.read_csv(out / "trials.csv").to_dict("records") if (out / "trials.csv").exists() else None)
+    groups = re.search(r"--layer-groups (\d+)", earlier.command)
     (out / "summary.md").write_text(markdown(
         table, earlier.command, len({row["context"] for row in rows}), earlier.ratio, earlier.model, earlier.pool,
         families, 1 + max(row["question"] for row in rows),
         "rounds" if "--arrivals rounds" in earlier.command else "together", dead_questions(rows), trials,
-        earlier.added or None, record_code(out, None)))
+        earlier.added or None, record_code(out, None), int(groups.group(1)) if groups else 1))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     write_comparisons(families, out)
     plot(table, out / "shared_context.png")
@@ -598,7 +630,8 @@ def command_line(args, parser) -> str:
     return "python experiments/shared_context.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in (("contexts", args.contexts), ("questions", args.questions),
                                                      ("ratio", args.ratio), ("kv_cache_gib", args.kv_cache_gib),
-                                                     ("pool_blocks", args.pool_blocks), ("trials", args.trials))
+                                                     ("pool_blocks", args.pool_blocks), ("trials", args.trials),
+                                                     ("layer_groups", args.layer_groups))
         if v != parser.get_default(k)) + (" --context-only" if args.context_only else "") + (
         f" --arrivals {args.arrivals}" if args.arrivals != "together" else "") + (
         "" if args.out == OUT else f" --out {args.out}")
@@ -629,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=1,
                         help="run every configuration this many times on the one engine, in the listed order in odd "
                              "trials and reversed in even ones; throughput ratios with intervals over trials")
+    parser.add_argument("--layer-groups", type=int, default=1,
+                        help="the engine's attention layers as this many KV cache groups (engine.layer_groups); above "
+                             "1 adds 'kvzip context schedule=kvzip', KVzip's own allocation across the groups")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--configs", default=None,
                         help="run only these configurations (comma-separated, as the summary names them, e.g. "
@@ -645,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trials < 1 or args.trials == 2 or (args.pool_blocks is not None and args.pool_blocks < 1):
         parser.error("--trials must be 1 or at least 3 (an interval over two trials says nothing), --pool-blocks positive")
     try:
-        named = selected(args.context_only, args.configs)
+        named = selected(args.context_only, args.configs, args.layer_groups)
     except ValueError as error:
         parser.error(str(error))
     command = command_line(args, parser)
@@ -661,12 +697,16 @@ def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer
 
-    from harness.config import resolve_model_path, run_settings
+    from harness.config import ConfigError, resolve_model_path, run_settings
     from harness.engine.llm import Engine
     from harness.tasks.metrics import score_sample
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        run = run_settings(compose(config_name="config", overrides=["model=smollm2-135m"]))
+        try:  # the run's checks, G against the model's layers among them, before it loads
+            run = run_settings(compose(config_name="config", overrides=["model=smollm2-135m",
+                                                                        f"engine.layer_groups={args.layer_groups}"]))
+        except ConfigError as error:
+            parser.error(f"--layer-groups {args.layer_groups}: {error}")
     model_path = resolve_model_path(run.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     shared = workload(args.contexts, questions=args.questions)
@@ -675,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # vLLM keeps one null block out of the pool: one more than the blocks asked for
     blocks = None if args.pool_blocks is None else args.pool_blocks + 1
-    engine_settings = replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=blocks)
+    engine_settings = replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=blocks)  # layer_groups: run's
     engine = Engine(model_path, run.model, engine_settings, run.block_size, seed=run.seed, prefix_caching=True)
     rows, runs, trials = [], {}, []
     try:
@@ -715,7 +755,8 @@ def main(argv: list[str] | None = None) -> int:
         if joining.pool != pool:
             raise SystemExit(f"{args.out}'s run had a pool of {joining.pool} blocks, this one {pool}: not joined "
                              f"(this run's figures: {[(line['configuration'], line['later']) for line in table]})")
-        rows, merged, check = merge(joining.rows, joining.table, rows, table, [name_of(c) for c in configurations(False)])
+        rows, merged, check = merge(joining.rows, joining.table, rows, table,
+                                    [name_of(c) for c in configurations(False, args.layer_groups)])
         added = [entry for entry in joining.added if not set(entry["configurations"]) <= set(check["configurations"])]
         added.append({"command": command + f" --configs {shell_quote(args.configs)}", **check})
         (args.out / ADDED).write_text(json.dumps(added, indent=1) + "\n")
@@ -736,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     code = record_code(args.out, command)
     (args.out / "summary.md").write_text(markdown(table, command, args.contexts, args.ratio, run.model.name, pool,
                                                   families, args.questions, args.arrivals, dead_questions(rows), trials,
-                                                  code=code))
+                                                  code=code, layer_groups=args.layer_groups))
 
     pd.DataFrame(table).to_csv(args.out / "summary.csv", index=False)
     write_comparisons(families, args.out)

@@ -291,3 +291,45 @@ def experiment_section(table: list[dict]) -> list[str]:
     from harness.analysis.clustered import section
 
     return section({"Later questions": table}, "one context")
+
+
+def test_kvzips_schedule_across_layer_groups_needs_groups_and_asks_the_context_mode_with_its_allocation(
+        experiment, prompts, tmp_path):
+    """``--layer-groups G`` adds KVzip's own allocation across the groups (issue 65, item 4): the
+    requests of ``kvzip context`` with ``budget_schedule=kvzip``, which the engine's parse admits on
+    G groups and refuses on one; without groups the configuration is refused by name before
+    anything loads, and the summary says how the engine ran and that its requests share nothing."""
+    from harness.eviction.admission import admit
+    from harness.eviction.settings import CONFIG_KEY, request_settings
+
+    scheduled = f"kvzip {experiment.SCHEDULED}"
+    assert scheduled not in experiment.selected()
+    assert list(experiment.selected(True, None, 3))[-1] == scheduled
+    assert list(experiment.selected(True, f"{scheduled}, kvzip context", 3)) == ["full", "kvzip context", scheduled]
+    with pytest.raises(ValueError, match="needs --layer-groups 2 or more"):
+        experiment.selected(True, scheduled)
+    tokenizer, asked = prompts
+    measured = experiment.requests_for((experiment.SCHEDULED, "kvzip"), asked, 0.5, tokenizer)
+    uniform = experiment.requests_for(("context", "kvzip"), asked, 0.5, tokenizer)
+    for request, twin in zip(measured, uniform):
+        assert request.token_ids == twin.token_ids
+        assert request.settings == {**twin.settings, "budget_schedule": "kvzip"}
+    parsed = request_settings({CONFIG_KEY: measured[0].settings}, None, 32).for_prompt(len(measured[0].token_ids), 32)
+    assert parsed.budget_schedule == "kvzip"
+    admit(parsed, 32, 30, 3, enforce_eager=True, async_scheduling=False)  # three groups of ten layers: admitted
+    with pytest.raises(ValueError, match="this engine has one"):
+        admit(parsed, 32, 30, 1, enforce_eager=True, async_scheduling=False)  # one group: nothing to allocate
+    # the comparisons put it beside full cache and pair-uniform; the summary names the engine's groups
+    rows, runs = fake_run(experiment, ["full", "kvzip context", scheduled], seed=4)
+    families = experiment.comparisons(rows)
+    assert {(e["row"], e["column"]) for e in families["Later questions"]} == {
+        ("kvzip context", "full"), (scheduled, "full"), (scheduled, "kvzip context")}
+    command = "python experiments/shared_context.py --layer-groups 3 --context-only --out x"
+    out = tmp_path / "groups"
+    write_run(experiment, out, rows, runs, command)
+    text = experiment.markdown(experiment.summarize(rows, runs), command, 6, 0.5, "smollm2-135m", 2912, families, 3,
+                               layer_groups=3)
+    assert "its attention layers as 3 KV cache groups" in text and "share no compressed context" in text
+    assert experiment.previous_run(out) is not None  # the engine sentence still parses
+    experiment.reanalyse(out)  # the groups come back from the command
+    assert "its attention layers as 3 KV cache groups" in (out / "summary.md").read_text()
