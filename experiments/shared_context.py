@@ -378,7 +378,8 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
         "*first*: the first question of each context, *later*: the other "
         f"{questions - 1}. KV blocks: blocks in use over the configuration's engine steps (the scheduler's ledger; "
         "a block the prefix cache, or the compressed-context cache, holds for no running request is free). "
-        "Evictions: prefill evictions run; shared: requests that took a context another request compressed."
+        "Evictions: prefill evictions run" + (f" (one per KV cache group: {layer_groups} per context compressed)"
+                                              if layer_groups > 1 else "") + "; shared: requests that took a context another request compressed."
         + (f" Dead questions: {dead[0]} of the {dead[1]} questions score 0 in every configuration." if dead else ""), "",
         "| configuration | first question | later questions | KV blocks peak | KV blocks mean | peak vs full | "
         "mean vs full | evictions | shared | output tok/s | wall s |",
@@ -415,7 +416,7 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
                         "`kvzip context` keeps the same count in every layer and KV head (pair-uniform). Its budgets "
                         "are measured per request, so its requests share no compressed context: each holds its own copy.",
                         ""]
-    lines += reconstruction_lines(table) + [line for entry in added or [] for line in (added_line(entry), "")]
+    lines += reconstruction_lines(table, layer_groups) + [line for entry in added or [] for line in (added_line(entry), "")]
     if families:
         from harness.analysis.clustered import section
 
@@ -426,15 +427,17 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
     return "\n".join(lines)
 
 
-def reconstruction_lines(table: list[dict]) -> list[str]:
+def reconstruction_lines(table: list[dict], layer_groups: int = 1) -> list[str]:
     """What each reconstructing configuration's passes cost (the ledger's ``reconstruct_tokens`` and
-    ``reconstruct_s``, which its eviction time ``evict_s`` includes), per compressed context too."""
+    ``reconstruct_s``, which its eviction time ``evict_s`` includes), per compressed context too (the
+    ledger counts a prefill eviction per KV cache group: one context compressed is ``layer_groups``)."""
     lines = []
     for line in table:
         tokens = number(line.get("reconstruct_tokens"))
         if not tokens:
             continue
-        seconds, evict, evictions = number(line.get("reconstruct_s")), number(line.get("evict_s")), line["prefill_evictions"]
+        seconds, evict = number(line.get("reconstruct_s")), number(line.get("evict_s"))
+        evictions = line["prefill_evictions"] / layer_groups
         lines += [f"`{line['configuration']}` reconstructed its contexts with {tokens:,.0f} tokens of passes in "
                   f"{seconds:.1f} s (the ledger's `reconstruct_tokens` and `reconstruct_s`; "
                   + (f"{tokens / evictions:,.0f} tokens and {seconds / evictions:.2f} s per compressed context, "
