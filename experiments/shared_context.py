@@ -82,8 +82,9 @@ MODES = ("context", "prompt", "first question")
 CONTEXT_ONLY = ("streaming", "keydiff", "kvzip")  # the context mode alone
 UNSHARED = "context unshared"            # PagedEviction's context mode with share_context=false
 SCHEDULED = "context schedule=kvzip"     # KVzip's context mode with its global threshold over layer groups
+SCHEDULED_NAME = f"kvzip {SCHEDULED}"    # its configuration's name (name_of)
 # Compared beside each one's difference from full cache: KVzip against PagedEviction, both compressing the context.
-EXTRA_PAIRS = (("kvzip context", "paged context"), (f"kvzip {SCHEDULED}", "kvzip context"))
+EXTRA_PAIRS = (("kvzip context", "paged context"), (SCHEDULED_NAME, "kvzip context"))
 ADDED = "added.json"                     # configurations a later --configs run added to a directory's run
 
 
@@ -110,8 +111,8 @@ def selected(context_only: bool = False, configs: str | None = None,
     if configs is None:
         return named
     wanted = [name.strip() for name in configs.split(",") if name.strip()]
-    if f"kvzip {SCHEDULED}" in wanted and layer_groups < 2:
-        raise ValueError(f"--configs {f'kvzip {SCHEDULED}'!r} needs --layer-groups 2 or more: with the layers as one "
+    if SCHEDULED_NAME in wanted and layer_groups < 2:
+        raise ValueError(f"--configs {SCHEDULED_NAME!r} needs --layer-groups 2 or more: with the layers as one "
                          "KV cache group there is no allocation across groups to measure")
     unknown = [name for name in wanted if name not in named]
     if unknown or not wanted:
@@ -329,7 +330,7 @@ def comparisons(rows: list[dict]) -> dict[str, list[dict]]:
 
     present = {row["configuration"] for row in rows}
     names = ([f"{policy} {mode}" for policy in POLICIES for mode in MODES] + [f"{p} context" for p in CONTEXT_ONLY]
-             + [f"kvzip {SCHEDULED}"])
+             + [SCHEDULED_NAME])
     pairs = [(name, "full") for name in names]
     for policy in POLICIES:
         pairs += [(f"{policy} context", f"{policy} prompt"), (f"{policy} first question", f"{policy} prompt"),
@@ -409,8 +410,8 @@ def markdown(table: list[dict], command: str, contexts: int, ratio: float, model
         lines[-1:-1] = [f"`{unshared['configuration']}` asks the requests of `paged context`, each compressing its "
                         f"own copy: {unshared['same_as_shared']} of its {unshared['requests']} answers are the same "
                         "text as with the context shared.", ""]
-    if any(line["configuration"] == f"kvzip {SCHEDULED}" for line in table):
-        lines[-1:-1] = [f"`kvzip {SCHEDULED}` compresses each context as `kvzip context` does, at the same ratio, with "
+    if any(line["configuration"] == SCHEDULED_NAME for line in table):
+        lines[-1:-1] = [f"`{SCHEDULED_NAME}` compresses each context as `kvzip context` does, at the same ratio, with "
                         "each group's budget from KVzip's one threshold over every layer's and KV head's reconstruction "
                         "scores (`budget_schedule=kvzip`, kvpress's default allocation at group granularity) where "
                         "`kvzip context` keeps the same count in every layer and KV head (pair-uniform). Its budgets "
@@ -543,7 +544,7 @@ def runs_of(previous: list[dict]) -> dict[str, tuple[float, dict]]:
 
 @dataclass(frozen=True)
 class Earlier:
-    """What a run left in a directory: its command, model, pool and ratio (``summary.md``), its rows
+    """What a run left in a directory: its command, model, pool, ratio and layer groups (``summary.md``), its rows
     (``requests.jsonl``), its summary lines (``summary.csv``; a column a line lacks is absent from
     it, not NaN) and the configurations added to it since (``added.json``)."""
 
@@ -551,6 +552,7 @@ class Earlier:
     model: str
     pool: int
     ratio: float
+    layer_groups: int        # the command's --layer-groups (1 where it gives none)
     rows: list[dict]
     table: list[dict]
     added: list[dict]
@@ -571,7 +573,9 @@ def previous_run(out: Path) -> Earlier | None:
         raise SystemExit(f"{out}/summary.md: no command, model, pool or ratio to keep")
     table = [{key: value for key, value in line.items() if not (isinstance(value, float) and value != value)}
              for line in pd.read_csv(out / "summary.csv").to_dict("records")]
+    groups = re.search(r"--layer-groups (\d+)", found[0].group(1))
     return Earlier(found[0].group(1), found[1].group(1), int(found[1].group(2)), float(found[2].group(1)),
+                   int(groups.group(1)) if groups else 1,
                    [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()], table,
                    json.loads((out / ADDED).read_text()) if (out / ADDED).exists() else [])
 
@@ -601,8 +605,6 @@ def reanalyse(out: Path) -> int:
     """The statistics again from what the engine run left (``requests.jsonl``; the timings, KV counts,
     model and pool in ``summary.csv`` and ``summary.md``), no engine and no model: summary.md,
     summary.csv and comparisons.csv rewritten, the plot redrawn."""
-    import re
-
     import pandas as pd
 
     earlier = previous_run(out)
@@ -614,12 +616,11 @@ def reanalyse(out: Path) -> int:
         line["output_tokens_per_s"] = old["output_tokens_per_s"]
     families = comparisons(rows)
     trials = (pd.read_csv(out / "trials.csv").to_dict("records") if (out / "trials.csv").exists() else None)
-    groups = re.search(r"--layer-groups (\d+)", earlier.command)
     (out / "summary.md").write_text(markdown(
         table, earlier.command, len({row["context"] for row in rows}), earlier.ratio, earlier.model, earlier.pool,
         families, 1 + max(row["question"] for row in rows),
         "rounds" if "--arrivals rounds" in earlier.command else "together", dead_questions(rows), trials,
-        earlier.added or None, record_code(out, None), int(groups.group(1)) if groups else 1))
+        earlier.added or None, record_code(out, None), earlier.layer_groups))
     pd.DataFrame(table).to_csv(out / "summary.csv", index=False)
     write_comparisons(families, out)
     plot(table, out / "shared_context.png")
@@ -718,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # vLLM keeps one null block out of the pool: one more than the blocks asked for
     blocks = None if args.pool_blocks is None else args.pool_blocks + 1
-    engine_settings = replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=blocks)  # layer_groups: run's
+    # (engine.layer_groups came with the run's settings above, checked there)
+    engine_settings = replace(run.engine, kv_cache_gib=args.kv_cache_gib, num_kv_blocks=blocks)
     engine = Engine(model_path, run.model, engine_settings, run.block_size, seed=run.seed, prefix_caching=True)
     rows, runs, trials = [], {}, []
     try:

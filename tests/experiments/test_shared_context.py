@@ -332,6 +332,6 @@ def test_kvzips_schedule_across_layer_groups_needs_groups_and_asks_the_context_m
     assert "its attention layers as 3 KV cache groups" in text and "share no compressed context" in text
     # the ledger counts an eviction per group: 6 per run here is 2 contexts compressed, 6,000 tokens each
     assert "6,000 tokens and 0.75 s per compressed context" in text and "3 per context compressed" in text
-    assert experiment.previous_run(out) is not None  # the engine sentence still parses
+    assert experiment.previous_run(out).layer_groups == 3  # the engine sentence still parses; groups from the command
     experiment.reanalyse(out)  # the groups come back from the command
     assert "its attention layers as 3 KV cache groups" in (out / "summary.md").read_text()
