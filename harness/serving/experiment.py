@@ -160,15 +160,21 @@ def measure(options: Options, server, model: dict, path: str, tokenizer, workloa
                 "contexts": len({item.context for item in workload.items}) if workload.scored else None,
                 **({"turns": workload.turns} if workload.turns > 1 else {})}
     (out / "settings.json").write_text(json.dumps(settings, indent=1, default=str) + "\n")
-    return write_summaries(out, settings, rows, requests, alone)
+    return write_summaries(out, settings, rows, requests, alone, workload)
 
 
-def write_summaries(out: Path, settings: dict, rows: list[dict], requests: list[dict], alone: list[dict]) -> str:
+def write_summaries(out: Path, settings: dict, rows: list[dict], requests: list[dict], alone: list[dict],
+                    workload) -> str:
     """``runs.csv``, ``requests.jsonl``, ``summary.csv``, ``accuracy.csv``, ``summary.md`` and
     ``pareto.png`` from the runs' rows; returns ``summary.md``'s text."""
     import pandas as pd
 
     from harness.serving import summary
+    from harness.serving.workloads import blocks_at_once
+
+    # what full cache needs beside the pool (whether it queues), from the workload, so a sweep saved
+    # before this was said gets it too
+    settings = {**settings, "full_cache_blocks": blocks_at_once(workload, settings["block_size"])}
 
     table, accuracy = summary.rate_table(rows), summary.accuracy_table(requests)
     pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
@@ -220,7 +226,7 @@ def summarize(out: Path) -> str:
         rows.append(row)
         requests += scored
     alone = json.loads((out / "alone.json").read_text()) if (out / "alone.json").is_file() else []
-    return write_summaries(out, settings, rows, requests, alone)
+    return write_summaries(out, settings, rows, requests, alone, workload)
 
 
 VERIFIED = "verified.json"  # in a sweep's folder: its last verification
@@ -273,7 +279,7 @@ def verify(out: Path, server=None) -> dict:
             replayed = served_alone(bench, settings["configurations"], committed, replay)
     moved += [f"{entry['configuration']} {entry['context']} question {entry['question']}: the text parts from the "
               f"committed one at character {entry['parted_at_char']}" for entry in replayed if not entry["equal"]]
-    record = {"study": f"serving/{settings['workload']}", "verdict": "moved" if moved else "verified",
+    record = {"study": f"serving/{out.name}", "verdict": "moved" if moved else "verified",
               "code_version": code_version(ROOT), "git_commit": git_commit(ROOT),
               "ran_at": (settings.get("provenance") or {}).get("code_version"), "moved": moved,
               "recomputed": [name for name in RECOMPUTED if (out / name).is_file()], "replayed": replayed,

@@ -319,6 +319,17 @@ def ratio_text(line: dict, key: str) -> str:
     return f"{estimate:.2f}x" + ("" if low is None else f" ({low:.2f}-{high:.2f})")
 
 
+def pool_clause(settings: dict) -> str:
+    """Whether full cache queues on the sweep's pool: what it needs to run every request (conversation)
+    at once, ``workloads.blocks_at_once``, against the pool (empty for settings that do not say)."""
+    needs = settings.get("full_cache_blocks")
+    if needs is None:
+        return ""
+    return (f", {'where full cache queues' if settings['pool_blocks'] < needs else 'where full cache does not queue'}: "
+            f"with prefix caching it needs {needs} to run every "
+            f"{'request' if settings.get('turns', 1) == 1 else 'conversation'} at once")
+
+
 def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: list[dict] | None = None,
              split: list[dict] | None = None, rows: list[dict] | None = None) -> str:
     from harness.serving.workloads import rate_unit
@@ -331,7 +342,8 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
              + (f" (commit {settings['provenance']['git_commit']}, code version "
                 f"{settings['provenance']['code_version']})" if settings.get("provenance") else ""), "",
              f"{settings['description']}. One `vllm serve` ({settings['model']}, prefix caching on, the eviction "
-             f"scheduler, a pool of {settings['pool_blocks']} blocks of {settings['block_size']} tokens), every "
+             f"scheduler, a pool of {settings['pool_blocks']} blocks of {settings['block_size']} tokens"
+             + pool_clause(settings) + "), every "
              "configuration a per-request `vllm_xargs` setting; "
              + ("vLLM's own `benchmark()` (`vllm/benchmarks/serve.py`) sends the requests as token ids with Poisson "
                 "arrivals (burstiness 1.0) at each rate" if turns == 1 else

@@ -393,3 +393,17 @@ def test_a_conversation_runs_row_counts_what_later_turns_computed_and_the_chain_
             "0.90x (0.90-0.90) | 3/6 |") in text
     # a single-turn sweep's rows carry no blocks: no section, so its summary is what it was
     assert conversation_section([row("full", 0.5, 1, 10.0)], "req/s") == []
+
+
+def test_the_summary_says_whether_full_cache_queues_on_the_pool():
+    from harness.serving.summary import markdown, pool_clause
+
+    settings = {"workload": "w", "command": "c", "description": "d", "model": "m", "pool_blocks": 159, "block_size": 32,
+                "ignore_eos": False, "goodput": {"ttft": 5000.0}, "ratio": 0.5, "trials": 3}
+    assert pool_clause(settings) == ""  # settings that do not say what full cache needs
+    queues = markdown([], [], {**settings, "full_cache_blocks": 317}, None)
+    assert ("a pool of 159 blocks of 32 tokens, where full cache queues: with prefix caching it needs 317 to run "
+            "every request at once)") in queues
+    roomy = pool_clause({**settings, "pool_blocks": 318, "full_cache_blocks": 317})
+    assert roomy == ", where full cache does not queue: with prefix caching it needs 317 to run every request at once"
+    assert "every conversation at once" in pool_clause({**settings, "full_cache_blocks": 317, "turns": 4})
