@@ -178,6 +178,9 @@ STUDIES: tuple[Study, ...] = (
     Study("serving/shared_context_long", command="python experiments/serving.py", minutes=48, measured=True),
     Study("serving/shared_context_long_kvzip", command="python experiments/serving.py --configs 'full,paged context,kvzip "
           "context' --rates 0.257 --trials 3 --out results/serving/shared_context_long_kvzip", minutes=27, measured=True),
+    # the short-answer questions of results/shared_context served the same way (77 min alone here)
+    Study("serving/shared_context", command="python experiments/serving.py --workload shared_context", minutes=77,
+          measured=True),
     # conversations: full cache, recompressing each turn's history, and the chain (124 min alone here,
     # most of it the arrival spans of the two lowest rates)
     Study("serving/multi_turn", command="python experiments/serving.py --workload multi_turn --configs "

@@ -478,11 +478,20 @@ def conversation_section(rows: list[dict], unit: str) -> list[str]:
     return lines + [""]
 
 
+def error_bars(values: list[float], halves: list) -> list | None:
+    """Matplotlib's ``[lower arms, upper arms]`` for figures that cannot be negative (a latency, a
+    throughput, a goodput): each half-width, its lower arm cut at zero where a wide interval over
+    three trials would cross it; None (no bars) where a figure has no interval (one trial)."""
+    if None in halves:
+        return None
+    return [[min(h, v) for v, h in zip(values, halves)], list(halves)]
+
+
 def plot(table: list[dict], path, title: str, unit: str = "req/s") -> None:
     """Latency against throughput, one curve per configuration through its rates (means over
     trials, bars their 95% t-intervals over trials): median end-to-end latency and median TTFT
-    against output tok/s, and goodput against the offered rate. The Pareto front of a
-    configuration is its curve's lower right."""
+    against output tok/s, and goodput against the offered rate (a bar's lower arm cut at zero). The
+    Pareto front of a configuration is its curve's lower right."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -496,22 +505,22 @@ def plot(table: list[dict], path, title: str, unit: str = "req/s") -> None:
         for axis, key, label in ((axes[0], "median_e2el_ms", "median end-to-end latency (s)"),
                                  (axes[1], "median_ttft_ms", "median TTFT (s)")):
             half = [line.get(f"{key}_half") for line in mine]
-            axis.errorbar(throughput, [line[key] / 1000 for line in mine], marker="o", label=name, capsize=3,
-                          xerr=None if None in across else across,
-                          yerr=None if None in half else [h / 1000 for h in half])
+            seconds = [line[key] / 1000 for line in mine]
+            axis.errorbar(throughput, seconds, marker="o", label=name, capsize=3, xerr=error_bars(throughput, across),
+                          yerr=error_bars(seconds, [None if h is None else h / 1000 for h in half]))
             axis.set_xlabel("output tokens per second")
             axis.set_ylabel(label)
             for line in mine:
                 axis.annotate(f"{line['rate']:g}", (line["output_tok_s"], line[key] / 1000), fontsize=7,
                               textcoords="offset points", xytext=(3, 3))
-        half = [line.get("request_goodput_half") for line in mine]
-        axes[2].errorbar([line["rate"] for line in mine], [line["request_goodput"] for line in mine], marker="o",
-                         label=name, capsize=3, yerr=None if None in half else half)
+        goodput = [line["request_goodput"] for line in mine]
+        axes[2].errorbar([line["rate"] for line in mine], goodput, marker="o", label=name, capsize=3,
+                         yerr=error_bars(goodput, [line.get("request_goodput_half") for line in mine]))
     axes[2].set_xlabel(f"offered rate ({unit})" if unit != "req/s" else "offered request rate (req/s)")
     axes[2].set_ylabel("goodput (req/s within the SLOs)")
     axes[0].legend(fontsize=8)
     figure.suptitle(f"{title}: latency against throughput (points labelled by {'request ' if unit == 'req/s' else ''}"
-                    "rate; bars: 95% over trials)")
+                    "rate; bars: 95% over trials, cut at 0)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

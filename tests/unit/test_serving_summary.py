@@ -184,7 +184,7 @@ def test_a_bad_goodput_is_refused_by_vllms_own_check():
 def test_the_plot_draws_each_figure_with_its_interval_over_trials(tmp_path):
     """Each plotted figure carries half its 95% t-interval over trials (t with n-1 df), None for
     one trial; the plot is written from them."""
-    from harness.serving.summary import PLOTTED, half_width, plot
+    from harness.serving.summary import PLOTTED, error_bars, half_width, plot
 
     assert half_width([10.0, 12.0, 14.0]) == pytest.approx(4.303 * 2.0 / 3 ** 0.5, rel=1e-3)
     assert half_width([10.0]) is None
@@ -198,6 +198,9 @@ def test_the_plot_draws_each_figure_with_its_interval_over_trials(tmp_path):
     assert table[0]["median_ttft_ms_half"] == pytest.approx(4.303 * 1000 / 3 ** 0.5, rel=1e-3)  # 1, 2, 3 s
     plot(table, tmp_path / "pareto.png", "w")
     assert (tmp_path / "pareto.png").stat().st_size > 10_000
+    # a latency's interval over three trials can cross zero: its bar stops there
+    assert error_bars([2.0, 0.5], [1.0, 1.5]) == [[1.0, 0.5], [1.0, 1.5]]
+    assert error_bars([2.0, 0.5], [1.0, None]) is None
 
 
 # --- where a step's time goes: the runs' saved ledgers (GET /kv_eviction/state) ----------------------
