@@ -178,6 +178,10 @@ STUDIES: tuple[Study, ...] = (
     Study("serving/shared_context_long", command="python experiments/serving.py", minutes=48, measured=True),
     Study("serving/shared_context_long_kvzip", command="python experiments/serving.py --configs 'full,paged context,kvzip "
           "context' --rates 0.257 --trials 3 --out results/serving/shared_context_long_kvzip", minutes=27, measured=True),
+    # the default sweep on a pool where full cache does not queue (what it needs at once, 317 blocks, and one
+    # more; 20 min alone here)
+    Study("serving/shared_context_long_no_queue", command="python experiments/serving.py --pool-blocks 318 --out "
+          "results/serving/shared_context_long_no_queue", minutes=20, measured=True),
     # the short-answer questions of results/shared_context served the same way (77 min alone here)
     Study("serving/shared_context", command="python experiments/serving.py --workload shared_context", minutes=77,
           measured=True),
