@@ -185,6 +185,9 @@ STUDIES: tuple[Study, ...] = (
     # the short-answer questions of results/shared_context served the same way (77 min alone here)
     Study("serving/shared_context", command="python experiments/serving.py --workload shared_context", minutes=77,
           measured=True),
+    # vLLM's own synthetic (unscored), smaller than its defaults to fit a session (32 min alone here)
+    Study("serving/prefix_repetition", command="python experiments/serving.py --workload prefix_repetition "
+          "--num-requests 12 --num-prefixes 4 --output-len 128", minutes=32, measured=True),
     # conversations: full cache, recompressing each turn's history, and the chain (124 min alone here,
     # most of it the arrival spans of the two lowest rates)
     Study("serving/multi_turn", command="python experiments/serving.py --workload multi_turn --configs "
