@@ -90,3 +90,31 @@ def test_every_committed_serving_sweep_is_a_step_remade_by_the_command_that_made
         assert [*command[1:]] == shlex.split(recorded)[1:], (command, recorded)
         assert step.cells() == [sweep / "settings.json"]
         assert regenerate.version_of(sweep / "settings.json") is not None
+
+
+def test_a_study_missing_cells_of_its_sweep_is_partial_whatever_its_summary_says(tmp_path, monkeypatch):
+    """A study made in chunks (policy by policy, over sessions) holds some of its sweep's cells at
+    this version and a summary newer than them: it reads ``partial`` until every cell its sweep
+    writes exists, then ``done``; the plan says how many are missing."""
+    import yaml
+
+    (step,) = [step for step in regenerate.STEPS if step.name == "ruler_context_gemma3"]
+    wanted = sorted(regenerate.sweep_run_dirs(tuple(step.commands[0][step.commands[0].index("-m") + 1:])))
+    assert len(wanted) == 33  # full cache once, eight policies at four ratios
+    monkeypatch.setattr(regenerate, "ROOT", tmp_path)
+
+    def make(cell: str) -> None:
+        folder = tmp_path / cell
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump({"provenance": {"code_version": "v1"}}))
+        (folder / "perf.json").write_text("{}")
+
+    for cell in wanted[:-1]:
+        make(cell)
+    (tmp_path / "results" / step.folder / "summary.csv").write_text("x\n")
+    assert regenerate.held_status(step, "v1")[0] == "done"  # what the folder alone would say
+    assert regenerate.status(step, "v1") == ("partial", [])
+    assert regenerate.missing_cells(step) == [wanted[-1]]
+    make(wanted[-1])
+    (tmp_path / "results" / step.folder / "summary.csv").write_text("x\n")
+    assert regenerate.status(step, "v1") == ("done", [])
