@@ -253,6 +253,7 @@ def verify(out: Path, server=None) -> dict:
     from harness.config.models import resolve_model_path
     from harness.records.provenance import code_version, git_commit
     from harness.serving.bench import Bench, served_alone
+    from harness.serving.summary import usable_blocks
 
     out = Path(out).resolve()
     if not (out / "settings.json").is_file():
@@ -273,7 +274,7 @@ def verify(out: Path, server=None) -> dict:
                                   {"seed": settings["seed"], **settings["workload_options"]})
         replay = Path(scratch) / "replay"
         replay.mkdir()
-        with serving(server, model, path, workload, settings["block_size"], settings["pool_blocks"], None,
+        with serving(server, model, path, workload, settings["block_size"], usable_blocks(settings), None,
                      replay / "vllm.log") as running:
             bench = Bench(running, path, tokenizer, workload, settings["ratio"], settings["goodput"])
             replayed = served_alone(bench, settings["configurations"], committed, replay)

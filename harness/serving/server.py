@@ -134,7 +134,8 @@ class Server:
         return parse_metrics(urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode())
 
     def pool_blocks(self) -> int:
-        """The KV pool vLLM made, in blocks (the ``num_gpu_blocks`` label of ``vllm:cache_config_info``)."""
+        """The KV pool vLLM made, in blocks (the ``num_gpu_blocks`` label of ``vllm:cache_config_info``),
+        its null block included (``harness.serving.summary.usable_blocks``: what requests can hold)."""
         import re
 
         text = urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()

@@ -319,13 +319,21 @@ def ratio_text(line: dict, key: str) -> str:
     return f"{estimate:.2f}x" + ("" if low is None else f" ({low:.2f}-{high:.2f})")
 
 
+def usable_blocks(settings: dict) -> int:
+    """The pool's blocks requests can hold: ``pool_blocks`` is vLLM's ``num_gpu_blocks`` (the label
+    ``Server.pool_blocks`` reads), which counts the null block vLLM takes out of the free queue when
+    it builds the pool (vllm/v1/core/block_pool.py:187), as the eviction ledger's pool does not."""
+    return settings["pool_blocks"] - 1
+
+
 def pool_clause(settings: dict) -> str:
     """Whether full cache queues on the sweep's pool: what it needs to run every request (conversation)
-    at once, ``workloads.blocks_at_once``, against the pool (empty for settings that do not say)."""
+    at once, ``workloads.blocks_at_once``, against the blocks requests can hold (empty for settings
+    that do not say)."""
     needs = settings.get("full_cache_blocks")
     if needs is None:
         return ""
-    return (f", {'where full cache queues' if settings['pool_blocks'] < needs else 'where full cache does not queue'}: "
+    return (f", {'where full cache queues' if usable_blocks(settings) < needs else 'where full cache does not queue'}: "
             f"with prefix caching it needs {needs} to run every "
             f"{'request' if settings.get('turns', 1) == 1 else 'conversation'} at once")
 
@@ -342,7 +350,8 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
              + (f" (commit {settings['provenance']['git_commit']}, code version "
                 f"{settings['provenance']['code_version']})" if settings.get("provenance") else ""), "",
              f"{settings['description']}. One `vllm serve` ({settings['model']}, prefix caching on, the eviction "
-             f"scheduler, a pool of {settings['pool_blocks']} blocks of {settings['block_size']} tokens"
+             f"scheduler, a pool of {usable_blocks(settings)} blocks of {settings['block_size']} tokens (vLLM's "
+             f"{settings['pool_blocks']} less its null block)"
              + pool_clause(settings) + "), every "
              "configuration a per-request `vllm_xargs` setting; "
              + ("vLLM's own `benchmark()` (`vllm/benchmarks/serve.py`) sends the requests as token ids with Poisson "

@@ -405,8 +405,10 @@ def test_the_summary_says_whether_full_cache_queues_on_the_pool():
                 "ignore_eos": False, "goodput": {"ttft": 5000.0}, "ratio": 0.5, "trials": 3}
     assert pool_clause(settings) == ""  # settings that do not say what full cache needs
     queues = markdown([], [], {**settings, "full_cache_blocks": 317}, None)
-    assert ("a pool of 159 blocks of 32 tokens, where full cache queues: with prefix caching it needs 317 to run "
-            "every request at once)") in queues
-    roomy = pool_clause({**settings, "pool_blocks": 318, "full_cache_blocks": 317})
+    assert ("a pool of 158 blocks of 32 tokens (vLLM's 159 less its null block), where full cache queues: with "
+            "prefix caching it needs 317 to run every request at once)") in queues
+    roomy = pool_clause({**settings, "pool_blocks": 318, "full_cache_blocks": 317})  # 317 blocks for requests
     assert roomy == ", where full cache does not queue: with prefix caching it needs 317 to run every request at once"
+    # vLLM's count holds its null block: 317 of them leave 316 for requests, one short
+    assert pool_clause({**settings, "pool_blocks": 317, "full_cache_blocks": 317}).startswith(", where full cache queues")
     assert "every conversation at once" in pool_clause({**settings, "full_cache_blocks": 317, "turns": 4})
