@@ -49,10 +49,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harness.analysis.studies import refuse_uncommitted  # noqa: E402
+from harness.analysis.verdicts import ratio_word, trials_verdict  # noqa: E402
 from harness.bench.replay import EXACT, compared_runs  # noqa: E402
-from harness.bench.throughput import (Cell, Setting, Workload, design_lines, median_of, ratio_word, read_cells,
-                                     run_order, run_setting, summarize_setting, trials_text, trials_verdict,
-                                     write_report)
+from harness.bench.throughput import (Cell, Setting, Workload, design_lines, median_of, read_cells,  # noqa: E402
+                                     run_order, run_setting, summarize_setting, trials_text, write_report)
 from harness.records.provenance import code_version
 
 POLICIES = ("paged", "streaming", "knorm")

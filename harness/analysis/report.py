@@ -44,7 +44,7 @@ from harness.analysis.silence import dead_samples
 from harness.records.results import atomic_write_text, read_json
 from harness.analysis.stats import MAX_FLIPS, ratio_interval
 from harness.analysis.studies import THROUGHPUT_MARGIN, Study, accuracy_studies, throughput_settings
-from harness.analysis.verdicts import ACROSS_MODELS, ratio_verdict, verdict as verdict_of
+from harness.analysis.verdicts import ACROSS_MODELS, trials_verdict, verdict as verdict_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("results")
@@ -284,14 +284,13 @@ def throughput_section(setting: str, root: Path) -> list[str]:
         word = "-"
         if base == baseline:
             ratio = "1 (baseline)"
-        elif len(ratios) >= 2:
-            interval = ratio_interval(ratios)
-            ratio = f"{interval.estimate:.2f} ({interval.low:.2f}, {interval.high:.2f})"
-            # prefill seconds: lower is better; output tok/s: higher
-            word = ratio_verdict(interval.estimate, interval.low, interval.high, THROUGHPUT_MARGIN, not prefill)
-        else:
-            ratio = f"{ratios[0]:.2f} (one trial: no interval)"
-            word = "no verdict"
+        else:  # prefill seconds: lower is better; output tok/s: higher
+            word = trials_verdict(ratios, higher_is_better=not prefill)
+            if len(ratios) >= 2:
+                interval = ratio_interval(ratios)
+                ratio = f"{interval.estimate:.2f} ({interval.low:.2f}, {interval.high:.2f})"
+            else:
+                ratio = f"{ratios[0]:.2f} (one trial: no interval)"
         parts.append(f"| {base} | {len(ratios)} | {ratio} | {word} | "
                      + " | ".join(percent(cells, c) for _, c in shares) + " |")
     return parts + [""] + kvzip_note(frame["base"])

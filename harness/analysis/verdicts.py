@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 
 SIGNIFICANCE = 0.05
-VERDICTS = ("better", "worse", "equivalent", "non-inferior", "inconclusive", "no verdict")
+NO_VERDICT = "no verdict"  # a design that cannot decide, or a ratio measured once (no interval)
+VERDICTS = ("better", "worse", "equivalent", "non-inferior", "inconclusive", NO_VERDICT)
 # How one comparison decides on two models, each by its own verdict: ``{a}`` and ``{b}`` are the
 # models' names. Here, not in harness.analysis.cross_model, because report prints them too
 # (RESULTS.md's across-models lines) and cross_model imports report: report cannot import it.
@@ -32,7 +33,7 @@ ACROSS_MODELS = ("same direction on both", "opposite ways", "decided on {a} only
 def verdict(diff: float, low: float, high: float, p_holm: float, margin: float | None, *,
             higher_is_better: bool = True, settled: bool = True, decidable: bool = True) -> str:
     if not decidable:
-        return "no verdict"
+        return NO_VERDICT
     if settled and p_holm == p_holm and p_holm < SIGNIFICANCE:
         return "better" if (diff > 0) == higher_is_better else "worse"
     if margin is None or not (math.isfinite(low) and math.isfinite(high)):
@@ -56,3 +57,21 @@ def ratio_verdict(estimate: float, low: float, high: float, margin: float, highe
     if (low > floor) if higher_is_better else (high < ceiling):
         return "non-inferior"
     return "inconclusive"
+
+
+def ratio_word(interval, higher_is_better: bool = True) -> str:
+    """The verdict on a ratio to its reference from its 95% interval (an ``Interval`` of
+    ``harness.analysis.stats``): ``ratio_verdict`` at ``THROUGHPUT_MARGIN``, the one function and
+    margin of every throughput summary and of RESULTS.md's throughput tables, so that the two never
+    give one comparison two words (issue 65: every ratio stated over trials carries a verdict)."""
+    from harness.analysis.studies import THROUGHPUT_MARGIN
+
+    return ratio_verdict(interval.estimate, interval.low, interval.high, THROUGHPUT_MARGIN, higher_is_better)
+
+
+def trials_verdict(ratios: list[float], higher_is_better: bool = True) -> str:
+    """The verdict on a ratio measured once per trial (``ratio_word`` of its t-interval over the
+    trials, ``harness.analysis.stats.ratio_interval``); one trial has no interval: no verdict."""
+    from harness.analysis.stats import ratio_interval
+
+    return ratio_word(ratio_interval(ratios), higher_is_better) if len(ratios) >= 2 else NO_VERDICT

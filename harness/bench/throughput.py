@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.analysis.studies import THROUGHPUT_MARGIN
-from harness.analysis.verdicts import ratio_verdict
+from harness.analysis.verdicts import NO_VERDICT, ratio_word
 from harness.config.models import KVCacheGroup, ModelShape
 from harness.records.results import atomic_write_text
 
@@ -535,26 +535,6 @@ def same_configuration(table: pd.DataFrame, policy: str, budget, pool: str) -> p
     setup: what a cell run another way (two workers, G layer groups) is compared with."""
     same_budget = (table["budget"] == budget) | (pd.isna(budget) & table["budget"].isna())
     return table[(table["policy.name"] == policy) & (table["pool"] == pool) & same_budget]
-
-
-# Issue 65: every ratio a summary states over trials carries a verdict against its reference.
-NO_VERDICT = "no verdict"
-
-
-def ratio_word(interval, higher_is_better: bool = True) -> str:
-    """The verdict on a ratio to its reference from its 95% interval: ``ratio_verdict`` at
-    ``THROUGHPUT_MARGIN``, the function and margin of RESULTS.md's throughput tables
-    (``harness.analysis.report.throughput_section``), so that a summary and RESULTS.md never give
-    one comparison two words."""
-    return ratio_verdict(interval.estimate, interval.low, interval.high, THROUGHPUT_MARGIN, higher_is_better)
-
-
-def trials_verdict(ratios: list[float], higher_is_better: bool = True) -> str:
-    """The verdict on a ratio measured once per trial (``ratio_word`` of its t-interval over the
-    trials, ``harness.analysis.stats.ratio_interval``); one trial has no interval: no verdict."""
-    from harness.analysis.stats import ratio_interval
-
-    return ratio_word(ratio_interval(ratios), higher_is_better) if len(ratios) >= 2 else NO_VERDICT
 
 
 def design_lines(direction: str) -> list[str]:

@@ -107,7 +107,7 @@ def test_each_ratio_is_judged_at_the_margin_stated_before_the_run():
     interval and decides nothing."""
     from harness.analysis.stats import Interval
     from harness.analysis.studies import THROUGHPUT_MARGIN
-    from harness.bench.throughput import ratio_word, trials_verdict
+    from harness.analysis.verdicts import ratio_word, trials_verdict
 
     assert THROUGHPUT_MARGIN == 0.05
     assert ratio_word(Interval(1.2, 1.1, 1.3, 4)) == "better"  # the interval lies above 1
