@@ -42,7 +42,6 @@ from harness.records.results import atomic_write_text, read_json
 
 FULL = "avg_vs_full"  # the column stem of a cell's paired difference from full cache (aggregate's)
 DECIDED = ("better", "worse")  # the verdicts Holm decides (harness.analysis.verdicts)
-CLASSES = ACROSS_MODELS  # how a comparison decides on the two models (in verdicts: report prints them too)
 # Largest Monte Carlo standard error of a tau bound: four of them (stats.WIDTH) stay within 0.01.
 TAU_TARGET = 0.0025
 _DRAWS_AT_ONCE = 1 << 15  # bootstrap draws evaluated together (bounds memory: draws x samples)
@@ -170,10 +169,10 @@ def agreement(verdict_a: str, verdict_b: str, name_a: str, name_b: str) -> str:
     not level: two undecided comparisons are not an agreement)."""
     decided_a, decided_b = verdict_a in DECIDED, verdict_b in DECIDED
     if decided_a and decided_b:
-        return CLASSES[0] if verdict_a == verdict_b else CLASSES[1]
+        return ACROSS_MODELS[0] if verdict_a == verdict_b else ACROSS_MODELS[1]
     if decided_a or decided_b:
-        return (CLASSES[2] if decided_a else CLASSES[3]).format(a=name_a, b=name_b)
-    return CLASSES[4]
+        return (ACROSS_MODELS[2] if decided_a else ACROSS_MODELS[3]).format(a=name_a, b=name_b)
+    return ACROSS_MODELS[4]
 
 
 # ---------------------------------------------------------------- the order of policies
@@ -405,7 +404,7 @@ def design_line(a: StudyRuns, b: StudyRuns, frame: pd.DataFrame, found: list[Ord
 
 def classification_lines(frame: pd.DataFrame, name_a: str, name_b: str) -> list[str]:
     evicting = frame[frame["policy"] != "full"]
-    classes = [c.format(a=name_a, b=name_b) for c in CLASSES]
+    classes = [c.format(a=name_a, b=name_b) for c in ACROSS_MODELS]
     counts = evicting["across_models"].value_counts()
     lines = [f"Of the {len(evicting)} comparisons against full cache (each model's own verdict, Holm over its own "
              "family): " + ", ".join(f"{int(counts.get(c, 0))} {c}" for c in classes) + ". Undecided is not "

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from harness.analysis.aggregate import load_runs, write_summary
-from harness.analysis.cross_model import (CLASSES, Refused, agreement, compare_studies, kendall_tau, main,
-                                          order_agreement)
+from harness.analysis.cross_model import Refused, agreement, compare_studies, kendall_tau, main, order_agreement
 from harness.analysis.report import across_models_lines
 from harness.analysis.studies import Study
+from harness.analysis.verdicts import ACROSS_MODELS
 from tests.support.recompute_intervals import comparisons
 from tests.unit.test_aggregate import write_run
 
@@ -89,7 +89,7 @@ def test_each_comparison_is_classified_by_how_it_decides_on_both_models(tmp_path
 
 def test_agreement_counts_only_holm_decisions():
     """Only better/worse are decided; equivalent, non-inferior, inconclusive and no verdict are not."""
-    assert agreement("worse", "worse", "a", "b") == CLASSES[0]
+    assert agreement("worse", "worse", "a", "b") == ACROSS_MODELS[0]
     assert agreement("better", "worse", "a", "b") == "opposite ways"
     assert agreement("worse", "equivalent", "a", "b") == "decided on a only"
     assert agreement("no verdict", "better", "a", "b") == "decided on b only"
