@@ -335,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
             note = f", {len(stale)} made at another version and replayed equal at this one (kept)"
         else:
             note = f", {len(stale)} made at another version (deleted before it runs)"
-        if state == "partial" and missing_cells(step):
-            note += f", {len(missing_cells(step))} of its sweep's cells not made yet"
+        missing = missing_cells(step) if state == "partial" else []
+        if missing:
+            note += f", {len(missing)} of its sweep's cells not made yet"
         print(f"  {step.name:{width}s} {state:8s} {step.minutes:5.0f} min{'' if step.measured else ' (planned)'}{note}")
     outside = retired(steps)
     if outside:
