@@ -126,13 +126,12 @@ def sweep_run_dirs(overrides: tuple[str, ...]) -> frozenset[str]:
     from hydra import compose, initialize_config_dir
 
     from harness.config import run_settings
-    from harness.run.sweep import expand_sweep
+    from harness.run.sweep import sweep_cells
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         swept = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-        params = [f"{key}={value}" for key, value in (swept.hydra.sweeper.get("params") or {}).items()]
         return frozenset(str(run_settings(compose(config_name="config", overrides=cell)).run_dir)
-                         for cell in expand_sweep(params + list(overrides)))
+                         for cell in sweep_cells(swept, list(overrides)))
 
 
 def missing_cells(step: Step) -> list[str]:

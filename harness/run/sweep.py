@@ -26,6 +26,14 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return cells
 
 
+def sweep_cells(config: DictConfig, overrides: list[str]) -> list[list[str]]:
+    """Every cell's overrides of ``run.py -m <overrides>``: the sweep parameters of ``config``
+    (composed with Hydra's config; an experiment's ``hydra.sweeper.params``) and then the command
+    line's, which replace them where both name a key, expanded as the sweep expands them."""
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+    return expand_sweep(params + list(overrides))
+
+
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
@@ -45,8 +53,7 @@ class SweepProgress(Callback):
         from harness.config import ConfigError, run_settings
         from harness.records.results import is_complete
 
-        params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
-        cells = expand_sweep(params + list(config.hydra.overrides.task))
+        cells = sweep_cells(config, list(config.hydra.overrides.task))
         pending = self.pending
         for overrides in cells:
             cell = compose(config_name="config", overrides=overrides)

@@ -21,12 +21,11 @@ def compose_cfg(*overrides: str):
 def experiment_cells(experiment: str) -> list[list[str]]:
     """Every cell's overrides of ``run.py -m +experiment=<experiment>``: its config's sweep parameters
     expanded as the sweep itself expands and checks them (``harness.run.sweep.SweepProgress``)."""
-    from harness.run.sweep import expand_sweep
+    from harness.run.sweep import sweep_cells
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         config = compose("config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
-        params = [f"{key}={value}" for key, value in config.hydra.sweeper.params.items()]
-    return expand_sweep(params + [f"+experiment={experiment}"])
+    return sweep_cells(config, [f"+experiment={experiment}"])
 
 
 def test_default_config_composes():
