@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from harness.config import run_settings
-from harness.run.sweep import expand_sweep
+from harness.run.sweep import sweep_cells
 from tests.support import ROOT
 from tests.support.ci_baseline import CI_BASELINE, add_cells_command, baseline_cells, cell_policy
 
@@ -21,13 +21,12 @@ from tests.support.ci_baseline import CI_BASELINE, add_cells_command, baseline_c
 def swept_run_dirs(overrides: list[str]) -> list:
     """The run directory of every cell ``run.py -m <overrides>`` runs: the config's
     ``hydra.sweeper.params`` and then the command line's overrides, expanded as the basic sweeper
-    does (``harness.run.sweep.expand_sweep``; a later override of a key replaces an earlier one)."""
+    does (``harness.run.sweep.sweep_cells``; a later override of a key replaces an earlier one)."""
     fixed = [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         config = compose("config", overrides=fixed, return_hydra_config=True)  # a sweep composes per cell
-        params = [f"{key}={value}" for key, value in config.hydra.sweeper.params.items()]
         task = [o for o in overrides if not o.startswith(("hydra/", "hydra."))]
-        return [run_settings(compose("config", overrides=cell)).run_dir for cell in expand_sweep(params + task)]
+        return [run_settings(compose("config", overrides=cell)).run_dir for cell in sweep_cells(config, task)]
 
 
 def test_the_add_cells_command_sweeps_exactly_the_named_policies_cells_as_committed():
