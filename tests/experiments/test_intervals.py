@@ -1,7 +1,7 @@
 """Every committed paired comparison's interval agrees with its own test (issue 51): it excludes
-zero exactly when p < 0.05. Checked over every summary.csv and comparisons.csv under results/ by
-``tests/support/recompute_intervals.py``, which shares no code with ``harness/``; the same script
-recomputes a few committed intervals from the per-sample records."""
+zero exactly when p < 0.05. Checked over every summary.csv and comparisons.csv under results/ (and
+each served workload's accuracy.csv) by ``tests/support/recompute_intervals.py``, which shares no
+code with ``harness/``; the same script recomputes a few committed intervals from the per-sample records."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,9 +31,14 @@ def test_the_walk_catches_a_planted_disagreement(tmp_path: Path):
                  ).to_csv(folder / "summary.csv", index=False)
     pd.DataFrame({"row": ["c"], "column": ["d"], "low": [0.5], "high": [3.0], "p": [0.2]}).to_csv(
         folder / "comparisons.csv", index=False)
+    served = tmp_path / "results" / "serving" / "workload"  # a served workload's accuracy.csv: full cache has no comparison
+    served.mkdir(parents=True)
+    pd.DataFrame({"configuration": ["full", "paged context"], "vs_full": [None, -30.0], "vs_full_low": [None, -57.5],
+                  "vs_full_high": [None, -12.5], "p": [None, 0.06]}).to_csv(served / "accuracy.csv", index=False)
     total, found = disagreements(tmp_path)
-    assert total == 2 + 3 + 1  # the average once per run, each task row, the comparisons.csv row
-    assert len(found) == 3 and "avg_vs_b" in found[1] and " y vs_b" in found[2] and "comparisons.csv" in found[0], found
+    assert total == 2 + 3 + 1 + 1  # the average once per run, each task row, the comparisons.csv row, the served one
+    assert len(found) == 4 and "accuracy.csv" in found[0] and "vs_full" in found[0], found
+    assert "avg_vs_b" in found[2] and " y vs_b" in found[3] and "comparisons.csv" in found[1], found
 
 
 @pytest.mark.parametrize("folder, field, variant, budget, other, task", [

@@ -14,8 +14,10 @@ errors count). Zero is judged by the test's own p-value at zero (exact when at m
 differ), as the committed intervals are: that is what makes an interval exclude zero exactly when
 p < 0.05, whatever the test does at other shifts.
 
-``--agreement`` walks every summary.csv under results/ and counts comparisons whose interval and
-p-value disagree (interval excluding zero beside p >= 0.05, or containing it beside p < 0.05).
+``--agreement`` walks every summary.csv and comparisons.csv under results/, and each served
+workload's accuracy.csv (its ``vs_full_low``/``vs_full_high`` beside ``p``), and counts comparisons
+whose interval and p-value disagree (interval excluding zero beside p >= 0.05, or containing it
+beside p < 0.05).
 """
 from __future__ import annotations
 
@@ -45,9 +47,17 @@ FIELDS = {"score": ("", 100), "answer_logprob": ("answer_logprob_", 1), "top1_ag
 # ---------------------------------------------------------------- agreement of committed intervals and p
 def summaries(root: Path = ROOT) -> list[Path]:
     """Every machine-readable summary of comparisons under results/: each summary.csv and
-    comparisons.csv (run directories left out)."""
-    return sorted(p for name in ("summary.csv", "comparisons.csv") for p in (root / "results").rglob(name)
+    comparisons.csv, and each served workload's accuracy.csv (run directories left out)."""
+    return sorted(p for name in ("summary.csv", "comparisons.csv", "accuracy.csv") for p in (root / "results").rglob(name)
                   if "runs" not in p.relative_to(root).parts)
+
+
+def read_summary(path: Path) -> pd.DataFrame:
+    """A summary's frame, a served workload's accuracy.csv with its one comparison (each
+    configuration minus full cache, ``vs_full_low``/``vs_full_high``, its test's ``p``) under the
+    stem ``vs_full_`` like every other table's."""
+    frame = pd.read_csv(path, low_memory=False)
+    return frame.rename(columns={"p": "vs_full_p"}) if path.name == "accuracy.csv" else frame
 
 
 def comparisons(frame: pd.DataFrame) -> list[tuple[str, str]]:
@@ -72,7 +82,7 @@ def disagreements(root: Path = ROOT) -> tuple[int, list[str]]:
     B's) and counted from each."""
     total, found = 0, []
     for path in summaries(root):
-        frame = pd.read_csv(path, low_memory=False)
+        frame = read_summary(path)
         for index, stem in comparisons(frame):
             low, high, p = (float(frame.at[index, f"{stem}{part}"]) for part in ("low", "high", "p"))
             total += 1
