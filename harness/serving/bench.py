@@ -257,6 +257,17 @@ def sweep(bench: Bench, configurations: list[str], rates: list[float], trials: i
 ALONE = 4  # requests per configuration sent again one at a time after the sweep
 
 
+def parted_at(text: str, other: str) -> int | None:
+    """The first character where two texts part (the shorter one's length where one extends the
+    other), or None where they are equal."""
+    return next((i for i, (a, b) in enumerate(zip(text, other)) if a != b),
+                None if len(text) == len(other) else min(len(text), len(other)))
+
+
+def alone_run_name(configuration: str) -> str:
+    return f"alone-{configuration.replace(' ', '_')}"
+
+
 def served_alone(bench: Bench, configurations: list[str], requests: list[dict], out: Path) -> list[dict]:
     """Do requests served under load generate what they generate alone? The first ``ALONE`` requests
     of the workload, per configuration, sent one at a time (vLLM's ``max_concurrency`` 1, the prefix
@@ -273,13 +284,11 @@ def served_alone(bench: Bench, configurations: list[str], requests: list[dict], 
     for configuration in configurations:
         saved, samples, state = alone.run(configuration, float("inf"), 0, {"configuration": configuration,
                                                                            "purpose": "alone"}, max_concurrency=1)
-        write_run(out, f"alone-{configuration.replace(' ', '_')}", saved, samples, state)
+        write_run(out, alone_run_name(configuration), saved, samples, state)
         served = {(r["context"], r["question"]): r["prediction"] for r in requests
                   if r["configuration"] == configuration and r["trial"] == 1 and r["rate"] == top}
         for item, text in zip(sample, saved["generated_texts"]):
-            under_load = served[(item.context, item.question)]
-            parted = next((i for i, (a, b) in enumerate(zip(text, under_load)) if a != b),
-                          None if len(text) == len(under_load) else min(len(text), len(under_load)))
+            parted = parted_at(text, served[(item.context, item.question)])
             checked.append({"configuration": configuration, "context": item.context, "question": item.question,
                             "rate": top, "equal": parted is None, "parted_at_char": parted})
     (out / "alone.json").write_text(json.dumps(checked, indent=1) + "\n")

@@ -233,14 +233,40 @@ VERIFIED = "verified.json"  # in a sweep's folder: its last verification
 RECOMPUTED = ("summary.md", "summary.csv", "accuracy.csv", "runs.csv", "requests.jsonl")
 
 
+def against_committed_alone(under_load: list[dict], committed: Path, replay: Path) -> list[dict]:
+    """Each replayed request's text (``served_alone``'s entries, in its order per configuration)
+    against the committed sweep's text for the same request sent alone, where the sweep saved its
+    alone runs; the entry against the text under load where it saved none. ``against`` says which."""
+    from harness.serving.bench import alone_run_name, parted_at
+
+    def texts(folder: Path, configuration: str) -> list[str] | None:
+        path = folder / "runs" / f"{alone_run_name(configuration)}.json"
+        return json.loads(path.read_text())["generated_texts"] if path.is_file() else None
+
+    checked, position = [], {}
+    for entry in under_load:
+        configuration = entry["configuration"]
+        index = position[configuration] = position.get(configuration, -1) + 1
+        then = texts(committed, configuration)
+        if then is None:
+            checked.append({**entry, "against": "under load"})
+            continue
+        parted = parted_at(texts(replay, configuration)[index], then[index])
+        checked.append({**entry, "equal": parted is None, "parted_at_char": parted, "against": "alone"})
+    return checked
+
+
 def verify(out: Path, server=None) -> dict:
     """Does a committed sweep still stand at this code? Two checks, no timing compared:
 
     * its figures recompute: the summaries rebuilt from the saved runs in a scratch copy
       (``summarize``), each file of ``RECOMPUTED`` there equal, byte for byte, to the committed one;
     * its requests replay: the first ``ALONE`` requests per configuration sent again one at a time
-      to a fresh ``vllm serve`` at this code (or ``server``), their texts against the committed
-      ones (trial 1 at the highest rate, as ``bench.served_alone`` compares them).
+      to a fresh ``vllm serve`` at this code (or ``server``), their texts against the texts the sweep
+      got for the same requests sent alone (its ``runs/alone-*.json``): like against like, so that
+      a request the sweep itself found to part under load (its ``alone.json``; batch composition
+      moves a near tie) does not read as moved code. A sweep that saved no alone run is compared
+      with its texts under load (trial 1 at the highest rate, as ``bench.served_alone`` does).
 
     Writes ``verified.json`` in ``out`` (verdict ``verified`` or ``moved``, what moved, the code it
     ran at and the code the sweep ran at) and returns it."""
@@ -277,16 +303,20 @@ def verify(out: Path, server=None) -> dict:
         with serving(server, model, path, workload, settings["block_size"], usable_blocks(settings), None,
                      replay / "vllm.log") as running:
             bench = Bench(running, path, tokenizer, workload, settings["ratio"], settings["goodput"])
-            replayed = served_alone(bench, settings["configurations"], committed, replay)
+            under_load = served_alone(bench, settings["configurations"], committed, replay)
+        replayed = against_committed_alone(under_load, out, replay)
     moved += [f"{entry['configuration']} {entry['context']} question {entry['question']}: the text parts from the "
-              f"committed one at character {entry['parted_at_char']}" for entry in replayed if not entry["equal"]]
+              f"committed one ({entry['against']}) at character {entry['parted_at_char']}"
+              for entry in replayed if not entry["equal"]]
     record = {"study": f"serving/{out.name}", "verdict": "moved" if moved else "verified",
               "code_version": code_version(ROOT), "git_commit": git_commit(ROOT),
               "ran_at": (settings.get("provenance") or {}).get("code_version"), "moved": moved,
               "recomputed": [name for name in RECOMPUTED if (out / name).is_file()], "replayed": replayed,
+              "under_load": under_load,
               "compared": "the summaries rebuilt from the saved runs (byte for byte); the first requests per "
-                          "configuration sent again alone at this code, their texts against the committed ones; "
-                          "timings are not compared",
+                          "configuration sent again alone at this code, their texts against the committed texts "
+                          "of the same requests sent alone (runs/alone-*.json; against those served under load "
+                          "where the sweep saved none, 'against' says which); timings are not compared",
               "command": f"python experiments/serving.py --verify --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}",
               "date": time.strftime("%Y-%m-%d")}
     (out / VERIFIED).write_text(json.dumps(record, indent=1) + "\n")

@@ -71,18 +71,23 @@ def test_the_sweep_drives_vllms_benchmark_with_per_request_eviction(server, tmp_
     from harness.serving.experiment import summarize, verify
 
     assert summarize(tmp_path) == text
-    # --verify: the summaries recompute and the sample replays at this code; a committed text that is
-    # not what the server generates, or a summary edited by hand, is named as moved
+    # --verify: the summaries recompute and the sample replays at this code, each replayed text against
+    # the committed text of the same request sent alone; a committed alone text that is not what the
+    # server generates, or a summary edited by hand, is named as moved
     record = verify(tmp_path, server=server)
     assert record["verdict"] == "verified" and len(record["replayed"]) == 8, record["moved"]
+    assert {entry["against"] for entry in record["replayed"]} == {"alone"} and len(record["under_load"]) == 8
     assert json.loads((tmp_path / "verified.json").read_text())["verdict"] == "verified"
     edited = [dict(row, prediction=row["prediction"] + " (edited)") if row["configuration"] == "full" else row
               for row in rows]
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(row) + "\n" for row in edited))
     (tmp_path / "summary.md").write_text(text.replace("| 8 | paged context | 4/0 |", "| 8 | paged context | 3/1 |"))
+    alone_full = tmp_path / "runs" / "alone-full.json"
+    saved = json.loads(alone_full.read_text())
+    alone_full.write_text(json.dumps(dict(saved, generated_texts=[t + " (edited)" for t in saved["generated_texts"]])))
     moved = verify(tmp_path, server=server)["moved"]
     assert any(m.startswith("summary.md:") for m in moved) and any(m.startswith("requests.jsonl:") for m in moved)
-    assert sum("full " in m and "parts from the committed one" in m for m in moved) == 4
+    assert sum("full " in m and "parts from the committed one (alone)" in m for m in moved) == 4
 
 
 def test_conversations_follow_their_answers_and_the_chain_takes_each_turn_before(server, tmp_path):

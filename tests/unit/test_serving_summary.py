@@ -412,3 +412,30 @@ def test_the_summary_says_whether_full_cache_queues_on_the_pool():
     # vLLM's count holds its null block: 317 of them leave 316 for requests, one short
     assert pool_clause({**settings, "pool_blocks": 317, "full_cache_blocks": 317}).startswith(", where full cache queues")
     assert "every conversation at once" in pool_clause({**settings, "full_cache_blocks": 317, "turns": 4})
+
+
+def test_a_verify_replay_is_compared_with_the_committed_texts_sent_alone(tmp_path):
+    """``--verify`` replays requests alone: like against like. The committed multi_turn sweep's
+    chained codes-4 question 2 parted at character 0 alone against under load when it ran (its
+    alone.json); replayed alone at later code it gives the committed alone text, which is equal, not
+    moved. A sweep that saved no alone run falls back to the texts under load; a replay that parts
+    from the committed alone text is moved, at the character where it parts."""
+    import json
+
+    from harness.serving.bench import parted_at
+    from harness.serving.experiment import against_committed_alone
+
+    committed, replay = tmp_path / "committed", tmp_path / "replay"
+    for folder, texts in ((committed, ["a b", "c d"]), (replay, ["a b", "c x"])):
+        (folder / "runs").mkdir(parents=True)
+        (folder / "runs" / "alone-paged_context_chained.json").write_text(json.dumps({"generated_texts": texts}))
+    (replay / "runs" / "alone-full.json").write_text(json.dumps({"generated_texts": ["e"]}))
+    under_load = [{"configuration": "paged context chained", "context": "c", "question": 0, "equal": False,
+                   "parted_at_char": 0},
+                  {"configuration": "paged context chained", "context": "c", "question": 1, "equal": True,
+                   "parted_at_char": None},
+                  {"configuration": "full", "context": "c", "question": 0, "equal": False, "parted_at_char": 0}]
+    checked = against_committed_alone(under_load, committed, replay)
+    assert [(c["equal"], c["parted_at_char"], c["against"]) for c in checked] == [
+        (True, None, "alone"), (False, 2, "alone"), (False, 0, "under load")]
+    assert parted_at("abc", "abc") is None and parted_at("abc", "abd") == 2 and parted_at("ab", "abc") == 2
