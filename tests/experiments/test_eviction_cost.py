@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 
 import pandas as pd
 import pytest
@@ -97,26 +96,22 @@ def table_lines(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith("|")]
 
 
-def test_the_committed_timings_rerender_as_measured_and_say_when_they_were(tmp_path):
-    """--summary-only over the committed CSVs (measured before run records): the tables are the
-    committed ones, cell for cell; each names the commit its title recorded, says the code version was
-    not recorded then, the commit that committed the CSV, and the code version that rendered it."""
+def test_the_committed_timings_rerender_as_measured_and_name_their_clean_code(tmp_path):
+    """--summary-only over the committed CSVs and their run records: the tables are the committed
+    ones, cell for cell; each names the commit and code version its run recorded (clean: the
+    measuring code existed as committed, issue 65's provenance) and those that rendered it."""
     benchmark = load_benchmark()
     data = ROOT / "results" / "eviction_cost"
-    if (data / "summary_run.json").exists() or (data / "batch_run.json").exists():
-        pytest.skip("the committed eviction cost is not the pre-provenance run")
     benchmark.main(["--summary-only", "--out", str(tmp_path)])
-    for name, measured in (("summary", "be17cd1"), ("batch", "1cffe24+dirty")):
+    for name in ("summary", "batch"):
         committed = (data / f"{name}.md").read_text().splitlines()
         rendered = (tmp_path / f"{name}.md").read_text().splitlines()
         assert table_lines(rendered) == table_lines(committed) and rendered[0] == committed[0]
         assert rendered[2].startswith("**No verdict:")
-        commit = subprocess.run(["git", "log", "--format=%H", "-1", "--", str(data / f"{name}.csv")], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip()
-        text = "\n".join(rendered)
-        assert f"Measured at commit {measured} (as its title recorded; code version not recorded then)" in text
-        assert f"data committed at commit {commit}" in text
-        assert f"rendered at commit {LOADED['git_commit']} (code version {LOADED['code_version']})" in text
+        measured = json.loads((data / f"{name}_run.json").read_text())["provenance"]
+        assert not measured["git_commit"].endswith("+dirty") and len(measured["code_version"]) == 12
+        assert (f"Measured at commit {measured['git_commit']} (code version {measured['code_version']}); summary "
+                f"rendered at commit {LOADED['git_commit']} (code version {LOADED['code_version']})") in "\n".join(rendered)
         assert len(pd.read_csv(data / f"{name}.csv")) > 0
 
 

@@ -3,7 +3,6 @@ verdicts and provenance (issue 65, items 2 and 5), on synthetic and committed da
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -105,20 +104,20 @@ def test_a_run_records_its_provenance_and_the_summary_states_its_design(tmp_path
     assert "(1.0 min)" in rendered
 
 
-def test_the_committed_data_rerender_as_measured_and_say_when_they_were():
-    """--summary-only over the committed per_head.csv (no run.json then): the proxies' own rows are
-    the numbers the committed run printed (FINDINGS quotes them), the measuring commit is the one that
-    committed per_head.csv, the code version is said to be unrecorded, and the margin to be set after."""
+def test_the_committed_data_rerender_as_measured_and_name_their_clean_code():
+    """--summary-only over the committed per_head.csv and run.json: the tables are the committed
+    ones (FINDINGS quotes the proxies' own rows), the measuring commit and code version are the
+    run's (clean, issue 65's provenance), and the margin was stated before the run."""
     data = ROOT / "results" / "proxy_quality"
-    commit = subprocess.run(["git", "log", "--format=%H", "-1", "--", str(data / "per_head.csv")], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    if not commit or (data / "run.json").exists():
-        pytest.skip("the committed proxy study is not the pre-provenance run")
+    measured = json.loads((data / "run.json").read_text())["provenance"]
+    assert not measured["git_commit"].endswith("+dirty") and len(measured["code_version"]) == 12
     with tempfile.TemporaryDirectory() as scratch:
         proxy_quality.summary_only(data, Path(scratch))
         text = (Path(scratch) / "summary.md").read_text()
-    assert (f"Measured at commit {commit} (code version not recorded then" in text
-            and f"rendered at commit {LOADED['git_commit']} (code version {LOADED['code_version']})" in text)
-    assert "set after these data were seen" in text and "(3.6 min)" in text
+    tables = [[line for line in t.splitlines() if line.startswith("|")] for t in (text, (data / "summary.md").read_text())]
+    assert tables[0] == tables[1]
+    assert (f"Measured at commit {measured['git_commit']} (code version {measured['code_version']}); summary rendered "
+            f"at commit {LOADED['git_commit']} (code version {LOADED['code_version']})") in text
+    assert "stated before this run" in text
     assert "| ‖V‖/‖K‖ | -0.022 (-0.028, -0.015) | +0.120 (+0.115, +0.124) | +0.192 (+0.177, +0.206) |" in text
     assert text.count("| worse |") == 9
