@@ -165,7 +165,7 @@ def headline(table: list[dict], accuracy: list[dict], unit: str = "req/s") -> li
     lines = ["## Verdict", "",
              "Against full cache with prefix caching in the same trial and rate; accuracy non-inferior means within "
              f"{ACCURACY_MARGIN:g} points (0-100) of full cache's, and the target is {TARGET:g}x full cache's goodput "
-             "at such an accuracy, both stated before the run.", ""]
+             "at such an accuracy, both stated before the run. " + ratio_design(accuracy), ""]
     reached = []
     for name in dict.fromkeys(line["configuration"] for line in table if line["configuration"] != "full"):
         word = words.get(name)
@@ -173,8 +173,8 @@ def headline(table: list[dict], accuracy: list[dict], unit: str = "req/s") -> li
         if word is not None and word != "no verdict":
             word += f" ({'within' if ok else 'not shown within'} the {ACCURACY_MARGIN:g}-point margin)"
         lines.append(f"* {name}: accuracy {word or 'not scored'}; goodput and output tok/s against full cache's "
-                     "at " + "; ".join(f"{line['rate']:g} {unit} {ratio_text(line, 'request_goodput')} and "
-                                      f"{ratio_text(line, 'output_tok_s')}"
+                     "at " + "; ".join(f"{line['rate']:g} {unit} {judged(line, 'request_goodput')} and "
+                                      f"{judged(line, 'output_tok_s')}"
                                       for line in table if line["configuration"] == name) + ".")
         hits = [line["rate"] for line in table if line["configuration"] == name
                 and line.get("request_goodput_low") is not None and line["request_goodput_low"] >= TARGET]
@@ -310,13 +310,61 @@ def number(value, digits: int = 2, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+# which way each ratio to full cache is better, for the words better and worse
+HIGHER_IS_BETTER = {"output_tok_s": True, "request_goodput": True, "median_ttft_ms": False, "median_tpot_ms": False}
+
+
+def ratio_word(line: dict, key: str) -> str:
+    """A configuration's ratio to full cache in one word (issue 65): ``ratio_verdict`` at
+    ``THROUGHPUT_MARGIN``, as every throughput summary and RESULTS.md give theirs, from its 95%
+    t-interval over trials; no interval (one trial, or a 0 in a trial): no verdict."""
+    from harness.analysis.studies import THROUGHPUT_MARGIN
+    from harness.analysis.verdicts import NO_VERDICT, ratio_verdict
+
+    estimate, low, high = line.get(f"{key}_ratio"), line.get(f"{key}_low"), line.get(f"{key}_high")
+    if estimate is None or low is None or high is None:
+        return NO_VERDICT
+    return ratio_verdict(estimate, low, high, THROUGHPUT_MARGIN, HIGHER_IS_BETTER[key])
+
+
+def judged(line: dict, key: str) -> str:
+    """``ratio_text`` with its word after it (full cache, the reference, has none)."""
+    text = ratio_text(line, key)
+    return text if line["configuration"] == "full" else f"{text} {ratio_word(line, key)}"
+
+
+def ratio_design(accuracy: list[dict]) -> str:
+    """What the ratios' words rest on, and, for a workload whose answers are not scored, that it
+    enters no accuracy verdict (issue 65: every summary states its smallest attainable p)."""
+    from harness.analysis.studies import THROUGHPUT_MARGIN
+
+    floor, ceiling = 1 - THROUGHPUT_MARGIN, 1 / (1 - THROUGHPUT_MARGIN)
+    return ((f"Each ratio's word (`harness.analysis.verdicts.ratio_verdict`, as in every throughput summary) is at a "
+             f"margin of {THROUGHPUT_MARGIN:.0%} (`harness.analysis.studies.THROUGHPUT_MARGIN`, stated before the run): "
+             "`better`/`worse` where its 95% t-interval over trials excludes 1 (higher goodput and output tok/s, lower "
+             f"TTFT and TPOT are better), `equivalent` inside ({floor:g}x, {ceiling:.3g}x), `non-inferior` where its "
+             "worse-side bound is, else `inconclusive`; unadjusted over the table's ratios. The t-test's p has no floor "
+             "above 0, so two or more trials can decide; one trial, or a 0 in a trial, gives `no verdict`.")
+            + ("" if accuracy else " Accuracy: not scored (this workload's requests have no reference answers), so "
+               "no accuracy verdict and no smallest p for one."))
+
+
 def ratio_text(line: dict, key: str) -> str:
     estimate, low, high = line.get(f"{key}_ratio"), line.get(f"{key}_low"), line.get(f"{key}_high")
     if line["configuration"] == "full":
         return "1.00x"
     if estimate is None:
         return "undecided (0 in a trial)"
-    return f"{estimate:.2f}x" + ("" if low is None else f" ({low:.2f}-{high:.2f})")
+    return f"{estimate:.2f}x" + ("" if low is None else f" ({ratio_bound(low)}-{ratio_bound(high)})")
+
+
+def ratio_bound(bound: float) -> str:
+    """A ratio's bound in two decimals, or as many more as it takes to show its side of 1 (a bound of
+    1.003 printed 1.00 would read as an interval touching 1 beside the word better)."""
+    digits = 2
+    while bound != 1 and round(bound, digits) == 1 and digits < 6:
+        digits += 1
+    return f"{bound:.{digits}f}"
 
 
 def usable_blocks(settings: dict) -> int:
@@ -387,10 +435,10 @@ def markdown(table: list[dict], accuracy: list[dict], settings: dict, alone: lis
     for line in table:
         lines.append(
             f"| {line['rate']:g} | {line['configuration']} | {line['completed']}/{line['failed']} | "
-            f"{number(line['output_tok_s'], 1)} | {ratio_text(line, 'output_tok_s')} | "
-            f"{number(line['request_goodput'], 3)} | {ratio_text(line, 'request_goodput')} | "
-            f"{number(line['median_ttft_ms'], 0)} | {ratio_text(line, 'median_ttft_ms')} | "
-            f"{number(line['median_tpot_ms'], 1)} | {ratio_text(line, 'median_tpot_ms')} | "
+            f"{number(line['output_tok_s'], 1)} | {judged(line, 'output_tok_s')} | "
+            f"{number(line['request_goodput'], 3)} | {judged(line, 'request_goodput')} | "
+            f"{number(line['median_ttft_ms'], 0)} | {judged(line, 'median_ttft_ms')} | "
+            f"{number(line['median_tpot_ms'], 1)} | {judged(line, 'median_tpot_ms')} | "
             f"{number(line['kv_usage_mean'])}/{number(line['kv_usage_peak'])} | {number(line['accuracy'], 1)} |")
     if accuracy:
         from harness.analysis.stats import smallest_p

@@ -150,7 +150,7 @@ def test_the_headline_names_what_reaches_the_target_at_acceptable_accuracy():
     text = "\n".join(headline(table, accuracy))
     assert "Reached by: paged context (at 2, 1 req/s)" in text
     assert "* streaming context: accuracy worse (not shown within the 5-point margin); goodput and output tok/s " \
-           "against full cache's at 2 req/s 1.50x (1.35-1.70) and 1.40x (1.30-1.50)." in text
+           "against full cache's at 2 req/s 1.50x (1.35-1.70) better and 1.40x (1.30-1.50) better." in text
     accuracy[1].update(verdict="inconclusive", non_inferior=False)
     assert f"No configuration reaches {TARGET:g}x" in "\n".join(headline(table, accuracy))
 
@@ -439,3 +439,24 @@ def test_a_verify_replay_is_compared_with_the_committed_texts_sent_alone(tmp_pat
     assert [(c["equal"], c["parted_at_char"], c["against"]) for c in checked] == [
         (True, None, "alone"), (False, 2, "alone"), (False, 0, "under load")]
     assert parted_at("abc", "abc") is None and parted_at("abc", "abd") == 2 and parted_at("ab", "abc") == 2
+
+
+def test_every_ratio_to_full_cache_carries_its_word_and_a_bound_shows_its_side_of_one():
+    """Issue 65: a served ratio gets the word every throughput summary gives (``ratio_verdict`` at
+    5%, lower is better for TTFT and TPOT, no verdict without an interval); a bound of 1.003 prints
+    as 1.003, not 1.00 beside better; a workload with no scored answers says it enters no
+    accuracy verdict and states what its ratios' test can reach."""
+    from harness.serving.summary import judged, ratio_bound, ratio_design, ratio_word
+
+    line = {"configuration": "paged context", "output_tok_s_ratio": 1.06, "output_tok_s_low": 1.003,
+            "output_tok_s_high": 1.12, "median_ttft_ms_ratio": 1.06, "median_ttft_ms_low": 1.003,
+            "median_ttft_ms_high": 1.12, "request_goodput_ratio": 1.0, "request_goodput_low": 0.97,
+            "request_goodput_high": 1.04, "median_tpot_ms_ratio": 0.9, "median_tpot_ms_low": None,
+            "median_tpot_ms_high": None}
+    assert [ratio_word(line, key) for key in ("output_tok_s", "median_ttft_ms", "request_goodput", "median_tpot_ms")] \
+        == ["better", "worse", "equivalent", "no verdict"]
+    assert judged(line, "output_tok_s") == "1.06x (1.003-1.12) better"
+    assert judged({**line, "configuration": "full"}, "output_tok_s") == "1.00x"
+    assert ratio_bound(0.9996) == "0.9996" and ratio_bound(1.0) == "1.00" and ratio_bound(1.26) == "1.26"
+    assert "no accuracy verdict" in ratio_design([]) and "no accuracy verdict" not in ratio_design([{"verdict": "worse"}])
+    assert "no floor above 0" in ratio_design([])
