@@ -23,8 +23,9 @@ commit for results older than it): a table is comparable with another only at on
 and the last section says how many there are. ``tests/experiments/test_claims.py`` checks that
 the committed RESULTS.md is this module's output and that every number ``docs/results.md`` (its Results section) and
 ``results/FINDINGS.md`` quote appears here, beside the comparison it belongs to, taken the way
-round its sentence says (``direction``), and that every "N of M decided" count is of the
-comparisons its sentence describes (``miscounted``).
+round its sentence says (``direction``), that every "N of M decided" count is of the
+comparisons its sentence describes (``miscounted``), and that a code version or a count of trials
+named in prose is one of the results its paragraph names (``misdated``).
 """
 from __future__ import annotations
 
@@ -887,6 +888,77 @@ def unbacked_claims(text: str, root: Path = ROOT) -> list[str]:
     return found
 
 
+# Provenance named in prose (issue 65: FINDINGS named code versions and a trial count that were not
+# those of the cells): a code version must be one the named results record, a count of trials one of
+# theirs.
+_CODE_NAMED = re.compile(r"\bcode(?: version)? ([0-9a-f]{12})\b")
+_TRIALS_NAMED = re.compile(r"\b(two|three|four|five|six|seven|eight|nine|ten|\d+) trials\b", re.IGNORECASE)
+_NUMBER_WORDS = {word: n for n, word in enumerate(
+    ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"))}
+_RECORDED_VERSION = re.compile(r"code_version\"?:\s*\"?([0-9a-f]{12})")
+
+
+def named_folder(name: str, root: Path) -> Path | None:
+    """The results folder a name in prose points at (a summary's folder for a file), if it exists."""
+    path = root / name
+    folder = path if path.is_dir() else path.parent
+    return folder if folder.is_dir() and folder != root / RESULTS else None
+
+
+def recorded_versions(folder: Path) -> set[str]:
+    """Every code version a results folder's records name: its cells' config.yaml and cell records,
+    its run and provenance records, verified.json (files of a megabyte or more are outputs, not records)."""
+    found = set()
+    for path in folder.rglob("*"):
+        if path.suffix in (".json", ".yaml") and path.is_file() and path.stat().st_size < 2**20:
+            found.update(_RECORDED_VERSION.findall(path.read_text(errors="ignore")))
+    return found
+
+
+def trials_of(folder: Path) -> int | None:
+    """How many trials a throughput setting or a serving sweep ran (None where a folder has no trials)."""
+    if (folder / "cells").is_dir():
+        numbers = [int(m.group(1)) for cell in (folder / "cells").glob("*.json")
+                   for m in [re.search(r"__trial-(\d+)\.json$", cell.name)] if m]
+        return max(numbers, default=1)
+    settings = folder / "settings.json"
+    if settings.is_file():
+        import json
+
+        return json.loads(settings.read_text()).get("trials")
+    return None
+
+
+def misdated(text: str, root: Path = ROOT) -> list[str]:
+    """Sentences naming a code version that none of the results their paragraph names records, or a
+    number of trials none of them ran (a sentence about an "earlier run" is about results no longer
+    committed, and is not checked)."""
+    found, heading, versions, trials = [], "", {}, {}
+    for paragraph in re.split(r"\n\s*\n", text):
+        if paragraph.lstrip().startswith("#"):
+            heading = paragraph
+        folders = {folder for name in _NAMED.findall(heading + "\n" + paragraph)
+                   for folder in [named_folder(name.rstrip(".,;:"), root)] if folder is not None}
+        if not folders:
+            continue
+        flat = " ".join(paragraph.split())
+        for sentence in _SENTENCE.split(flat):
+            if re.search(r"\b(?:earlier|previous) run\b", sentence):
+                continue  # a run the committed results replaced, said to be one
+            for version in _CODE_NAMED.findall(sentence):
+                known = set().union(*(versions.setdefault(f, recorded_versions(f)) for f in folders))
+                if known and version not in known:
+                    found.append(f"code version {version}, which no result its paragraph names records: "
+                                 f"{sentence.strip()[:100]!r}")
+            for count in _TRIALS_NAMED.findall(sentence):
+                ran = {t for f in folders for t in [trials.setdefault(f, trials_of(f))] if t}
+                number = _NUMBER_WORDS.get(count.lower(), None if not count.isdigit() else int(count))
+                if ran and number not in ran:
+                    found.append(f"{count} trials, where the results its paragraph names ran "
+                                 f"{' or '.join(map(str, sorted(ran)))}: {sentence.strip()[:100]!r}")
+    return found
+
+
 def check_documents(root: Path = ROOT) -> list[str]:
     """What ``CHECKED_DOCUMENTS`` quote that no summary backs (``unsupported``) or that sits beside
     the wrong comparison (``misattributed``), the accuracy summaries read once for all of them."""
@@ -900,6 +972,7 @@ def check_documents(root: Path = ROOT) -> list[str]:
     for name, heading in WORDED_DOCUMENTS.items():
         text = section((root / name).read_text(), heading)
         problems += [f"{name}: {line}" for line in unbacked_claims(text, root)]
+        problems += [f"{name}: {line}" for line in misdated(text, root)]
     return problems
 
 
@@ -920,7 +993,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{OUT} matches the summaries; every number {', '.join(CHECKED_DOCUMENTS)} quote is in one, "
               "every interval beside the comparison it belongs to and taken its sentence's way round, every count "
-              "of decided comparisons of the ones it describes")
+              "of decided comparisons of the ones it describes, every code version and count of trials named one "
+              "of the results its paragraph names")
         return 0
     atomic_write_text(target, text)
     print(f"wrote {OUT}")

@@ -32,6 +32,24 @@ def test_each_planted_statement_is_caught(planted):
     assert report.unbacked_claims(planted, ROOT), planted
 
 
+CPU = "## Throughput (`results/throughput/cpu/summary.md`)\n\n"
+
+
+@pytest.mark.parametrize("planted", [
+    # provenance that is not the cells' (issue 65: FINDINGS named code versions and a trial count that
+    # were not those of the cells)
+    CPU + "Where memory binds, four trials at code 0123456789ab give PagedEviction 1.82 (1.74, 1.91).",
+    CPU + "Where memory binds, three trials at code 645facb5daaf give PagedEviction 1.82 (1.74, 1.91).",
+])
+def test_provenance_that_is_not_the_cells_is_caught(planted):
+    assert report.misdated(planted, ROOT), planted
+
+
+def test_the_cells_own_provenance_passes():
+    assert report.misdated(CPU + "Where memory binds, four trials at code 645facb5daaf give PagedEviction 1.82 "
+                                 "(1.74, 1.91). The earlier run of this setting, three trials, read less.", ROOT) == []
+
+
 @pytest.mark.parametrize("worded", [
     RULER + "KVzip minus PagedEviction is +0.74 (-5.95, +7.40): inconclusive at the 5-point margin, neither decided "
             "nor shown alike.",
