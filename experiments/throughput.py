@@ -49,7 +49,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harness.analysis.studies import refuse_uncommitted  # noqa: E402
-from harness.records.results import TRIAL_MARK  # noqa: E402
 from harness.analysis.verdicts import ratio_word, trials_verdict  # noqa: E402
 from harness.bench.replay import EXACT, compared_runs  # noqa: E402
 from harness.bench.throughput import (Cell, Setting, Workload, design_lines, median_of, read_cells,  # noqa: E402
@@ -326,7 +325,7 @@ class PrefillCell:
 
     @property
     def slug(self) -> str:
-        return self.name.replace(" #", TRIAL_MARK).replace(" ", "_")
+        return self.name.replace(" #", "__trial-").replace(" ", "_")
 
 
 @dataclass(frozen=True)

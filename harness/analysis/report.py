@@ -918,9 +918,9 @@ def recorded_versions(folder: Path) -> set[str]:
 def trials_of(folder: Path) -> int | None:
     """How many trials a throughput setting or a serving sweep ran (None where a folder has no trials)."""
     if (folder / "cells").is_dir():
-        from harness.records.results import trial_in_name
-
-        return max((trial_in_name(cell.stem) for cell in (folder / "cells").glob("*.json")), default=1)
+        numbers = [int(m.group(1)) for cell in (folder / "cells").glob("*.json")
+                   for m in [re.search(r"__trial-(\d+)\.json$", cell.name)] if m]
+        return max(numbers, default=1)
     settings = folder / "settings.json"
     if settings.is_file():
         import json
@@ -946,16 +946,12 @@ def misdated(text: str, root: Path = ROOT) -> list[str]:
             if re.search(r"\b(?:earlier|previous) run\b", sentence):
                 continue  # a run the committed results replaced, said to be one
             for version in _CODE_NAMED.findall(sentence):
-                for f in folders - versions.keys():  # each folder walked once per document
-                    versions[f] = recorded_versions(f)
-                known = set().union(*(versions[f] for f in folders))
+                known = set().union(*(versions.setdefault(f, recorded_versions(f)) for f in folders))
                 if known and version not in known:
                     found.append(f"code version {version}, which no result its paragraph names records: "
                                  f"{sentence.strip()[:100]!r}")
             for count in _TRIALS_NAMED.findall(sentence):
-                for f in folders - trials.keys():
-                    trials[f] = trials_of(f)
-                ran = {trials[f] for f in folders if trials[f]}
+                ran = {t for f in folders for t in [trials.setdefault(f, trials_of(f))] if t}
                 number = _NUMBER_WORDS.get(count.lower(), None if not count.isdigit() else int(count))
                 if ran and number not in ran:
                     found.append(f"{count} trials, where the results its paragraph names ran "

@@ -26,7 +26,7 @@ import pandas as pd
 from harness.analysis.studies import THROUGHPUT_MARGIN
 from harness.analysis.verdicts import NO_VERDICT, ratio_word
 from harness.config.models import KVCacheGroup, ModelShape
-from harness.records.results import TRIAL_MARK, atomic_write_text
+from harness.records.results import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Cell:
 
     @property
     def slug(self) -> str:
-        return self.name.replace(" / ", "__").replace(" #", TRIAL_MARK).replace(" ", "-")
+        return self.name.replace(" / ", "__").replace(" #", "__trial-").replace(" ", "-")
 
 
 def cell_settings() -> tuple[str, ...]:

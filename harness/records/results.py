@@ -14,17 +14,6 @@ from typing import Any, Iterable
 
 RUN_FILES = ("config.yaml", "predictions.jsonl", "scores.json", "perf.json")
 
-# A repeated measurement's file name carries its trial after this mark (``<cell>__trial-2.json``; the
-# first trial has none). The throughput benches write it (harness/bench/throughput.py,
-# experiments/throughput.py) and the report reads it back (harness/analysis/report.py): one spelling.
-TRIAL_MARK = "__trial-"
-
-
-def trial_in_name(stem: str) -> int:
-    """The trial a cell's file name (without its suffix) records: 1 where it names none."""
-    head, mark, tail = stem.rpartition(TRIAL_MARK)
-    return int(tail) if mark and tail.isdigit() else 1
-
 
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")

@@ -243,19 +243,15 @@ def against_committed_alone(under_load: list[dict], committed: Path, replay: Pat
         path = folder / "runs" / f"{alone_run_name(configuration)}.json"
         return json.loads(path.read_text())["generated_texts"] if path.is_file() else None
 
-    # Each configuration's two lists read once: its n-th entry is its n-th text in both.
-    pairs = {}
-    for configuration in dict.fromkeys(entry["configuration"] for entry in under_load):
-        then = texts(committed, configuration)
-        pairs[configuration] = iter(zip(texts(replay, configuration), then)) if then is not None else None
-    checked = []
+    checked, position = [], {}
     for entry in under_load:
-        texts_of = pairs[entry["configuration"]]
-        if texts_of is None:
+        configuration = entry["configuration"]
+        index = position[configuration] = position.get(configuration, -1) + 1
+        then = texts(committed, configuration)
+        if then is None:
             checked.append({**entry, "against": "under load"})
             continue
-        now, then = next(texts_of)
-        parted = parted_at(now, then)
+        parted = parted_at(texts(replay, configuration)[index], then[index])
         checked.append({**entry, "equal": parted is None, "parted_at_char": parted, "against": "alone"})
     return checked
 

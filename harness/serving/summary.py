@@ -315,16 +315,16 @@ HIGHER_IS_BETTER = {"output_tok_s": True, "request_goodput": True, "median_ttft_
 
 
 def ratio_word(line: dict, key: str) -> str:
-    """A configuration's ratio to full cache in one word (issue 65): ``harness.analysis.verdicts.ratio_word``
-    (``ratio_verdict`` at ``THROUGHPUT_MARGIN``), the one function every throughput summary and RESULTS.md
-    give theirs by, on its 95% t-interval over trials; no interval (one trial, or a 0 in a trial): no verdict."""
-    from harness.analysis import verdicts
-    from harness.analysis.stats import Interval
+    """A configuration's ratio to full cache in one word (issue 65): ``ratio_verdict`` at
+    ``THROUGHPUT_MARGIN``, as every throughput summary and RESULTS.md give theirs, from its 95%
+    t-interval over trials; no interval (one trial, or a 0 in a trial): no verdict."""
+    from harness.analysis.studies import THROUGHPUT_MARGIN
+    from harness.analysis.verdicts import NO_VERDICT, ratio_verdict
 
     estimate, low, high = line.get(f"{key}_ratio"), line.get(f"{key}_low"), line.get(f"{key}_high")
     if estimate is None or low is None or high is None:
-        return verdicts.NO_VERDICT
-    return verdicts.ratio_word(Interval(estimate, low, high, line.get("trials", 0)), HIGHER_IS_BETTER[key])
+        return NO_VERDICT
+    return ratio_verdict(estimate, low, high, THROUGHPUT_MARGIN, HIGHER_IS_BETTER[key])
 
 
 def judged(line: dict, key: str) -> str:

@@ -265,17 +265,6 @@ def test_the_trials_line_reads_the_cells_not_the_description():
     assert "the rest once" not in experiment.SETTINGS["attention"].purpose
 
 
-def test_a_cells_file_name_gives_back_its_trial():
-    """The benches write a repeated cell's trial into its file name and the report reads it back
-    (``harness.analysis.report.trials_of``): one mark, one parser, for both benches' cells."""
-    from harness.records.results import trial_in_name
-
-    for trial in (1, 2, 11):
-        assert trial_in_name(Cell("paged", 256, "fixed", trial=trial, layer_groups=3).slug) == trial
-        assert trial_in_name(experiment.PrefillCell("kvzip", 0.5, trial=trial).slug) == trial
-    assert trial_in_name("full__unlimited-pool") == 1 and trial_in_name("odd__trial-x") == 1
-
-
 def fake_cell(setting, cell, tok_s: float) -> dict:
     """A stored cell as run_setting writes it, with the fields the report reads."""
     from dataclasses import asdict
